@@ -1,0 +1,3 @@
+from mlxcel.cli import entry
+
+entry()

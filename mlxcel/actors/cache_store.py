@@ -1,0 +1,114 @@
+"""The cache-store actor: owns the prompt-prefix store and answers for it.
+
+The store itself is pure logic (``mlxcel.cache.store``); this actor gives it a
+clock, serialises access through one inbox, and reports metric events. The
+payloads it holds are opaque handles that only the device actor opens.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import attrs
+import trio
+
+from mlxcel.actors.messages import (
+    CacheLookedUp,
+    CacheStoreChanged,
+    CacheStoreMsg,
+    DonateSequence,
+    GetCacheStats,
+    LookupPrefix,
+    MetricsMsg,
+    PrefixFound,
+    PrefixMissing,
+    ResetCache,
+)
+from mlxcel.cache.store import PromptCacheStore
+
+logger = logging.getLogger(__name__)
+
+
+class CacheStoreActor:
+    def __init__(
+        self,
+        *,
+        store: PromptCacheStore | None,
+        inbox: trio.MemoryReceiveChannel[CacheStoreMsg],
+        to_metrics: trio.MemorySendChannel[MetricsMsg] | None = None,
+    ) -> None:
+        # None: the prompt cache is disabled; every lookup misses and donations are dropped.
+        self._store = store
+        self.inbox = inbox
+        self._to_metrics = to_metrics
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with self.inbox:
+            task_status.started()
+            async for message in self.inbox:
+                self._handle(message)
+
+    def statistics(self) -> dict[str, Any]:
+        if self._store is None:
+            return {"enabled": False, "entries": 0, "bytes": 0, "apc_enabled": False}
+        stats = attrs.asdict(self._store.stats(trio.current_time()))
+        stats["enabled"] = True
+        return stats
+
+    def _handle(self, message: CacheStoreMsg) -> None:
+        now = trio.current_time()
+        match message:
+            case LookupPrefix():
+                found = None
+                if self._store is not None:
+                    found = self._store.lookup(message.context, message.tokens, now, max_len=message.max_len)
+                    self._report_store_state()
+                reply: PrefixFound | PrefixMissing = PrefixMissing()
+                if found is not None:
+                    reply = PrefixFound(
+                        matched_len=found.matched_len,
+                        payload=found.payload,
+                        cross_session=found.cross_session,
+                        partial=found.partial,
+                    )
+                self._metric(CacheLookedUp(hit=found is not None, tokens_reused=found.matched_len if found else 0))
+                _reply(message.reply_to, reply)
+            case DonateSequence():
+                if self._store is None:
+                    return
+                outcome = self._store.insert(message.context, message.tokens, message.payload, message.nbytes, now)
+                if not outcome.stored:
+                    logger.debug("prompt-cache donation not stored (%s)", outcome.reason)
+                self._report_store_state()
+            case GetCacheStats():
+                _reply(message.reply_to, self.statistics())
+            case ResetCache():
+                freed = {"entries_freed": 0, "bytes_freed": 0}
+                if self._store is not None:
+                    outcome = self._store.reset()
+                    freed = {"entries_freed": outcome.entries_freed, "bytes_freed": outcome.bytes_freed}
+                    self._report_store_state()
+                _reply(message.reply_to, freed)
+
+    def _report_store_state(self) -> None:
+        if self._store is None:
+            return
+        stats = self._store.stats(trio.current_time())
+        self._metric(CacheStoreChanged(nbytes=stats.bytes, entries=stats.entries, evictions=dict(stats.evictions)))
+
+    def _metric(self, event: MetricsMsg) -> None:
+        if self._to_metrics is None:
+            return
+        try:
+            self._to_metrics.send_nowait(event)
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+
+def _reply(reply_to: trio.MemorySendChannel[Any], value: Any) -> None:
+    with reply_to:
+        try:
+            reply_to.send_nowait(value)
+        except trio.BrokenResourceError:
+            pass  # the asker went away

@@ -1,0 +1,280 @@
+"""The device actor: the only code that runs MLX.
+
+Every MLX call happens on one long-lived worker thread (MLX ties streams to
+the thread that made them). The thread loads the model, then loops on
+``trio.from_thread.run(inbox.receive)``; the Trio side never blocks on it.
+Batching, chunked prefill and per-sequence caches come from mlx-lm's
+``BatchGenerator``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from mlxcel.actors.messages import (
+    AdmitSequence,
+    DetachedSequence,
+    DeviceMsg,
+    RunStep,
+    SampledToken,
+    StepDone,
+)
+from mlxcel.model.family import ModelFamily
+from mlxcel.types import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.frozen(kw_only=True)
+class ModelInfo:
+    """What the rest of the engine needs to know of the loaded model (no arrays)."""
+
+    model_id: str
+    path: Path
+    config: dict[str, Any] = attrs.field(repr=False)
+    family: ModelFamily
+    tokenizer: Any = attrs.field(repr=False, eq=False)
+    chat_template: str = attrs.field(repr=False)
+    eos_token_ids: frozenset[int]
+    context_size: int
+
+
+@attrs.frozen(kw_only=True)
+class DeviceSettings:
+    model_path: Path
+    context_size: int | None = None
+    max_batch_size: int = 32
+    prefill_batch_size: int = 8
+    prefill_step_size: int = 2048
+    fail_step: int | None = None
+
+
+class DeviceActor:
+    def __init__(self, settings: DeviceSettings, inbox: trio.MemoryReceiveChannel[DeviceMsg]) -> None:
+        self._settings = settings
+        self.inbox = inbox
+        self._num_steps = 0
+
+    async def run(self, *, task_status: trio.TaskStatus[ModelInfo] = trio.TASK_STATUS_IGNORED) -> None:
+        with self.inbox:
+            await trio.to_thread.run_sync(
+                self._thread_main, task_status, abandon_on_cancel=False
+            )
+
+    def statistics(self) -> dict[str, int]:
+        return {"num_steps": self._num_steps}
+
+    # --- everything below runs on the device thread -------------------------
+
+    def _thread_main(self, task_status: trio.TaskStatus[ModelInfo]) -> None:
+        from mlxcel.model.loader import load_model
+
+        loaded = load_model(self._settings.model_path)
+        context_size = self._settings.context_size or loaded.family.context_size or 4096
+        worker = _StepWorker(loaded.model, loaded.eos_token_ids, self._settings)
+        info = ModelInfo(
+            model_id=loaded.model_id,
+            path=loaded.path,
+            config=loaded.config,
+            family=loaded.family,
+            tokenizer=loaded.tokenizer,
+            chat_template=loaded.chat_template,
+            eos_token_ids=frozenset(loaded.eos_token_ids),
+            context_size=context_size,
+        )
+        trio.from_thread.run_sync(task_status.started, info)
+        while True:
+            try:
+                message = trio.from_thread.run(self.inbox.receive)
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                return
+            match message:
+                case RunStep():
+                    done = worker.run_step(message)
+                    self._num_steps = done.step_number
+                    trio.from_thread.run_sync(_reply, message.reply_to, done)
+                case _:
+                    raise AssertionError(f"unexpected device message {message!r}")
+
+
+def _reply(reply_to: trio.MemorySendChannel[StepDone], done: StepDone) -> None:
+    with reply_to:
+        try:
+            reply_to.send_nowait(done)
+        except (trio.BrokenResourceError, trio.WouldBlock):
+            pass  # the scheduler went away (shutdown)
+
+
+@attrs.define
+class _Sequence:
+    sequence_id: int
+    sampling: SamplingParams
+    donate_on_finish: bool
+    prompt_done: bool = False
+
+
+class _StepWorker:
+    """Holds the BatchGenerator and the map between our sequence ids and its uids."""
+
+    def __init__(self, model: Any, eos_token_ids: frozenset[int] | set[int], settings: DeviceSettings) -> None:
+        from mlx_lm.generate import BatchGenerator
+
+        self._model = model
+        self._settings = settings
+        self._make_generator: Callable[[], Any] = lambda: BatchGenerator(
+            model,
+            stop_tokens=[[token] for token in sorted(eos_token_ids)],
+            completion_batch_size=settings.max_batch_size,
+            prefill_batch_size=settings.prefill_batch_size,
+            prefill_step_size=settings.prefill_step_size,
+        )
+        self._generator = self._make_generator()
+        self._by_uid: dict[int, _Sequence] = {}
+        self._uid_of: dict[int, int] = {}
+        self._step_number = 0
+
+    def run_step(self, step: RunStep) -> StepDone:
+        self._step_number += 1
+        detached: list[DetachedSequence] = []
+        try:
+            for removal in step.remove:
+                uid = self._uid_of.pop(removal.sequence_id, None)
+                if uid is None:
+                    continue
+                sequence = self._by_uid.pop(uid)
+                caches = self._generator.remove([uid], return_prompt_caches=removal.donate)
+                if removal.donate and uid in caches:
+                    cache_list, tokens = caches[uid]
+                    item = _detach(sequence.sequence_id, cache_list, tokens)
+                    if item is not None:
+                        detached.append(item)
+            for admission in step.admit:
+                self._admit(admission)
+            if self._settings.fail_step == self._step_number:
+                raise RuntimeError(f"injected fault at step {self._step_number}")
+            if not self._by_uid:
+                return StepDone(step_number=self._step_number, detached=tuple(detached))
+            with self._generator.stats() as stats:
+                prompt_responses, generation_responses = self._generator.next()
+        except Exception as error:  # noqa: BLE001 - reported to every sequence in the batch
+            logger.exception("device step %d failed", self._step_number)
+            failed = tuple(sequence.sequence_id for sequence in self._by_uid.values())
+            self._generator = self._make_generator()
+            self._by_uid.clear()
+            self._uid_of.clear()
+            return StepDone(
+                step_number=self._step_number,
+                error=f"{type(error).__name__}: {error}",
+                failed_sequences=failed,
+                detached=tuple(detached),
+            )
+
+        sampled = []
+        for response in generation_responses:
+            sequence = self._by_uid.get(response.uid)
+            if sequence is None:
+                continue
+            sampled.append(_sampled_token(sequence, response))
+            if response.finish_reason is not None:
+                del self._by_uid[response.uid]
+                del self._uid_of[sequence.sequence_id]
+                if sequence.donate_on_finish and response.prompt_cache is not None:
+                    item = _detach(sequence.sequence_id, response.prompt_cache, response.all_tokens)
+                    if item is not None:
+                        detached.append(item)
+        prefilling = tuple(
+            self._by_uid[response.uid].sequence_id
+            for response in prompt_responses
+            if not response.end_of_prompt and response.uid in self._by_uid
+        )
+        return StepDone(
+            step_number=self._step_number,
+            sampled=tuple(sampled),
+            detached=tuple(detached),
+            decode_batch_size=len(generation_responses),
+            prefill_tokens=stats.prompt_tokens,
+            prefilling=prefilling,
+        )
+
+    def _admit(self, admission: AdmitSequence) -> None:
+        from mlxcel.model.kv import adopt
+
+        caches = None
+        if admission.adopted is not None:
+            caches = adopt(admission.adopted, len(admission.cached_tokens))
+        (uid,) = self._generator.insert(
+            [list(admission.prompt_tokens)],
+            max_tokens=[admission.max_tokens],
+            caches=[caches],
+            all_tokens=[list(admission.cached_tokens)],
+            samplers=[_make_sampler(admission.sampling)],
+        )
+        self._by_uid[uid] = _Sequence(
+            sequence_id=admission.sequence_id,
+            sampling=admission.sampling,
+            donate_on_finish=admission.donate_on_finish,
+        )
+        self._uid_of[admission.sequence_id] = uid
+
+
+def _detach(sequence_id: int, caches: Any, tokens: Any) -> DetachedSequence | None:
+    from mlxcel.model.kv import detach
+
+    token_tuple = tuple(int(token) for token in tokens)
+    payload = detach(caches, len(token_tuple))
+    if payload is None:
+        return None
+    return DetachedSequence(
+        sequence_id=sequence_id, tokens=token_tuple, payload=payload, nbytes=payload.nbytes
+    )
+
+
+def _sampled_token(sequence: _Sequence, response: Any) -> SampledToken:
+    import mlx.core as mx
+
+    logprobs = response.logprobs
+    top: tuple[tuple[int, float], ...] = ()
+    if sequence.sampling.top_logprobs > 0:
+        count = sequence.sampling.top_logprobs
+        indices = mx.argpartition(-logprobs, count - 1)[:count]
+        values = logprobs[indices]
+        order = mx.argsort(-values)
+        top = tuple(
+            zip(indices[order].tolist(), values[order].tolist(), strict=True)
+        )
+    return SampledToken(
+        sequence_id=sequence.sequence_id,
+        token=int(response.token),
+        logprob=float(logprobs[response.token].item()),
+        top_logprobs=top,
+        finish_reason=response.finish_reason,
+    )
+
+
+def _make_sampler(sampling: SamplingParams) -> Callable[[Any], Any] | None:
+    """None means greedy: the generator's shared sampler, so the batch samples in one call."""
+    import mlx.core as mx
+    from mlx_lm.sample_utils import apply_top_p
+
+    if sampling.temperature == 0:
+        return None
+    temperature = sampling.temperature
+    top_p = sampling.top_p
+    key_state = [mx.random.key(sampling.seed)] if sampling.seed is not None else None
+
+    def sample(logprobs: Any) -> Any:
+        if 0 < top_p < 1.0:
+            logprobs = apply_top_p(logprobs, top_p)
+        logits = logprobs * (1 / temperature)
+        if key_state is None:
+            return mx.random.categorical(logits)
+        key_state[0], subkey = mx.random.split(key_state[0])
+        return mx.random.categorical(logits, key=subkey)
+
+    return sample

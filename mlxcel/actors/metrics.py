@@ -1,0 +1,80 @@
+"""The metrics actor: turns metric events into Prometheus series.
+
+It owns its own ``CollectorRegistry`` (no process globals), so two engines in
+one process, or one per test, never collide.
+"""
+
+from __future__ import annotations
+
+import trio
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from mlxcel.actors.messages import (
+    CacheLookedUp,
+    CacheStoreChanged,
+    MetricsMsg,
+    RenderMetrics,
+    RequestFinished,
+)
+
+EVICTION_REASONS = ("lru", "ttl", "capacity")
+
+
+class MetricsActor:
+    def __init__(self, *, inbox: trio.MemoryReceiveChannel[MetricsMsg]) -> None:
+        self.inbox = inbox
+        self.registry = CollectorRegistry()
+        self._hits = Counter("mlxcel_prompt_cache_hits", "Successful prompt-cache adoptions", registry=self.registry)
+        self._misses = Counter("mlxcel_prompt_cache_misses", "Prompt-cache lookups with no match", registry=self.registry)
+        self._tokens_reused = Counter(
+            "mlxcel_prompt_cache_prefix_tokens_reused", "Prefix tokens reused across all hits", registry=self.registry
+        )
+        self._evictions = Counter(
+            "mlxcel_prompt_cache_evictions", "Prompt-cache evictions by reason", ["reason"], registry=self.registry
+        )
+        for reason in EVICTION_REASONS:
+            self._evictions.labels(reason=reason)
+        self._bytes = Gauge("mlxcel_prompt_cache_bytes", "Bytes held by live prompt-cache entries", registry=self.registry)
+        self._entries = Gauge("mlxcel_prompt_cache_entries", "Live prompt-cache entries", registry=self.registry)
+        self._requests = Counter(
+            "mlxcel_requests", "Finished requests by finish reason", ["finish_reason"], registry=self.registry
+        )
+        self._ttft = Histogram(
+            "mlxcel_time_to_first_token_seconds", "Time from admission to the first token", registry=self.registry
+        )
+        self._seen_evictions: dict[str, int] = {}
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with self.inbox:
+            task_status.started()
+            async for message in self.inbox:
+                self._handle(message)
+
+    def _handle(self, message: MetricsMsg) -> None:
+        match message:
+            case CacheLookedUp(hit=True, tokens_reused=tokens):
+                self._hits.inc()
+                self._tokens_reused.inc(tokens)
+            case CacheLookedUp(hit=False):
+                self._misses.inc()
+            case CacheStoreChanged():
+                self._bytes.set(message.nbytes)
+                self._entries.set(message.entries)
+                for reason, total in message.evictions.items():
+                    grown = total - self._seen_evictions.get(reason, 0)
+                    if grown > 0:
+                        # "superseded" entries became aliases; they were not pushed out.
+                        label = reason if reason in EVICTION_REASONS else None
+                        if label is not None:
+                            self._evictions.labels(reason=label).inc(grown)
+                    self._seen_evictions[reason] = total
+            case RequestFinished():
+                self._requests.labels(finish_reason=message.finish_reason).inc()
+                if message.seconds_to_first_token is not None:
+                    self._ttft.observe(message.seconds_to_first_token)
+            case RenderMetrics():
+                with message.reply_to:
+                    try:
+                        message.reply_to.send_nowait(generate_latest(self.registry))
+                    except trio.BrokenResourceError:
+                        pass

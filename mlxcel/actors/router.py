@@ -1,0 +1,154 @@
+"""The router actor: from a validated API request to token ids and a cache context.
+
+It renders the chat template, tokenizes (in a worker thread: tokenizers are
+pure CPU work that releases the GIL, and the model's MLX state is not
+touched), checks the context size, resolves the cache context, and submits
+the request to the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import trio
+
+from mlxcel.actors.device import ModelInfo
+from mlxcel.actors.messages import RequestFailed, RouteRequest, SubmitRequest
+from mlxcel.cache.key import CacheContext, effective_tool_choice, rope_regime_for, template_signature
+from mlxcel.types import ChatRequest, CompletionRequest, InvalidRequest, ServerBusy
+
+logger = logging.getLogger(__name__)
+
+# The template signature of raw-text prompts, which bypass the chat template.
+RAW_PROMPT_TEMPLATE = "mlxcel:raw-prompt"
+
+
+@attrs.frozen(kw_only=True)
+class RenderedPrompt:
+    tokens: tuple[int, ...] = attrs.field(repr=False)
+    template_sig: str
+
+
+class PromptRenderer:
+    """Chat rendering and tokenization; plain code, shared by the router and tests."""
+
+    def __init__(self, model: ModelInfo, *, default_template_kwargs: Mapping[str, Any], cache_enabled: bool) -> None:
+        self._model = model
+        self._default_template_kwargs = dict(default_template_kwargs)
+        # A template that can drop earlier reasoning would re-render history
+        # differently each turn; keeping it makes the prefix stable.
+        if cache_enabled and "preserve_thinking" in model.chat_template:
+            self._default_template_kwargs.setdefault("preserve_thinking", True)
+
+    def render(self, request: ChatRequest | CompletionRequest) -> RenderedPrompt:
+        tokenizer = self._model.tokenizer
+        if isinstance(request, CompletionRequest):
+            if isinstance(request.prompt, str):
+                tokens = tuple(tokenizer.encode(request.prompt))
+            else:
+                tokens = request.prompt
+            return RenderedPrompt(tokens=tokens, template_sig=template_signature(RAW_PROMPT_TEMPLATE, {}, "none", None))
+        kwargs = {**self._default_template_kwargs, **request.chat_template_kwargs}
+        tools = list(request.tools) if request.tools else None
+        try:
+            text = tokenizer.apply_chat_template(
+                [dict(message) for message in request.messages],
+                tools=tools,
+                add_generation_prompt=True,
+                tokenize=False,
+                **kwargs,
+            )
+        except Exception as error:  # noqa: BLE001 - a template error is the request's fault
+            raise InvalidRequest(
+                f"the chat template could not render these messages: {error}", param="messages"
+            ) from None
+        tokens = tuple(tokenizer.encode(text, add_special_tokens=False))
+        template_sig = template_signature(
+            self._model.chat_template,
+            kwargs,
+            effective_tool_choice(request.tool_choice, tools),
+            tools,
+        )
+        return RenderedPrompt(tokens=tokens, template_sig=template_sig)
+
+
+class RouterActor:
+    def __init__(
+        self,
+        *,
+        model: ModelInfo,
+        renderer: PromptRenderer,
+        cache_enabled: bool,
+        inbox: trio.MemoryReceiveChannel[RouteRequest],
+        to_scheduler: trio.MemorySendChannel[Any],
+    ) -> None:
+        self._model = model
+        self._renderer = renderer
+        self._cache_enabled = cache_enabled
+        self.inbox = inbox
+        self._to_scheduler = to_scheduler
+        self._num_routed = 0
+        self._num_rejected = 0
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with self.inbox, self._to_scheduler:
+            task_status.started()
+            async for message in self.inbox:
+                await self._route(message)
+
+    def statistics(self) -> dict[str, int]:
+        return {"num_routed": self._num_routed, "num_rejected": self._num_rejected}
+
+    async def _route(self, message: RouteRequest) -> None:
+        try:
+            rendered = await trio.to_thread.run_sync(self._renderer.render, message.request)
+            submit = self._submission(message, rendered)
+            self._to_scheduler.send_nowait(submit)
+            self._num_routed += 1
+        except trio.WouldBlock:
+            self._reject(message, ServerBusy("the scheduler queue is full; retry shortly"))
+        except InvalidRequest as error:
+            self._reject(message, error)
+
+    def _reject(self, message: RouteRequest, error: InvalidRequest) -> None:
+        self._num_rejected += 1
+        with message.events:
+            try:
+                message.events.send_nowait(RequestFailed(error=error))
+            except (trio.BrokenResourceError, trio.WouldBlock):
+                pass
+
+    def _submission(self, message: RouteRequest, rendered: RenderedPrompt) -> SubmitRequest:
+        request = message.request
+        context_size = self._model.context_size
+        num_prompt = len(rendered.tokens)
+        if num_prompt == 0:
+            raise InvalidRequest("the prompt is empty after tokenization", param="prompt")
+        if num_prompt >= context_size:
+            raise InvalidRequest(
+                f"the prompt is {num_prompt} tokens, but this model's context size is {context_size}",
+                param="messages" if isinstance(request, ChatRequest) else "prompt",
+                code="context_length_exceeded",
+            )
+        room = context_size - num_prompt
+        max_tokens = room if request.sampling.max_tokens is None else min(request.sampling.max_tokens, room)
+        cache_context = None
+        if self._cache_enabled and request.cache.cache_prompt:
+            cache_context = CacheContext(
+                model_id=self._model.model_id,
+                template_sig=rendered.template_sig,
+                session_key=request.cache.session_key,
+                rope_regime=rope_regime_for(num_prompt, self._model.family.longrope_original_max_positions),
+                cache_salt=request.cache.cache_salt,
+            )
+        return SubmitRequest(
+            request_id=message.request_id,
+            prompt_tokens=rendered.tokens,
+            sampling=request.sampling,
+            max_tokens=max_tokens,
+            cache_context=cache_context,
+            events=message.events,
+        )

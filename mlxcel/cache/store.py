@@ -1,0 +1,545 @@
+"""The prompt-prefix store: LRU/TTL entries, two-tier lookup, APC chains.
+
+Synchronous and deterministic: time is passed in as `now` (monotonic
+seconds, never decreasing) and payloads are opaque objects handed back
+untouched.
+"""
+
+from __future__ import annotations
+
+import operator
+import struct
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from itertools import compress, repeat
+from typing import Literal
+
+import attrs
+
+from mlxcel.cache.apc import ALGORITHMS, BlockHasher, agreeing_blocks
+from mlxcel.cache.key import CacheContext, digest_packed, pack_tokens
+from mlxcel.cache.trie import RadixTrie, TrieWalk
+
+EvictionReason = Literal["lru", "ttl", "capacity", "superseded"]
+EVICTION_REASONS: tuple[EvictionReason, ...] = ("lru", "ttl", "capacity", "superseded")
+REFUSAL_REASONS = ("too_short", "too_large")
+# APC block cap when none is configured: this many blocks per allowed entry.
+DERIVED_BLOCKS_PER_ENTRY = 256
+
+_non_negative = attrs.validators.ge(0)
+
+
+@attrs.frozen(kw_only=True)
+class StoreLimits:
+    capacity_bytes: int = attrs.field(validator=_non_negative)
+    max_entries: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
+    ttl_seconds: float = attrs.field(default=3600.0, validator=_non_negative)
+    min_prefix: int = attrs.field(default=32, validator=_non_negative)
+
+
+@attrs.frozen(kw_only=True)
+class ApcSettings:
+    enabled: bool = True
+    block_size: int = attrs.field(default=16, validator=attrs.validators.ge(1))
+    num_blocks: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_non_negative)
+    )
+    algorithm: str = attrs.field(default="sha256", validator=attrs.validators.in_(ALGORITHMS))
+
+    def block_cap(self, max_entries: int) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        return max_entries * DERIVED_BLOCKS_PER_ENTRY
+
+
+@attrs.frozen(kw_only=True)
+class Match:
+    entry_id: bytes
+    payload: object = attrs.field(repr=False)
+    matched_len: int
+    entry_len: int
+    cross_session: bool
+    # The entry diverges from the request; the length came from APC blocks.
+    partial: bool
+
+
+@attrs.frozen(kw_only=True)
+class InsertOutcome:
+    stored: bool
+    entry_id: bytes | None = None
+    reason: str | None = None
+    evictions: tuple[tuple[EvictionReason, int], ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class ResetOutcome:
+    entries_freed: int
+    bytes_freed: int
+
+
+@attrs.frozen(kw_only=True)
+class StoreStats:
+    entries: int
+    bytes: int
+    capacity_bytes: int
+    max_entries: int
+    hits: int
+    misses: int
+    tokens_reused: int
+    evictions: Mapping[str, int]
+    inserts: int
+    refusals: int
+    duplicates: int
+    aliases: int
+    apc_enabled: bool
+    apc_block_cap: int
+    total_blocks_stored: int
+    unique_block_hashes: int
+    apc_active_entries: int
+
+
+@attrs.frozen(kw_only=True)
+class EntryInfo:
+    """A read-only view of one entry, for stats pages and tests."""
+
+    entry_id: bytes
+    context: CacheContext
+    tokens: tuple[int, ...] = attrs.field(repr=False)
+    nbytes: int
+    alias_of: bytes | None
+    num_blocks: int
+    last_used: float
+
+
+@attrs.define(eq=False)
+class _Entry:
+    entry_id: bytes
+    context: CacheContext
+    trie_key: tuple
+    num_tokens: int
+    payload: object
+    nbytes: int
+    last_used: float
+    # Owners keep their packed tokens and chain; an alias reads its owner's.
+    token_bytes: bytes | None
+    chain: list[bytes]
+    num_blocks: int
+    owner: _Entry | None = None
+    aliases: dict[bytes, _Entry] = attrs.Factory(dict)
+
+    def packed(self) -> bytes:
+        owner = self.owner or self
+        assert owner.token_bytes is not None
+        return owner.token_bytes[: 4 * self.num_tokens]
+
+
+@attrs.frozen
+class _Candidate:
+    entry_id: bytes
+    matched_len: int
+    partial: bool
+
+
+class _RequestChain:
+    """The request's block hashes, filled in only as far as a lookup needs them.
+
+    Where the trie has already found the request's packed tokens identical
+    to a stored entry's through some block, the request's hash of that block
+    is the entry's (same input bytes, same hash) and is copied, not
+    recomputed; blocks past that point are hashed from the request itself.
+    """
+
+    def __init__(self, hasher: BlockHasher, token_bytes: bytes, mm_digest: bytes) -> None:
+        self._hasher = hasher
+        self._token_bytes = token_bytes
+        self._mm_digest = mm_digest
+        self.hashes: list[bytes] = []
+
+    def up_to(self, num_blocks: int, donor: list[bytes], identical_blocks: int) -> list[bytes]:
+        hashes = self.hashes
+        known = min(identical_blocks, num_blocks, len(donor))
+        if len(hashes) < known:
+            hashes.extend(donor[len(hashes) : known])
+        if len(hashes) < num_blocks:
+            self.hashes = hashes = self._hasher.extend_packed(
+                hashes, self._token_bytes, self._mm_digest, num_blocks
+            )
+        return hashes
+
+
+class PromptCacheStore:
+    """Stored prompt prefixes with their opaque KV payloads."""
+
+    def __init__(self, limits: StoreLimits, apc: ApcSettings | None = None) -> None:
+        self.limits = limits
+        self.apc = apc if apc is not None else ApcSettings()
+        self._hasher = BlockHasher(algorithm=self.apc.algorithm, block_size=self.apc.block_size)
+        self._block_cap = self.apc.block_cap(limits.max_entries)
+        self._entries: dict[bytes, _Entry] = {}
+        # Least recently used first; the same order as last_used.
+        self._recency: OrderedDict[bytes, None] = OrderedDict()
+        self._owner_recency: OrderedDict[bytes, None] = OrderedDict()
+        self._tries: dict[tuple, RadixTrie] = {}
+        self._block_refs: dict[bytes, int] = {}
+        self._bytes = 0
+        self._total_blocks = 0
+        self._apc_active = 0
+        self._hits = 0
+        self._misses = 0
+        self._tokens_reused = 0
+        self._inserts = 0
+        self._refusals = 0
+        self._duplicates = 0
+        self._evictions = dict.fromkeys(EVICTION_REASONS, 0)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # Insertion
+
+    def insert(
+        self,
+        context: CacheContext,
+        tokens: Sequence[int],
+        payload: object,
+        nbytes: int,
+        now: float,
+    ) -> InsertOutcome:
+        """Store the KV payload of `tokens`; the store owns it if stored is True."""
+        if nbytes < 0:
+            raise ValueError("nbytes must not be negative")
+        evictions: list[tuple[EvictionReason, int]] = []
+        self._expire(now, evictions)
+        if len(tokens) < self.limits.min_prefix:
+            return self._refuse("too_short", evictions)
+        if nbytes > self.limits.capacity_bytes:
+            return self._refuse("too_large", evictions)
+
+        sequence = tuple(tokens)
+        trie_key = (context.bucket, context.rope_regime, context.mm_digest)
+        trie = self._tries.get(trie_key)
+        walk = trie.walk(sequence) if trie is not None else None
+        # The entry sharing the longest prefix lends its packed tokens and chain.
+        neighbor, common = None, 0
+        if walk is not None:
+            found = walk.longest_common()
+            if found is not None:
+                neighbor, common = self._entries[found[0]], found[1]
+        if neighbor is not None and common:
+            source = neighbor.owner or neighbor
+            token_bytes = source.token_bytes[: 4 * common] + pack_tokens(sequence[common:])
+        else:
+            token_bytes = pack_tokens(sequence)
+        entry_id = digest_packed(context, token_bytes)
+
+        existing = self._entries.get(entry_id)
+        if existing is not None:
+            self._touch(existing, now)
+            self._duplicates += 1
+            return InsertOutcome(
+                stored=False, entry_id=entry_id, reason="duplicate", evictions=tuple(evictions)
+            )
+
+        chain: list[bytes] = []
+        if self.apc.enabled:
+            reused: list[bytes] = []
+            if neighbor is not None:
+                neighbor_chain, neighbor_blocks = self._chain_of(neighbor)
+                reused = neighbor_chain[: min(common // self.apc.block_size, neighbor_blocks)]
+            chain = self._hasher.extend(reused, sequence, context.mm_digest, self._block_cap)
+
+        entry = _Entry(
+            entry_id=entry_id,
+            context=context,
+            trie_key=trie_key,
+            tokens=sequence,
+            payload=payload,
+            nbytes=nbytes,
+            last_used=now,
+            token_bytes=token_bytes,
+            chain=chain,
+            num_blocks=len(chain),
+        )
+        superseded = []
+        if walk is not None:
+            for older_id, length in walk.prefix_matches(tag=context.session_key):
+                older = self._entries[older_id]
+                if older.owner is None and length < len(sequence) and older.context == context:
+                    superseded.append(older)
+
+        if trie is None:
+            trie = self._tries[trie_key] = RadixTrie()
+        trie.insert(sequence, entry_id, tag=context.session_key)
+        self._entries[entry_id] = entry
+        self._recency[entry_id] = None
+        self._owner_recency[entry_id] = None
+        self._bytes += nbytes
+        self._add_blocks(chain)
+        self._count_chain(entry.num_blocks, +1)
+        self._inserts += 1
+        for older in superseded:
+            self._supersede(older, entry, evictions)
+        self._enforce_limits(evictions)
+        return InsertOutcome(
+            stored=True, entry_id=entry_id, reason=None, evictions=tuple(evictions)
+        )
+
+    def _refuse(
+        self, reason: str, evictions: list[tuple[EvictionReason, int]]
+    ) -> InsertOutcome:
+        self._refusals += 1
+        return InsertOutcome(stored=False, reason=reason, evictions=tuple(evictions))
+
+    def _supersede(
+        self, older: _Entry, newer: _Entry, evictions: list[tuple[EvictionReason, int]]
+    ) -> None:
+        """Turn older into a zero-byte alias of newer, which holds its tokens and more."""
+        self._bytes -= older.nbytes
+        evictions.append(("superseded", older.nbytes))
+        self._evictions["superseded"] += 1
+        # Its chain is a prefix of newer's, so num_blocks stays as it is.
+        self._drop_blocks(older.chain)
+        older.payload = None
+        older.token_bytes = None
+        older.chain = []
+        older.nbytes = 0
+        del self._owner_recency[older.entry_id]
+        for alias in older.aliases.values():
+            alias.owner = newer
+            newer.aliases[alias.entry_id] = alias
+        older.aliases = {}
+        older.owner = newer
+        newer.aliases[older.entry_id] = older
+
+    def _enforce_limits(self, evictions: list[tuple[EvictionReason, int]]) -> None:
+        limits = self.limits
+        while len(self._entries) > limits.max_entries:
+            self._evict(self._entries[next(iter(self._recency))], "lru", evictions)
+        # Aliases cost no bytes or blocks, so byte and block pressure evicts owners.
+        while self._bytes > limits.capacity_bytes:
+            self._evict(self._entries[next(iter(self._owner_recency))], "lru", evictions)
+        while len(self._block_refs) > self._block_cap:
+            self._evict(self._entries[next(iter(self._owner_recency))], "capacity", evictions)
+
+    # Lookup
+
+    def lookup(
+        self,
+        context: CacheContext,
+        tokens: Sequence[int],
+        now: float,
+        max_len: int | None = None,
+    ) -> Match | None:
+        """The longest usable stored prefix of tokens, or None (a miss)."""
+        self._expire(now, [])
+        sequence = tuple(tokens)
+        cap = len(sequence) if max_len is None else min(max_len, len(sequence))
+        floor = max(self.limits.min_prefix, 1)
+        trie = self._tries.get((context.bucket, context.rope_regime, context.mm_digest))
+        if trie is None or cap < floor:
+            self._misses += 1
+            return None
+        walk = trie.walk(sequence)
+        request_chain = _RequestChain(self._hasher, sequence, context.mm_digest)
+        own = self._best(walk, context, sequence, cap, request_chain, context.session_key, floor)
+        if own is not None:
+            floor = own.matched_len + 1
+        # Another session's entry wins only when strictly longer.
+        other = self._best(walk, context, sequence, cap, request_chain, None, floor)
+        chosen = other if other is not None else own
+        if chosen is None:
+            self._misses += 1
+            return None
+        entry = self._entries[chosen.entry_id]
+        self._touch(entry, now)
+        self._hits += 1
+        self._tokens_reused += chosen.matched_len
+        owner = entry.owner or entry
+        return Match(
+            entry_id=entry.entry_id,
+            payload=owner.payload,
+            matched_len=chosen.matched_len,
+            entry_len=len(entry.tokens),
+            cross_session=entry.context.session_key != context.session_key,
+            partial=chosen.partial,
+        )
+
+    def _best(
+        self,
+        walk: TrieWalk,
+        context: CacheContext,
+        sequence: tuple[int, ...],
+        cap: int,
+        request_chain: _RequestChain,
+        tag: str | None,
+        floor: int,
+    ) -> _Candidate | None:
+        """The best candidate of one tier that reaches at least floor tokens."""
+        best: _Candidate | None = None
+        best_len = floor - 1
+        multimodal = context.is_multimodal
+        for entry_id, length in walk.prefix_matches(tag=tag):
+            if min(length, cap) <= best_len:
+                break
+            # Multimodal requests adopt whole entries only.
+            if multimodal and length > cap:
+                continue
+            best = _Candidate(entry_id, min(length, cap), False)
+            best_len = best.matched_len
+            break
+        if not self.apc.enabled or multimodal:
+            return best
+        block_size = self.apc.block_size
+        cap_blocks = cap // block_size
+        request_blocks = len(sequence) // block_size
+        # Only branches that can yield a whole block more than best are visited.
+        min_common = (best_len // block_size + 1) * block_size
+        for entry_id, common in walk.diverging_matches(tag=tag, min_common=min_common):
+            bound = min(common // block_size, cap_blocks) * block_size
+            # At equal length a whole-prefix match is kept (no block rounding).
+            if bound <= best_len:
+                break
+            chain, num_blocks = self._chain_of(self._entries[entry_id])
+            # One block past the common prefix lets the walk see the divergence.
+            needed = min(common // block_size + 1, num_blocks, cap_blocks, request_blocks)
+            request_hashes = request_chain.up_to(needed)
+            agreeing = agreeing_blocks(request_hashes[:needed], chain[:needed])
+            matched = min(agreeing, cap_blocks) * block_size
+            if matched > best_len:
+                best = _Candidate(entry_id, matched, True)
+                best_len = matched
+            if matched >= bound:
+                break  # later candidates share no more tokens than this one
+        return best
+
+    # Expiry, eviction, reset
+
+    def expire(self, now: float) -> tuple[tuple[EvictionReason, int], ...]:
+        """Drop entries unused for ttl_seconds; returns what went."""
+        evictions: list[tuple[EvictionReason, int]] = []
+        self._expire(now, evictions)
+        return tuple(evictions)
+
+    def _expire(self, now: float, evictions: list[tuple[EvictionReason, int]]) -> None:
+        ttl = self.limits.ttl_seconds
+        while self._recency:
+            entry = self._entries[next(iter(self._recency))]
+            if now - entry.last_used < ttl:
+                break
+            self._evict(entry, "ttl", evictions)
+
+    def reset(self) -> ResetOutcome:
+        """Forget every entry and chain; counters keep running."""
+        outcome = ResetOutcome(entries_freed=len(self._entries), bytes_freed=self._bytes)
+        self._entries.clear()
+        self._recency.clear()
+        self._owner_recency.clear()
+        self._tries.clear()
+        self._block_refs.clear()
+        self._bytes = 0
+        self._total_blocks = 0
+        self._apc_active = 0
+        return outcome
+
+    def _evict(
+        self, entry: _Entry, reason: EvictionReason, evictions: list[tuple[EvictionReason, int]]
+    ) -> None:
+        # Aliases share the owner's payload, so they leave with it.
+        for alias in list(entry.aliases.values()):
+            self._remove(alias, reason, evictions)
+        self._remove(entry, reason, evictions)
+
+    def _remove(
+        self, entry: _Entry, reason: EvictionReason, evictions: list[tuple[EvictionReason, int]]
+    ) -> None:
+        entry_id = entry.entry_id
+        del self._entries[entry_id]
+        del self._recency[entry_id]
+        trie = self._tries[entry.trie_key]
+        trie.remove(entry.tokens, entry_id)
+        if not len(trie):
+            del self._tries[entry.trie_key]
+        self._count_chain(entry.num_blocks, -1)
+        if entry.owner is None:
+            del self._owner_recency[entry_id]
+            self._drop_blocks(entry.chain)
+            self._bytes -= entry.nbytes
+        else:
+            del entry.owner.aliases[entry_id]
+        evictions.append((reason, entry.nbytes))
+        self._evictions[reason] += 1
+
+    # Bookkeeping
+
+    def _touch(self, entry: _Entry, now: float) -> None:
+        entry.last_used = now
+        self._recency.move_to_end(entry.entry_id)
+        owner = entry.owner
+        if owner is None:
+            self._owner_recency.move_to_end(entry.entry_id)
+        else:
+            owner.last_used = now
+            self._recency.move_to_end(owner.entry_id)
+            self._owner_recency.move_to_end(owner.entry_id)
+
+    def _chain_of(self, entry: _Entry) -> tuple[list[bytes], int]:
+        owner = entry.owner or entry
+        return owner.chain, entry.num_blocks
+
+    def _count_chain(self, num_blocks: int, sign: int) -> None:
+        self._total_blocks += sign * num_blocks
+        if num_blocks:
+            self._apc_active += sign
+
+    def _add_blocks(self, chain: list[bytes]) -> None:
+        refs = self._block_refs
+        for block_hash in chain:
+            refs[block_hash] = refs.get(block_hash, 0) + 1
+
+    def _drop_blocks(self, chain: list[bytes]) -> None:
+        refs = self._block_refs
+        for block_hash in chain:
+            remaining = refs[block_hash] - 1
+            if remaining:
+                refs[block_hash] = remaining
+            else:
+                del refs[block_hash]
+
+    # Introspection
+
+    def stats(self, now: float) -> StoreStats:
+        self._expire(now, [])
+        return StoreStats(
+            entries=len(self._entries),
+            bytes=self._bytes,
+            capacity_bytes=self.limits.capacity_bytes,
+            max_entries=self.limits.max_entries,
+            hits=self._hits,
+            misses=self._misses,
+            tokens_reused=self._tokens_reused,
+            evictions=dict(self._evictions),
+            inserts=self._inserts,
+            refusals=self._refusals,
+            duplicates=self._duplicates,
+            aliases=len(self._entries) - len(self._owner_recency),
+            apc_enabled=self.apc.enabled,
+            apc_block_cap=self._block_cap,
+            total_blocks_stored=self._total_blocks,
+            unique_block_hashes=len(self._block_refs),
+            apc_active_entries=self._apc_active,
+        )
+
+    def entries_by_recency(self) -> list[EntryInfo]:
+        """Every entry, least recently used first (does not expire anything)."""
+        return [self._info(self._entries[entry_id]) for entry_id in self._recency]
+
+    def _info(self, entry: _Entry) -> EntryInfo:
+        return EntryInfo(
+            entry_id=entry.entry_id,
+            context=entry.context,
+            tokens=entry.tokens,
+            nbytes=entry.nbytes,
+            alias_of=None if entry.owner is None else entry.owner.entry_id,
+            num_blocks=entry.num_blocks,
+            last_used=entry.last_used,
+        )

@@ -1,0 +1,124 @@
+"""Command line: ``mlxcel serve|fixture|bench`` and ``mlxcel-server`` (= ``mlxcel serve``).
+
+A user error (bad flag, bad environment value, missing model folder) prints
+one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+import trio
+
+from mlxcel.config import ConfigError, EngineConfig, ServerConfig, build_configs, build_serve_parser
+
+logger = logging.getLogger("mlxcel")
+
+USAGE = "usage: mlxcel {serve,fixture} [options]  (mlxcel COMMAND --help for details)"
+
+
+def _fail(message: str) -> int:
+    print(f"mlxcel: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if not arguments or arguments[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if arguments else 2
+    command, rest = arguments[0], arguments[1:]
+    if command == "serve":
+        return serve_main(rest)
+    if command == "fixture":
+        from mlxcel.model.fixtures import fixture_main
+
+        return fixture_main(rest)
+    return _fail(f"unknown command {command!r}; {USAGE}")
+
+
+def serve_main(argv: Sequence[str] | None = None) -> int:
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    parser = build_serve_parser("mlxcel serve")
+    namespace = parser.parse_args(arguments)
+    try:
+        engine_config, server_config = build_configs(namespace)
+    except ConfigError as error:
+        return _fail(str(error))
+    if engine_config.model_path is not None:
+        from mlxcel.model.loader import ModelLoadError, read_model_config
+
+        try:
+            read_model_config(engine_config.model_path)
+        except ModelLoadError as error:
+            return _fail(str(error))
+    # Before MLX is imported: re-run with an optimized BLAS preloaded if one exists.
+    from mlxcel.blas import describe_blas, reexec_with_optimized_blas
+
+    reexec_with_optimized_blas()
+    logging.basicConfig(
+        level=server_config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logger.info("%s", describe_blas())
+    try:
+        trio.run(run_server, engine_config, server_config)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def entry() -> None:
+    """Console-script wrapper for ``mlxcel``."""
+    raise SystemExit(main())
+
+
+def serve_entry() -> None:
+    """Console-script wrapper for ``mlxcel-server``."""
+    raise SystemExit(serve_main())
+
+
+async def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    """Engine plus HTTP until SIGINT/SIGTERM; then drain connections and stop."""
+    from mlxcel.engine import run_engine
+    from mlxcel.http import serve
+
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_stop_on_signals, stop)
+        engine = await nursery.start(run_engine, engine_config)
+        if server_config.host not in ("127.0.0.1", "localhost", "::1"):
+            logger.warning(
+                "binding %s: the API is reachable from other machines and has no API key",
+                server_config.host,
+            )
+
+        async def serve_then_stop(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+            await serve(
+                engine,
+                server_config.host,
+                server_config.port,
+                metrics=server_config.metrics,
+                max_body_bytes=server_config.max_body_bytes,
+                shutdown_trigger=stop.wait,
+                task_status=task_status,
+            )
+            nursery.cancel_scope.cancel()
+
+        binds = await nursery.start(serve_then_stop)
+        logger.info("serving %s on %s", engine.model_id, ", ".join(binds))
+
+
+async def _stop_on_signals(stop: trio.Event) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            logger.info("received %s: shutting down", signal.Signals(signum).name)
+            stop.set()
+            return
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,287 @@
+"""The configuration tree and how it is read from flags and the environment.
+
+Precedence for every setting: CLI flag, then its ``MLXCEL_*`` (or spec-named)
+environment variable, then a compatibility alias (``LLAMA_ARG_CACHE_REUSE``),
+then a model-aware default (filled in at startup, when ``None`` here), then the
+built-in default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+GIB = 1 << 30
+
+
+class ConfigError(Exception):
+    """A bad flag or environment value: the CLI prints one line and exits 2."""
+
+
+@attrs.frozen(kw_only=True)
+class PromptCacheConfig:
+    enabled: bool = True
+    # None: sized from the model's config.json at startup.
+    capacity_bytes: int | None = None
+    max_entries: int = 1024
+    ttl_seconds: float = 3600.0
+    min_prefix: int = 32
+    apc_enabled: bool = True
+    apc_block_size: int = 16
+    apc_num_blocks: int | None = None
+    apc_hash: str = "sha256"
+    snapshot_capacity_bytes: int | None = None
+    snapshot_max_entries: int = 4096
+    snapshot_ttl_seconds: float = 7200.0
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerConfig:
+    # Sequences decoded together in one forward.
+    max_batch_size: int = 32
+    # Prompts prefilled together in one forward.
+    prefill_batch_size: int = 8
+    prefill_step_size: int = 2048
+    # Requests waiting for a batch slot before new ones get 503.
+    max_queued_requests: int = 256
+    # Undelivered stream events per request before a slow client is dropped.
+    client_buffer_events: int = 4096
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    # None: the built-in random-weight demo model.
+    model_path: Path | None = None
+    # None: the model's max_position_embeddings.
+    ctx_size: int | None = None
+    chat_template_kwargs: Mapping[str, Any] = attrs.field(factory=dict)
+    prompt_cache: PromptCacheConfig = PromptCacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    # Test-only: the device fails the step whose number is given (issue 7 fault hook).
+    fail_step: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    metrics: bool = False
+    max_body_bytes: int = 16 << 20
+    log_level: str = "info"
+
+
+# --- value parsers ------------------------------------------------------------
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError(f"expected a boolean (true/false/1/0), got {text!r}")
+
+
+def parse_llama_cache_reuse(text: str) -> bool:
+    """llama.cpp's ``--cache-reuse N``: a chunk size where 0 means off; booleans also accepted."""
+    try:
+        return int(text.strip()) > 0
+    except ValueError:
+        return parse_bool(text)
+
+
+def parse_non_negative_int(text: str) -> int:
+    value = int(text.strip())
+    if value < 0:
+        raise ValueError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def parse_positive_int(text: str) -> int:
+    value = int(text.strip())
+    if value <= 0:
+        raise ValueError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def parse_seconds(text: str) -> float:
+    value = float(text.strip())
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def parse_hash(text: str) -> str:
+    value = text.strip().lower()
+    if value not in ("sha256", "blake3"):
+        raise ValueError(f"expected sha256 or blake3, got {text!r}")
+    return value
+
+
+@attrs.frozen
+class Setting:
+    """One flag with its environment variables, in precedence order."""
+
+    dest: str
+    flag: str
+    env: tuple[str, ...]
+    parse: Callable[[str], Any]
+    help: str
+    optional_value: bool = False  # `--flag` alone means true (`--flag[=BOOL]`)
+
+
+PROMPT_CACHE_SETTINGS = (
+    Setting("enabled", "--prompt-cache-enabled",
+            ("MLXCEL_PROMPT_CACHE_ENABLED", "LLAMA_ARG_CACHE_REUSE"), parse_bool,
+            "enable the prompt-prefix KV cache (default true)", optional_value=True),
+    Setting("capacity_bytes", "--prompt-cache-capacity-bytes",
+            ("MLXCEL_PROMPT_CACHE_CAPACITY_BYTES",), parse_positive_int,
+            "byte budget of the KV prefix store (default: model-aware, at least 2 GiB)"),
+    Setting("max_entries", "--prompt-cache-max-entries",
+            ("MLXCEL_PROMPT_CACHE_MAX_ENTRIES",), parse_positive_int,
+            "most live prefix entries (default 1024)"),
+    Setting("ttl_seconds", "--prompt-cache-ttl", ("MLXCEL_PROMPT_CACHE_TTL",),
+            parse_seconds, "seconds an entry lives after its last hit (default 3600)"),
+    Setting("min_prefix", "--prompt-cache-min-prefix",
+            ("MLXCEL_PROMPT_CACHE_MIN_PREFIX",), parse_non_negative_int,
+            "shortest prefix in tokens worth storing or adopting (default 32)"),
+    Setting("apc_enabled", "--apc-enabled", ("APC_ENABLED",), parse_bool,
+            "block-level automatic prefix caching (default true)", optional_value=True),
+    Setting("apc_block_size", "--apc-block-size", ("APC_BLOCK_SIZE",),
+            parse_positive_int, "tokens per APC block (default 16)"),
+    Setting("apc_num_blocks", "--apc-num-blocks", ("APC_NUM_BLOCKS",),
+            parse_positive_int, "cap on tracked APC blocks (default: derived)"),
+    Setting("apc_hash", "--apc-hash", ("APC_HASH",), parse_hash,
+            "APC block hash: sha256 (default) or blake3"),
+    Setting("snapshot_capacity_bytes", "--prompt-cache-snapshot-capacity-bytes",
+            ("MLXCEL_PROMPT_CACHE_SNAPSHOT_CAPACITY_BYTES",), parse_positive_int,
+            "byte budget of the session snapshot store (default: model-aware, at least 512 MiB)"),
+    Setting("snapshot_max_entries", "--prompt-cache-snapshot-max-entries",
+            ("MLXCEL_PROMPT_CACHE_SNAPSHOT_MAX_ENTRIES",), parse_positive_int,
+            "most live session snapshots (default 4096)"),
+    Setting("snapshot_ttl_seconds", "--prompt-cache-snapshot-ttl",
+            ("MLXCEL_PROMPT_CACHE_SNAPSHOT_TTL",), parse_seconds,
+            "seconds a session snapshot lives (default 7200)"),
+)
+
+SCHEDULER_SETTINGS = (
+    Setting("max_batch_size", "--max-batch-size", ("MLXCEL_MAX_BATCH_SIZE",),
+            parse_positive_int, "sequences decoded together (default 32)"),
+    Setting("prefill_batch_size", "--prefill-batch-size", ("MLXCEL_PREFILL_BATCH_SIZE",),
+            parse_positive_int, "prompts prefilled together (default 8)"),
+    Setting("prefill_step_size", "--prefill-step-size", ("MLXCEL_PREFILL_STEP_SIZE",),
+            parse_positive_int, "prompt tokens per prefill chunk (default 2048)"),
+    Setting("max_queued_requests", "--max-queued-requests", ("MLXCEL_MAX_QUEUED_REQUESTS",),
+            parse_positive_int, "waiting requests before new ones get 503 (default 256)"),
+)
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line and exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _flag_type(setting: Setting) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            return setting.parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    convert.__name__ = setting.dest
+    return convert
+
+
+def add_settings(parser: argparse.ArgumentParser, settings: tuple[Setting, ...]) -> None:
+    for setting in settings:
+        kwargs: dict[str, Any] = dict(
+            dest=setting.dest, type=_flag_type(setting), default=None,
+            help=f"{setting.help}; env {', '.join(setting.env)}",
+        )
+        if setting.optional_value:
+            kwargs.update(nargs="?", const=True, metavar="BOOL")
+        parser.add_argument(setting.flag, **kwargs)
+
+
+def resolve_settings(
+    namespace: argparse.Namespace,
+    settings: tuple[Setting, ...],
+    environ: Mapping[str, str],
+) -> dict[str, Any]:
+    """Flag over environment, first variable listed wins; unset keys are omitted."""
+    values: dict[str, Any] = {}
+    for setting in settings:
+        flag_value = getattr(namespace, setting.dest, None)
+        if flag_value is not None:
+            values[setting.dest] = flag_value
+            continue
+        for name in setting.env:
+            raw = environ.get(name)
+            if raw is None or raw == "":
+                continue
+            parse = parse_llama_cache_reuse if name == "LLAMA_ARG_CACHE_REUSE" else setting.parse
+            try:
+                values[setting.dest] = parse(raw)
+            except ValueError as error:
+                raise ConfigError(f"{name}={raw!r}: {error}") from None
+            break
+    return values
+
+
+def build_serve_parser(prog: str = "mlxcel serve") -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog=prog, description="Serve an OpenAI-compatible API.")
+    parser.add_argument("-m", "--model", type=Path, default=None,
+                        help="local model folder (default: the random-weight demo model)")
+    parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="port (default 8080)")
+    parser.add_argument("--ctx-size", type=_flag_type(Setting("ctx_size", "", (), parse_positive_int, "")),
+                        default=None, help="context size in tokens (default: the model's)")
+    parser.add_argument("--no-cache-prompt", action="store_true",
+                        help="turn the prompt cache off server-wide")
+    parser.add_argument("--metrics", action="store_true", help="serve Prometheus metrics at /metrics")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"])
+    add_settings(parser, PROMPT_CACHE_SETTINGS)
+    add_settings(parser, SCHEDULER_SETTINGS)
+    return parser
+
+
+def build_configs(
+    namespace: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> tuple[EngineConfig, ServerConfig]:
+    environ = os.environ if environ is None else environ
+    cache_values = resolve_settings(namespace, PROMPT_CACHE_SETTINGS, environ)
+    if namespace.no_cache_prompt:
+        cache_values["enabled"] = False
+    prompt_cache = PromptCacheConfig(**cache_values)
+    scheduler = SchedulerConfig(**resolve_settings(namespace, SCHEDULER_SETTINGS, environ))
+    engine = EngineConfig(
+        model_path=namespace.model,
+        ctx_size=namespace.ctx_size,
+        prompt_cache=prompt_cache,
+        scheduler=scheduler,
+    )
+    host = namespace.host or environ.get("MLXCEL_HOST") or "127.0.0.1"
+    port = namespace.port
+    if port is None:
+        raw_port = environ.get("MLXCEL_PORT", "8080")
+        try:
+            port = int(raw_port)
+        except ValueError:
+            raise ConfigError(f"MLXCEL_PORT={raw_port!r}: expected an integer") from None
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port {port}: expected 0..65535")
+    server = ServerConfig(host=host, port=port, metrics=namespace.metrics,
+                          log_level=namespace.log_level)
+    return engine, server

@@ -1,0 +1,294 @@
+"""The engine: starts the actors in the caller's nursery and hands back a handle.
+
+    async with mlxcel.open_engine(config) as engine:
+        completion = await engine.chat(ChatRequest(...))
+
+or, as one more task in an existing nursery:
+
+    engine = await nursery.start(mlxcel.run_engine, config)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import trio
+
+from mlxcel.actors.cache_store import CacheStoreActor
+from mlxcel.actors.device import DeviceActor, DeviceSettings, ModelInfo
+from mlxcel.actors.messages import (
+    CancelRequest,
+    GetCacheStats,
+    GetSchedulerStats,
+    RenderMetrics,
+    RequestFailed,
+    ResetCache,
+    RouteRequest,
+    SchedulerStats,
+    StreamEvent,
+)
+from mlxcel.actors.metrics import MetricsActor
+from mlxcel.actors.router import PromptRenderer, RouterActor
+from mlxcel.actors.scheduler import SchedulerActor
+from mlxcel.actors.warmer import WarmerActor
+from mlxcel.cache.capacity import plan_kv_store_capacity
+from mlxcel.cache.store import ApcSettings, PromptCacheStore, StoreLimits
+from mlxcel.config import EngineConfig
+from mlxcel.types import ChatRequest, Completion, CompletionRequest, Delta, ServerBusy, TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+_INBOX_SIZE = 1024
+
+
+class DeltaStream:
+    """The deltas of one request. Closing it early cancels the request."""
+
+    def __init__(self, engine: Engine, request_id: str, events: trio.MemoryReceiveChannel[StreamEvent]) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self._events = events
+        self._finished = False
+
+    def __aiter__(self) -> DeltaStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self._finished:
+            raise StopAsyncIteration
+        try:
+            event = await self._events.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            self._finished = True
+            raise StopAsyncIteration from None
+        if isinstance(event, RequestFailed):
+            self._finished = True
+            raise event.error
+        if event.finish_reason is not None:
+            self._finished = True
+        return event
+
+    async def aclose(self) -> None:
+        self._events.close()
+        if not self._finished:
+            self._finished = True
+            self._engine._cancel(self.request_id)
+
+    async def __aenter__(self) -> DeltaStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+class Engine:
+    """The handle an application (or the HTTP app) talks to. Safe to share between tasks."""
+
+    def __init__(
+        self,
+        *,
+        model: ModelInfo,
+        config: EngineConfig,
+        to_router: trio.MemorySendChannel[RouteRequest],
+        to_scheduler: trio.MemorySendChannel[Any],
+        to_cache_store: trio.MemorySendChannel[Any],
+        to_metrics: trio.MemorySendChannel[Any],
+        apc_enabled: bool,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.apc_enabled = apc_enabled
+        self._to_router = to_router
+        self._to_scheduler = to_scheduler
+        self._to_cache_store = to_cache_store
+        self._to_metrics = to_metrics
+        self._request_ids = itertools.count()
+
+    @property
+    def model_id(self) -> str:
+        return self.model.model_id
+
+    def stream(self, request: ChatRequest | CompletionRequest) -> DeltaStream:
+        """Start a request; iterate the result for its deltas (the last has usage)."""
+        request_id = f"req-{next(self._request_ids)}"
+        send, receive = trio.open_memory_channel[StreamEvent](self.config.scheduler.client_buffer_events)
+        try:
+            self._to_router.send_nowait(RouteRequest(request=request, request_id=request_id, events=send))
+        except trio.WouldBlock:
+            send.close()
+            receive.close()
+            raise ServerBusy("the server is at capacity; retry shortly") from None
+        return DeltaStream(self, request_id, receive)
+
+    async def chat(self, request: ChatRequest | CompletionRequest) -> Completion:
+        """Run a request to the end and return the whole reply."""
+        texts: list[str] = []
+        logprobs: list[TokenLogprob] = []
+        async with self.stream(request) as deltas:
+            async for delta in deltas:
+                texts.append(delta.text)
+                logprobs.extend(delta.logprobs)
+                if delta.finish_reason is not None:
+                    assert delta.usage is not None
+                    return Completion(
+                        text="".join(texts),
+                        finish_reason=delta.finish_reason,
+                        usage=delta.usage,
+                        logprobs=tuple(logprobs),
+                        model=self.model_id,
+                    )
+        raise RuntimeError("the request ended without a finish reason")
+
+    complete = chat
+
+    async def cache_stats(self) -> dict[str, Any]:
+        stats = await self._ask(self._to_cache_store, GetCacheStats)
+        stats["apc_enabled"] = stats.get("apc_enabled", False) and self.apc_enabled
+        return stats
+
+    async def reset_cache(self) -> dict[str, int]:
+        return await self._ask(self._to_cache_store, ResetCache)
+
+    async def scheduler_stats(self) -> SchedulerStats:
+        return await self._ask(self._to_scheduler, GetSchedulerStats)
+
+    async def metrics_text(self) -> bytes:
+        return await self._ask(self._to_metrics, RenderMetrics)
+
+    async def _ask(self, channel: trio.MemorySendChannel[Any], message_type: Any) -> Any:
+        reply_to, replies = trio.open_memory_channel[Any](1)
+        await channel.send(message_type(reply_to=reply_to))
+        with replies:
+            return await replies.receive()
+
+    def _cancel(self, request_id: str) -> None:
+        try:
+            self._to_scheduler.send_nowait(CancelRequest(request_id=request_id))
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the closed event channel still frees the sequence at its next token
+
+
+def _build_store(config: EngineConfig, model: ModelInfo, apc_enabled: bool) -> PromptCacheStore | None:
+    cache = config.prompt_cache
+    if not cache.enabled:
+        return None
+    plan = plan_kv_store_capacity(model.config, ctx_size=config.ctx_size, configured=cache.capacity_bytes)
+    if plan.applied:
+        logger.info(
+            "Applied model-aware prompt-cache KV store capacity default: previous=%d recommended=%d "
+            "entry_bytes=%d ceiling=%d",
+            plan.previous, plan.recommended, plan.entry_nbytes, plan.ceiling,
+        )
+    if plan.entry_never_fits:
+        logger.warning(
+            "one prompt-cache entry at the representative length (%d bytes) is larger than the whole "
+            "KV store (%d bytes), so such prompts are never kept; raise --prompt-cache-capacity-bytes",
+            plan.entry_nbytes, plan.recommended,
+        )
+    return PromptCacheStore(
+        StoreLimits(
+            capacity_bytes=plan.recommended,
+            max_entries=cache.max_entries,
+            ttl_seconds=cache.ttl_seconds,
+            min_prefix=cache.min_prefix,
+        ),
+        ApcSettings(
+            enabled=apc_enabled,
+            block_size=cache.apc_block_size,
+            num_blocks=cache.apc_num_blocks,
+            algorithm=cache.apc_hash,
+        ),
+    )
+
+
+async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engine] = trio.TASK_STATUS_IGNORED) -> None:
+    """Run every actor until cancelled; ``task_status.started`` hands out the Engine."""
+    model_path = config.model_path
+    if model_path is None:
+        from mlxcel.model.fixtures import demo_model_path
+
+        model_path = await trio.to_thread.run_sync(demo_model_path)
+        logger.warning(
+            "no --model given: serving the built-in demo model at %s, which has RANDOM WEIGHTS "
+            "and answers with gibberish (for trying the server, not for use)", model_path,
+        )
+    to_device, device_inbox = trio.open_memory_channel[Any](1)
+    to_cache_store, cache_inbox = trio.open_memory_channel[Any](_INBOX_SIZE)
+    to_metrics, metrics_inbox = trio.open_memory_channel[Any](_INBOX_SIZE)
+    to_warmer, warmer_inbox = trio.open_memory_channel[Any](_INBOX_SIZE)
+    to_scheduler, scheduler_inbox = trio.open_memory_channel[Any](config.scheduler.max_queued_requests + 64)
+    to_router, router_inbox = trio.open_memory_channel[Any](config.scheduler.max_queued_requests)
+
+    async with trio.open_nursery() as nursery:
+        device = DeviceActor(
+            DeviceSettings(
+                model_path=model_path,
+                context_size=config.ctx_size,
+                max_batch_size=config.scheduler.max_batch_size,
+                prefill_batch_size=config.scheduler.prefill_batch_size,
+                prefill_step_size=config.scheduler.prefill_step_size,
+                fail_step=config.fail_step,
+            ),
+            device_inbox,
+        )
+        model: ModelInfo = await nursery.start(device.run)
+        apc_enabled = config.prompt_cache.enabled and config.prompt_cache.apc_enabled
+        if apc_enabled and not model.family.apc_supported:
+            logger.info(
+                "APC disabled for model family %s (%s); the whole-prefix cache stays on",
+                model.family.model_type, model.family.apc_disabled_reason or "recurrent state",
+            )
+            apc_enabled = False
+        store = _build_store(config, model, apc_enabled)
+        await nursery.start(MetricsActor(inbox=metrics_inbox).run)
+        await nursery.start(CacheStoreActor(store=store, inbox=cache_inbox, to_metrics=to_metrics.clone()).run)
+        await nursery.start(WarmerActor(inbox=warmer_inbox).run)
+        await nursery.start(SchedulerActor(
+            config=config.scheduler,
+            inbox=scheduler_inbox,
+            to_device=to_device,
+            to_cache_store=to_cache_store.clone(),
+            to_metrics=to_metrics.clone(),
+            to_warmer=to_warmer,
+            tokenizer=model.tokenizer,
+            eos_token_ids=model.eos_token_ids,
+        ).run)
+        renderer = PromptRenderer(
+            model, default_template_kwargs=config.chat_template_kwargs, cache_enabled=config.prompt_cache.enabled
+        )
+        await nursery.start(RouterActor(
+            model=model,
+            renderer=renderer,
+            cache_enabled=config.prompt_cache.enabled,
+            inbox=router_inbox,
+            to_scheduler=to_scheduler.clone(),
+        ).run)
+        logger.info(
+            "engine ready: model %s (%s, context %d), prompt cache %s, APC %s",
+            model.model_id, model.family.kind.value, model.context_size,
+            "on" if store is not None else "off", "on" if apc_enabled else "off",
+        )
+        task_status.started(Engine(
+            model=model,
+            config=config,
+            to_router=to_router,
+            to_scheduler=to_scheduler,
+            to_cache_store=to_cache_store,
+            to_metrics=to_metrics,
+            apc_enabled=apc_enabled,
+        ))
+
+
+@contextlib.asynccontextmanager
+async def open_engine(config: EngineConfig) -> AsyncIterator[Engine]:
+    """Start the engine in a nursery of its own; leaving the block stops it."""
+    async with trio.open_nursery() as nursery:
+        engine = await nursery.start(run_engine, config)
+        try:
+            yield engine
+        finally:
+            nursery.cancel_scope.cancel()

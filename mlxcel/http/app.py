@@ -1,0 +1,293 @@
+"""The quart-trio app: OpenAI-shaped routes over an Engine handle.
+
+The engine runs in its own nursery outside the app; the app only holds the
+handle (``create_app(engine)``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from mlxcel.engine import DeltaStream, Engine
+from mlxcel.http.validation import (
+    Limits,
+    decode_json_body,
+    parse_chat_request,
+    parse_completion_request,
+    parse_native_completion,
+)
+from mlxcel.types import (
+    ChatRequest,
+    CompletionRequest,
+    Delta,
+    InvalidRequest,
+    ServerBusy,
+    TokenLogprob,
+    Usage,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def error_response(error: InvalidRequest) -> Response:
+    response = Response(json.dumps(error.to_body()), status=error.status, mimetype="application/json")
+    if isinstance(error, ServerBusy):
+        response.headers["Retry-After"] = str(error.retry_after_seconds)
+    return response
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(json.dumps(body), status=status, mimetype="application/json")
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def chat_logprobs_body(logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+    def one(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**one(item.token, item.logprob), "top_logprobs": [one(t, lp) for t, lp in item.top]}
+            for item in logprobs
+        ]
+    }
+
+
+def sse(body: Any) -> bytes:
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+class _Shapes:
+    """Response bodies for one endpoint family (chat, completions, native)."""
+
+    def __init__(self, kind: str, model: str) -> None:
+        self.kind = kind
+        self.model = model
+        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+
+    def _envelope(self, object_name: str, choices: list[Any]) -> dict[str, Any]:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
+
+    def whole(self, text: str, finish_reason: str, usage: Usage, logprobs: tuple[TokenLogprob, ...], want_logprobs: bool) -> dict[str, Any]:
+        if self.kind == "native":
+            return {
+                "content": text, "stop": True, "model": self.model, "stop_type": "limit" if finish_reason == "length" else "eos",
+                "tokens_predicted": usage.completion_tokens, "tokens_evaluated": usage.prompt_tokens,
+                "tokens_cached": usage.cached_tokens, "usage": usage_body(usage),
+            }
+        if self.kind == "chat":
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": chat_logprobs_body(logprobs) if want_logprobs else None,
+                "finish_reason": finish_reason,
+            }
+            body = self._envelope("chat.completion", [choice])
+        else:
+            choice = {"index": 0, "text": text, "logprobs": _legacy_logprobs(logprobs) if want_logprobs else None,
+                      "finish_reason": finish_reason}
+            body = self._envelope("text_completion", [choice])
+        body["usage"] = usage_body(usage)
+        return body
+
+    def chunk(self, delta: Delta, want_logprobs: bool, *, first: bool = False) -> dict[str, Any]:
+        if self.kind == "native":
+            body: dict[str, Any] = {"content": delta.text, "stop": delta.finish_reason is not None}
+            if delta.usage is not None:
+                body.update(tokens_predicted=delta.usage.completion_tokens, tokens_evaluated=delta.usage.prompt_tokens,
+                            tokens_cached=delta.usage.cached_tokens, usage=usage_body(delta.usage))
+            return body
+        if self.kind == "chat":
+            content: dict[str, Any] = {"content": delta.text} if delta.text or first else {}
+            if first:
+                content["role"] = "assistant"
+            choice = {"index": 0, "delta": content,
+                      "logprobs": chat_logprobs_body(delta.logprobs) if want_logprobs and delta.logprobs else None,
+                      "finish_reason": delta.finish_reason}
+            return self._envelope("chat.completion.chunk", [choice])
+        choice = {"index": 0, "text": delta.text,
+                  "logprobs": _legacy_logprobs(delta.logprobs) if want_logprobs and delta.logprobs else None,
+                  "finish_reason": delta.finish_reason}
+        return self._envelope("text_completion", [choice])
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        body = self._envelope("chat.completion.chunk" if self.kind == "chat" else "text_completion", [])
+        body["usage"] = usage_body(usage)
+        return body
+
+
+def _legacy_logprobs(logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+    return {
+        "tokens": [item.token for item in logprobs],
+        "token_logprobs": [item.logprob for item in logprobs],
+        "top_logprobs": [dict(item.top) for item in logprobs],
+    }
+
+
+def create_app(engine: Engine, *, max_body_bytes: int = 16 << 20, metrics: bool = False, limits: Limits | None = None) -> QuartTrio:
+    app = QuartTrio(__name__)
+    # Streams last as long as generation does; hypercorn's own timeouts guard idle sockets.
+    app.config["RESPONSE_TIMEOUT"] = None
+    app.config["BODY_TIMEOUT"] = 60
+    app.config["MAX_CONTENT_LENGTH"] = None
+    limits = limits or Limits()
+
+    async def read_body() -> object:
+        declared = request.content_length
+        if declared is not None and declared > max_body_bytes:
+            raise InvalidRequest(
+                f"the request body is {declared} bytes; the limit is {max_body_bytes}",
+                status=413, code="body_too_large",
+            )
+        raw = await request.get_data(cache=False, as_text=False)
+        return decode_json_body(raw, max_bytes=max_body_bytes)
+
+    async def generate(kind: str, parse: Callable[..., ChatRequest | CompletionRequest]) -> Response:
+        try:
+            parsed = parse(await read_body(), limits=limits)
+            if parsed.model not in (None, "", engine.model_id):
+                raise InvalidRequest(
+                    f"the model {parsed.model!r} is not served here; this server serves {engine.model_id!r}",
+                    param="model", code="model_not_found", status=404,
+                )
+            deltas = engine.stream(parsed)
+        except InvalidRequest as error:
+            return error_response(error)
+        shapes = _Shapes(kind, engine.model_id)
+        want_logprobs = parsed.sampling.logprobs
+        try:
+            first = await deltas.__anext__()
+        except InvalidRequest as error:
+            await deltas.aclose()
+            return error_response(error)
+        except BaseException:
+            await deltas.aclose()
+            raise
+        if not parsed.stream:
+            return await _whole_response(deltas, first, shapes, want_logprobs)
+        return Response(
+            _event_stream(deltas, first, shapes, want_logprobs, parsed.include_usage),
+            mimetype="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        return await generate("chat", parse_chat_request)
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        return await generate("completions", parse_completion_request)
+
+    @app.post("/completion")
+    async def native_completion() -> Response:
+        return await generate("native", parse_native_completion)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return json_response({
+            "object": "list",
+            "data": [{"id": engine.model_id, "object": "model", "created": 0, "owned_by": "mlxcel"}],
+        })
+
+    @app.get("/health")
+    async def health() -> Response:
+        return json_response({"status": "ok", "model": engine.model_id})
+
+    @app.get("/v1/cache/stats")
+    async def cache_stats() -> Response:
+        stats = await engine.cache_stats()
+        scheduler = await engine.scheduler_stats()
+        stats["scheduler"] = {
+            "num_waiting": scheduler.num_waiting,
+            "num_running": scheduler.num_running,
+        }
+        return json_response(stats)
+
+    @app.post("/v1/cache/reset")
+    async def cache_reset() -> Response:
+        return json_response(await engine.reset_cache())
+
+    if metrics:
+        @app.get("/metrics")
+        async def metrics_route() -> Response:
+            return Response(await engine.metrics_text(), mimetype="text/plain; version=0.0.4")
+
+    @app.errorhandler(404)
+    async def not_found(_error: Exception) -> Response:
+        return error_response(InvalidRequest(f"no route {request.method} {request.path}", status=404, code="not_found"))
+
+    @app.errorhandler(405)
+    async def not_allowed(_error: Exception) -> Response:
+        return error_response(InvalidRequest(
+            f"{request.method} is not allowed on {request.path}", status=405, code="method_not_allowed"))
+
+    return app
+
+
+async def _whole_response(deltas: DeltaStream, first: Delta, shapes: _Shapes, want_logprobs: bool) -> Response:
+    texts = [first.text]
+    logprobs = list(first.logprobs)
+    last = first
+    async with deltas:
+        try:
+            async for delta in deltas:
+                texts.append(delta.text)
+                logprobs.extend(delta.logprobs)
+                last = delta
+        except InvalidRequest as error:
+            return error_response(error)
+    assert last.finish_reason is not None and last.usage is not None
+    return json_response(shapes.whole("".join(texts), last.finish_reason, last.usage, tuple(logprobs), want_logprobs))
+
+
+async def _event_stream(
+    deltas: DeltaStream, first: Delta, shapes: _Shapes, want_logprobs: bool, include_usage: bool
+) -> AsyncIterator[bytes]:
+    async with deltas:
+        delta = first
+        is_first = True
+        try:
+            while True:
+                usage = delta.usage
+                if delta.finish_reason is not None and shapes.kind != "native":
+                    if delta.text or delta.logprobs:
+                        yield sse(shapes.chunk(attrs_evolve_text(delta), want_logprobs, first=is_first))
+                        is_first = False
+                    yield sse(shapes.chunk(Delta(finish_reason=delta.finish_reason), want_logprobs, first=is_first))
+                    if include_usage and usage is not None:
+                        yield sse(shapes.usage_chunk(usage))
+                    break
+                yield sse(shapes.chunk(delta, want_logprobs, first=is_first))
+                is_first = False
+                if delta.finish_reason is not None:
+                    break
+                delta = await deltas.__anext__()
+        except StopAsyncIteration:
+            pass
+        except InvalidRequest as error:
+            yield sse(error.to_body())
+    if shapes.kind != "native":
+        yield b"data: [DONE]\n\n"
+
+
+def attrs_evolve_text(delta: Delta) -> Delta:
+    """The content part of a final delta, without its finish reason."""
+    return Delta(text=delta.text, logprobs=delta.logprobs)

@@ -1,0 +1,760 @@
+"""Turn request bodies into validated request types, or a 4xx the client can fix.
+
+Pure and synchronous: no Trio, Quart or MLX here, so every rule is a plain
+function call in tests. Each failure is an `InvalidRequest` whose `param` is
+the dotted/indexed path of the bad field (`messages[2].role`, `stop[1]`).
+
+Shared conventions (the choices the OpenAI spec leaves open):
+
+- An optional field sent as JSON null counts as absent.
+- Unknown fields are ignored at every level; only known fields are checked.
+- `bool` is never accepted as a number, and integer fields reject floats
+  (`5.0` included); numbers must be finite.
+- A field read both at the root and inside `extra_body` takes the root value;
+  both are checked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn, TypeVar
+
+import attrs
+
+from mlxcel.types import (
+    CacheOptions,
+    ChatRequest,
+    CompletionRequest,
+    InvalidRequest,
+    SamplingParams,
+)
+
+__all__ = [
+    "Limits",
+    "decode_json_body",
+    "parse_chat_request",
+    "parse_completion_request",
+    "parse_native_completion",
+]
+
+_T = TypeVar("_T")
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# Content parts that carry media: refused with code "unsupported_content".
+MULTIMODAL_PART_TYPES = frozenset(
+    {"image_url", "input_audio", "file", "video_url", "audio_url"}
+)
+TOOL_CHOICE_MODES = ("auto", "none", "required")
+MAX_CACHE_SALT_CHARS = 256
+# Tool schemas, tool-call arguments and template kwargs are copied as JSON;
+# anything nested deeper than this is refused rather than recursed into.
+MAX_JSON_DEPTH = 64
+MAX_TOKEN_ID = 2**31 - 1
+# Seeds may be any signed or unsigned 64-bit integer; they are stored reduced
+# modulo 2**64 so the sampler always sees a non-negative 64-bit value.
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64 - 1
+_LEGACY_DEFAULT_MAX_TOKENS = 16
+
+_MISSING = "missing_required_parameter"
+_TYPE = "invalid_type"
+_VALUE = "invalid_value"
+_UNSUPPORTED = "unsupported_parameter"
+_JSON = "invalid_json"
+
+
+@attrs.frozen(kw_only=True)
+class Limits:
+    """Bounds beyond which a request is refused with a 400."""
+
+    max_tokens_cap: int = attrs.field(default=1 << 20, validator=attrs.validators.ge(1))
+    max_stop_strings: int = attrs.field(default=16, validator=attrs.validators.ge(0))
+    # A stop string longer than this cannot be a sensible stop condition.
+    max_stop_string_chars: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
+    max_messages: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
+    max_top_logprobs: int = attrs.field(default=20, validator=attrs.validators.ge(0))
+
+
+DEFAULT_LIMITS = Limits()
+
+
+# --- the JSON body ---------------------------------------------------------------
+
+
+class _NonFiniteNumber(ValueError):
+    pass
+
+
+def _reject_constant(name: str) -> NoReturn:
+    raise _NonFiniteNumber(f"{name} is not a valid JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NonFiniteNumber(f"number {text[:32]} is out of range")
+    return value
+
+
+def decode_json_body(raw: bytes, *, max_bytes: int) -> object:
+    """Decode a request body that must be one JSON object of at most `max_bytes`."""
+    if len(raw) > max_bytes:
+        raise InvalidRequest(
+            f"request body is {len(raw)} bytes; the limit is {max_bytes} bytes",
+            status=413,
+            code="request_too_large",
+        )
+    try:
+        text = bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise InvalidRequest(
+            f"request body is not valid UTF-8 (bad byte at offset {error.start})",
+            code=_JSON,
+        ) from None
+    if not text.strip():
+        raise InvalidRequest("request body is empty; expected a JSON object", code=_JSON)
+    try:
+        value = json.loads(
+            text, parse_constant=_reject_constant, parse_float=_finite_float
+        )
+    except json.JSONDecodeError as error:
+        raise InvalidRequest(
+            f"request body is not valid JSON: {error.msg} "
+            f"(line {error.lineno}, column {error.colno})",
+            code=_JSON,
+        ) from None
+    except _NonFiniteNumber as error:
+        raise InvalidRequest(f"request body is not valid JSON: {error}", code=_JSON) from None
+    except ValueError:
+        # Integers past Python's digit limit for str -> int conversion.
+        raise InvalidRequest(
+            "request body is not valid JSON: a number is too long", code=_JSON
+        ) from None
+    except RecursionError:
+        raise InvalidRequest("request body is nested too deeply", code=_JSON) from None
+    if not isinstance(value, dict):
+        raise InvalidRequest(
+            f"request body must be a JSON object, got {_kind(value)}", code=_TYPE
+        )
+    return value
+
+
+# --- public parsers ----------------------------------------------------------
+
+
+def parse_chat_request(body: object, *, limits: Limits = DEFAULT_LIMITS) -> ChatRequest:
+    """Validate a `POST /v1/chat/completions` body."""
+    root = _root(body)
+    extra = _extra_body(root)
+    tools = _tools(root)
+    stream, include_usage = _stream(root)
+    return ChatRequest(
+        messages=_messages(root, limits),
+        sampling=_openai_sampling(root, limits, default_max_tokens=None, legacy=False),
+        cache=_cache_options(root, extra),
+        tools=tools,
+        tool_choice=_tool_choice(root, tools),
+        chat_template_kwargs=_chat_template_kwargs(root, extra),
+        model=_optional(root, "model", _string),
+        stream=stream,
+        include_usage=include_usage,
+    )
+
+
+def parse_completion_request(
+    body: object, *, limits: Limits = DEFAULT_LIMITS
+) -> CompletionRequest:
+    """Validate a `POST /v1/completions` (OpenAI legacy completions) body."""
+    root = _root(body)
+    extra = _extra_body(root)
+    _legacy_unsupported(root)
+    stream, include_usage = _stream(root)
+    return CompletionRequest(
+        prompt=_prompt(root, allow_single_item_list=True),
+        sampling=_openai_sampling(
+            root, limits, default_max_tokens=_LEGACY_DEFAULT_MAX_TOKENS, legacy=True
+        ),
+        cache=_cache_options(root, extra),
+        model=_optional(root, "model", _string),
+        stream=stream,
+        include_usage=include_usage,
+    )
+
+
+def parse_native_completion(
+    body: object, *, limits: Limits = DEFAULT_LIMITS
+) -> CompletionRequest:
+    """Validate a llama.cpp-style `POST /completion` body."""
+    root = _root(body)
+    extra = _extra_body(root)
+    sampling = SamplingParams(
+        temperature=_optional(root, "temperature", _temperature, 1.0),
+        top_p=_optional(root, "top_p", _top_p, 1.0),
+        max_tokens=_native_max_tokens(root, limits),
+        stop=_stop(root, limits),
+        seed=_optional(root, "seed", _native_seed),
+    )
+    return CompletionRequest(
+        prompt=_prompt(root, allow_single_item_list=False),
+        sampling=sampling,
+        cache=_cache_options(root, extra),
+        model=_optional(root, "model", _string),
+        stream=_optional(root, "stream", _bool, False),
+    )
+
+
+# --- error helpers -----------------------------------------------------------
+
+
+def _fail(param: str | None, message: str, code: str = _VALUE) -> NoReturn:
+    raise InvalidRequest(message, param=param, code=code)
+
+
+def _kind(value: object) -> str:
+    """Describe a value for an error message without echoing large payloads."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return repr(int(value)) if value.bit_length() <= 64 else "a very large integer"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 40 else f"a string of {len(value)} characters"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, Mapping):
+        return "an object"
+    return type(value).__name__
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+# --- primitive readers: value and path in, checked value out --------------------
+
+
+def _bool(value: object, path: str) -> bool:
+    if not isinstance(value, bool):
+        _fail(path, f"{path} must be a boolean, got {_kind(value)}", _TYPE)
+    return value
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(value: object, path: str, low: int | None = None, high: int | None = None) -> int:
+    if not _is_int(value):
+        _fail(path, f"{path} must be an integer, got {_kind(value)}", _TYPE)
+    number = int(value)  # type: ignore[call-overload]
+    if (low is not None and number < low) or (high is not None and number > high):
+        if low is not None and high is not None:
+            expected = f"between {low} and {high}"
+        elif low is not None:
+            expected = f"at least {low}"
+        else:
+            expected = f"at most {high}"
+        _fail(path, f"{path} must be {expected}, got {_kind(number)}")
+    return number
+
+
+def _number(
+    value: object, path: str, low: float, high: float, *, low_open: bool = False
+) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(path, f"{path} must be a number, got {_kind(value)}", _TYPE)
+    if isinstance(value, float) and not math.isfinite(value):
+        _fail(path, f"{path} must be a finite number, got {_kind(value)}")
+    # Compare before converting: float() of a huge int would overflow.
+    too_low = value <= low if low_open else value < low
+    if too_low or value > high:
+        bracket = "(" if low_open else "["
+        _fail(path, f"{path} must be in {bracket}{low:g}, {high:g}], got {_kind(value)}")
+    return float(value)
+
+
+def _text(value: str, path: str) -> str:
+    # A lone surrogate (from a "\ud800" escape) would fail later, in the tokenizer.
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            _fail(path, f"{path} contains an unpaired UTF-16 surrogate")
+    return value
+
+
+def _string(value: object, path: str) -> str:
+    if not isinstance(value, str):
+        _fail(path, f"{path} must be a string, got {_kind(value)}", _TYPE)
+    return _text(value, path)
+
+
+def _nonempty_string(value: object, path: str) -> str:
+    text = _string(value, path)
+    if not text:
+        _fail(path, f"{path} must not be empty")
+    return text
+
+
+def _object(value: object, path: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        _fail(path, f"{path} must be an object, got {_kind(value)}", _TYPE)
+    return value
+
+
+def _is_list(value: object) -> bool:
+    return isinstance(value, (list, tuple))
+
+
+def _list(value: object, path: str) -> list[Any] | tuple[Any, ...]:
+    if not _is_list(value):
+        _fail(path, f"{path} must be a list, got {_kind(value)}", _TYPE)
+    return value  # type: ignore[return-value]
+
+
+def _json_value(value: object, path: str, depth: int = 0) -> Any:
+    """Copy a JSON value, so the request shares nothing mutable with the caller."""
+    if depth > MAX_JSON_DEPTH:
+        _fail(path, f"{path} is nested more than {MAX_JSON_DEPTH} levels deep")
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        return _text(value, path)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            _fail(path, f"{path} must be a finite number, got {_kind(value)}")
+        return value
+    if _is_list(value):
+        return [
+            _json_value(item, f"{path}[{index}]", depth + 1)
+            for index, item in enumerate(value)  # type: ignore[arg-type]
+        ]
+    if isinstance(value, Mapping):
+        copied = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                _fail(path, f"{path} has a non-string key", _TYPE)
+            # The key is checked first: it becomes part of the param of any later error.
+            key = _text(key, path)
+            copied[key] = _json_value(item, _join(path, key), depth + 1)
+        return copied
+    _fail(path, f"{path} must be a JSON value, got {_kind(value)}", _TYPE)
+
+
+def _optional(
+    fields: Mapping[str, Any],
+    key: str,
+    read: Callable[[object, str], _T],
+    default: _T | None = None,
+    *,
+    prefix: str = "",
+) -> _T | None:
+    """Read `key` with `read`; absent and null give `default`."""
+    value = fields.get(key)
+    if value is None:
+        return default
+    return read(value, _join(prefix, key))
+
+
+def _required(fields: Mapping[str, Any], key: str, prefix: str = "") -> Any:
+    value = fields.get(key)
+    if value is None:
+        path = _join(prefix, key)
+        _fail(path, f"{path} is required", _MISSING)
+    return value
+
+
+# --- request pieces -----------------------------------------------------------
+
+
+def _root(body: object) -> Mapping[str, Any]:
+    if not isinstance(body, Mapping):
+        raise InvalidRequest(
+            f"request body must be a JSON object, got {_kind(body)}", code=_TYPE
+        )
+    return body
+
+
+def _extra_body(root: Mapping[str, Any]) -> Mapping[str, Any]:
+    return _optional(root, "extra_body", _object) or {}
+
+
+def _temperature(value: object, path: str) -> float:
+    return _number(value, path, 0.0, 2.0)
+
+
+def _top_p(value: object, path: str) -> float:
+    return _number(value, path, 0.0, 1.0, low_open=True)
+
+
+def _seed(value: object, path: str) -> int:
+    return _int(value, path, _SEED_MIN, _SEED_MAX) % 2**64
+
+
+def _native_seed(value: object, path: str) -> int | None:
+    # llama.cpp sends -1 for "pick a random seed".
+    if _is_int(value) and value == -1:
+        return None
+    return _seed(value, path)
+
+
+def _stop(root: Mapping[str, Any], limits: Limits) -> tuple[str, ...]:
+    value = root.get("stop")
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        items: list[tuple[object, str]] = [(value, "stop")]
+    elif _is_list(value):
+        if len(value) > limits.max_stop_strings:
+            _fail("stop", f"stop may hold at most {limits.max_stop_strings} strings")
+        items = [(item, f"stop[{index}]") for index, item in enumerate(value)]
+    else:
+        _fail("stop", f"stop must be a string or a list of strings, got {_kind(value)}", _TYPE)
+    stops = []
+    for item, path in items:
+        text = _nonempty_string(item, path)
+        if len(text) > limits.max_stop_string_chars:
+            _fail(path, f"{path} is longer than {limits.max_stop_string_chars} characters")
+        stops.append(text)
+    return tuple(stops)
+
+
+def _max_tokens(root: Mapping[str, Any], limits: Limits, default: int | None) -> int | None:
+    def read(value: object, path: str) -> int:
+        return _int(value, path, 1, limits.max_tokens_cap)
+
+    legacy_name = _optional(root, "max_tokens", read)
+    new_name = _optional(root, "max_completion_tokens", read)
+    if legacy_name is not None and new_name is not None and legacy_name != new_name:
+        _fail(
+            "max_completion_tokens",
+            f"max_completion_tokens ({new_name}) and max_tokens ({legacy_name}) disagree; "
+            "send one of them",
+        )
+    chosen = new_name if new_name is not None else legacy_name
+    return default if chosen is None else chosen
+
+
+def _native_max_tokens(root: Mapping[str, Any], limits: Limits) -> int | None:
+    value = root.get("n_predict")
+    if value is None:
+        # llama.cpp falls back to max_tokens when n_predict is absent.
+        return _max_tokens(root, limits, None)
+    number = _int(value, "n_predict")
+    if number == -1:
+        return None
+    if number < 1 or number > limits.max_tokens_cap:
+        _fail(
+            "n_predict",
+            f"n_predict must be -1 (no limit) or between 1 and {limits.max_tokens_cap}, "
+            f"got {_kind(number)}",
+        )
+    return number
+
+
+def _check_penalties(root: Mapping[str, Any]) -> None:
+    # Validated so a typo is reported, then ignored: this server has no penalties.
+    for key in ("frequency_penalty", "presence_penalty"):
+        _optional(root, key, lambda value, path: _number(value, path, -2.0, 2.0))
+
+
+def _check_n(root: Mapping[str, Any]) -> None:
+    value = root.get("n")
+    if value is not None and _int(value, "n") != 1:
+        _fail("n", f"n must be 1 (one choice per request), got {_kind(value)}", _UNSUPPORTED)
+
+
+def _logprobs(root: Mapping[str, Any], limits: Limits, *, legacy: bool) -> tuple[bool, int]:
+    def read_top(value: object, path: str) -> int:
+        return _int(value, path, 0, limits.max_top_logprobs)
+
+    value = root.get("logprobs")
+    top = _optional(root, "top_logprobs", read_top)
+    if legacy and _is_int(value):
+        # Legacy completions: logprobs is the number of alternatives to return.
+        if top is not None:
+            _fail("top_logprobs", "send either an integer logprobs or top_logprobs, not both")
+        return True, read_top(value, "logprobs")
+    if value is not None and not isinstance(value, bool):
+        expected = "a boolean or an integer" if legacy else "a boolean"
+        _fail("logprobs", f"logprobs must be {expected}, got {_kind(value)}", _TYPE)
+    enabled = bool(value)
+    if top is not None and not enabled:
+        _fail("top_logprobs", "top_logprobs requires logprobs to be true")
+    return enabled, top or 0
+
+
+def _openai_sampling(
+    root: Mapping[str, Any], limits: Limits, *, default_max_tokens: int | None, legacy: bool
+) -> SamplingParams:
+    _check_n(root)
+    _check_penalties(root)
+    logprobs, top_logprobs = _logprobs(root, limits, legacy=legacy)
+    return SamplingParams(
+        temperature=_optional(root, "temperature", _temperature, 1.0),
+        top_p=_optional(root, "top_p", _top_p, 1.0),
+        max_tokens=_max_tokens(root, limits, default_max_tokens),
+        stop=_stop(root, limits),
+        seed=_optional(root, "seed", _seed),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+
+
+def _stream(root: Mapping[str, Any]) -> tuple[bool, bool]:
+    stream = _optional(root, "stream", _bool, False)
+    options = _optional(root, "stream_options", _object) or {}
+    include_usage = _optional(
+        options, "include_usage", _bool, False, prefix="stream_options"
+    )
+    # Accepted without stream (some clients always send it); meaningful only with it.
+    return stream, bool(stream and include_usage)
+
+
+def _cache_options(root: Mapping[str, Any], extra: Mapping[str, Any]) -> CacheOptions:
+    def both(key: str, read: Callable[[object, str], _T]) -> tuple[_T | None, _T | None]:
+        # Both places are checked even when the root value wins.
+        return _optional(root, key, read), _optional(extra, key, read, prefix="extra_body")
+
+    def first(pair: tuple[_T | None, _T | None]) -> _T | None:
+        return pair[0] if pair[0] is not None else pair[1]
+
+    def salt(value: object, path: str) -> str:
+        text = _string(value, path)
+        if len(text) > MAX_CACHE_SALT_CHARS:
+            _fail(path, f"{path} is longer than {MAX_CACHE_SALT_CHARS} characters")
+        return text
+
+    cache_prompt = first(both("cache_prompt", _bool))
+    keys = both("prompt_cache_key", _string)
+    user = _optional(root, "user", _string)
+    session_key = next(
+        (key for key in (*keys, user) if key), CacheOptions().session_key
+    )
+    return CacheOptions(
+        cache_prompt=True if cache_prompt is None else cache_prompt,
+        session_key=session_key,
+        cache_salt=first(both("cache_salt", salt)) or "",
+    )
+
+
+def _chat_template_kwargs(
+    root: Mapping[str, Any], extra: Mapping[str, Any]
+) -> dict[str, Any]:
+    nested = _optional(extra, "chat_template_kwargs", _object, prefix="extra_body") or {}
+    top = _optional(root, "chat_template_kwargs", _object) or {}
+    merged = {
+        **_json_value(nested, "extra_body.chat_template_kwargs"),
+        **_json_value(top, "chat_template_kwargs"),
+    }
+    return merged
+
+
+# --- chat messages ------------------------------------------------------------
+
+
+def _messages(root: Mapping[str, Any], limits: Limits) -> tuple[dict[str, Any], ...]:
+    items = _list(_required(root, "messages"), "messages")
+    if not items:
+        _fail("messages", "messages must hold at least one message")
+    if len(items) > limits.max_messages:
+        _fail("messages", f"messages may hold at most {limits.max_messages} messages")
+    return tuple(_message(item, f"messages[{index}]") for index, item in enumerate(items))
+
+
+def _message(value: object, path: str) -> dict[str, Any]:
+    message = _object(value, path)
+    role = _string(_required(message, "role", path), f"{path}.role")
+    if role not in ROLES:
+        _fail(
+            f"{path}.role",
+            f"{path}.role: unknown role {_kind(role)}; expected one of {', '.join(ROLES)}",
+        )
+    tool_calls = _optional(message, "tool_calls", _tool_calls, prefix=path) or []
+    if tool_calls and role != "assistant":
+        _fail(f"{path}.tool_calls", f"{path}.tool_calls: only assistant messages carry tool calls")
+    content = message.get("content")
+    if content is None and not tool_calls:
+        _fail(
+            f"{path}.content",
+            f"{path}.content is required (it may be null only for an assistant "
+            "message with tool_calls)",
+            _MISSING,
+        )
+    result: dict[str, Any] = {
+        "role": role,
+        "content": None if content is None else _content(content, f"{path}.content"),
+    }
+    if tool_calls:
+        result["tool_calls"] = tool_calls
+    for key in ("name", "reasoning_content") + (("tool_call_id",) if role == "tool" else ()):
+        text = _optional(message, key, _string, prefix=path)
+        if text is not None:
+            result[key] = text
+    return result
+
+
+def _content(value: object, path: str) -> str:
+    if isinstance(value, str):
+        return _text(value, path)
+    if not _is_list(value):
+        _fail(
+            path,
+            f"{path} must be a string or a list of content parts, got {_kind(value)}",
+            _TYPE,
+        )
+    pieces = []
+    for index, item in enumerate(value):  # type: ignore[arg-type]
+        part_path = f"{path}[{index}]"
+        part = _object(item, part_path)
+        part_type = _required(part, "type", part_path)
+        if part_type == "text":
+            pieces.append(_string(_required(part, "text", part_path), f"{part_path}.text"))
+        elif isinstance(part_type, str) and part_type in MULTIMODAL_PART_TYPES:
+            raise InvalidRequest(
+                "multimodal input is not supported by this model",
+                param=part_path,
+                code="unsupported_content",
+            )
+        else:
+            _fail(
+                f"{part_path}.type",
+                f"{part_path}.type: unknown content part type {_kind(part_type)}; expected 'text'",
+            )
+    return "".join(pieces)
+
+
+def _tool_calls(value: object, path: str) -> list[Any]:
+    calls = _list(value, path)
+    for index, item in enumerate(calls):
+        call_path = f"{path}[{index}]"
+        call = _object(item, call_path)
+        call_type = call.get("type")
+        if call_type is not None and call_type != "function":
+            _fail(
+                f"{call_path}.type",
+                f"{call_path}.type must be 'function', got {_kind(call_type)}",
+            )
+        _optional(call, "id", _string, prefix=call_path)
+        function_path = f"{call_path}.function"
+        function = _object(_required(call, "function", call_path), function_path)
+        _nonempty_string(_required(function, "name", function_path), f"{function_path}.name")
+        arguments = _required(function, "arguments", function_path)
+        if not isinstance(arguments, (str, Mapping)):
+            _fail(
+                f"{function_path}.arguments",
+                f"{function_path}.arguments must be a JSON string or an object, "
+                f"got {_kind(arguments)}",
+                _TYPE,
+            )
+    # Arguments stay as sent (string or object); the chat renderer decides.
+    return _json_value(calls, path)
+
+
+# --- tools -------------------------------------------------------------------
+
+
+def _tools(root: Mapping[str, Any]) -> tuple[dict[str, Any], ...] | None:
+    items = _optional(root, "tools", _list)
+    if not items:
+        # An empty list means no tools, same as absent.
+        return None
+    names: set[str] = set()
+    for index, item in enumerate(items):
+        path = f"tools[{index}]"
+        tool = _object(item, path)
+        tool_type = _required(tool, "type", path)
+        if tool_type != "function":
+            _fail(f"{path}.type", f"{path}.type must be 'function', got {_kind(tool_type)}")
+        function_path = f"{path}.function"
+        function = _object(_required(tool, "function", path), function_path)
+        name = _nonempty_string(_required(function, "name", function_path), f"{function_path}.name")
+        if name in names:
+            _fail(f"{function_path}.name", f"{function_path}.name: duplicate tool name {name!r}")
+        names.add(name)
+        _optional(function, "description", _string, prefix=function_path)
+        _optional(function, "parameters", _object, prefix=function_path)
+    return tuple(_json_value(items, "tools"))
+
+
+def _tool_choice(
+    root: Mapping[str, Any], tools: tuple[dict[str, Any], ...] | None
+) -> str | dict[str, Any] | None:
+    value = root.get("tool_choice")
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value not in TOOL_CHOICE_MODES:
+            _fail(
+                "tool_choice",
+                f"tool_choice must be one of {', '.join(TOOL_CHOICE_MODES)} or a named "
+                f"function, got {_kind(value)}",
+            )
+        if value == "required" and not tools:
+            _fail("tool_choice", "tool_choice 'required' needs a non-empty tools list")
+        return value
+    if not isinstance(value, Mapping):
+        _fail(
+            "tool_choice",
+            f"tool_choice must be a string or an object, got {_kind(value)}",
+            _TYPE,
+        )
+    choice_type = _required(value, "type", "tool_choice")
+    if choice_type != "function":
+        _fail("tool_choice.type", f"tool_choice.type must be 'function', got {_kind(choice_type)}")
+    function = _object(_required(value, "function", "tool_choice"), "tool_choice.function")
+    name = _nonempty_string(
+        _required(function, "name", "tool_choice.function"), "tool_choice.function.name"
+    )
+    known = {tool["function"]["name"] for tool in tools or ()}
+    if name not in known:
+        _fail("tool_choice.function.name", f"tool_choice names {name!r}, which is not in tools")
+    return {"type": "function", "function": {"name": name}}
+
+
+# --- completions prompts --------------------------------------------------------
+
+
+def _legacy_unsupported(root: Mapping[str, Any]) -> None:
+    if _optional(root, "echo", _bool, False):
+        _fail("echo", "echo is not supported", _UNSUPPORTED)
+    best_of = root.get("best_of")
+    if best_of is not None and _int(best_of, "best_of") != 1:
+        _fail("best_of", f"best_of must be 1, got {_kind(best_of)}", _UNSUPPORTED)
+    if _optional(root, "suffix", _string):
+        _fail("suffix", "suffix (insertion) is not supported", _UNSUPPORTED)
+
+
+def _prompt(root: Mapping[str, Any], *, allow_single_item_list: bool) -> str | tuple[int, ...]:
+    return _prompt_value(_required(root, "prompt"), "prompt", allow_single_item_list)
+
+
+def _prompt_value(value: object, path: str, allow_single_item_list: bool) -> str | tuple[int, ...]:
+    if isinstance(value, str):
+        if not value:
+            _fail(path, f"{path} must not be empty")
+        return _text(value, path)
+    if not _is_list(value):
+        _fail(path, f"{path} must be a string or a list of token ids, got {_kind(value)}", _TYPE)
+    if not value:
+        _fail(path, f"{path} must not be empty")
+    first = value[0]  # type: ignore[index]
+    if allow_single_item_list and (isinstance(first, str) or _is_list(first)):
+        if len(value) != 1:  # type: ignore[arg-type]
+            _fail(
+                path,
+                "batched prompts are not supported; send one prompt per request",
+                _UNSUPPORTED,
+            )
+        return _prompt_value(first, f"{path}[0]", False)
+    return tuple(
+        _int(token, f"{path}[{index}]", 0, MAX_TOKEN_ID)
+        for index, token in enumerate(value)  # type: ignore[arg-type]
+    )

@@ -1,0 +1,121 @@
+"""Loading a local model folder through mlx-lm.
+
+MLX is imported inside `load_model` only, so `read_model_config` (and a CLI
+that still has to decide whether to re-exec with a faster BLAS) can use this
+module without pulling MLX in.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from mlxcel.model.family import ModelFamily, detect_family
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+__all__ = ["LoadedModel", "ModelLoadError", "load_model", "read_chat_template", "read_model_config"]
+
+
+class ModelLoadError(Exception):
+    """A model folder that cannot be loaded; the message is one line for the user."""
+
+
+@attrs.frozen(kw_only=True)
+class LoadedModel:
+    model: nn.Module = attrs.field(eq=False, repr=False)
+    tokenizer: TokenizerWrapper = attrs.field(eq=False, repr=False)
+    config: dict[str, Any] = attrs.field(repr=False)
+    model_id: str
+    path: Path
+    family: ModelFamily
+    chat_template: str = attrs.field(repr=False)
+    eos_token_ids: frozenset[int]
+
+
+def _model_folder(path: str | Path) -> Path:
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise ModelLoadError(f"model folder not found: {folder}")
+    if not folder.is_dir():
+        raise ModelLoadError(f"model path is not a folder: {folder}")
+    return folder.resolve()
+
+
+def read_model_config(path: str | Path) -> dict[str, Any]:
+    """The parsed ``config.json`` of a model folder, without touching the weights."""
+    folder = _model_folder(path)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"no config.json in model folder {folder}")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ModelLoadError(f"cannot read {config_file}: {error}") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{config_file} does not hold a JSON object")
+    return config
+
+
+def read_chat_template(path: str | Path) -> str:
+    """The chat template source a model folder ships, "" if it has none."""
+    folder = Path(path)
+    # Newer checkpoints keep the template in its own file.
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    tokenizer_config_file = folder / "tokenizer_config.json"
+    if not tokenizer_config_file.is_file():
+        return ""
+    try:
+        tokenizer_config = json.loads(tokenizer_config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return ""
+    template = tokenizer_config.get("chat_template") if isinstance(tokenizer_config, dict) else None
+    if isinstance(template, list):
+        # The named-template form: [{"name": "default", "template": ...}, ...].
+        named = {
+            entry.get("name"): entry.get("template")
+            for entry in template
+            if isinstance(entry, dict)
+        }
+        template = named.get("default")
+    return template if isinstance(template, str) else ""
+
+
+def load_model(path: str | Path) -> LoadedModel:
+    """Load the model and tokenizer of a local folder (never the Hugging Face hub)."""
+    folder = _model_folder(path)
+    config = read_model_config(folder)
+    if not any(folder.glob("model*.safetensors")):
+        raise ModelLoadError(f"no model*.safetensors weights in model folder {folder}")
+
+    from mlx_lm.utils import load
+
+    try:
+        # mlx-lm only downloads when the path does not exist, which was checked.
+        model, tokenizer = load(str(folder))
+    except (ValueError, FileNotFoundError, KeyError, TypeError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelLoadError(f"cannot load model from {folder}: {first_line}") from error
+
+    chat_template = read_chat_template(folder)
+    if not chat_template:
+        fallback = getattr(tokenizer, "chat_template", None)
+        chat_template = fallback if isinstance(fallback, str) else ""
+
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        config=config,
+        model_id=folder.name,
+        path=folder,
+        family=detect_family(config),
+        chat_template=chat_template,
+        eos_token_ids=frozenset(int(token_id) for token_id in tokenizer.eos_token_ids),
+    )

@@ -1,0 +1,948 @@
+"""Request validation: every rule has a bad case with its param, every good variant its values."""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mlxcel.http import validation
+from mlxcel.http.validation import (
+    Limits,
+    decode_json_body,
+    parse_chat_request,
+    parse_completion_request,
+    parse_native_completion,
+)
+from mlxcel.types import (
+    CacheOptions,
+    ChatRequest,
+    CompletionRequest,
+    InvalidRequest,
+    SamplingParams,
+)
+
+ANON = "__mlxcel_anon__"
+CAP = Limits().max_tokens_cap
+USER = {"role": "user", "content": "hi"}
+TOOL_F = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"messages": [USER], **fields}
+
+
+def message(**fields: Any) -> dict[str, Any]:
+    return {"messages": [fields]}
+
+
+def completion(**fields: Any) -> dict[str, Any]:
+    return {"prompt": "hi", **fields}
+
+
+def assert_well_formed(error: InvalidRequest) -> None:
+    assert error.message
+    assert error.param is None or isinstance(error.param, str)
+    assert 400 <= error.status < 500
+    json.dumps(error.to_body(), ensure_ascii=False).encode("utf-8")
+
+
+def expect_invalid(parse: Any, body: object, param: str | None, code: str | None) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as caught:
+        parse(body)
+    error = caught.value
+    assert_well_formed(error)
+    assert (error.param, error.status) == (param, 400), error.message
+    if code is not None:
+        assert error.code == code, error.message
+    return error
+
+
+MISSING = "missing_required_parameter"
+TYPE = "invalid_type"
+VALUE = "invalid_value"
+UNSUPPORTED = "unsupported_parameter"
+
+# Bad input shared by all three parsers: sampling and cache fields.
+BAD_COMMON: list[tuple[dict[str, Any], str, str]] = [
+    ({"temperature": -0.1}, "temperature", VALUE),
+    ({"temperature": 2.01}, "temperature", VALUE),
+    ({"temperature": "1"}, "temperature", TYPE),
+    ({"temperature": True}, "temperature", TYPE),
+    ({"temperature": math.nan}, "temperature", VALUE),
+    ({"temperature": math.inf}, "temperature", VALUE),
+    ({"temperature": 10**400}, "temperature", VALUE),
+    ({"top_p": 0}, "top_p", VALUE),
+    ({"top_p": 0.0}, "top_p", VALUE),
+    ({"top_p": 1.5}, "top_p", VALUE),
+    ({"top_p": [1]}, "top_p", TYPE),
+    ({"stop": 5}, "stop", TYPE),
+    ({"stop": ""}, "stop", VALUE),
+    ({"stop": [""]}, "stop[0]", VALUE),
+    ({"stop": ["a", 5]}, "stop[1]", TYPE),
+    ({"stop": ["x"] * 17}, "stop", VALUE),
+    ({"stop": ["x" * 1025]}, "stop[0]", VALUE),
+    ({"stop": "\ud800"}, "stop", VALUE),
+    ({"seed": 1.5}, "seed", TYPE),
+    ({"seed": "1"}, "seed", TYPE),
+    ({"seed": True}, "seed", TYPE),
+    ({"seed": 2**64}, "seed", VALUE),
+    ({"seed": -(2**63) - 1}, "seed", VALUE),
+    ({"model": 5}, "model", TYPE),
+    ({"stream": "yes"}, "stream", TYPE),
+    ({"stream": 1}, "stream", TYPE),
+    ({"extra_body": "x"}, "extra_body", TYPE),
+    ({"cache_prompt": "false"}, "cache_prompt", TYPE),
+    ({"cache_prompt": 0}, "cache_prompt", TYPE),
+    ({"extra_body": {"cache_prompt": 0}}, "extra_body.cache_prompt", TYPE),
+    # The root value wins, but a malformed nested one is still reported.
+    ({"cache_prompt": True, "extra_body": {"cache_prompt": "no"}}, "extra_body.cache_prompt", TYPE),
+    ({"prompt_cache_key": 5}, "prompt_cache_key", TYPE),
+    ({"extra_body": {"prompt_cache_key": []}}, "extra_body.prompt_cache_key", TYPE),
+    ({"user": 5}, "user", TYPE),
+    ({"prompt_cache_key": "k", "user": {"id": 1}}, "user", TYPE),
+    ({"cache_salt": 5}, "cache_salt", TYPE),
+    ({"cache_salt": "s" * 257}, "cache_salt", VALUE),
+    ({"extra_body": {"cache_salt": False}}, "extra_body.cache_salt", TYPE),
+]
+
+BAD_OPENAI_SAMPLING: list[tuple[dict[str, Any], str, str]] = [
+    ({"max_tokens": 0}, "max_tokens", VALUE),
+    ({"max_tokens": -1}, "max_tokens", VALUE),
+    ({"max_tokens": 5.0}, "max_tokens", TYPE),
+    ({"max_tokens": True}, "max_tokens", TYPE),
+    ({"max_tokens": "5"}, "max_tokens", TYPE),
+    ({"max_tokens": CAP + 1}, "max_tokens", VALUE),
+    ({"max_tokens": 10**30}, "max_tokens", VALUE),
+    ({"max_completion_tokens": 0}, "max_completion_tokens", VALUE),
+    ({"max_completion_tokens": 1.5}, "max_completion_tokens", TYPE),
+    ({"max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens", VALUE),
+    ({"n": 2}, "n", UNSUPPORTED),
+    ({"n": 0}, "n", UNSUPPORTED),
+    ({"n": 1.0}, "n", TYPE),
+    ({"n": "1"}, "n", TYPE),
+    ({"frequency_penalty": 2.5}, "frequency_penalty", VALUE),
+    ({"frequency_penalty": "0"}, "frequency_penalty", TYPE),
+    ({"presence_penalty": -2.01}, "presence_penalty", VALUE),
+    ({"presence_penalty": math.nan}, "presence_penalty", VALUE),
+    ({"top_logprobs": 2}, "top_logprobs", VALUE),
+    ({"logprobs": False, "top_logprobs": 0}, "top_logprobs", VALUE),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", VALUE),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", VALUE),
+    ({"logprobs": True, "top_logprobs": 1.0}, "top_logprobs", TYPE),
+    ({"stream_options": []}, "stream_options", TYPE),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage", TYPE),
+]
+
+BAD_CHAT_ONLY: list[tuple[object, str | None, str]] = [
+    ([], None, TYPE),
+    ("hi", None, TYPE),
+    (None, None, TYPE),
+    ({}, "messages", MISSING),
+    ({"messages": None}, "messages", MISSING),
+    ({"messages": "hi"}, "messages", TYPE),
+    ({"messages": {"role": "user"}}, "messages", TYPE),
+    ({"messages": []}, "messages", VALUE),
+    ({"messages": [USER, "hi"]}, "messages[1]", TYPE),
+    (message(content="hi"), "messages[0].role", MISSING),
+    (message(role="robot", content="hi"), "messages[0].role", VALUE),
+    (message(role=5, content="hi"), "messages[0].role", TYPE),
+    (message(role="user"), "messages[0].content", MISSING),
+    (message(role="user", content=None), "messages[0].content", MISSING),
+    (message(role="assistant"), "messages[0].content", MISSING),
+    (message(role="assistant", tool_calls=[]), "messages[0].content", MISSING),
+    (message(role="tool", tool_call_id="c1"), "messages[0].content", MISSING),
+    (message(role="user", content=5), "messages[0].content", TYPE),
+    (message(role="user", content={"type": "text"}), "messages[0].content", TYPE),
+    (message(role="user", content="\udfff"), "messages[0].content", VALUE),
+    (message(role="user", content=["hi"]), "messages[0].content[0]", TYPE),
+    (message(role="user", content=[{"text": "hi"}]), "messages[0].content[0].type", MISSING),
+    (message(role="user", content=[{"type": "text"}]), "messages[0].content[0].text", MISSING),
+    (message(role="user", content=[{"type": "text", "text": 5}]), "messages[0].content[0].text", TYPE),
+    (message(role="user", content=[{"type": "video", "text": "x"}]), "messages[0].content[0].type", VALUE),
+    (message(role="user", content=[{"type": ["text"]}]), "messages[0].content[0].type", VALUE),
+    (
+        {
+            "messages": [
+                USER,
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what is this?"},
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}},
+                    ],
+                },
+            ]
+        },
+        "messages[1].content[1]",
+        "unsupported_content",
+    ),
+    (
+        message(role="user", content=[{"type": "input_audio", "input_audio": {}}]),
+        "messages[0].content[0]",
+        "unsupported_content",
+    ),
+    (message(role="user", content="hi", name=5), "messages[0].name", TYPE),
+    (message(role="tool", content="42", tool_call_id=7), "messages[0].tool_call_id", TYPE),
+    (message(role="assistant", content="x", reasoning_content=1), "messages[0].reasoning_content", TYPE),
+    (
+        message(role="user", content="x", tool_calls=[{"function": {"name": "f", "arguments": "{}"}}]),
+        "messages[0].tool_calls",
+        VALUE,
+    ),
+    (message(role="assistant", tool_calls="f()"), "messages[0].tool_calls", TYPE),
+    (message(role="assistant", tool_calls=[5]), "messages[0].tool_calls[0]", TYPE),
+    (message(role="assistant", tool_calls=[{"id": "c"}]), "messages[0].tool_calls[0].function", MISSING),
+    (
+        message(role="assistant", tool_calls=[{"id": 1, "function": {"name": "f", "arguments": "{}"}}]),
+        "messages[0].tool_calls[0].id",
+        TYPE,
+    ),
+    (
+        message(role="assistant", tool_calls=[{"type": "x", "function": {"name": "f", "arguments": "{}"}}]),
+        "messages[0].tool_calls[0].type",
+        VALUE,
+    ),
+    (
+        message(role="assistant", tool_calls=[{"function": {"arguments": "{}"}}]),
+        "messages[0].tool_calls[0].function.name",
+        MISSING,
+    ),
+    (
+        message(role="assistant", tool_calls=[{"function": {"name": "f"}}]),
+        "messages[0].tool_calls[0].function.arguments",
+        MISSING,
+    ),
+    (
+        message(role="assistant", tool_calls=[{"function": {"name": "f", "arguments": 5}}]),
+        "messages[0].tool_calls[0].function.arguments",
+        TYPE,
+    ),
+    (
+        message(role="assistant", tool_calls=[{"function": {"name": "f", "arguments": {"x": math.inf}}}]),
+        "messages[0].tool_calls[0].function.arguments.x",
+        VALUE,
+    ),
+    (chat(logprobs=1), "logprobs", TYPE),
+    (chat(logprobs="true"), "logprobs", TYPE),
+    (chat(tools={"type": "function"}), "tools", TYPE),
+    (chat(tools=[5]), "tools[0]", TYPE),
+    (chat(tools=[{"function": {"name": "f"}}]), "tools[0].type", MISSING),
+    (chat(tools=[{"type": "retrieval", "function": {"name": "f"}}]), "tools[0].type", VALUE),
+    (chat(tools=[{"type": "function"}]), "tools[0].function", MISSING),
+    (chat(tools=[{"type": "function", "function": "f"}]), "tools[0].function", TYPE),
+    (chat(tools=[{"type": "function", "function": {}}]), "tools[0].function.name", MISSING),
+    (chat(tools=[{"type": "function", "function": {"name": ""}}]), "tools[0].function.name", VALUE),
+    (
+        chat(tools=[{"type": "function", "function": {"name": "f", "description": 5}}]),
+        "tools[0].function.description",
+        TYPE,
+    ),
+    (
+        chat(tools=[{"type": "function", "function": {"name": "f", "parameters": "{}"}}]),
+        "tools[0].function.parameters",
+        TYPE,
+    ),
+    (
+        chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"x": math.nan}}}]),
+        "tools[0].function.parameters.x",
+        VALUE,
+    ),
+    (chat(tools=[TOOL_F, TOOL_F]), "tools[1].function.name", VALUE),
+    (chat(tool_choice="sometimes"), "tool_choice", VALUE),
+    (chat(tool_choice=5), "tool_choice", TYPE),
+    (chat(tool_choice="required"), "tool_choice", VALUE),
+    (chat(tools=[], tool_choice="required"), "tool_choice", VALUE),
+    (chat(tools=[TOOL_F], tool_choice={"function": {"name": "f"}}), "tool_choice.type", MISSING),
+    (chat(tools=[TOOL_F], tool_choice={"type": "tool", "name": "f"}), "tool_choice.type", VALUE),
+    (chat(tools=[TOOL_F], tool_choice={"type": "function"}), "tool_choice.function", MISSING),
+    (
+        chat(tools=[TOOL_F], tool_choice={"type": "function", "function": {"name": "g"}}),
+        "tool_choice.function.name",
+        VALUE,
+    ),
+    (
+        chat(tool_choice={"type": "function", "function": {"name": "f"}}),
+        "tool_choice.function.name",
+        VALUE,
+    ),
+    (chat(chat_template_kwargs="x"), "chat_template_kwargs", TYPE),
+    (chat(chat_template_kwargs={"a": math.inf}), "chat_template_kwargs.a", VALUE),
+    (chat(extra_body={"chat_template_kwargs": 5}), "extra_body.chat_template_kwargs", TYPE),
+    # A bad key is reported before its value, so the param never holds a surrogate.
+    (chat(chat_template_kwargs={"\ud800": math.nan}), "chat_template_kwargs", VALUE),
+]
+
+
+def _nested(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+def _cases(rows: list[tuple[Any, Any, str]], build: Any) -> list[Any]:
+    return [
+        pytest.param(build(fields), param, code, id=f"{param}-{index}")
+        for index, (fields, param, code) in enumerate(rows)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [pytest.param(body, param, code, id=f"{param}-{i}") for i, (body, param, code) in enumerate(BAD_CHAT_ONLY)]
+    + _cases(BAD_COMMON + BAD_OPENAI_SAMPLING, lambda fields: chat(**fields)),
+)
+def test_bad_chat_request(body: object, param: str | None, code: str) -> None:
+    expect_invalid(parse_chat_request, body, param, code)
+
+
+BAD_COMPLETION_ONLY: list[tuple[object, str | None, str]] = [
+    ([1, 2], None, TYPE),
+    ({}, "prompt", MISSING),
+    ({"prompt": None}, "prompt", MISSING),
+    ({"prompt": 5}, "prompt", TYPE),
+    ({"prompt": {"text": "hi"}}, "prompt", TYPE),
+    ({"prompt": ""}, "prompt", VALUE),
+    ({"prompt": []}, "prompt", VALUE),
+    ({"prompt": "\ud800x"}, "prompt", VALUE),
+    ({"prompt": ["a", "b"]}, "prompt", UNSUPPORTED),
+    ({"prompt": [[1], [2]]}, "prompt", UNSUPPORTED),
+    ({"prompt": [""]}, "prompt[0]", VALUE),
+    ({"prompt": [[]]}, "prompt[0]", VALUE),
+    ({"prompt": [[1, "x"]]}, "prompt[0][1]", TYPE),
+    ({"prompt": [1, "a"]}, "prompt[1]", TYPE),
+    ({"prompt": [1, 2.0]}, "prompt[1]", TYPE),
+    ({"prompt": [True]}, "prompt[0]", TYPE),
+    ({"prompt": [-1]}, "prompt[0]", VALUE),
+    ({"prompt": [2**31]}, "prompt[0]", VALUE),
+    ({"prompt": [1, [2]]}, "prompt[1]", TYPE),
+    (completion(echo=True), "echo", UNSUPPORTED),
+    (completion(echo="no"), "echo", TYPE),
+    (completion(best_of=2), "best_of", UNSUPPORTED),
+    (completion(best_of=1.0), "best_of", TYPE),
+    (completion(suffix="}"), "suffix", UNSUPPORTED),
+    (completion(suffix=1), "suffix", TYPE),
+    (completion(logprobs=21), "logprobs", VALUE),
+    (completion(logprobs=-1), "logprobs", VALUE),
+    (completion(logprobs=2.0), "logprobs", TYPE),
+    (completion(logprobs="2"), "logprobs", TYPE),
+    (completion(logprobs=2, top_logprobs=2), "top_logprobs", VALUE),
+]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        pytest.param(body, param, code, id=f"{param}-{i}")
+        for i, (body, param, code) in enumerate(BAD_COMPLETION_ONLY)
+    ]
+    + _cases(BAD_COMMON + BAD_OPENAI_SAMPLING, lambda fields: completion(**fields)),
+)
+def test_bad_completion_request(body: object, param: str | None, code: str) -> None:
+    expect_invalid(parse_completion_request, body, param, code)
+
+
+BAD_NATIVE_ONLY: list[tuple[object, str | None, str]] = [
+    ("prompt", None, TYPE),
+    ({}, "prompt", MISSING),
+    ({"prompt": 3}, "prompt", TYPE),
+    ({"prompt": ""}, "prompt", VALUE),
+    ({"prompt": []}, "prompt", VALUE),
+    ({"prompt": ["hi"]}, "prompt[0]", TYPE),
+    ({"prompt": [1, -5]}, "prompt[1]", VALUE),
+    (completion(n_predict=0), "n_predict", VALUE),
+    (completion(n_predict=-2), "n_predict", VALUE),
+    (completion(n_predict=CAP + 1), "n_predict", VALUE),
+    (completion(n_predict=1.5), "n_predict", TYPE),
+    (completion(n_predict="8"), "n_predict", TYPE),
+    (completion(max_tokens=0), "max_tokens", VALUE),
+    (completion(seed=-1.0), "seed", TYPE),
+]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        pytest.param(body, param, code, id=f"{param}-{i}")
+        for i, (body, param, code) in enumerate(BAD_NATIVE_ONLY)
+    ]
+    + _cases(BAD_COMMON, lambda fields: completion(**fields)),
+)
+def test_bad_native_completion(body: object, param: str | None, code: str) -> None:
+    expect_invalid(parse_native_completion, body, param, code)
+
+
+def test_error_messages_name_the_field_and_the_problem() -> None:
+    error = expect_invalid(
+        parse_chat_request, message(role="robot", content="x"), "messages[0].role", VALUE
+    )
+    assert "robot" in error.message and "assistant" in error.message
+    error = expect_invalid(
+        parse_chat_request,
+        message(role="user", content=[{"type": "image_url", "image_url": {}}]),
+        "messages[0].content[0]",
+        "unsupported_content",
+    )
+    assert error.message == "multimodal input is not supported by this model"
+    error = expect_invalid(parse_chat_request, chat(temperature=3), "temperature", VALUE)
+    assert "temperature" in error.message and "[0, 2]" in error.message
+    error = expect_invalid(parse_chat_request, chat(max_tokens=5.0), "max_tokens", TYPE)
+    assert "integer" in error.message
+    # Large values are described, not echoed.
+    error = expect_invalid(parse_chat_request, chat(seed=10**5000), "seed", VALUE)
+    assert len(error.message) < 200
+    error = expect_invalid(parse_chat_request, message(role="x" * 10_000, content=""), "messages[0].role", VALUE)
+    assert len(error.message) < 200
+
+
+def test_nesting_past_the_depth_limit_is_refused() -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        parse_chat_request(chat(chat_template_kwargs=_nested(100)))
+    assert_well_formed(caught.value)
+    assert caught.value.param == "chat_template_kwargs" + ".a" * 65
+    assert parse_chat_request(chat(chat_template_kwargs=_nested(30))).chat_template_kwargs == _nested(30)
+
+
+@pytest.mark.parametrize(
+    ("limits", "fields", "param"),
+    [
+        (Limits(max_messages=2), {"messages": [USER] * 3}, "messages"),
+        (Limits(max_stop_strings=1), {"stop": ["a", "b"]}, "stop"),
+        (Limits(max_stop_string_chars=3), {"stop": "abcd"}, "stop"),
+        (Limits(max_tokens_cap=100), {"max_tokens": 101}, "max_tokens"),
+        (Limits(max_top_logprobs=5), {"logprobs": True, "top_logprobs": 6}, "top_logprobs"),
+    ],
+)
+def test_limits_are_configurable(limits: Limits, fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        parse_chat_request(chat(**fields), limits=limits)
+    assert caught.value.param == param
+    parse_chat_request(chat(**fields))  # within the default limits
+
+
+# --- good chat requests -------------------------------------------------------
+
+
+def test_minimal_chat_request_gets_defaults() -> None:
+    request = parse_chat_request({"messages": [USER]})
+    assert request == ChatRequest(
+        messages=({"role": "user", "content": "hi"},),
+        sampling=SamplingParams(),
+        cache=CacheOptions(),
+    )
+    assert request.tools is None and request.tool_choice is None
+    assert request.chat_template_kwargs == {}
+    assert (request.stream, request.include_usage, request.model) == (False, False, None)
+
+
+def test_messages_are_normalised() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    body = {
+        "messages": [
+            {"role": "system", "content": "be brief", "extra": "dropped"},
+            {"role": "developer", "content": []},
+            {
+                "role": "user",
+                "name": "ann",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b", "cache_control": {}}],
+            },
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "assistant", "tool_calls": [{"function": {"name": "g", "arguments": {"y": [1]}}}]},
+            {"role": "tool", "content": [{"type": "text", "text": "42"}], "tool_call_id": "c1"},
+            {"role": "assistant", "content": "done", "tool_calls": [], "reasoning_content": "hm"},
+            {"role": "user", "content": "ok", "tool_call_id": "ignored on user"},
+        ]
+    }
+    request = parse_chat_request(body)
+    assert request.messages == (
+        {"role": "system", "content": "be brief"},
+        {"role": "developer", "content": ""},
+        {"role": "user", "content": "ab", "name": "ann"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "g", "arguments": {"y": [1]}}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "done", "reasoning_content": "hm"},
+        {"role": "user", "content": "ok"},
+    )
+    assert type(request.messages) is tuple and all(type(m) is dict for m in request.messages)
+    # Nothing mutable is shared with the caller's body.
+    body["messages"][3]["tool_calls"][0]["function"]["name"] = "changed"
+    assert request.messages[3]["tool_calls"][0]["function"]["name"] == "f"
+
+
+GOOD_SAMPLING: list[tuple[dict[str, Any], SamplingParams]] = [
+    ({"temperature": 0}, SamplingParams(temperature=0.0)),
+    ({"temperature": 2, "top_p": 1}, SamplingParams(temperature=2.0)),
+    ({"temperature": 0.7, "top_p": 0.01}, SamplingParams(temperature=0.7, top_p=0.01)),
+    ({"stop": "END"}, SamplingParams(stop=("END",))),
+    ({"stop": ["a", "b" * 1024]}, SamplingParams(stop=("a", "b" * 1024))),
+    ({"stop": ["x"] * 16}, SamplingParams(stop=("x",) * 16)),
+    ({"stop": []}, SamplingParams()),
+    ({"seed": 42}, SamplingParams(seed=42)),
+    ({"seed": 0}, SamplingParams(seed=0)),
+    ({"seed": -1}, SamplingParams(seed=2**64 - 1)),
+    ({"seed": -(2**63)}, SamplingParams(seed=2**63)),
+    ({"seed": 2**64 - 1}, SamplingParams(seed=2**64 - 1)),
+    (
+        {"temperature": None, "top_p": None, "stop": None, "seed": None, "max_tokens": None},
+        SamplingParams(),
+    ),
+]
+
+GOOD_OPENAI_SAMPLING: list[tuple[dict[str, Any], SamplingParams]] = [
+    ({"max_tokens": 1}, SamplingParams(max_tokens=1)),
+    ({"max_tokens": CAP}, SamplingParams(max_tokens=CAP)),
+    ({"max_completion_tokens": 7}, SamplingParams(max_tokens=7)),
+    ({"max_tokens": 7, "max_completion_tokens": 7}, SamplingParams(max_tokens=7)),
+    ({"max_tokens": None, "max_completion_tokens": 9}, SamplingParams(max_tokens=9)),
+    ({"n": 1, "frequency_penalty": 2, "presence_penalty": -2.0}, SamplingParams()),
+    ({"n": None, "frequency_penalty": None, "logit_bias": {"5": 10}}, SamplingParams()),
+    ({"logprobs": False}, SamplingParams()),
+    ({"logprobs": True}, SamplingParams(logprobs=True)),
+    ({"logprobs": True, "top_logprobs": 20}, SamplingParams(logprobs=True, top_logprobs=20)),
+    ({"logprobs": True, "top_logprobs": 0}, SamplingParams(logprobs=True)),
+    ({"logprobs": None, "top_logprobs": None}, SamplingParams()),
+]
+
+
+@pytest.mark.parametrize(("fields", "expected"), GOOD_SAMPLING + GOOD_OPENAI_SAMPLING)
+def test_chat_sampling(fields: dict[str, Any], expected: SamplingParams) -> None:
+    assert parse_chat_request(chat(**fields)).sampling == expected
+
+
+GOOD_CACHE: list[tuple[dict[str, Any], CacheOptions]] = [
+    ({}, CacheOptions(cache_prompt=True, session_key=ANON, cache_salt="")),
+    ({"cache_prompt": False}, CacheOptions(cache_prompt=False)),
+    ({"extra_body": {"cache_prompt": False}}, CacheOptions(cache_prompt=False)),
+    ({"cache_prompt": True, "extra_body": {"cache_prompt": False}}, CacheOptions(cache_prompt=True)),
+    ({"cache_prompt": None, "extra_body": {"cache_prompt": False}}, CacheOptions(cache_prompt=False)),
+    ({"extra_body": None}, CacheOptions()),
+    ({"prompt_cache_key": "conv-1", "user": "ann"}, CacheOptions(session_key="conv-1")),
+    (
+        {"prompt_cache_key": "root", "extra_body": {"prompt_cache_key": "nested"}},
+        CacheOptions(session_key="root"),
+    ),
+    (
+        {"prompt_cache_key": "", "extra_body": {"prompt_cache_key": "nested"}, "user": "ann"},
+        CacheOptions(session_key="nested"),
+    ),
+    ({"extra_body": {"prompt_cache_key": ""}, "user": "ann"}, CacheOptions(session_key="ann")),
+    ({"prompt_cache_key": None, "user": "ann"}, CacheOptions(session_key="ann")),
+    ({"user": ""}, CacheOptions(session_key=ANON)),
+    ({"user": None, "prompt_cache_key": ""}, CacheOptions(session_key=ANON)),
+    ({"cache_salt": "s" * 256}, CacheOptions(cache_salt="s" * 256)),
+    ({"extra_body": {"cache_salt": "tenant-a"}}, CacheOptions(cache_salt="tenant-a")),
+    ({"cache_salt": "root", "extra_body": {"cache_salt": "nested"}}, CacheOptions(cache_salt="root")),
+]
+
+
+@pytest.mark.parametrize(("fields", "expected"), GOOD_CACHE)
+def test_cache_options_on_every_route(fields: dict[str, Any], expected: CacheOptions) -> None:
+    assert parse_chat_request(chat(**fields)).cache == expected
+    assert parse_completion_request(completion(**fields)).cache == expected
+    assert parse_native_completion(completion(**fields)).cache == expected
+
+
+@pytest.mark.parametrize(
+    ("fields", "stream", "include_usage"),
+    [
+        ({}, False, False),
+        ({"stream": True}, True, False),
+        ({"stream": True, "stream_options": {"include_usage": True}}, True, True),
+        ({"stream": True, "stream_options": {"include_usage": None}}, True, False),
+        ({"stream": True, "stream_options": {}}, True, False),
+        ({"stream": False, "stream_options": {"include_usage": True}}, False, False),
+        ({"stream": None, "stream_options": None}, False, False),
+    ],
+)
+def test_stream_flags(fields: dict[str, Any], stream: bool, include_usage: bool) -> None:
+    for parse, body in ((parse_chat_request, chat(**fields)), (parse_completion_request, completion(**fields))):
+        request = parse(body)
+        assert (request.stream, request.include_usage) == (stream, include_usage)
+
+
+def test_tools_and_tool_choice() -> None:
+    tool_g = {"type": "function", "function": {"name": "g", "description": "G", "strict": True}}
+    request = parse_chat_request(
+        chat(tools=[TOOL_F, tool_g], tool_choice={"type": "function", "function": {"name": "g"}})
+    )
+    assert request.tools == (TOOL_F, tool_g)
+    assert request.tool_choice == {"type": "function", "function": {"name": "g"}}
+    for mode in ("auto", "none", "required"):
+        assert parse_chat_request(chat(tools=[TOOL_F], tool_choice=mode)).tool_choice == mode
+    assert parse_chat_request(chat(tool_choice="auto")).tool_choice == "auto"
+    assert parse_chat_request(chat(tool_choice="none", tools=None)).tool_choice == "none"
+    assert parse_chat_request(chat(tools=[])).tools is None
+
+
+def test_chat_template_kwargs_merge_with_root_winning() -> None:
+    body = chat(
+        chat_template_kwargs={"enable_thinking": False},
+        extra_body={"chat_template_kwargs": {"enable_thinking": True, "x": [1]}},
+    )
+    assert parse_chat_request(body).chat_template_kwargs == {"enable_thinking": False, "x": [1]}
+    nested_only = chat(extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert parse_chat_request(nested_only).chat_template_kwargs == {"enable_thinking": True}
+
+
+def test_unknown_fields_are_ignored() -> None:
+    body = chat(
+        model="m",
+        response_format={"type": "text"},
+        parallel_tool_calls=True,
+        metadata={"a": "b"},
+        service_tier="auto",
+        store=False,
+        extra_body={"top_k": 20, "whatever": [math.nan]},
+        n_predict="ignored on chat",
+        unknown=object(),
+    )
+    request = parse_chat_request(body)
+    assert request.model == "m"
+    assert request.sampling == SamplingParams()
+
+
+# --- good completions ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("hi", "hi"),
+        (["hi"], "hi"),
+        ([0, 1, 2**31 - 1], (0, 1, 2**31 - 1)),
+        ([[5, 6]], (5, 6)),
+        ("héllo 👋", "héllo 👋"),
+    ],
+)
+def test_completion_prompt_forms(prompt: object, expected: object) -> None:
+    request = parse_completion_request({"prompt": prompt})
+    assert request.prompt == expected
+    assert isinstance(request, CompletionRequest)
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({}, SamplingParams(max_tokens=16)),
+        ({"max_tokens": None}, SamplingParams(max_tokens=16)),
+        ({"max_tokens": 100}, SamplingParams(max_tokens=100)),
+        ({"echo": False, "best_of": 1, "suffix": ""}, SamplingParams(max_tokens=16)),
+        ({"echo": None, "best_of": None, "suffix": None}, SamplingParams(max_tokens=16)),
+        ({"logprobs": 0}, SamplingParams(max_tokens=16, logprobs=True, top_logprobs=0)),
+        ({"logprobs": 5}, SamplingParams(max_tokens=16, logprobs=True, top_logprobs=5)),
+        ({"logprobs": True, "top_logprobs": 3}, SamplingParams(max_tokens=16, logprobs=True, top_logprobs=3)),
+        ({"logprobs": False}, SamplingParams(max_tokens=16)),
+    ]
+    + [(fields, attrs.evolve(expected, max_tokens=16)) for fields, expected in GOOD_SAMPLING],
+)
+def test_completion_sampling(fields: dict[str, Any], expected: SamplingParams) -> None:
+    assert parse_completion_request(completion(**fields)).sampling == expected
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({}, SamplingParams()),
+        ({"n_predict": -1}, SamplingParams()),
+        ({"n_predict": 1}, SamplingParams(max_tokens=1)),
+        ({"n_predict": CAP}, SamplingParams(max_tokens=CAP)),
+        ({"max_tokens": 7}, SamplingParams(max_tokens=7)),
+        ({"n_predict": 3, "max_tokens": 7}, SamplingParams(max_tokens=3)),
+        ({"n_predict": -1, "max_tokens": 7}, SamplingParams()),
+        ({"seed": -1}, SamplingParams()),
+        ({"seed": 123}, SamplingParams(seed=123)),
+        ({"seed": -2}, SamplingParams(seed=2**64 - 2)),
+        ({"temperature": 0, "top_p": 0.9, "stop": ["\n\n"]}, SamplingParams(temperature=0.0, top_p=0.9, stop=("\n\n",))),
+        # Not read on the native route: llama.cpp has its own names for these.
+        ({"logprobs": True, "n": 4, "echo": True}, SamplingParams()),
+    ],
+)
+def test_native_sampling(fields: dict[str, Any], expected: SamplingParams) -> None:
+    assert parse_native_completion(completion(**fields)).sampling == expected
+
+
+def test_native_completion_fields() -> None:
+    request = parse_native_completion(
+        {"prompt": [1, 2, 3], "stream": True, "cache_prompt": False, "model": "m", "n_probs": 3}
+    )
+    assert request == CompletionRequest(
+        prompt=(1, 2, 3),
+        cache=CacheOptions(cache_prompt=False),
+        model="m",
+        stream=True,
+        include_usage=False,
+    )
+
+
+# --- decode_json_body -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (b'{"a": 1}', {"a": 1}),
+        (b' \n{"messages": [], "x": 1.5e3}\n ', {"messages": [], "x": 1500.0}),
+        ('{"t": "h\u00e9 \\ud83d\\udc4b"}'.encode(), {"t": "hé 👋"}),
+        (b'{"n": 1e-400}', {"n": 0.0}),
+        (b"{}", {}),
+    ],
+)
+def test_decode_good_bodies(raw: bytes, expected: object) -> None:
+    assert decode_json_body(raw, max_bytes=1024) == expected
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "code"),
+    [
+        (b'{"a": "' + b"x" * 100 + b'"}', 413, "request_too_large"),
+        (b'{"a": "\xff"}', 400, "invalid_json"),
+        (b'{"a": "\xed\xa0\x80"}', 400, "invalid_json"),  # an encoded surrogate
+        (b'{"a": 1', 400, "invalid_json"),
+        (b"{'a': 1}", 400, "invalid_json"),
+        (b'{"a": 1}{"b": 2}', 400, "invalid_json"),
+        (b'{"a": NaN}', 400, "invalid_json"),
+        (b'{"a": [Infinity]}', 400, "invalid_json"),
+        (b'{"a": -Infinity}', 400, "invalid_json"),
+        (b'{"a": 1e999}', 400, "invalid_json"),
+        (b'{"a": -1e999}', 400, "invalid_json"),
+        (b'{"a": ' + b"9" * 5000 + b"}", 400, "invalid_json"),
+        (b"[" * 50_000 + b"]" * 50_000, 400, "invalid_json"),
+        (b"\xef\xbb\xbf{}", 400, "invalid_json"),  # a UTF-8 byte-order mark
+        (b"", 400, "invalid_json"),
+        (b"  \n", 400, "invalid_json"),
+        (b"[]", 400, "invalid_type"),
+        (b'"hi"', 400, "invalid_type"),
+        (b"null", 400, "invalid_type"),
+        (b"42", 400, "invalid_type"),
+    ],
+)
+def test_decode_bad_bodies(raw: bytes, status: int, code: str) -> None:
+    max_bytes = 64 if status == 413 else 1 << 20
+    with pytest.raises(InvalidRequest) as caught:
+        decode_json_body(raw, max_bytes=max_bytes)
+    error = caught.value
+    assert_well_formed(error)
+    assert (error.status, error.code, error.param) == (status, code, None), error.message
+
+
+def test_decode_size_limit_is_inclusive() -> None:
+    raw = b'{"a": "xyz"}'
+    assert decode_json_body(raw, max_bytes=len(raw)) == {"a": "xyz"}
+    with pytest.raises(InvalidRequest) as caught:
+        decode_json_body(raw, max_bytes=len(raw) - 1)
+    assert caught.value.status == 413
+
+
+def test_decoded_lone_surrogate_is_caught_by_the_parser() -> None:
+    body = decode_json_body(b'{"messages": [{"role": "user", "content": "\\ud800"}]}', max_bytes=1024)
+    expect_invalid(parse_chat_request, body, "messages[0].content", VALUE)
+
+
+def test_module_is_pure() -> None:
+    tree = ast.parse(Path(validation.__file__).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module.split(".")[0])
+    assert not imported & {"trio", "quart", "quart_trio", "mlx", "mlx_lm", "hypercorn"}
+
+
+# --- properties -------------------------------------------------------------------
+
+PARSERS = [
+    (parse_chat_request, ChatRequest),
+    (parse_completion_request, CompletionRequest),
+    (parse_native_completion, CompletionRequest),
+]
+
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.sampled_from([0, 1, -1, 2, 16, 2**31, 2**64])
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12)
+    | st.sampled_from(["", "text", "user", "assistant", "tool", "function", "auto", "image_url", "\ud800"])
+)
+json_values = st.recursive(
+    scalars,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=12,
+)
+FIELDS = [
+    "messages", "prompt", "model", "stream", "stream_options", "temperature", "top_p",
+    "max_tokens", "max_completion_tokens", "n_predict", "stop", "seed", "logprobs",
+    "top_logprobs", "n", "frequency_penalty", "presence_penalty", "tools", "tool_choice",
+    "chat_template_kwargs", "extra_body", "cache_prompt", "prompt_cache_key", "user",
+    "cache_salt", "echo", "best_of", "suffix",
+]  # fmt: skip
+field_bodies = st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=6)
+
+def mostly(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """Usually a valid value, sometimes any JSON value: bodies that get past the first check."""
+    return st.sampled_from([False] * 15 + [True]).flatmap(lambda wrong: json_values if wrong else valid)
+
+
+short_text = st.text(max_size=8)
+part = st.fixed_dictionaries(
+    {
+        "type": mostly(st.sampled_from(["text"] * 6 + ["image_url", "input_audio", "video"])),
+        "text": mostly(short_text),
+    },
+    optional={"image_url": json_values},
+)
+tool_call = st.fixed_dictionaries(
+    {
+        "function": mostly(
+            st.fixed_dictionaries(
+                {"name": mostly(st.sampled_from(["f", "f", "f", ""])), "arguments": mostly(st.just("{}"))}
+            )
+        )
+    },
+    optional={"id": mostly(short_text), "type": mostly(st.just("function"))},
+)
+chat_message = st.fixed_dictionaries(
+    {
+        "role": mostly(st.sampled_from([*validation.ROLES, *validation.ROLES, "robot"])),
+        "content": mostly(st.one_of(short_text, short_text, st.lists(part, max_size=3), st.none())),
+    },
+    optional={
+        "name": mostly(short_text),
+        "tool_calls": mostly(st.lists(tool_call, max_size=2)),
+        "tool_call_id": mostly(short_text),
+    },
+)
+tool = st.fixed_dictionaries(
+    {
+        "type": mostly(st.just("function")),
+        "function": mostly(
+            st.fixed_dictionaries(
+                {"name": mostly(st.sampled_from(["f", "g", "g", ""]))},
+                optional={"description": mostly(short_text), "parameters": mostly(st.just({"type": "object"}))},
+            )
+        ),
+    },
+)
+plausible_chat = st.fixed_dictionaries(
+    {
+        "messages": mostly(st.lists(chat_message, min_size=1, max_size=3)),
+        # The completions routes' prompt, so their parsers get past their first check too.
+        "prompt": mostly(
+            st.one_of(st.text(min_size=1, max_size=8), st.lists(st.integers(0, 2**31), min_size=1, max_size=4))
+        ),
+    },
+    optional={
+        "temperature": mostly(st.floats(-0.5, 2.5)),
+        "top_p": mostly(st.floats(-0.5, 1.5)),
+        "max_tokens": mostly(st.integers(-2, CAP + 2)),
+        "max_completion_tokens": mostly(st.integers(-2, CAP + 2)),
+        "stop": mostly(st.one_of(short_text, st.lists(short_text, max_size=18))),
+        "seed": mostly(st.integers(-(2**64), 2**65)),
+        "logprobs": mostly(st.booleans()),
+        "top_logprobs": mostly(st.integers(-1, 22)),
+        "n": mostly(st.sampled_from([1, 1, 1, 2])),
+        "tools": mostly(st.lists(tool, max_size=2)),
+        "tool_choice": mostly(
+            st.one_of(
+                st.sampled_from(["auto", "none", "required", "x"]),
+                st.fixed_dictionaries(
+                    {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "h"])})}
+                ),
+            )
+        ),
+        "stream": mostly(st.booleans()),
+        "stream_options": mostly(st.fixed_dictionaries({}, optional={"include_usage": mostly(st.booleans())})),
+        "extra_body": mostly(
+            st.fixed_dictionaries(
+                {},
+                optional={
+                    "cache_prompt": mostly(st.booleans()),
+                    "prompt_cache_key": mostly(short_text),
+                    "cache_salt": mostly(short_text),
+                    "chat_template_kwargs": mostly(st.dictionaries(short_text, json_values, max_size=2)),
+                },
+            )
+        ),
+        "cache_prompt": mostly(st.booleans()),
+        "prompt_cache_key": mostly(short_text),
+        "user": mostly(short_text),
+        "n_predict": mostly(st.integers(-3, 5)),
+        "echo": mostly(st.sampled_from([False, False, False, True])),
+    },
+)
+
+FAST = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _parse_or_refuse(body: object) -> None:
+    for parse, result_type in PARSERS:
+        try:
+            result = parse(body)
+        except InvalidRequest as error:
+            assert_well_formed(error)
+            assert error.status == 400
+        else:
+            assert type(result) is result_type
+
+
+@FAST
+@given(json_values)
+def test_any_value_parses_or_is_refused(value: object) -> None:
+    _parse_or_refuse(value)
+
+
+@FAST
+@given(field_bodies)
+def test_any_known_fields_parse_or_are_refused(body: dict[str, Any]) -> None:
+    _parse_or_refuse(body)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plausible_chat)
+def test_plausible_bodies_parse_or_are_refused(body: dict[str, Any]) -> None:
+    _parse_or_refuse(body)
+
+
+@FAST
+@given(st.one_of(st.binary(max_size=64), json_values.map(lambda v: json.dumps({"v": v}).encode())))
+def test_any_bytes_decode_or_are_refused(raw: bytes) -> None:
+    try:
+        value = decode_json_body(raw, max_bytes=4096)
+    except InvalidRequest as error:
+        assert_well_formed(error)
+        assert error.param is None
+    else:
+        assert isinstance(value, dict)
+        _parse_or_refuse(value)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    temperature=st.floats(0, 2),
+    top_p=st.floats(0, 1, exclude_min=True),
+    max_tokens=st.integers(1, CAP),
+    stop=st.lists(st.text(min_size=1, max_size=8).filter(lambda s: s.isprintable()), max_size=16),
+    seed=st.integers(-(2**63), 2**64 - 1),
+)
+def test_valid_sampling_round_trips(
+    temperature: float, top_p: float, max_tokens: int, stop: list[str], seed: int
+) -> None:
+    fields = {"temperature": temperature, "top_p": top_p, "max_tokens": max_tokens, "stop": stop, "seed": seed}
+    expected = SamplingParams(
+        temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=tuple(stop), seed=seed % 2**64
+    )
+    assert parse_chat_request(chat(**fields)).sampling == expected
+    assert parse_completion_request(completion(**fields)).sampling == expected
+    raw = json.dumps(chat(**fields)).encode()
+    assert parse_chat_request(decode_json_body(raw, max_bytes=1 << 20)).sampling == expected

@@ -1,0 +1,26 @@
+"""Helpers shared by the tests (importable as ``tests.support``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from mlxcel.config import EngineConfig, PromptCacheConfig, SchedulerConfig
+from mlxcel.model.fixtures import fixture_path
+
+# A small budget keeps test memory low and skips the model-aware sizing.
+TEST_CACHE = PromptCacheConfig(capacity_bytes=512 << 20)
+
+
+def make_engine_config(family: str = "llama", **changes: Any) -> EngineConfig:
+    prompt_cache = changes.pop("prompt_cache", TEST_CACHE)
+    scheduler = changes.pop("scheduler", SchedulerConfig(prefill_step_size=512))
+    return EngineConfig(
+        model_path=fixture_path(family), prompt_cache=prompt_cache, scheduler=scheduler, **changes
+    )
+
+
+
+def evolve_cache(**changes: Any) -> PromptCacheConfig:
+    return attrs.evolve(TEST_CACHE, **changes)
