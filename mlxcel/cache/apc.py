@@ -24,7 +24,7 @@ HashAlgorithm = Literal["sha256", "blake3"]
 class BlockHasher:
     """Computes block hash chains with one algorithm and block size."""
 
-    def __init__(self, *, algorithm: HashAlgorithm = "sha256", block_size: int = 16) -> None:
+    def __init__(self, algorithm: HashAlgorithm = "sha256", block_size: int = 16) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown APC hash {algorithm!r}; use one of {ALGORITHMS}")
         if block_size < 1:

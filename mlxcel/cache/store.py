@@ -18,7 +18,7 @@ import attrs
 
 from mlxcel.cache.apc import ALGORITHMS, BlockHasher, agreeing_blocks
 from mlxcel.cache.key import CacheContext, digest_packed, pack_tokens
-from mlxcel.cache.trie import RadixTrie, TrieWalk
+from mlxcel.cache.trie import PackedPrefix, RadixTrie, TrieWalk
 
 EvictionReason = Literal["lru", "ttl", "capacity", "superseded"]
 EVICTION_REASONS: tuple[EvictionReason, ...] = ("lru", "ttl", "capacity", "superseded")
@@ -149,9 +149,9 @@ class _RequestChain:
     recomputed; blocks past that point are hashed from the request itself.
     """
 
-    def __init__(self, hasher: BlockHasher, token_bytes: bytes, mm_digest: bytes) -> None:
+    def __init__(self, hasher: BlockHasher, request: PackedPrefix, mm_digest: bytes) -> None:
         self._hasher = hasher
-        self._token_bytes = token_bytes
+        self._request = request
         self._mm_digest = mm_digest
         self.hashes: list[bytes] = []
 
@@ -161,8 +161,9 @@ class _RequestChain:
         if len(hashes) < known:
             hashes.extend(donor[len(hashes) : known])
         if len(hashes) < num_blocks:
+            token_bytes = self._request.up_to(num_blocks * self._hasher.block_size)
             self.hashes = hashes = self._hasher.extend_packed(
-                hashes, self._token_bytes, self._mm_digest, num_blocks
+                hashes, token_bytes, self._mm_digest, num_blocks
             )
         return hashes
 
@@ -176,7 +177,7 @@ class PromptCacheStore:
         self._hasher = BlockHasher(algorithm=self.apc.algorithm, block_size=self.apc.block_size)
         self._block_cap = self.apc.block_cap(limits.max_entries)
         self._entries: dict[bytes, _Entry] = {}
-        # Least recently used first; the same order as last_used.
+        # Least recently used first, which is also last_used order.
         self._recency: OrderedDict[bytes, None] = OrderedDict()
         self._owner_recency: OrderedDict[bytes, None] = OrderedDict()
         self._tries: dict[tuple, RadixTrie] = {}
@@ -205,7 +206,7 @@ class PromptCacheStore:
         nbytes: int,
         now: float,
     ) -> InsertOutcome:
-        """Store the KV payload of `tokens`; the store owns it if stored is True."""
+        """Offer the KV payload of tokens; the store keeps it when stored is True."""
         if nbytes < 0:
             raise ValueError("nbytes must not be negative")
         evictions: list[tuple[EvictionReason, int]] = []
@@ -215,23 +216,8 @@ class PromptCacheStore:
         if nbytes > self.limits.capacity_bytes:
             return self._refuse("too_large", evictions)
 
-        sequence = tuple(tokens)
-        trie_key = (context.bucket, context.rope_regime, context.mm_digest)
-        trie = self._tries.get(trie_key)
-        walk = trie.walk(sequence) if trie is not None else None
-        # The entry sharing the longest prefix lends its packed tokens and chain.
-        neighbor, common = None, 0
-        if walk is not None:
-            found = walk.longest_common()
-            if found is not None:
-                neighbor, common = self._entries[found[0]], found[1]
-        if neighbor is not None and common:
-            source = neighbor.owner or neighbor
-            token_bytes = source.token_bytes[: 4 * common] + pack_tokens(sequence[common:])
-        else:
-            token_bytes = pack_tokens(sequence)
+        token_bytes = pack_tokens(tokens)
         entry_id = digest_packed(context, token_bytes)
-
         existing = self._entries.get(entry_id)
         if existing is not None:
             self._touch(existing, now)
@@ -240,19 +226,35 @@ class PromptCacheStore:
                 stored=False, entry_id=entry_id, reason="duplicate", evictions=tuple(evictions)
             )
 
+        trie_key = (context.bucket, context.rope_regime, context.mm_digest)
+        trie = self._tries.get(trie_key)
+        superseded: list[_Entry] = []
         chain: list[bytes] = []
+        if trie is not None:
+            walk = trie.walk(token_bytes)
+            for older_id, length in walk.prefix_matches(tag=context.session_key):
+                older = self._entries[older_id]
+                if older.owner is None and length < len(tokens) and older.context == context:
+                    superseded.append(older)
+            if self.apc.enabled:
+                # The entry sharing the longest prefix lends its hashes for it.
+                found = walk.longest_common()
+                if found is not None:
+                    neighbor = self._entries[found[0]]
+                    neighbor_chain, neighbor_blocks = self._chain_of(neighbor)
+                    chain = neighbor_chain[: min(found[1] // self.apc.block_size, neighbor_blocks)]
+        else:
+            trie = self._tries[trie_key] = RadixTrie()
         if self.apc.enabled:
-            reused: list[bytes] = []
-            if neighbor is not None:
-                neighbor_chain, neighbor_blocks = self._chain_of(neighbor)
-                reused = neighbor_chain[: min(common // self.apc.block_size, neighbor_blocks)]
-            chain = self._hasher.extend(reused, sequence, context.mm_digest, self._block_cap)
+            chain = self._hasher.extend_packed(
+                chain, token_bytes, context.mm_digest, self._block_cap
+            )
 
         entry = _Entry(
             entry_id=entry_id,
             context=context,
             trie_key=trie_key,
-            tokens=sequence,
+            num_tokens=len(tokens),
             payload=payload,
             nbytes=nbytes,
             last_used=now,
@@ -260,25 +262,19 @@ class PromptCacheStore:
             chain=chain,
             num_blocks=len(chain),
         )
-        superseded = []
-        if walk is not None:
-            for older_id, length in walk.prefix_matches(tag=context.session_key):
-                older = self._entries[older_id]
-                if older.owner is None and length < len(sequence) and older.context == context:
-                    superseded.append(older)
-
-        if trie is None:
-            trie = self._tries[trie_key] = RadixTrie()
-        trie.insert(sequence, entry_id, tag=context.session_key)
+        trie.insert(token_bytes, entry_id, tag=context.session_key)
         self._entries[entry_id] = entry
         self._recency[entry_id] = None
         self._owner_recency[entry_id] = None
         self._bytes += nbytes
-        self._add_blocks(chain)
         self._count_chain(entry.num_blocks, +1)
         self._inserts += 1
+        # The longest superseded chain is a prefix of the new one: hand its
+        # references over instead of counting every block up and down again.
+        heir = max(superseded, key=lambda older: len(older.chain), default=None)
+        self._add_blocks(chain[len(heir.chain) :] if heir is not None else chain)
         for older in superseded:
-            self._supersede(older, entry, evictions)
+            self._supersede(older, entry, evictions, references_moved=older is heir)
         self._enforce_limits(evictions)
         return InsertOutcome(
             stored=True, entry_id=entry_id, reason=None, evictions=tuple(evictions)
@@ -291,14 +287,19 @@ class PromptCacheStore:
         return InsertOutcome(stored=False, reason=reason, evictions=tuple(evictions))
 
     def _supersede(
-        self, older: _Entry, newer: _Entry, evictions: list[tuple[EvictionReason, int]]
+        self,
+        older: _Entry,
+        newer: _Entry,
+        evictions: list[tuple[EvictionReason, int]],
+        references_moved: bool,
     ) -> None:
         """Turn older into a zero-byte alias of newer, which holds its tokens and more."""
         self._bytes -= older.nbytes
         evictions.append(("superseded", older.nbytes))
         self._evictions["superseded"] += 1
-        # Its chain is a prefix of newer's, so num_blocks stays as it is.
-        self._drop_blocks(older.chain)
+        # Its chain is a prefix of newer's, so its num_blocks stays valid.
+        if not references_moved:
+            self._drop_blocks(older.chain)
         older.payload = None
         older.token_bytes = None
         older.chain = []
@@ -330,22 +331,29 @@ class PromptCacheStore:
         now: float,
         max_len: int | None = None,
     ) -> Match | None:
-        """The longest usable stored prefix of tokens, or None (a miss)."""
+        """The longest usable stored prefix of tokens, or None (a miss).
+
+        max_len caps the match (callers pass len(tokens) - 1 so at least one
+        token is prefilled). The payload is handed back untouched; an
+        adopter that needs fewer tokens than the entry holds trims a copy.
+        """
         self._expire(now, [])
-        sequence = tuple(tokens)
-        cap = len(sequence) if max_len is None else min(max_len, len(sequence))
+        num_tokens = len(tokens)
+        cap = num_tokens if max_len is None else min(max_len, num_tokens)
         floor = max(self.limits.min_prefix, 1)
         trie = self._tries.get((context.bucket, context.rope_regime, context.mm_digest))
         if trie is None or cap < floor:
             self._misses += 1
             return None
-        walk = trie.walk(sequence)
-        request_chain = _RequestChain(self._hasher, sequence, context.mm_digest)
-        own = self._best(walk, context, sequence, cap, request_chain, context.session_key, floor)
+        # Packed lazily: a walk that parts early from every entry packs little.
+        request = PackedPrefix(tokens)
+        walk = trie.walk(request)
+        request_chain = _RequestChain(self._hasher, request, context.mm_digest)
+        own = self._best(walk, context, num_tokens, cap, request_chain, context.session_key, floor)
         if own is not None:
             floor = own.matched_len + 1
         # Another session's entry wins only when strictly longer.
-        other = self._best(walk, context, sequence, cap, request_chain, None, floor)
+        other = self._best(walk, context, num_tokens, cap, request_chain, None, floor)
         chosen = other if other is not None else own
         if chosen is None:
             self._misses += 1
@@ -359,7 +367,7 @@ class PromptCacheStore:
             entry_id=entry.entry_id,
             payload=owner.payload,
             matched_len=chosen.matched_len,
-            entry_len=len(entry.tokens),
+            entry_len=entry.num_tokens,
             cross_session=entry.context.session_key != context.session_key,
             partial=chosen.partial,
         )
@@ -368,7 +376,7 @@ class PromptCacheStore:
         self,
         walk: TrieWalk,
         context: CacheContext,
-        sequence: tuple[int, ...],
+        num_tokens: int,
         cap: int,
         request_chain: _RequestChain,
         tag: str | None,
@@ -391,8 +399,8 @@ class PromptCacheStore:
             return best
         block_size = self.apc.block_size
         cap_blocks = cap // block_size
-        request_blocks = len(sequence) // block_size
-        # Only branches that can yield a whole block more than best are visited.
+        request_blocks = num_tokens // block_size
+        # Only branches that can add a whole block over best are visited.
         min_common = (best_len // block_size + 1) * block_size
         for entry_id, common in walk.diverging_matches(tag=tag, min_common=min_common):
             bound = min(common // block_size, cap_blocks) * block_size
@@ -402,7 +410,7 @@ class PromptCacheStore:
             chain, num_blocks = self._chain_of(self._entries[entry_id])
             # One block past the common prefix lets the walk see the divergence.
             needed = min(common // block_size + 1, num_blocks, cap_blocks, request_blocks)
-            request_hashes = request_chain.up_to(needed)
+            request_hashes = request_chain.up_to(needed, chain, common // block_size)
             agreeing = agreeing_blocks(request_hashes[:needed], chain[:needed])
             matched = min(agreeing, cap_blocks) * block_size
             if matched > best_len:
@@ -429,7 +437,7 @@ class PromptCacheStore:
             self._evict(entry, "ttl", evictions)
 
     def reset(self) -> ResetOutcome:
-        """Forget every entry and chain; counters keep running."""
+        """Forget every entry and chain; the counters keep running."""
         outcome = ResetOutcome(entries_freed=len(self._entries), bytes_freed=self._bytes)
         self._entries.clear()
         self._recency.clear()
@@ -444,7 +452,7 @@ class PromptCacheStore:
     def _evict(
         self, entry: _Entry, reason: EvictionReason, evictions: list[tuple[EvictionReason, int]]
     ) -> None:
-        # Aliases share the owner's payload, so they leave with it.
+        # Aliases read the owner's payload and tokens, so they leave first.
         for alias in list(entry.aliases.values()):
             self._remove(alias, reason, evictions)
         self._remove(entry, reason, evictions)
@@ -453,12 +461,12 @@ class PromptCacheStore:
         self, entry: _Entry, reason: EvictionReason, evictions: list[tuple[EvictionReason, int]]
     ) -> None:
         entry_id = entry.entry_id
-        del self._entries[entry_id]
-        del self._recency[entry_id]
         trie = self._tries[entry.trie_key]
-        trie.remove(entry.tokens, entry_id)
+        trie.remove(entry.packed(), entry_id)
         if not len(trie):
             del self._tries[entry.trie_key]
+        del self._entries[entry_id]
+        del self._recency[entry_id]
         self._count_chain(entry.num_blocks, -1)
         if entry.owner is None:
             del self._owner_recency[entry_id]
@@ -491,19 +499,16 @@ class PromptCacheStore:
         if num_blocks:
             self._apc_active += sign
 
-    def _add_blocks(self, chain: list[bytes]) -> None:
+    def _add_blocks(self, hashes: list[bytes]) -> None:
+        # map/zip keep the per-hash work in C; a chain never repeats a hash.
         refs = self._block_refs
-        for block_hash in chain:
-            refs[block_hash] = refs.get(block_hash, 0) + 1
+        refs.update(zip(hashes, map(_plus_one, map(refs.get, hashes, repeat(0)))))
 
-    def _drop_blocks(self, chain: list[bytes]) -> None:
+    def _drop_blocks(self, hashes: list[bytes]) -> None:
         refs = self._block_refs
-        for block_hash in chain:
-            remaining = refs[block_hash] - 1
-            if remaining:
-                refs[block_hash] = remaining
-            else:
-                del refs[block_hash]
+        refs.update(zip(hashes, map(_minus_one, map(refs.__getitem__, hashes))))
+        for unused in list(compress(hashes, map(operator.not_, map(refs.__getitem__, hashes)))):
+            del refs[unused]
 
     # Introspection
 
@@ -530,16 +535,20 @@ class PromptCacheStore:
         )
 
     def entries_by_recency(self) -> list[EntryInfo]:
-        """Every entry, least recently used first (does not expire anything)."""
+        """Every entry, least recently used first (expires nothing)."""
         return [self._info(self._entries[entry_id]) for entry_id in self._recency]
 
     def _info(self, entry: _Entry) -> EntryInfo:
         return EntryInfo(
             entry_id=entry.entry_id,
             context=entry.context,
-            tokens=entry.tokens,
+            tokens=struct.unpack(f"<{entry.num_tokens}i", entry.packed()),
             nbytes=entry.nbytes,
             alias_of=None if entry.owner is None else entry.owner.entry_id,
             num_blocks=entry.num_blocks,
             last_used=entry.last_used,
         )
+
+
+_plus_one = (1).__add__
+_minus_one = (-1).__add__

@@ -26,6 +26,30 @@ def _packed(tokens: TokenInput) -> bytes:
     return tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
 
 
+class PackedPrefix:
+    """A token sequence packed on demand, so a walk that stops early packs little."""
+
+    __slots__ = ("_tokens", "data", "num_tokens")
+
+    def __init__(self, tokens: TokenInput) -> None:
+        if isinstance(tokens, bytes):
+            self._tokens: Sequence[int] | None = None
+            self.data = tokens
+        else:
+            self._tokens = tokens
+            self.data = b""
+        self.num_tokens = len(tokens) if self._tokens is not None else len(tokens) // _TOKEN
+
+    def up_to(self, num_tokens: int) -> bytes:
+        """The packed bytes of at least the first num_tokens tokens (or all)."""
+        have = len(self.data) // _TOKEN
+        if have < num_tokens and self._tokens is not None:
+            # Grow at least twofold so repeated calls stay linear overall.
+            end = min(self.num_tokens, max(num_tokens, 2 * have, 64))
+            self.data += pack_tokens(self._tokens[have:end])
+        return self.data
+
+
 def _common_tokens(data: bytes, start: int, label: bytes) -> int:
     """Tokens shared by data[start:] (byte offset) and label."""
     if data.startswith(label, start):
@@ -152,15 +176,18 @@ class RadixTrie:
     def __len__(self) -> int:
         return self._num_entries
 
-    def walk(self, tokens: TokenInput) -> TrieWalk:
-        data = _packed(tokens)
+    def walk(self, tokens: TokenInput | PackedPrefix) -> TrieWalk:
+        request = tokens if isinstance(tokens, PackedPrefix) else PackedPrefix(tokens)
+        total = request.num_tokens * _TOKEN
         node = self._root
         path = [node]
         position = 0  # in bytes
-        while position < len(data):
+        while position < total:
+            data = request.up_to(position // _TOKEN + 1)
             child = node.children.get(data[position : position + _TOKEN])
             if child is None:
                 break
+            data = request.up_to((position + len(child.label)) // _TOKEN)
             matched = _common_tokens(data, position, child.label)
             if matched * _TOKEN < len(child.label):
                 return TrieWalk(path, child, position // _TOKEN + matched)

@@ -147,11 +147,12 @@ def decode_json_body(raw: bytes, *, max_bytes: int) -> object:
 def parse_chat_request(body: object, *, limits: Limits = DEFAULT_LIMITS) -> ChatRequest:
     """Validate a `POST /v1/chat/completions` body."""
     root = _root(body)
+    messages = _messages(root, limits)  # first, so a body missing them says so first
     extra = _extra_body(root)
     tools = _tools(root)
     stream, include_usage = _stream(root)
     return ChatRequest(
-        messages=_messages(root, limits),
+        messages=messages,
         sampling=_openai_sampling(root, limits, default_max_tokens=None, legacy=False),
         cache=_cache_options(root, extra),
         tools=tools,

@@ -249,6 +249,15 @@ def _random_weights(config: dict[str, Any], seed: int) -> dict[str, Any]:
     return weights
 
 
+def _link_or_copy(source: Path, destination: Path) -> None:
+    # A hard link shares the 18 MB tokenizer between fixture folders.
+    destination.unlink(missing_ok=True)
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copyfile(source, destination)
+
+
 def write_fixture(family: str, out_dir: Path, *, seed: int = 0) -> Path:
     """Write a random-weight float32 model folder of ``family`` into ``out_dir``."""
     import mlx.core as mx
@@ -258,7 +267,7 @@ def write_fixture(family: str, out_dir: Path, *, seed: int = 0) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out_dir / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(), indent=2) + "\n")
-    shutil.copyfile(tokenizer_json_path(), out_dir / "tokenizer.json")
+    _link_or_copy(tokenizer_json_path(), out_dir / "tokenizer.json")
     weights = _random_weights(config, seed)
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     return out_dir

@@ -7,6 +7,8 @@ module without pulling MLX in.
 
 from __future__ import annotations
 
+import functools
+
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -88,6 +90,34 @@ def read_chat_template(path: str | Path) -> str:
     return template if isinstance(template, str) else ""
 
 
+def _tokenizer_files_stamp(folder: Path) -> tuple[tuple[str, int, int], ...]:
+    """Changes whenever a tokenizer file changes, so the memo below never goes stale."""
+    return tuple(
+        (entry.name, entry.stat().st_mtime_ns, entry.stat().st_size)
+        for entry in sorted(folder.iterdir())
+        if entry.suffix in (".json", ".jinja", ".model", ".tiktoken", ".txt")
+    )
+
+
+def _eos_key(model_config: dict[str, Any]) -> tuple[int, ...] | int | None:
+    eos = model_config.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else eos
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(folder: Path, _stamp: object, eos_token_ids: tuple[int, ...] | int | None) -> Any:
+    """mlx-lm's tokenizer wrapper, built once per folder per process.
+
+    Building it over a large vocabulary takes seconds and it is read-only
+    afterwards (each request copies its own streaming detokenizer), so
+    engines in one process (tests, embedding apps) share it.
+    """
+    from mlx_lm.utils import load_tokenizer
+
+    eos = list(eos_token_ids) if isinstance(eos_token_ids, tuple) else eos_token_ids
+    return load_tokenizer(folder, eos_token_ids=eos)
+
+
 def load_model(path: str | Path) -> LoadedModel:
     """Load the model and tokenizer of a local folder (never the Hugging Face hub)."""
     folder = _model_folder(path)
@@ -95,11 +125,12 @@ def load_model(path: str | Path) -> LoadedModel:
     if not any(folder.glob("model*.safetensors")):
         raise ModelLoadError(f"no model*.safetensors weights in model folder {folder}")
 
-    from mlx_lm.utils import load
+    from mlx_lm.utils import load_model as load_weights
 
     try:
         # mlx-lm only downloads when the path does not exist, which was checked.
-        model, tokenizer = load(str(folder))
+        model, model_config = load_weights(folder)
+        tokenizer = _load_tokenizer(folder, _tokenizer_files_stamp(folder), _eos_key(model_config))
     except (ValueError, FileNotFoundError, KeyError, TypeError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelLoadError(f"cannot load model from {folder}: {first_line}") from error
