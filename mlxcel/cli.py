@@ -90,10 +90,10 @@ async def run_server(engine_config: EngineConfig, server_config: ServerConfig) -
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_on_signals, stop)
         engine = await nursery.start(run_engine, engine_config)
-        if server_config.host not in ("127.0.0.1", "localhost", "::1"):
+        if server_config.host not in ("127.0.0.1", "localhost", "::1") and server_config.api_key is None:
             logger.warning(
-                "binding %s: the API is reachable from other machines and has no API key",
-                server_config.host,
+                "binding %s without --api-key: anyone who can reach this port can use the API "
+                "and probe the prompt cache", server_config.host,
             )
 
         async def serve_then_stop(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
@@ -103,6 +103,9 @@ async def run_server(engine_config: EngineConfig, server_config: ServerConfig) -
                 server_config.port,
                 metrics=server_config.metrics,
                 max_body_bytes=server_config.max_body_bytes,
+                api_key=server_config.api_key,
+                admin_api_key=server_config.admin_api_key,
+                graceful_timeout=server_config.shutdown_grace_seconds,
                 shutdown_trigger=stop.wait,
                 task_status=task_status,
             )

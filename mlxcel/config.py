@@ -39,6 +39,8 @@ class PromptCacheConfig:
     snapshot_capacity_bytes: int | None = None
     snapshot_max_entries: int = 4096
     snapshot_ttl_seconds: float = 7200.0
+    # False keeps every lookup inside the request's own session (tenant isolation).
+    cross_session: bool = True
 
 
 @attrs.frozen(kw_only=True)
@@ -74,6 +76,12 @@ class ServerConfig:
     metrics: bool = False
     max_body_bytes: int = 16 << 20
     log_level: str = "info"
+    # Required as `Authorization: Bearer KEY` on every route but /health.
+    api_key: str | None = attrs.field(default=None, repr=False)
+    # When set, only this key may reset the cache or read /metrics.
+    admin_api_key: str | None = attrs.field(default=None, repr=False)
+    # Seconds in-flight streams get to finish after SIGTERM before they are cancelled.
+    shutdown_grace_seconds: float = 30.0
 
 
 # --- value parsers ------------------------------------------------------------
@@ -96,25 +104,36 @@ def parse_llama_cache_reuse(text: str) -> bool:
     try:
         return int(text.strip()) > 0
     except ValueError:
-        return parse_bool(text)
+        pass
+    return parse_bool(text)
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ValueError(f"expected an integer, got {text!r}") from None
 
 
 def parse_non_negative_int(text: str) -> int:
-    value = int(text.strip())
+    value = _int(text)
     if value < 0:
         raise ValueError(f"expected a non-negative integer, got {text!r}")
     return value
 
 
 def parse_positive_int(text: str) -> int:
-    value = int(text.strip())
+    value = _int(text)
     if value <= 0:
         raise ValueError(f"expected a positive integer, got {text!r}")
     return value
 
 
 def parse_seconds(text: str) -> float:
-    value = float(text.strip())
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise ValueError(f"expected a number of seconds, got {text!r}") from None
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"expected a positive number of seconds, got {text!r}")
     return value
@@ -171,6 +190,20 @@ PROMPT_CACHE_SETTINGS = (
     Setting("snapshot_ttl_seconds", "--prompt-cache-snapshot-ttl",
             ("MLXCEL_PROMPT_CACHE_SNAPSHOT_TTL",), parse_seconds,
             "seconds a session snapshot lives (default 7200)"),
+    Setting("cross_session", "--prompt-cache-cross-session", ("MLXCEL_PROMPT_CACHE_CROSS_SESSION",),
+            parse_bool, "let a request reuse another session's prefix (default true; false isolates tenants)",
+            optional_value=True),
+)
+
+SERVER_SETTINGS = (
+    Setting("api_key", "--api-key", ("MLXCEL_API_KEY",), str,
+            "require `Authorization: Bearer KEY` on every route but /health"),
+    Setting("admin_api_key", "--admin-api-key", ("MLXCEL_ADMIN_API_KEY",), str,
+            "a separate key required for /v1/cache/reset and /metrics"),
+    Setting("max_body_bytes", "--max-body-bytes", ("MLXCEL_MAX_BODY_BYTES",), parse_positive_int,
+            "largest accepted request body (default 16 MiB)"),
+    Setting("shutdown_grace_seconds", "--shutdown-grace-seconds", ("MLXCEL_SHUTDOWN_GRACE_SECONDS",),
+            parse_seconds, "after SIGTERM, seconds in-flight streams get to finish (default 30)"),
 )
 
 SCHEDULER_SETTINGS = (
@@ -254,6 +287,7 @@ def build_serve_parser(prog: str = "mlxcel serve") -> argparse.ArgumentParser:
                         choices=["debug", "info", "warning", "error"])
     add_settings(parser, PROMPT_CACHE_SETTINGS)
     add_settings(parser, SCHEDULER_SETTINGS)
+    add_settings(parser, SERVER_SETTINGS)
     return parser
 
 
@@ -283,5 +317,6 @@ def build_configs(
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port}: expected 0..65535")
     server = ServerConfig(host=host, port=port, metrics=namespace.metrics,
-                          log_level=namespace.log_level)
+                          log_level=namespace.log_level,
+                          **resolve_settings(namespace, SERVER_SETTINGS, environ))
     return engine, server

@@ -6,6 +6,7 @@ handle (``create_app(engine)``).
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import time
@@ -141,13 +142,45 @@ def _legacy_logprobs(logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
     }
 
 
-def create_app(engine: Engine, *, max_body_bytes: int = 16 << 20, metrics: bool = False, limits: Limits | None = None) -> QuartTrio:
+ADMIN_ROUTES = frozenset({"/v1/cache/reset", "/metrics"})
+OPEN_ROUTES = frozenset({"/health"})
+
+
+def _key_matches(header: str, key: str) -> bool:
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+def create_app(
+    engine: Engine,
+    *,
+    max_body_bytes: int = 16 << 20,
+    metrics: bool = False,
+    limits: Limits | None = None,
+    api_key: str | None = None,
+    admin_api_key: str | None = None,
+) -> QuartTrio:
     app = QuartTrio(__name__)
     # Streams last as long as generation does; hypercorn's own timeouts guard idle sockets.
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = 60
     app.config["MAX_CONTENT_LENGTH"] = None
     limits = limits or Limits()
+
+    @app.before_request
+    async def authorize() -> Response | None:
+        # Runs before the body is read, so a refused request never reaches the engine.
+        if request.path in OPEN_ROUTES:
+            return None
+        required = admin_api_key if admin_api_key and request.path in ADMIN_ROUTES else api_key
+        if required is None or _key_matches(request.headers.get("Authorization", ""), required):
+            return None
+        response = error_response(InvalidRequest(
+            "a valid API key is required: send `Authorization: Bearer <key>`",
+            status=401, code="invalid_api_key", error_type="authentication_error",
+        ))
+        response.headers["WWW-Authenticate"] = "Bearer"
+        return response
 
     async def read_body() -> object:
         declared = request.content_length

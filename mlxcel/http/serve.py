@@ -22,11 +22,16 @@ async def serve(
     *,
     metrics: bool = False,
     max_body_bytes: int = 16 << 20,
+    api_key: str | None = None,
+    admin_api_key: str | None = None,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     graceful_timeout: float = 5.0,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run until ``shutdown_trigger`` returns (graceful) or the task is cancelled.
+    """Run until ``shutdown_trigger`` returns or the task is cancelled.
+
+    After the trigger, hypercorn stops accepting and gives open requests
+    ``graceful_timeout`` seconds to finish before it cancels them.
 
     ``task_status.started`` receives the bound addresses, e.g. ``["http://127.0.0.1:8080"]``
     (port 0 picks a free port).
@@ -36,5 +41,7 @@ async def serve(
     config.graceful_timeout = graceful_timeout
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
-    app = create_app(engine, max_body_bytes=max_body_bytes, metrics=metrics)
+    app = create_app(
+        engine, max_body_bytes=max_body_bytes, metrics=metrics, api_key=api_key, admin_api_key=admin_api_key
+    )
     await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)

@@ -1,0 +1,312 @@
+"""The store against a plain reference: a list of entries and linear scans."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import attrs
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from mlxcel.cache.key import CacheContext, RopeRegime, prefix_digest
+from mlxcel.cache.store import ApcSettings, Match, PromptCacheStore, StoreLimits
+
+BASE = CacheContext(model_id="m1", template_sig="t", session_key="a")
+CONTEXTS = [
+    BASE,
+    attrs.evolve(BASE, session_key="b"),
+    attrs.evolve(BASE, session_key="c"),
+    attrs.evolve(BASE, model_id="m2"),
+    attrs.evolve(BASE, rope_regime=RopeRegime.SHORT),
+    attrs.evolve(BASE, mm_digest=bytes(32)),
+    attrs.evolve(BASE, mm_digest=bytes(32), session_key="b"),
+    attrs.evolve(BASE, cache_salt="tenant"),
+]
+token_lists = st.lists(st.integers(0, 2), min_size=0, max_size=26)
+
+
+def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    count = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        count += 1
+    return count
+
+
+@attrs.define
+class RefEntry:
+    entry_id: bytes
+    context: CacheContext
+    tokens: tuple[int, ...]
+    payload: object
+    nbytes: int
+    last_used: float
+    owner: bytes | None = None
+
+
+class Reference:
+    """Every rule of the store written as plainly as possible."""
+
+    def __init__(self, limits: StoreLimits, apc: ApcSettings) -> None:
+        self.limits = limits
+        self.apc = apc
+        self.block_cap = apc.block_cap(limits.max_entries)
+        self.entries: list[RefEntry] = []  # least recently used first
+        self.hits = self.misses = self.tokens_reused = 0
+        self.inserts = self.refusals = self.duplicates = 0
+        self.evictions: Counter[str] = Counter()
+
+    def find(self, entry_id: bytes) -> RefEntry:
+        return next(entry for entry in self.entries if entry.entry_id == entry_id)
+
+    def num_blocks(self, entry: RefEntry) -> int:
+        if not self.apc.enabled:
+            return 0
+        return min(len(entry.tokens) // self.apc.block_size, self.block_cap)
+
+    def owners(self) -> list[RefEntry]:
+        return [entry for entry in self.entries if entry.owner is None]
+
+    def unique_blocks(self) -> int:
+        size = self.apc.block_size
+        blocks = set()
+        for entry in self.owners():
+            for count in range(1, self.num_blocks(entry) + 1):
+                blocks.add((entry.context.mm_digest, entry.tokens[: count * size]))
+        return len(blocks)
+
+    def total_bytes(self) -> int:
+        return sum(entry.nbytes for entry in self.entries)
+
+    def touch(self, entry: RefEntry, now: float) -> None:
+        for target in [entry] + ([self.find(entry.owner)] if entry.owner else []):
+            target.last_used = now
+            self.entries.remove(target)
+            self.entries.append(target)
+
+    def evict(self, entry: RefEntry, reason: str, out: list) -> None:
+        for alias in [other for other in self.entries if other.owner == entry.entry_id]:
+            self.remove(alias, reason, out)
+        self.remove(entry, reason, out)
+
+    def remove(self, entry: RefEntry, reason: str, out: list) -> None:
+        self.entries.remove(entry)
+        out.append((reason, entry.nbytes))
+        self.evictions[reason] += 1
+
+    def expire(self, now: float, out: list) -> None:
+        while self.entries and now - self.entries[0].last_used >= self.limits.ttl_seconds:
+            self.evict(self.entries[0], "ttl", out)
+
+    def insert(self, context, tokens, payload, nbytes, now):
+        out: list = []
+        self.expire(now, out)
+        tokens = tuple(tokens)
+        if len(tokens) < self.limits.min_prefix:
+            self.refusals += 1
+            return False, "too_short", out
+        if nbytes > self.limits.capacity_bytes:
+            self.refusals += 1
+            return False, "too_large", out
+        entry_id = prefix_digest(context, tokens, len(tokens))
+        for entry in self.entries:
+            if entry.entry_id == entry_id:
+                self.touch(entry, now)
+                self.duplicates += 1
+                return False, "duplicate", out
+        new = RefEntry(entry_id, context, tokens, payload, nbytes, now)
+        superseded = [
+            entry
+            for entry in self.owners()
+            if entry.context == context
+            and len(entry.tokens) < len(tokens)
+            and tokens[: len(entry.tokens)] == entry.tokens
+        ]
+        self.entries.append(new)
+        self.inserts += 1
+        for older in superseded:
+            out.append(("superseded", older.nbytes))
+            self.evictions["superseded"] += 1
+            for alias in self.entries:
+                if alias.owner == older.entry_id:
+                    alias.owner = entry_id
+            older.owner, older.nbytes, older.payload = entry_id, 0, None
+        while len(self.entries) > self.limits.max_entries:
+            self.evict(self.entries[0], "lru", out)
+        while self.total_bytes() > self.limits.capacity_bytes:
+            self.evict(self.owners()[0], "lru", out)
+        while self.unique_blocks() > self.block_cap:
+            self.evict(self.owners()[0], "capacity", out)
+        return True, None, out
+
+    def candidates(self, context, tokens, cap):
+        """(entry, usable length, partial) for every entry the request may use."""
+        size = self.apc.block_size
+        for entry in self.entries:
+            same = (entry.context.bucket, entry.context.rope_regime, entry.context.mm_digest)
+            if same != (context.bucket, context.rope_regime, context.mm_digest):
+                continue
+            common = _common(entry.tokens, tokens)
+            if common == len(entry.tokens):
+                if context.is_multimodal and len(entry.tokens) > cap:
+                    continue
+                yield entry, min(common, cap), False
+            elif self.apc.enabled and not context.is_multimodal:
+                blocks = min(common // size, self.num_blocks(entry), cap // size)
+                yield entry, blocks * size, True
+
+    def lookup(self, context, tokens, now, max_len):
+        self.expire(now, [])
+        tokens = tuple(tokens)
+        cap = len(tokens) if max_len is None else min(max_len, len(tokens))
+        found = list(self.candidates(context, tokens, cap))
+        own = [c for c in found if c[0].context.session_key == context.session_key]
+        own_best = max((length for _, length, _ in own), default=0)
+        any_best = max((length for _, length, _ in found), default=0)
+        tier, best = (found, any_best) if any_best > own_best else (own, own_best)
+        if best < max(self.limits.min_prefix, 1):
+            self.misses += 1
+            return None
+        return best, [(entry, partial) for entry, length, partial in tier if length == best]
+
+
+class StoreMachine(RuleBasedStateMachine):
+    @initialize(
+        block_size=st.sampled_from([2, 4]),
+        enabled=st.booleans(),
+        algorithm=st.sampled_from(["sha256", "blake3"]),
+        num_blocks=st.one_of(st.none(), st.integers(2, 12)),
+        capacity=st.integers(0, 120),
+        max_entries=st.integers(1, 6),
+        ttl=st.sampled_from([3.0, 10.0, 1000.0]),
+        min_prefix=st.integers(0, 5),
+    )
+    def start(self, block_size, enabled, algorithm, num_blocks, capacity, max_entries, ttl, min_prefix):
+        limits = StoreLimits(
+            capacity_bytes=capacity, max_entries=max_entries, ttl_seconds=ttl, min_prefix=min_prefix
+        )
+        apc = ApcSettings(enabled=enabled, block_size=block_size, num_blocks=num_blocks, algorithm=algorithm)
+        self.store = PromptCacheStore(limits, apc)
+        self.reference = Reference(limits, apc)
+        self.now = 0.0
+        self.payloads = 0
+
+    def _insert(self, context, tokens, nbytes):
+        self.payloads += 1
+        payload = f"payload-{self.payloads}"
+        outcome = self.store.insert(context, tokens, payload, nbytes, self.now)
+        stored, reason, evictions = self.reference.insert(context, tokens, payload, nbytes, self.now)
+        assert (outcome.stored, outcome.reason) == (stored, reason)
+        assert Counter(outcome.evictions) == Counter(evictions)
+
+    @rule(context=st.sampled_from(CONTEXTS), tokens=token_lists, nbytes=st.integers(0, 50))
+    def insert(self, context, tokens, nbytes):
+        self._insert(context, tokens, nbytes)
+
+    @precondition(lambda self: self.reference.entries)
+    @rule(data=st.data(), extra=token_lists, nbytes=st.integers(0, 50), same=st.booleans())
+    def insert_next_turn(self, data, extra, nbytes, same):
+        entry = data.draw(st.sampled_from(self.reference.entries))
+        context = entry.context if same else data.draw(st.sampled_from(CONTEXTS))
+        self._insert(context, entry.tokens + tuple(extra), nbytes)
+
+    def _lookup(self, context, tokens, max_len):
+        match = self.store.lookup(context, tokens, self.now, max_len=max_len)
+        expected = self.reference.lookup(context, tokens, self.now, max_len)
+        if expected is None:
+            assert match is None
+            return
+        assert isinstance(match, Match)
+        best, valid = expected
+        assert match.matched_len == best
+        chosen = {entry.entry_id: (entry, partial) for entry, partial in valid}
+        assert match.entry_id in chosen
+        entry, partial = chosen[match.entry_id]
+        assert match.partial == partial
+        if any(not partial for _, partial in valid):
+            assert not match.partial  # whole-prefix matches win ties
+        assert match.cross_session == (entry.context.session_key != context.session_key)
+        assert match.entry_len == len(entry.tokens)
+        owner = self.reference.find(entry.owner) if entry.owner else entry
+        assert match.payload == owner.payload
+        self.reference.touch(entry, self.now)
+        self.reference.hits += 1
+        self.reference.tokens_reused += best
+
+    @rule(
+        context=st.sampled_from(CONTEXTS),
+        tokens=token_lists,
+        trim=st.one_of(st.none(), st.integers(0, 3)),
+    )
+    def lookup(self, context, tokens, trim):
+        self._lookup(context, tokens, None if trim is None else len(tokens) - trim)
+
+    @precondition(lambda self: self.reference.entries)
+    @rule(data=st.data(), extra=token_lists, cut=st.integers(0, 8), trim=st.integers(0, 2))
+    def lookup_near_entry(self, data, extra, cut, trim):
+        entry = data.draw(st.sampled_from(self.reference.entries))
+        context = data.draw(st.sampled_from([entry.context, *CONTEXTS]))
+        tokens = entry.tokens[: max(len(entry.tokens) - cut, 0)] + tuple(extra)
+        self._lookup(context, tokens, len(tokens) - trim)
+
+    @rule(seconds=st.sampled_from([0.0, 0.5, 1.0, 2.5, 4.0]))
+    def advance(self, seconds):
+        self.now += seconds
+
+    @rule()
+    def expire(self):
+        out: list = []
+        self.reference.expire(self.now, out)
+        assert Counter(self.store.expire(self.now)) == Counter(out)
+
+    @rule()
+    def reset(self):
+        outcome = self.store.reset()
+        assert (outcome.entries_freed, outcome.bytes_freed) == (
+            len(self.reference.entries),
+            self.reference.total_bytes(),
+        )
+        self.reference.entries.clear()
+
+    @invariant()
+    def same_contents_and_stats(self):
+        if not hasattr(self, "store"):
+            return
+        reference = self.reference
+        # stats() expires too: keep both sides in step.
+        reference.expire(self.now, [])
+        stats = self.store.stats(self.now)
+        limits = reference.limits
+        assert stats.bytes == reference.total_bytes() <= limits.capacity_bytes
+        assert stats.entries == len(reference.entries) <= limits.max_entries
+        assert stats.aliases == sum(entry.owner is not None for entry in reference.entries)
+        assert stats.unique_block_hashes == reference.unique_blocks() <= reference.block_cap
+        assert stats.total_blocks_stored == sum(map(reference.num_blocks, reference.entries))
+        assert stats.apc_active_entries == sum(reference.num_blocks(e) > 0 for e in reference.entries)
+        assert (stats.hits, stats.misses, stats.tokens_reused) == (
+            reference.hits,
+            reference.misses,
+            reference.tokens_reused,
+        )
+        assert (stats.inserts, stats.refusals, stats.duplicates) == (
+            reference.inserts,
+            reference.refusals,
+            reference.duplicates,
+        )
+        assert {reason: count for reason, count in stats.evictions.items() if count} == dict(
+            +reference.evictions
+        )
+        infos = self.store.entries_by_recency()
+        assert [info.entry_id for info in infos] == [entry.entry_id for entry in reference.entries]
+        for info, entry in zip(infos, reference.entries):
+            assert info.tokens == entry.tokens
+            assert info.alias_of == entry.owner
+            assert info.last_used == entry.last_used
+
+
+StoreMachine.TestCase.settings = settings(
+    max_examples=120, stateful_step_count=40, deadline=None
+)
+TestStoreAgainstReference = StoreMachine.TestCase
