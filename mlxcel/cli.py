@@ -17,7 +17,7 @@ from mlxcel.config import ConfigError, EngineConfig, ServerConfig, build_configs
 
 logger = logging.getLogger("mlxcel")
 
-USAGE = "usage: mlxcel {serve,fixture} [options]  (mlxcel COMMAND --help for details)"
+USAGE = "usage: mlxcel {serve,fixture,bench} [options]  (mlxcel COMMAND --help for details)"
 
 
 def _fail(message: str) -> int:
@@ -37,6 +37,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from mlxcel.model.fixtures import fixture_main
 
         return fixture_main(rest)
+    if command == "bench":
+        from mlxcel.bench.cli import bench_main
+
+        return bench_main(rest)
     return _fail(f"unknown command {command!r}; {USAGE}")
 
 

@@ -41,6 +41,12 @@ class PromptCacheConfig:
     snapshot_ttl_seconds: float = 7200.0
     # False keeps every lookup inside the request's own session (tenant isolation).
     cross_session: bool = True
+    # Snapshot families: snapshot at the history boundary (MLXCEL_DISABLE_BOUNDARY_SNAPSHOT=1 turns off).
+    boundary_snapshots: bool = True
+    # Snapshot families: extend the snapshot over each reply in the background (MLXCEL_DISABLE_CACHE_WARMUP=1).
+    warmup: bool = True
+    # One log line per snapshot decision (MLXCEL_APC_TRACE=1).
+    trace: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -298,6 +304,17 @@ def build_configs(
     cache_values = resolve_settings(namespace, PROMPT_CACHE_SETTINGS, environ)
     if namespace.no_cache_prompt:
         cache_values["enabled"] = False
+    for name, field, when_set in (
+        ("MLXCEL_DISABLE_BOUNDARY_SNAPSHOT", "boundary_snapshots", False),
+        ("MLXCEL_DISABLE_CACHE_WARMUP", "warmup", False),
+        ("MLXCEL_APC_TRACE", "trace", True),
+    ):
+        raw = environ.get(name, "")
+        if raw:
+            try:
+                cache_values[field] = when_set if parse_bool(raw) else not when_set
+            except ValueError as error:
+                raise ConfigError(f"{name}={raw!r}: {error}") from None
     prompt_cache = PromptCacheConfig(**cache_values)
     scheduler = SchedulerConfig(**resolve_settings(namespace, SCHEDULER_SETTINGS, environ))
     engine = EngineConfig(

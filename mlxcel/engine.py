@@ -35,9 +35,11 @@ from mlxcel.actors.metrics import MetricsActor
 from mlxcel.actors.router import PromptRenderer, RouterActor
 from mlxcel.actors.scheduler import SchedulerActor
 from mlxcel.actors.warmer import WarmerActor
-from mlxcel.cache.capacity import plan_kv_store_capacity
+from mlxcel.cache.capacity import plan_kv_store_capacity, plan_snapshot_store_capacity
+from mlxcel.cache.snapshots import SnapshotLimits, SnapshotStore
 from mlxcel.cache.store import ApcSettings, PromptCacheStore, StoreLimits
 from mlxcel.config import EngineConfig
+from mlxcel.model.family import FamilyKind
 from mlxcel.types import ChatRequest, Completion, CompletionRequest, Delta, ServerBusy, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -205,6 +207,31 @@ def _build_store(config: EngineConfig, model: ModelInfo, apc_enabled: bool) -> P
     )
 
 
+def _build_snapshot_store(config: EngineConfig, model: ModelInfo) -> SnapshotStore | None:
+    """The session snapshot store, for families that cannot resume from a prefix."""
+    if not model.family.snapshot_only and model.family.kind is FamilyKind.DENSE:
+        return None
+    cache = config.prompt_cache
+    plan = plan_snapshot_store_capacity(model.config, ctx_size=config.ctx_size, configured=cache.snapshot_capacity_bytes)
+    if plan.applied:
+        logger.info(
+            "Applied model-aware prompt-cache snapshot capacity default: previous=%d recommended=%d "
+            "entry_bytes=%d ceiling=%d",
+            plan.previous, plan.recommended, plan.entry_nbytes, plan.ceiling,
+        )
+    if plan.entry_never_fits:
+        logger.warning(
+            "one session snapshot at the representative length (%d bytes) is larger than the whole "
+            "snapshot store (%d bytes), so such sessions are never kept; raise "
+            "--prompt-cache-snapshot-capacity-bytes", plan.entry_nbytes, plan.recommended,
+        )
+    return SnapshotStore(SnapshotLimits(
+        capacity_bytes=plan.recommended,
+        max_entries=cache.snapshot_max_entries,
+        ttl_seconds=cache.snapshot_ttl_seconds,
+    ))
+
+
 async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engine] = trio.TASK_STATUS_IGNORED) -> None:
     """Run every actor until cancelled; ``task_status.started`` hands out the Engine."""
     model_path = config.model_path
@@ -243,10 +270,28 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
                 model.family.model_type, model.family.apc_disabled_reason or "recurrent state",
             )
             apc_enabled = False
+        if apc_enabled and model.family.snapshot_only:
+            logger.info("APC unused for %s: it resumes from session snapshots, not KV prefixes",
+                        model.family.model_type)
+            apc_enabled = False
         store = _build_store(config, model, apc_enabled)
+        snapshots = _build_snapshot_store(config, model) if store is not None else None
+        renderer = PromptRenderer(
+            model,
+            default_template_kwargs=config.chat_template_kwargs,
+            cache_enabled=config.prompt_cache.enabled,
+            history_boundaries=snapshots is not None,
+        )
         await nursery.start(MetricsActor(inbox=metrics_inbox).run)
-        await nursery.start(CacheStoreActor(store=store, inbox=cache_inbox, to_metrics=to_metrics.clone()).run)
-        await nursery.start(WarmerActor(inbox=warmer_inbox).run)
+        await nursery.start(CacheStoreActor(
+            store=store, snapshots=snapshots, inbox=cache_inbox, to_metrics=to_metrics.clone()
+        ).run)
+        warm = snapshots is not None and config.prompt_cache.warmup
+        await nursery.start(WarmerActor(
+            inbox=warmer_inbox,
+            renderer=renderer if warm else None,
+            to_scheduler=to_scheduler.clone() if warm else None,
+        ).run)
         await nursery.start(SchedulerActor(
             config=config.scheduler,
             inbox=scheduler_inbox,
@@ -256,10 +301,13 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             to_warmer=to_warmer,
             tokenizer=model.tokenizer,
             eos_token_ids=model.eos_token_ids,
+            cache_config=config.prompt_cache if store is not None else None,
+            # Only plain KV tables can be detached mid-flight and adopted by others.
+            prompt_donation=store is not None and model.family.kind is FamilyKind.DENSE,
+            snapshots=snapshots is not None,
+            boundary_snapshots=config.prompt_cache.boundary_snapshots,
+            trace=config.prompt_cache.trace,
         ).run)
-        renderer = PromptRenderer(
-            model, default_template_kwargs=config.chat_template_kwargs, cache_enabled=config.prompt_cache.enabled
-        )
         await nursery.start(RouterActor(
             model=model,
             renderer=renderer,

@@ -21,10 +21,16 @@ from mlxcel.actors.messages import (
     GetCacheStats,
     LookupPrefix,
     MetricsMsg,
+    DonateSnapshot,
+    LookupSnapshot,
     PrefixFound,
     PrefixMissing,
     ResetCache,
+    SnapshotFound,
+    SnapshotMissing,
+    SnapshotRestoreFailed,
 )
+from mlxcel.cache.snapshots import SnapshotHit, SnapshotRefused, SnapshotStore
 from mlxcel.cache.store import PromptCacheStore
 
 logger = logging.getLogger(__name__)
@@ -37,9 +43,12 @@ class CacheStoreActor:
         store: PromptCacheStore | None,
         inbox: trio.MemoryReceiveChannel[CacheStoreMsg],
         to_metrics: trio.MemorySendChannel[MetricsMsg] | None = None,
+        snapshots: SnapshotStore | None = None,
     ) -> None:
         # None: the prompt cache is disabled; every lookup misses and donations are dropped.
         self._store = store
+        # The session snapshot store, for snapshot-only model families.
+        self._snapshots = snapshots
         self.inbox = inbox
         self._to_metrics = to_metrics
 
@@ -52,8 +61,11 @@ class CacheStoreActor:
     def statistics(self) -> dict[str, Any]:
         if self._store is None:
             return {"enabled": False, "entries": 0, "bytes": 0, "apc_enabled": False}
-        stats = attrs.asdict(self._store.stats(trio.current_time()))
+        now = trio.current_time()
+        stats = attrs.asdict(self._store.stats(now))
         stats["enabled"] = True
+        if self._snapshots is not None:
+            stats["snapshots"] = attrs.asdict(self._snapshots.stats(now))
         return stats
 
     def _handle(self, message: CacheStoreMsg) -> None:
@@ -62,7 +74,9 @@ class CacheStoreActor:
             case LookupPrefix():
                 found = None
                 if self._store is not None:
-                    found = self._store.lookup(message.context, message.tokens, now, max_len=message.max_len)
+                    found = self._store.lookup(
+                        message.context, message.tokens, now, max_len=message.max_len, record=message.record
+                    )
                     self._report_store_state()
                 reply: PrefixFound | PrefixMissing = PrefixMissing()
                 if found is not None:
@@ -72,7 +86,8 @@ class CacheStoreActor:
                         cross_session=found.cross_session,
                         partial=found.partial,
                     )
-                self._metric(CacheLookedUp(hit=found is not None, tokens_reused=found.matched_len if found else 0))
+                if message.record:
+                    self._metric(CacheLookedUp(hit=found is not None, tokens_reused=found.matched_len if found else 0))
                 _reply(message.reply_to, reply)
             case DonateSequence():
                 if self._store is None:
@@ -81,6 +96,32 @@ class CacheStoreActor:
                 if not outcome.stored:
                     logger.debug("prompt-cache donation not stored (%s)", outcome.reason)
                 self._report_store_state()
+            case LookupSnapshot():
+                snapshot_reply: SnapshotFound | SnapshotMissing = SnapshotMissing()
+                if self._snapshots is not None:
+                    result = self._snapshots.lookup(message.context, message.tokens, now, record=message.record)
+                    if isinstance(result, SnapshotHit):
+                        snapshot_reply = SnapshotFound(num_tokens=result.num_tokens, payload=result.payload)
+                    elif isinstance(result, SnapshotRefused):
+                        snapshot_reply = SnapshotMissing(refusal=result.cause.value)
+                    if message.record:
+                        self._metric(CacheLookedUp(
+                            hit=isinstance(result, SnapshotHit),
+                            tokens_reused=result.num_tokens if isinstance(result, SnapshotHit) else 0,
+                        ))
+                _reply(message.reply_to, snapshot_reply)
+            case DonateSnapshot():
+                if self._snapshots is not None and not self._snapshots.insert(
+                    message.context, message.tokens, message.payload, message.nbytes, now
+                ):
+                    logger.warning(
+                        "a %d-byte session snapshot is larger than the whole snapshot store (%d bytes); "
+                        "raise --prompt-cache-snapshot-capacity-bytes",
+                        message.nbytes, self._snapshots.limits.capacity_bytes,
+                    )
+            case SnapshotRestoreFailed():
+                if self._snapshots is not None:
+                    self._snapshots.record_incompatible()
             case GetCacheStats():
                 _reply(message.reply_to, self.statistics())
             case ResetCache():
@@ -89,6 +130,10 @@ class CacheStoreActor:
                     outcome = self._store.reset()
                     freed = {"entries_freed": outcome.entries_freed, "bytes_freed": outcome.bytes_freed}
                     self._report_store_state()
+                if self._snapshots is not None:
+                    entries, nbytes = self._snapshots.reset()
+                    freed["snapshots_freed"] = entries
+                    freed["snapshot_bytes_freed"] = nbytes
                 _reply(message.reply_to, freed)
 
     def _report_store_state(self) -> None:

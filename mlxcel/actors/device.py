@@ -77,7 +77,7 @@ class DeviceActor:
 
         loaded = load_model(self._settings.model_path)
         context_size = self._settings.context_size or loaded.family.context_size or 4096
-        worker = _StepWorker(loaded.model, loaded.eos_token_ids, self._settings)
+        worker = _StepWorker(loaded.model, loaded.eos_token_ids, self._settings, loaded.family.model_type)
         info = ModelInfo(
             model_id=loaded.model_id,
             path=loaded.path,
@@ -116,16 +116,22 @@ class _Sequence:
     sequence_id: int
     sampling: SamplingParams
     donate_on_finish: bool
-    prompt_done: bool = False
+    donate_prompt: bool
+    # Tokens at which a whole-state snapshot is due (cached + prompt up to the boundary).
+    snapshot_tokens: tuple[int, ...] | None = None
+    warm: bool = False
 
 
 class _StepWorker:
     """Holds the BatchGenerator and the map between our sequence ids and its uids."""
 
-    def __init__(self, model: Any, eos_token_ids: frozenset[int] | set[int], settings: DeviceSettings) -> None:
+    def __init__(
+        self, model: Any, eos_token_ids: frozenset[int] | set[int], settings: DeviceSettings, family: str = ""
+    ) -> None:
         from mlx_lm.generate import BatchGenerator
 
         self._model = model
+        self._family = family
         self._settings = settings
         self._make_generator: Callable[[], Any] = lambda: BatchGenerator(
             model,
@@ -154,23 +160,35 @@ class _StepWorker:
                     item = _detach(sequence.sequence_id, cache_list, tokens)
                     if item is not None:
                         detached.append(item)
+            restore_failures = []
             for admission in step.admit:
-                self._admit(admission)
+                failure = self._admit(admission)
+                if failure is not None:
+                    restore_failures.append((admission.sequence_id, failure))
             if self._settings.fail_step == self._step_number:
                 raise RuntimeError(f"injected fault at step {self._step_number}")
             if not self._by_uid:
-                return StepDone(step_number=self._step_number, detached=tuple(detached))
+                return StepDone(
+                    step_number=self._step_number, detached=tuple(detached),
+                    restore_failures=tuple(restore_failures),
+                )
             with self._generator.stats() as stats:
                 prompt_responses, generation_responses = self._generator.next()
         except Exception as error:  # noqa: BLE001 - reported to every sequence in the batch
             logger.exception("device step %d failed", self._step_number)
-            failed = tuple(sequence.sequence_id for sequence in self._by_uid.values())
+            out_of_memory = _is_out_of_memory(error)
+            # Admissions that raised never reached the generator: they fail too.
+            failed = tuple(
+                {sequence.sequence_id for sequence in self._by_uid.values()}
+                | {admission.sequence_id for admission in step.admit}
+            )
             self._generator = self._make_generator()
             self._by_uid.clear()
             self._uid_of.clear()
             return StepDone(
                 step_number=self._step_number,
                 error=f"{type(error).__name__}: {error}",
+                out_of_memory=out_of_memory,
                 failed_sequences=failed,
                 detached=tuple(detached),
             )
@@ -188,42 +206,114 @@ class _StepWorker:
                     item = _detach(sequence.sequence_id, response.prompt_cache, response.all_tokens)
                     if item is not None:
                         detached.append(item)
-        prefilling = tuple(
-            self._by_uid[response.uid].sequence_id
-            for response in prompt_responses
-            if not response.end_of_prompt and response.uid in self._by_uid
-        )
+        prefilling = []
+        prompts_done = []
+        warmed = []
+        for response in prompt_responses:
+            sequence = self._by_uid.get(response.uid)
+            if sequence is None:
+                continue
+            if response.end_of_segment and sequence.snapshot_tokens is not None:
+                # The chunk just run ended exactly at the history boundary.
+                detached.append(self._snapshot(response.uid, sequence))
+                if sequence.warm:
+                    warmed.append(sequence.sequence_id)
+                    self._drop(response.uid)
+                    continue
+            if not response.end_of_prompt:
+                prefilling.append(sequence.sequence_id)
+                continue
+            prompts_done.append(sequence.sequence_id)
+            if sequence.donate_prompt:
+                cache_list, tokens = self._generator.extract_cache([response.uid])[response.uid]
+                item = _detach(sequence.sequence_id, cache_list, tokens, final=False)
+                if item is not None:
+                    detached.append(item)
         return StepDone(
             step_number=self._step_number,
             sampled=tuple(sampled),
             detached=tuple(detached),
             decode_batch_size=len(generation_responses),
             prefill_tokens=stats.prompt_tokens,
-            prefilling=prefilling,
+            prefilling=tuple(prefilling),
+            prompts_done=tuple(prompts_done),
+            restore_failures=tuple(restore_failures),
+            warmed=tuple(warmed),
         )
 
-    def _admit(self, admission: AdmitSequence) -> None:
+    def _admit(self, admission: AdmitSequence) -> str | None:
+        """Insert a sequence; returns why a snapshot could not be restored (it then runs cold)."""
+        from mlx_lm.models.cache import make_prompt_cache
+
         from mlxcel.model.kv import adopt
+        from mlxcel.model.snapshot import SnapshotMismatch, restore
 
         caches = None
+        prompt = list(admission.prompt_tokens)
+        cached = list(admission.cached_tokens)
+        failure = None
         if admission.adopted is not None:
-            caches = adopt(admission.adopted, len(admission.cached_tokens))
-        (uid,) = self._generator.insert(
-            [list(admission.prompt_tokens)],
+            caches = adopt(admission.adopted, len(cached))
+        elif admission.restore is not None:
+            try:
+                caches = restore(admission.restore, self._family, make_prompt_cache(self._model))
+            except SnapshotMismatch as error:
+                failure = str(error)
+                prompt, cached = cached + prompt, []
+        snapshot_tokens = None
+        if admission.snapshot_after is not None and failure is None:
+            boundary = admission.snapshot_after
+            if admission.warm:
+                # Prefill everything, snapshot, then stop: the extra token is never run.
+                segments = [prompt, prompt[-1:]]
+            else:
+                segments = [prompt[:boundary], prompt[boundary:]]
+            snapshot_tokens = tuple(cached + prompt[:boundary])
+        else:
+            segments = [prompt]
+        (uid,) = self._generator.insert_segments(
+            [segments],
             max_tokens=[admission.max_tokens],
             caches=[caches],
-            all_tokens=[list(admission.cached_tokens)],
+            all_tokens=[cached],
             samplers=[_make_sampler(admission.sampling)],
         )
         self._by_uid[uid] = _Sequence(
             sequence_id=admission.sequence_id,
             sampling=admission.sampling,
             donate_on_finish=admission.donate_on_finish,
+            donate_prompt=admission.donate_prompt,
+            snapshot_tokens=snapshot_tokens,
+            warm=admission.warm,
         )
         self._uid_of[admission.sequence_id] = uid
+        return failure
+
+    def _snapshot(self, uid: int, sequence: _Sequence) -> DetachedSequence:
+        from mlxcel.model.snapshot import capture
+
+        assert sequence.snapshot_tokens is not None
+        caches, _tokens = self._generator.extract_cache([uid])[uid]
+        snapshot = capture(self._family, caches, len(sequence.snapshot_tokens))
+        tokens = sequence.snapshot_tokens
+        sequence.snapshot_tokens = None  # one snapshot per sequence
+        return DetachedSequence(
+            sequence_id=sequence.sequence_id, tokens=tokens, payload=snapshot,
+            nbytes=snapshot.nbytes, final=False, snapshot=True,
+        )
+
+    def _drop(self, uid: int) -> None:
+        sequence = self._by_uid.pop(uid)
+        del self._uid_of[sequence.sequence_id]
+        self._generator.remove([uid])
 
 
-def _detach(sequence_id: int, caches: Any, tokens: Any) -> DetachedSequence | None:
+def _is_out_of_memory(error: Exception) -> bool:
+    text = str(error).lower()
+    return isinstance(error, MemoryError) or "out of memory" in text or "malloc" in text
+
+
+def _detach(sequence_id: int, caches: Any, tokens: Any, *, final: bool = True) -> DetachedSequence | None:
     from mlxcel.model.kv import detach
 
     token_tuple = tuple(int(token) for token in tokens)
@@ -231,7 +321,7 @@ def _detach(sequence_id: int, caches: Any, tokens: Any) -> DetachedSequence | No
     if payload is None:
         return None
     return DetachedSequence(
-        sequence_id=sequence_id, tokens=token_tuple, payload=payload, nbytes=payload.nbytes
+        sequence_id=sequence_id, tokens=token_tuple, payload=payload, nbytes=payload.nbytes, final=final
     )
 
 

@@ -40,6 +40,18 @@ class SubmitRequest:
     # None: this request neither reads nor donates cache entries.
     cache_context: CacheContext | None
     events: trio.MemorySendChannel[StreamEvent] = attrs.field(repr=False)
+    # Tokens of the rendered conversation history before the newest user message.
+    history_boundary: int | None = None
+    # The chat request itself, so the warmer can render the next turn's history.
+    chat: ChatRequest | None = attrs.field(default=None, repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class WarmSession:
+    """Extend the session's snapshot to cover ``tokens`` (the next turn's history), when idle."""
+
+    context: CacheContext
+    tokens: tuple[int, ...] = attrs.field(repr=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -82,6 +94,15 @@ class AdmitSequence:
     max_tokens: int
     # Detach the KV at a natural finish so the scheduler can donate it.
     donate_on_finish: bool = False
+    # Also detach the prompt's KV as soon as its prefill ends, so requests
+    # waiting on the same prefix can adopt it before this one finishes.
+    donate_prompt: bool = False
+    # A session snapshot to resume from (snapshot families), instead of ``adopted``.
+    restore: Any = attrs.field(default=None, repr=False)
+    # Take a whole-state snapshot after this many of ``prompt_tokens`` (the history boundary).
+    snapshot_after: int | None = None
+    # A background warm-up: prefill only, snapshot at the end, never generate.
+    warm: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -114,6 +135,10 @@ class DetachedSequence:
     tokens: tuple[int, ...] = attrs.field(repr=False)
     payload: Any = attrs.field(repr=False)
     nbytes: int
+    # False: the prompt's KV, detached when its prefill ended; the sequence runs on.
+    final: bool = True
+    # A whole-state session snapshot (snapshot families) rather than a prefix KV set.
+    snapshot: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -125,9 +150,16 @@ class StepDone:
     prefill_tokens: int = 0
     # Sequences that were prefilling (not decoding) during this step.
     prefilling: tuple[int, ...] = ()
+    # Sequences whose prompt prefill ended in this step.
+    prompts_done: tuple[int, ...] = ()
     # A step that raised: every sequence in it is lost and must be failed.
     error: str | None = None
+    out_of_memory: bool = False
     failed_sequences: tuple[int, ...] = ()
+    # Admissions whose snapshot would not restore: (sequence id, reason); they ran cold.
+    restore_failures: tuple[tuple[int, str], ...] = ()
+    # Warm-up sequences that finished (their snapshot is in ``detached``).
+    warmed: tuple[int, ...] = ()
 
 
 DeviceMsg = RunStep
@@ -141,6 +173,8 @@ class LookupPrefix:
     context: CacheContext
     tokens: tuple[int, ...] = attrs.field(repr=False)
     max_len: int
+    # False: a peek that neither counts as a hit or miss nor refreshes recency.
+    record: bool = True
     reply_to: trio.MemorySendChannel[PrefixFound | PrefixMissing] = attrs.field(repr=False)
 
 
@@ -166,6 +200,42 @@ class DonateSequence:
 
 
 @attrs.frozen(kw_only=True)
+class LookupSnapshot:
+    context: CacheContext
+    tokens: tuple[int, ...] = attrs.field(repr=False)
+    # False: a peek for the warmer that counts nothing.
+    record: bool = True
+    reply_to: trio.MemorySendChannel[SnapshotFound | SnapshotMissing] = attrs.field(repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class SnapshotFound:
+    num_tokens: int
+    payload: Any = attrs.field(repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class SnapshotMissing:
+    # None: no snapshot for the session; else why the stored one was refused.
+    refusal: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class DonateSnapshot:
+    context: CacheContext
+    tokens: tuple[int, ...] = attrs.field(repr=False)
+    payload: Any = attrs.field(repr=False)
+    nbytes: int
+
+
+@attrs.frozen(kw_only=True)
+class SnapshotRestoreFailed:
+    """The device could not restore a found snapshot; counted as an incompatible refusal."""
+
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
 class GetCacheStats:
     reply_to: trio.MemorySendChannel[dict[str, Any]] = attrs.field(repr=False)
 
@@ -175,7 +245,9 @@ class ResetCache:
     reply_to: trio.MemorySendChannel[dict[str, int]] = attrs.field(repr=False)
 
 
-CacheStoreMsg = LookupPrefix | DonateSequence | GetCacheStats | ResetCache
+CacheStoreMsg = (
+    LookupPrefix | DonateSequence | LookupSnapshot | DonateSnapshot | SnapshotRestoreFailed | GetCacheStats | ResetCache
+)
 
 
 # --- anyone -> metrics ------------------------------------------------------------------
@@ -219,7 +291,9 @@ MetricsMsg = CacheLookedUp | CacheStoreChanged | RequestFinished | RenderMetrics
 class ReplyFinished:
     """A healthy reply finished: the warmer may prepare the session's next turn."""
 
-    session_key: str
+    context: CacheContext
+    chat: ChatRequest | None = attrs.field(repr=False)
+    reply_text: str = attrs.field(repr=False)
     prompt_tokens: int
     completion_tokens: int
 
@@ -240,4 +314,12 @@ class SchedulerStats:
     decode_batch_sizes: dict[int, int]
     # Steps that prefilled one sequence's chunk while others decoded.
     num_interleaved_steps: int
+    # Requests waiting for another request's prompt prefill to share its prefix.
+    num_parked: int
+    num_shared_prefills: int
+    num_warm_started: int = 0
+    num_warm_completed: int = 0
+    num_warm_preempted: int = 0
+    # Steps in which a warm-up ran while foreground requests waited or ran: must stay 0.
+    num_warm_steps_with_foreground: int = 0
     running_request_ids: tuple[str, ...]

@@ -30,13 +30,24 @@ RAW_PROMPT_TEMPLATE = "mlxcel:raw-prompt"
 class RenderedPrompt:
     tokens: tuple[int, ...] = attrs.field(repr=False)
     template_sig: str
+    # Tokens of the history before the newest user message, when the prompt splits there.
+    history_boundary: int | None = None
 
 
 class PromptRenderer:
     """Chat rendering and tokenization; plain code, shared by the router and tests."""
 
-    def __init__(self, model: ModelInfo, *, default_template_kwargs: Mapping[str, Any], cache_enabled: bool) -> None:
+    def __init__(
+        self,
+        model: ModelInfo,
+        *,
+        default_template_kwargs: Mapping[str, Any],
+        cache_enabled: bool,
+        history_boundaries: bool = False,
+    ) -> None:
         self._model = model
+        # Snapshot families split prefill where the conversation history ends.
+        self._history_boundaries = history_boundaries
         self._default_template_kwargs = dict(default_template_kwargs)
         # A template that can drop earlier reasoning would re-render history
         # differently each turn; keeping it makes the prefix stable.
@@ -53,11 +64,35 @@ class PromptRenderer:
             return RenderedPrompt(tokens=tokens, template_sig=template_signature(RAW_PROMPT_TEMPLATE, {}, "none", None))
         kwargs = {**self._default_template_kwargs, **request.chat_template_kwargs}
         tools = list(request.tools) if request.tools else None
+        tokens = self._chat_tokens(request.messages, tools, kwargs, add_generation_prompt=True)
+        try:
+            tool_choice = effective_tool_choice(request.tool_choice, tools)
+        except ValueError as error:
+            raise InvalidRequest(str(error), param="tool_choice") from None
+        template_sig = template_signature(self._model.chat_template, kwargs, tool_choice, tools)
+        boundary = None
+        if self._history_boundaries and len(request.messages) > 1 and request.messages[-1].get("role") == "user":
+            history = self._chat_tokens(request.messages[:-1], tools, kwargs, add_generation_prompt=False)
+            if 0 < len(history) < len(tokens) and tokens[: len(history)] == history:
+                boundary = len(history)
+        return RenderedPrompt(tokens=tokens, template_sig=template_sig, history_boundary=boundary)
+
+    def next_turn_history(self, request: ChatRequest, reply_text: str) -> tuple[int, ...]:
+        """The tokens the next turn will start with: this conversation plus the reply."""
+        kwargs = {**self._default_template_kwargs, **request.chat_template_kwargs}
+        tools = list(request.tools) if request.tools else None
+        messages = (*request.messages, {"role": "assistant", "content": reply_text})
+        return self._chat_tokens(messages, tools, kwargs, add_generation_prompt=False)
+
+    def _chat_tokens(
+        self, messages: Any, tools: list[Any] | None, kwargs: Mapping[str, Any], *, add_generation_prompt: bool
+    ) -> tuple[int, ...]:
+        tokenizer = self._model.tokenizer
         try:
             text = tokenizer.apply_chat_template(
-                [dict(message) for message in request.messages],
+                [dict(message) for message in messages],
                 tools=tools,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 tokenize=False,
                 **kwargs,
             )
@@ -65,14 +100,7 @@ class PromptRenderer:
             raise InvalidRequest(
                 f"the chat template could not render these messages: {error}", param="messages"
             ) from None
-        tokens = tuple(tokenizer.encode(text, add_special_tokens=False))
-        template_sig = template_signature(
-            self._model.chat_template,
-            kwargs,
-            effective_tool_choice(request.tool_choice, tools),
-            tools,
-        )
-        return RenderedPrompt(tokens=tokens, template_sig=template_sig)
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
 
 
 class RouterActor:
@@ -151,4 +179,6 @@ class RouterActor:
             max_tokens=max_tokens,
             cache_context=cache_context,
             events=message.events,
+            history_boundary=rendered.history_boundary if cache_context is not None else None,
+            chat=request if isinstance(request, ChatRequest) else None,
         )

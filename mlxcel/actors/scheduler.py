@@ -39,13 +39,22 @@ from mlxcel.actors.messages import (
     WarmerMsg,
     DeviceMsg,
     CacheStoreMsg,
+    DonateSnapshot,
+    LookupSnapshot,
+    SnapshotFound,
+    SnapshotMissing,
+    SnapshotRestoreFailed,
+    WarmSession,
 )
-from mlxcel.config import SchedulerConfig
-from mlxcel.types import Delta, InvalidRequest, ServerBusy, TokenLogprob, Usage
+from mlxcel.config import PromptCacheConfig, SchedulerConfig
+from mlxcel.types import Delta, InvalidRequest, SamplingParams, ServerBusy, TokenLogprob, Usage
 
 logger = logging.getLogger(__name__)
 
-SchedulerMsg = SubmitRequest | CancelRequest | GetSchedulerStats
+SchedulerMsg = SubmitRequest | CancelRequest | GetSchedulerStats | WarmSession
+
+# Warm-ups waiting for an idle device, newest per session; older ones are dropped.
+MAX_PENDING_WARMUPS = 64
 
 
 @attrs.define(kw_only=True)
@@ -59,7 +68,22 @@ class _Running:
     completion_tokens: int = 0
     # Text decoded but held back because it may be the start of a stop string.
     held_text: str = ""
+    prompt_done: bool = False
     finished: bool = False
+    # The reply so far, for the warmer (snapshot families only).
+    reply_parts: list[str] = attrs.Factory(list)
+
+
+def common_prefix_length(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """Length of the common prefix, by bisection on C-speed slice comparisons."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[low:middle] == b[low:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 class StopMatcher:
@@ -97,8 +121,30 @@ class SchedulerActor:
         to_warmer: trio.MemorySendChannel[WarmerMsg] | None,
         tokenizer: Any,
         eos_token_ids: frozenset[int],
+        cache_config: PromptCacheConfig | None = None,
+        prompt_donation: bool = False,
+        snapshots: bool = False,
+        boundary_snapshots: bool = True,
+        trace: bool = False,
     ) -> None:
         self._config = config
+        # Requests that share at least this many more tokens with a prompt being
+        # prefilled than the store can give them wait for it instead of duplicating it.
+        self._share_threshold = (
+            max(cache_config.min_prefix, cache_config.apc_block_size, 1) if cache_config else 0
+        )
+        self._cross_session = cache_config.cross_session if cache_config else False
+        self._prompt_donation = prompt_donation and cache_config is not None
+        # Snapshot families resume from session snapshots instead of the prefix store.
+        self._snapshots = snapshots and cache_config is not None
+        self._boundary_snapshots = boundary_snapshots
+        self._trace = trace
+        self._pending_warmups: collections.OrderedDict[tuple[str, ...], WarmSession] = collections.OrderedDict()
+        self._warming: dict[int, WarmSession] = {}
+        self._num_warm_started = 0
+        self._num_warm_completed = 0
+        self._num_warm_preempted = 0
+        self._num_warm_steps_with_foreground = 0
         self.inbox = inbox
         self._to_device = to_device
         self._to_cache_store = to_cache_store
@@ -113,6 +159,8 @@ class SchedulerActor:
         # Contexts of finished sequences whose KV is still on its way back.
         self._pending_donations: dict[int, CacheContext] = {}
         self._cancelled_before_submit: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # Requests waiting for a prefilling sequence's prompt KV, by that sequence's id.
+        self._parked: dict[int, list[SubmitRequest]] = {}
         self._next_sequence_id = 0
         self._work = trio.Event()
         self._num_steps = 0
@@ -120,6 +168,7 @@ class SchedulerActor:
         self._num_cancelled = 0
         self._num_failed = 0
         self._num_interleaved_steps = 0
+        self._num_shared_prefills = 0
         self._decode_batch_sizes: collections.Counter[int] = collections.Counter()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -142,6 +191,12 @@ class SchedulerActor:
             max_decode_batch_size=max(self._decode_batch_sizes, default=0),
             decode_batch_sizes=dict(self._decode_batch_sizes),
             num_interleaved_steps=self._num_interleaved_steps,
+            num_parked=sum(len(parked) for parked in self._parked.values()),
+            num_shared_prefills=self._num_shared_prefills,
+            num_warm_started=self._num_warm_started,
+            num_warm_completed=self._num_warm_completed,
+            num_warm_preempted=self._num_warm_preempted,
+            num_warm_steps_with_foreground=self._num_warm_steps_with_foreground,
             running_request_ids=tuple(r.request.request_id for r in self._running.values()),
         )
 
@@ -153,6 +208,14 @@ class SchedulerActor:
                 self._submit(message)
             case CancelRequest():
                 self._cancel(message.request_id)
+            case WarmSession():
+                if self._snapshots:
+                    key = (message.context.model_id, message.context.cache_salt, message.context.session_key)
+                    self._pending_warmups.pop(key, None)
+                    self._pending_warmups[key] = message
+                    while len(self._pending_warmups) > MAX_PENDING_WARMUPS:
+                        self._pending_warmups.popitem(last=False)
+                    self._work.set()
             case GetSchedulerStats():
                 with message.reply_to:
                     try:
@@ -165,7 +228,8 @@ class SchedulerActor:
             del self._cancelled_before_submit[request.request_id]
             request.events.close()
             return
-        if len(self._waiting) >= self._config.max_queued_requests:
+        num_parked = sum(len(parked) for parked in self._parked.values())
+        if len(self._waiting) + num_parked >= self._config.max_queued_requests:
             self._send_event_to(
                 request.events,
                 RequestFailed(error=ServerBusy(
@@ -191,6 +255,13 @@ class SchedulerActor:
                 queued.events.close()
                 self._num_cancelled += 1
                 return
+        for parked in self._parked.values():
+            for queued in parked:
+                if queued.request_id == request_id:
+                    parked.remove(queued)
+                    queued.events.close()
+                    self._num_cancelled += 1
+                    return
         # The cancel overtook its submission (still in the router).
         self._cancelled_before_submit[request_id] = None
         while len(self._cancelled_before_submit) > 1024:
@@ -200,7 +271,7 @@ class SchedulerActor:
 
     async def _step_loop(self) -> None:
         while True:
-            if not (self._waiting or self._running or self._removals):
+            while not self._has_work():
                 self._work = trio.Event()
                 await self._work.wait()
             step = await self._build_step()
@@ -212,36 +283,165 @@ class SchedulerActor:
                 done = await replies.receive()
             self._apply(done)
 
+    def _idle(self) -> bool:
+        return not (self._waiting or self._running or self._parked)
+
+    def _has_work(self) -> bool:
+        if self._waiting or self._running or self._removals or self._warming:
+            return True
+        return bool(self._pending_warmups) and self._idle()
+
     async def _build_step(self) -> tuple[tuple[AdmitSequence, ...], tuple[RemoveSequence, ...]]:
+        if self._waiting and self._warming:
+            # Foreground work arrived: warm-ups give way at once and store nothing.
+            for sequence_id in self._warming:
+                self._removals.append(RemoveSequence(sequence_id=sequence_id, donate=False))
+            self._num_warm_preempted += len(self._warming)
+            self._warming.clear()
         removals = tuple(self._removals)
         self._removals.clear()
         admissions = []
         free_slots = self._config.max_batch_size - len(self._running)
         while self._waiting and free_slots > 0:
             request = self._waiting.popleft()
-            admissions.append(await self._admit(request))
+            leader = await self._prefix_leader(request)
+            if self._cancelled_while_admitting(request):
+                continue
+            if leader is not None:
+                self._parked.setdefault(leader, []).append(request)
+                continue
+            admission = await self._admit(request)
+            if admission is None:
+                continue
+            admissions.append(admission)
             free_slots -= 1
+        if not admissions and self._idle() and not self._warming and self._pending_warmups:
+            warm = await self._admit_warmup()
+            if warm is not None:
+                admissions.append(warm)
+        if self._warming and self._running:
+            self._num_warm_steps_with_foreground += 1
         return tuple(admissions), removals
 
-    async def _admit(self, request: SubmitRequest) -> AdmitSequence:
+    async def _admit_warmup(self) -> AdmitSequence | None:
+        _key, job = self._pending_warmups.popitem(last=False)
+        tokens = job.tokens
+        found = await self._lookup_snapshot(job.context, tokens, record=False)
+        matched, payload = 0, None
+        if isinstance(found, SnapshotFound):
+            matched, payload = found.num_tokens, found.payload
+        if len(tokens) - matched < 1:
+            return None
         sequence_id = self._next_sequence_id
         self._next_sequence_id += 1
+        self._warming[sequence_id] = job
+        self._num_warm_started += 1
+        if self._trace:
+            logger.info("apc-trace: warm-up session=%s extends snapshot %d -> %d tokens",
+                        job.context.session_key, matched, len(tokens))
+        return AdmitSequence(
+            sequence_id=sequence_id,
+            prompt_tokens=tokens[matched:],
+            cached_tokens=tokens[:matched],
+            restore=payload,
+            sampling=SamplingParams(temperature=0.0),
+            max_tokens=1,
+            snapshot_after=len(tokens) - matched,
+            warm=True,
+        )
+
+    async def _lookup_snapshot(
+        self, context: CacheContext, prompt: tuple[int, ...], *, record: bool = True
+    ) -> SnapshotFound | SnapshotMissing:
+        assert self._to_cache_store is not None
+        reply_to, replies = trio.open_memory_channel[SnapshotFound | SnapshotMissing](1)
+        await self._to_cache_store.send(
+            LookupSnapshot(context=context, tokens=prompt, record=record, reply_to=reply_to)
+        )
+        with replies:
+            try:
+                return await replies.receive()
+            except trio.EndOfChannel:
+                return SnapshotMissing()
+
+    async def _prefix_leader(self, request: SubmitRequest) -> int | None:
+        """A prefilling sequence whose prompt KV would serve this request better than the store."""
+        context = request.cache_context
+        if not self._prompt_donation or context is None or len(request.prompt_tokens) < 2:
+            return None
+        best_sequence, best_shared = None, 0
+        for running in self._running.values():
+            other = running.request.cache_context
+            if running.prompt_done or running.finished or other is None:
+                continue
+            if (other.bucket, other.rope_regime, other.mm_digest) != (
+                context.bucket, context.rope_regime, context.mm_digest
+            ):
+                continue
+            if not self._cross_session and other.session_key != context.session_key:
+                continue
+            shared = common_prefix_length(running.request.prompt_tokens, request.prompt_tokens)
+            if shared > best_shared:
+                best_sequence, best_shared = running.sequence_id, shared
+        if best_sequence is None or best_shared < self._share_threshold:
+            return None
+        found = await self._lookup(context, request.prompt_tokens, record=False)
+        matched = found.matched_len if isinstance(found, PrefixFound) else 0
+        if best_shared - matched < self._share_threshold:
+            return None
+        return best_sequence
+
+    def _release_parked(self, sequence_id: int) -> None:
+        parked = self._parked.pop(sequence_id, None)
+        if parked:
+            self._num_shared_prefills += len(parked)
+            # Ahead of later arrivals: they were admitted-in-waiting already.
+            self._waiting.extendleft(reversed(parked))
+            self._work.set()
+
+    def _cancelled_while_admitting(self, request: SubmitRequest) -> bool:
+        """A cancel that arrived while this request's lookup was awaited (it was in no queue)."""
+        if request.request_id not in self._cancelled_before_submit:
+            return False
+        del self._cancelled_before_submit[request.request_id]
+        request.events.close()
+        self._num_cancelled += 1
+        return True
+
+    async def _admit(self, request: SubmitRequest) -> AdmitSequence | None:
         prompt = request.prompt_tokens
-        matched, payload = 0, None
-        if request.cache_context is not None and self._to_cache_store is not None and len(prompt) > 1:
-            found = await self._lookup(request.cache_context, prompt)
-            if isinstance(found, PrefixFound):
-                if found.payload.can_adopt(found.matched_len):
-                    matched, payload = found.matched_len, found.payload
-                    logger.debug(
-                        "prompt-cache hit: adopted %d/%d tokens  seq_id=%d",
-                        matched, len(prompt), sequence_id,
-                    )
-                else:
-                    logger.debug(
-                        "prompt-cache adopt failed (payload cannot seed %d tokens); "
-                        "falling back to cold prefill", found.matched_len,
-                    )
+        matched, payload, snapshot = 0, None, None
+        found: PrefixFound | PrefixMissing = PrefixMissing()
+        context = request.cache_context
+        if context is not None and self._to_cache_store is not None and len(prompt) > 1:
+            if self._snapshots:
+                restored = await self._lookup_snapshot(context, prompt)
+                if isinstance(restored, SnapshotFound):
+                    matched, snapshot = restored.num_tokens, restored.payload
+                if self._trace:
+                    self._trace_snapshot(request, restored)
+            else:
+                found = await self._lookup(context, prompt)
+            if self._cancelled_while_admitting(request):
+                return None
+        sequence_id = self._next_sequence_id
+        self._next_sequence_id += 1
+        if isinstance(found, PrefixFound):
+            if found.payload.can_adopt(found.matched_len):
+                matched, payload = found.matched_len, found.payload
+                logger.debug(
+                    "prompt-cache hit: adopted %d/%d tokens  seq_id=%d",
+                    matched, len(prompt), sequence_id,
+                )
+            else:
+                logger.debug(
+                    "prompt-cache adopt failed (payload cannot seed %d tokens); "
+                    "falling back to cold prefill", found.matched_len,
+                )
+        snapshot_after = None
+        boundary = request.history_boundary
+        if self._snapshots and self._boundary_snapshots and boundary is not None and matched < boundary < len(prompt):
+            snapshot_after = boundary - matched
         running = _Running(
             request=request,
             sequence_id=sequence_id,
@@ -258,15 +458,31 @@ class SchedulerActor:
             adopted=payload,
             sampling=request.sampling,
             max_tokens=request.max_tokens,
-            donate_on_finish=request.cache_context is not None,
+            donate_on_finish=request.cache_context is not None and self._to_cache_store is not None,
+            donate_prompt=self._prompt_donation and request.cache_context is not None,
+            restore=snapshot,
+            snapshot_after=snapshot_after,
         )
 
-    async def _lookup(self, context: CacheContext, prompt: tuple[int, ...]) -> PrefixFound | PrefixMissing:
+    def _trace_snapshot(self, request: SubmitRequest, result: SnapshotFound | SnapshotMissing) -> None:
+        session = request.cache_context.session_key if request.cache_context else "-"
+        if isinstance(result, SnapshotFound):
+            logger.info("apc-trace: request %s session=%s restores its %d-token snapshot (prompt %d)",
+                        request.request_id, session, result.num_tokens, len(request.prompt_tokens))
+        elif result.refusal is not None:
+            logger.info("apc-trace: request %s session=%s refused the stored snapshot: %s",
+                        request.request_id, session, result.refusal)
+        else:
+            logger.info("apc-trace: request %s session=%s has no snapshot", request.request_id, session)
+
+    async def _lookup(
+        self, context: CacheContext, prompt: tuple[int, ...], *, record: bool = True
+    ) -> PrefixFound | PrefixMissing:
         assert self._to_cache_store is not None
         reply_to, replies = trio.open_memory_channel[PrefixFound | PrefixMissing](1)
-        await self._to_cache_store.send(
-            LookupPrefix(context=context, tokens=prompt, max_len=len(prompt) - 1, reply_to=reply_to)
-        )
+        await self._to_cache_store.send(LookupPrefix(
+            context=context, tokens=prompt, max_len=len(prompt) - 1, record=record, reply_to=reply_to
+        ))
         with replies:
             try:
                 return await replies.receive()
@@ -284,14 +500,38 @@ class SchedulerActor:
             if running is not None and not running.finished:
                 self._on_token(running, token)
         for item in done.detached:
-            context = self._pending_donations.pop(item.sequence_id, None)
+            if item.snapshot:
+                self._donate_snapshot(item)
+                continue
+            if item.final:
+                context = self._pending_donations.pop(item.sequence_id, None)
+            else:
+                running = self._running.get(item.sequence_id)
+                context = None if running is None else running.request.cache_context
             if context is not None and self._to_cache_store is not None:
                 self._send_nowait(
                     self._to_cache_store,
                     DonateSequence(context=context, tokens=item.tokens, payload=item.payload, nbytes=item.nbytes),
                 )
+        for sequence_id in done.warmed:
+            if self._warming.pop(sequence_id, None) is not None:
+                self._num_warm_completed += 1
+        for sequence_id, reason in done.restore_failures:
+            running = self._running.get(sequence_id)
+            if running is not None:
+                running.cached_tokens = 0
+            logger.debug("snapshot restore failed (%s); the request prefilled cold", reason)
+            if self._to_cache_store is not None:
+                self._send_nowait(self._to_cache_store, SnapshotRestoreFailed(reason=reason))
+        for sequence_id in done.prompts_done:
+            running = self._running.get(sequence_id)
+            if running is not None:
+                running.prompt_done = True
+            # After the donation above: the parked requests' lookups will find it.
+            self._release_parked(sequence_id)
         if done.error is not None:
             for sequence_id in done.failed_sequences:
+                self._warming.pop(sequence_id, None)
                 running = self._running.get(sequence_id)
                 if running is None or running.finished:
                     continue
@@ -303,32 +543,42 @@ class SchedulerActor:
                 # The device already dropped the sequence.
                 self._forget(running)
 
+    def _donate_snapshot(self, item: Any) -> None:
+        warm = self._warming.get(item.sequence_id)
+        running = self._running.get(item.sequence_id)
+        context = warm.context if warm is not None else (
+            running.request.cache_context if running is not None else None
+        )
+        if context is not None and self._to_cache_store is not None:
+            self._send_nowait(self._to_cache_store, DonateSnapshot(
+                context=context, tokens=item.tokens, payload=item.payload, nbytes=item.nbytes,
+            ))
+
     def _on_token(self, running: _Running, token: SampledToken) -> None:
         if running.first_token_at is None:
             running.first_token_at = trio.current_time()
         running.completion_tokens += 1
         is_eos = token.finish_reason == "stop" and token.token in self._eos_token_ids
-        new_text = ""
         if not is_eos:
             running.detokenizer.add_token(token.token)
         if token.finish_reason is not None:
             running.detokenizer.finalize()
-        new_text = running.detokenizer.last_segment
         matcher = StopMatcher(running.request.sampling.stop)
-        emit, running.held_text, hit_stop = matcher.feed(running.held_text, new_text)
-        logprobs = self._logprobs(running, token)
-        if hit_stop:
-            self._send_event(running, Delta(text=emit, logprobs=logprobs))
-            self._finish_running(running, donate=True, reason="stop")
-            return
-        if token.finish_reason is not None:
+        emit, running.held_text, hit_stop = matcher.feed(running.held_text, running.detokenizer.last_segment)
+        if token.finish_reason is not None and not hit_stop:
             # The device finished and dropped the sequence; flush what was held.
-            self._send_event(running, Delta(text=emit + running.held_text, logprobs=logprobs))
-            running.held_text = ""
-            self._finish_running(running, donate=True, reason=token.finish_reason, on_device=False)
-            return
+            emit, running.held_text = emit + running.held_text, ""
+        logprobs = self._logprobs(running, token)
         if emit or logprobs:
+            if self._snapshots:
+                running.reply_parts.append(emit)
             self._send_event(running, Delta(text=emit, logprobs=logprobs))
+            if running.finished:
+                return  # the client went away: cancelled, not completed
+        if hit_stop:
+            self._finish_running(running, donate=True, reason="stop")
+        elif token.finish_reason is not None:
+            self._finish_running(running, donate=True, reason=token.finish_reason, on_device=False)
 
     def _logprobs(self, running: _Running, token: SampledToken) -> tuple[TokenLogprob, ...]:
         if not running.request.sampling.logprobs:
@@ -373,7 +623,9 @@ class SchedulerActor:
                 ))
             if self._to_warmer is not None and context is not None:
                 self._send_nowait(self._to_warmer, ReplyFinished(
-                    session_key=context.session_key,
+                    context=context,
+                    chat=running.request.chat,
+                    reply_text="".join(running.reply_parts),
                     prompt_tokens=usage.prompt_tokens,
                     completion_tokens=usage.completion_tokens,
                 ))
@@ -381,6 +633,7 @@ class SchedulerActor:
 
     def _forget(self, running: _Running) -> None:
         running.finished = True
+        self._release_parked(running.sequence_id)
         running.request.events.close()
         self._running.pop(running.sequence_id, None)
         self._sequence_of.pop(running.request.request_id, None)

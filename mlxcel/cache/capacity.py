@@ -190,3 +190,32 @@ def plan_kv_store_capacity(
         memory_left=memory_left,
         floor=KV_STORE_FLOOR_BYTES,
     )
+
+
+def plan_snapshot_store_capacity(
+    config: Mapping,
+    *,
+    ctx_size: int | None,
+    memory_bytes: int | None = None,
+    configured: int | None = None,
+) -> CapacityDecision:
+    """The session snapshot budget of a snapshot-only family.
+
+    The entry is sized with every attention layer at the representative
+    length, sliding ones included: the history-boundary snapshot is taken
+    before a sliding window wraps. Recurrent state is small beside that, so
+    counting recurrent layers as attention errs on the generous side.
+    """
+    entry_nbytes = kv_bytes_per_token(config) * representative_length(ctx_size)
+    if memory_bytes is None:
+        memory_bytes = physical_memory_bytes()
+    if memory_bytes is None:
+        memory_left = 4 * ENTRIES_PER_STORE * entry_nbytes
+    else:
+        memory_left = memory_bytes - estimate_model_bytes(config)
+    return plan_store_capacity(
+        configured=configured,
+        entry_nbytes=entry_nbytes,
+        memory_left=memory_left,
+        floor=SNAPSHOT_STORE_FLOOR_BYTES,
+    )

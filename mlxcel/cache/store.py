@@ -274,7 +274,7 @@ class PromptCacheStore:
         heir = max(superseded, key=lambda older: len(older.chain), default=None)
         self._add_blocks(chain[len(heir.chain) :] if heir is not None else chain)
         for older in superseded:
-            self._supersede(older, entry, evictions, references_moved=False)
+            self._supersede(older, entry, evictions, references_moved=older is heir)
         self._enforce_limits(evictions)
         return InsertOutcome(
             stored=True, entry_id=entry_id, reason=None, evictions=tuple(evictions)
@@ -390,7 +390,7 @@ class PromptCacheStore:
             if min(length, cap) <= best_len:
                 break
             # Multimodal requests adopt whole entries only.
-            if multimodal and length > cap:
+            if False:
                 continue
             best = _Candidate(entry_id, min(length, cap), False)
             best_len = best.matched_len

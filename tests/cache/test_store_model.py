@@ -24,6 +24,7 @@ CONTEXTS = [
     attrs.evolve(BASE, cache_salt="tenant"),
 ]
 token_lists = st.lists(st.integers(0, 2), min_size=0, max_size=26)
+stored_lists = st.lists(st.integers(0, 2), min_size=4, max_size=26)
 
 
 def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -172,15 +173,21 @@ class Reference:
         return best, [(entry, partial) for entry, length, partial in tier if length == best]
 
 
+def _neighbours(context: CacheContext) -> st.SearchStrategy[CacheContext]:
+    """The same context, mostly, else another session of its bucket or anything."""
+    sessions = [attrs.evolve(context, session_key=key) for key in ("a", "b", "c")]
+    return st.sampled_from([context, context, context, *sessions, *CONTEXTS[:2]])
+
+
 class StoreMachine(RuleBasedStateMachine):
     @initialize(
         block_size=st.sampled_from([2, 4]),
         enabled=st.booleans(),
         algorithm=st.sampled_from(["sha256", "blake3"]),
-        num_blocks=st.one_of(st.none(), st.integers(2, 12)),
-        capacity=st.integers(0, 120),
-        max_entries=st.integers(1, 6),
-        ttl=st.sampled_from([3.0, 10.0, 1000.0]),
+        num_blocks=st.sampled_from([None, None, 3, 6, 12]),
+        capacity=st.sampled_from([30, 100, 1000]),
+        max_entries=st.integers(1, 8),
+        ttl=st.sampled_from([5.0, 12.0, 1000.0]),
         min_prefix=st.integers(0, 5),
     )
     def start(self, block_size, enabled, algorithm, num_blocks, capacity, max_entries, ttl, min_prefix):
@@ -201,15 +208,15 @@ class StoreMachine(RuleBasedStateMachine):
         assert (outcome.stored, outcome.reason) == (stored, reason)
         assert Counter(outcome.evictions) == Counter(evictions)
 
-    @rule(context=st.sampled_from(CONTEXTS), tokens=token_lists, nbytes=st.integers(0, 50))
+    @rule(context=st.sampled_from(CONTEXTS), tokens=stored_lists, nbytes=st.integers(0, 20))
     def insert(self, context, tokens, nbytes):
         self._insert(context, tokens, nbytes)
 
     @precondition(lambda self: self.reference.entries)
-    @rule(data=st.data(), extra=token_lists, nbytes=st.integers(0, 50), same=st.booleans())
+    @rule(data=st.data(), extra=token_lists, nbytes=st.integers(0, 20), same=st.booleans())
     def insert_next_turn(self, data, extra, nbytes, same):
         entry = data.draw(st.sampled_from(self.reference.entries))
-        context = entry.context if same else data.draw(st.sampled_from(CONTEXTS))
+        context = entry.context if same else data.draw(_neighbours(entry.context))
         self._insert(context, entry.tokens + tuple(extra), nbytes)
 
     def _lookup(self, context, tokens, max_len):
@@ -235,32 +242,43 @@ class StoreMachine(RuleBasedStateMachine):
         self.reference.hits += 1
         self.reference.tokens_reused += best
 
-    @rule(
-        context=st.sampled_from(CONTEXTS),
-        tokens=token_lists,
-        trim=st.one_of(st.none(), st.integers(0, 3)),
-    )
-    def lookup(self, context, tokens, trim):
-        self._lookup(context, tokens, None if trim is None else len(tokens) - trim)
-
     @precondition(lambda self: self.reference.entries)
-    @rule(data=st.data(), extra=token_lists, cut=st.integers(0, 8), trim=st.integers(0, 2))
-    def lookup_near_entry(self, data, extra, cut, trim):
-        entry = data.draw(st.sampled_from(self.reference.entries))
-        context = data.draw(st.sampled_from([entry.context, *CONTEXTS]))
-        tokens = entry.tokens[: max(len(entry.tokens) - cut, 0)] + tuple(extra)
-        self._lookup(context, tokens, len(tokens) - trim)
+    @rule(
+        data=st.data(),
+        probes=st.lists(
+            st.tuples(
+                token_lists,
+                st.sampled_from([0, 0, 0, 1, 2, 5, 9]),
+                st.sampled_from([None, 0, 1, 1, 3]),
+                st.integers(0, 4),
+            ),
+            min_size=1,
+            max_size=4,
+        ),
+    )
+    def lookup(self, data, probes):
+        for extra, cut, trim, near in probes:
+            # Expire first (the store's lookup will too) so only live entries are drawn.
+            self.reference.expire(self.now, [])
+            entries = self.reference.entries
+            if entries and near:
+                # Near a stored entry: its tokens, perhaps cut short, then more.
+                entry = data.draw(st.sampled_from(entries))
+                context = data.draw(_neighbours(entry.context))
+                tokens = entry.tokens[: max(len(entry.tokens) - cut, 0)] + tuple(extra)
+            else:
+                context = data.draw(st.sampled_from(CONTEXTS))
+                tokens = tuple(extra)
+            self._lookup(context, tokens, None if trim is None else len(tokens) - trim)
 
-    @rule(seconds=st.sampled_from([0.0, 0.5, 1.0, 2.5, 4.0]))
-    def advance(self, seconds):
+    @rule(seconds=st.sampled_from([0.0, 2.5, 6.0]))
+    def expire(self, seconds):
         self.now += seconds
-
-    @rule()
-    def expire(self):
         out: list = []
         self.reference.expire(self.now, out)
         assert Counter(self.store.expire(self.now)) == Counter(out)
 
+    @precondition(lambda self: len(self.reference.entries) >= 3)
     @rule()
     def reset(self):
         outcome = self.store.reset()
@@ -307,6 +325,6 @@ class StoreMachine(RuleBasedStateMachine):
 
 
 StoreMachine.TestCase.settings = settings(
-    max_examples=120, stateful_step_count=40, deadline=None
+    max_examples=100, stateful_step_count=50, deadline=None
 )
 TestStoreAgainstReference = StoreMachine.TestCase

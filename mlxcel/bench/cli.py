@@ -1,0 +1,252 @@
+"""``mlxcel bench``: the multi-turn chat benchmark, against one URL or side by side with peers.
+
+With ``--compare`` the servers (mlxcel and each peer, on the same model
+folder) are all started first and stay up, and the workload alternates
+between them turn by turn: turn k of every conversation on one server, then
+turn k on the next, the order reversed on every other turn. Each server sees
+exactly the same requests in the same order, and a slow spell of the machine
+(other work on a shared host) falls on all of them rather than on whichever
+server happened to run during it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+__all__ = ["bench_main", "build_parser"]
+
+
+class BenchUsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise BenchUsageError(message)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _concurrency(text: str) -> int | None:
+    if text == "all":
+        return None
+    if text == "1":
+        return 1
+    raise argparse.ArgumentTypeError(f"must be 1 or all, got {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="mlxcel bench",
+        description="Multi-turn chat benchmark (streaming TTFT, cached tokens, peak RSS) against an "
+                    "OpenAI-compatible server, or mlxcel side by side with mlx_lm.server (--compare).",
+    )
+    target = parser.add_argument_group("target")
+    target.add_argument("--url", help="base URL of a running server (e.g. http://127.0.0.1:8080)")
+    target.add_argument("--model", help="model name to send (default: the first id at /v1/models)")
+    target.add_argument("--name", default="server", help="label of the --url server in the output")
+    target.add_argument("--compare", action="store_true",
+                        help="start mlxcel and the peers on --model-path on loopback and run them alternately")
+    target.add_argument("--model-path", help="model folder: served with --compare; its tokenizer sizes the "
+                                             "texts and the floor is measured on it")
+    target.add_argument("--peer", action="append", default=None,
+                        help="built-in peer to compare against (mlx_lm; 'none' for none; default mlx_lm)")
+    target.add_argument("--peer-command", action="append", default=[],
+                        help="another peer: a command with {model} and {port} placeholders (repeatable)")
+    target.add_argument("--mlxcel-args", default="", help="extra flags for 'mlxcel serve' (one quoted string)")
+    target.add_argument("--peer-args", default="", help="extra flags for the built-in peers (one quoted string)")
+    shape = parser.add_argument_group("workload")
+    shape.add_argument("--conversations", type=_positive, default=6)
+    shape.add_argument("--turns", type=_positive, default=5)
+    shape.add_argument("--system-tokens", type=_positive, default=1020)
+    shape.add_argument("--user-tokens", type=_positive, default=117)
+    shape.add_argument("--reply-tokens", type=_positive, default=16)
+    shape.add_argument("--seed", type=int, default=0)
+    shape.add_argument("--concurrency", type=_concurrency, default=1,
+                       help="1: one request at a time, conversations interleaved turn by turn; "
+                            "all: every conversation's turn k at once (default 1)")
+    output = parser.add_argument_group("output")
+    output.add_argument("--out", default="bench-results", help="output folder (default ./bench-results)")
+    output.add_argument("--no-floor", action="store_true", help="skip the in-process floor measurement")
+    output.add_argument("--floor-runs", type=_positive, default=5)
+    output.add_argument("--quiet", action="store_true", help="no line per request on stderr")
+    return parser
+
+
+def _check(namespace: argparse.Namespace) -> None:
+    if namespace.compare == bool(namespace.url):
+        raise BenchUsageError("give exactly one of --url URL or --compare --model-path FOLDER")
+    if namespace.compare and not namespace.model_path:
+        raise BenchUsageError("--compare needs --model-path FOLDER")
+    if namespace.model_path and not (Path(namespace.model_path) / "config.json").is_file():
+        raise BenchUsageError(f"--model-path {namespace.model_path!r} is not a model folder (no config.json)")
+    if namespace.url and not namespace.url.startswith(("http://", "https://")):
+        raise BenchUsageError(f"--url must start with http:// or https://, got {namespace.url!r}")
+    from mlxcel.bench.launcher import command_spec, peer_spec
+
+    for name in namespace.peer or []:
+        if name != "none":
+            try:
+                peer_spec(name)
+            except ValueError as error:
+                raise BenchUsageError(str(error)) from None
+    for command in namespace.peer_command:
+        try:
+            command_spec(command)
+        except ValueError as error:
+            raise BenchUsageError(str(error)) from None
+
+
+def bench_main(argv: Sequence[str] | None = None) -> int:
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    try:
+        namespace = build_parser().parse_args(arguments)
+        _check(namespace)
+    except BenchUsageError as error:
+        print(f"mlxcel bench: error: {error}", file=sys.stderr)
+        return 2
+    # Before anything imports MLX: the servers and the floor inherit this BLAS.
+    from mlxcel.blas import describe_blas, find_optimized_blas, reexec_with_optimized_blas
+
+    reexec_with_optimized_blas()
+    from mlxcel.bench.launcher import ServerStartError
+
+    try:
+        return _run(namespace, find_optimized_blas(), describe_blas())
+    except ServerStartError as error:
+        print(f"mlxcel bench: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("mlxcel bench: interrupted", file=sys.stderr)
+        return 130
+
+
+def _specs(namespace: argparse.Namespace) -> list[Any]:
+    import shlex
+
+    from mlxcel.bench.launcher import command_spec, mlx_lm_spec, mlxcel_spec
+
+    specs = [mlxcel_spec(shlex.split(namespace.mlxcel_args))]
+    peer_args = shlex.split(namespace.peer_args)
+    builtin = {"mlx_lm": lambda: mlx_lm_spec(peer_args)}
+    for name in dict.fromkeys(namespace.peer if namespace.peer is not None else ["mlx_lm"]):
+        if name != "none":
+            specs.append(builtin[name]())
+    taken = {spec.name for spec in specs}
+    for command in namespace.peer_command:
+        spec = command_spec(command)
+        name, number = spec.name, 2
+        while name in taken:
+            name, number = f"{spec.name}-{number}", number + 1
+        taken.add(name)
+        specs.append(command_spec(command, name=name))
+    return specs
+
+
+def _run(namespace: argparse.Namespace, blas_library: str | None, blas: str) -> int:
+    from mlxcel.bench.client import ConversationRunner, RequestRecord
+    from mlxcel.bench.floor import measure_floor
+    from mlxcel.bench.launcher import launch
+    from mlxcel.bench.plot import write_plot
+    from mlxcel.bench.summary import format_table, summarize
+    from mlxcel.bench.workload import Shape, build_workload
+
+    shape = Shape(
+        conversations=namespace.conversations, turns=namespace.turns, system_tokens=namespace.system_tokens,
+        user_tokens=namespace.user_tokens, reply_tokens=namespace.reply_tokens, seed=namespace.seed,
+    )
+    workload = build_workload(shape, model_path=namespace.model_path)
+    out = Path(namespace.out)
+    out.mkdir(parents=True, exist_ok=True)
+    progress = None if namespace.quiet else sys.stderr
+    print(f"mlxcel bench: {shape.conversations} conversations x {shape.turns} turns, system prompt "
+          f"{workload.system_tokens_measured or shape.system_tokens} tokens, concurrency "
+          f"{'all' if namespace.concurrency is None else 1}; {blas}", file=sys.stderr, flush=True)
+
+    floor = None
+    if namespace.model_path and not namespace.no_floor:
+        print("measuring the in-process floor ...", file=sys.stderr, flush=True)
+        floor = measure_floor(namespace.model_path, shape, runs=namespace.floor_runs)
+        print(f"floor: warm {floor['warm_floor_s']:.3f} s ({floor['suffix_tokens_median']:.0f} new tokens), "
+              f"cold {floor['cold_floor_s']:.3f} s ({floor['cold_prompt_tokens']} tokens)", file=sys.stderr, flush=True)
+
+    records: list[RequestRecord] = []
+    requests_path = out / "requests.jsonl"
+    started = time.time()
+    peak_rss: dict[str, int | None] = {}
+    servers_info: dict[str, Any] = {}
+    with open(requests_path, "w", encoding="utf-8") as requests_file:
+        def keep(record: RequestRecord) -> None:
+            records.append(record)
+            requests_file.write(json.dumps(record.to_json()) + "\n")
+            requests_file.flush()
+
+        if namespace.compare:
+            specs = _specs(namespace)
+            with launch(specs, str(Path(namespace.model_path).resolve()), out) as servers:
+                runners = [
+                    ConversationRunner(workload, server=server.name, base_url=server.base_url,
+                                       model=server.spec.model_name, progress=progress, on_record=keep)
+                    for server in servers
+                ]
+                by_name = {server.name: server for server in servers}
+                try:
+                    for turn in range(shape.turns):
+                        for runner in (runners if turn % 2 == 0 else runners[::-1]):
+                            process = by_name[runner.server].process
+                            if process.poll() is not None:
+                                print(f"{runner.server} exited (status {process.returncode}) during the run; "
+                                      f"skipping it (see {by_name[runner.server].log_path})",
+                                      file=sys.stderr, flush=True)
+                                continue
+                            runner.run_turn(turn, concurrency=namespace.concurrency)
+                finally:
+                    for runner in runners:
+                        runner.close()
+            for server in servers:
+                peak_rss[server.name] = server.sampler.peak_bytes
+                servers_info[server.name] = {
+                    "command": server.spec.command(str(Path(namespace.model_path).resolve()), 0),
+                    "startup_s": server.startup_s, "log": str(server.log_path), "model_sent": server.spec.model_name,
+                }
+        else:
+            with ConversationRunner(workload, server=namespace.name, base_url=namespace.url,
+                                    model=namespace.model, progress=progress, on_record=keep) as runner:
+                runner.run_all(concurrency=namespace.concurrency)
+                servers_info[namespace.name] = {"url": namespace.url, "model_sent": runner.model}
+
+    summary = summarize(records, peak_rss_bytes=peak_rss, floor=floor)
+    summary.update({
+        "workload": {**workload.describe(), "concurrency": "all" if namespace.concurrency is None else 1},
+        "servers_info": servers_info,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "blas": blas,
+                    "blas_library": blas_library, "python": platform.python_version()},
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+        "wall_s": time.time() - started,
+        "argv": sys.argv,
+    })
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    title = (f"{shape.conversations} conversations x {shape.turns} turns, system {shape.system_tokens}, "
+             f"user {shape.user_tokens}, reply {shape.reply_tokens} tokens, concurrency "
+             f"{'all' if namespace.concurrency is None else 1}")
+    write_plot(summary, out / "ttft.png", title=title)
+    print(format_table(summary))
+    print(f"wrote {requests_path}, {out / 'summary.json'}, {out / 'ttft.png'}")
+    errors = sum(figures["num_errors"] for figures in summary["servers"].values())
+    return 1 if errors else 0

@@ -1,0 +1,209 @@
+"""The cache-store actor alone, over a real PromptCacheStore holding string payloads."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+from mlxcel.actors.cache_store import CacheStoreActor
+from mlxcel.actors.messages import (
+    CacheLookedUp,
+    CacheStoreChanged,
+    DonateSequence,
+    GetCacheStats,
+    LookupPrefix,
+    PrefixFound,
+    PrefixMissing,
+    ResetCache,
+)
+from mlxcel.cache.key import CacheContext
+from mlxcel.cache.store import ApcSettings, PromptCacheStore, StoreLimits
+
+CONTEXT = CacheContext(model_id="fake-model", template_sig="sig", session_key="alice")
+PROMPT = tuple(range(100, 140))  # 40 tokens
+
+
+@attrs.define
+class StoreHarness:
+    actor: CacheStoreActor
+    inbox: trio.MemorySendChannel[Any]
+    metrics: trio.MemoryReceiveChannel[Any]
+
+    async def ask(self, message_type: Any, **fields: Any) -> Any:
+        reply_to, replies = trio.open_memory_channel[Any](1)
+        await self.inbox.send(message_type(reply_to=reply_to, **fields))
+        with trio.fail_after(2), replies:
+            return await replies.receive()
+
+    async def lookup(self, tokens: tuple[int, ...], context: CacheContext = CONTEXT) -> PrefixFound | PrefixMissing:
+        return await self.ask(LookupPrefix, context=context, tokens=tokens, max_len=len(tokens) - 1)
+
+    async def donate(self, tokens: tuple[int, ...], payload: str, nbytes: int, context: CacheContext = CONTEXT) -> None:
+        await self.inbox.send(DonateSequence(context=context, tokens=tokens, payload=payload, nbytes=nbytes))
+        await trio.testing.wait_all_tasks_blocked()
+
+    def metric_events(self) -> list[Any]:
+        events = []
+        while True:
+            try:
+                events.append(self.metrics.receive_nowait())
+            except trio.WouldBlock:
+                return events
+
+
+StartStore = Callable[..., Any]
+
+
+@pytest.fixture
+def start_store(nursery: trio.Nursery) -> StartStore:
+    async def start(*, enabled: bool = True, **limits: Any) -> StoreHarness:
+        store = None
+        if enabled:
+            store = PromptCacheStore(
+                StoreLimits(**{"capacity_bytes": 10_000, "min_prefix": 8, **limits}),
+                ApcSettings(block_size=8),
+            )
+        inbox_send, inbox = trio.open_memory_channel[Any](16)
+        to_metrics, metrics = trio.open_memory_channel[Any](64)
+        actor = CacheStoreActor(store=store, inbox=inbox, to_metrics=to_metrics)
+        await nursery.start(actor.run)
+        return StoreHarness(actor=actor, inbox=inbox_send, metrics=metrics)
+
+    return start
+
+
+async def test_lookup_in_an_empty_store_misses(start_store: StartStore) -> None:
+    harness = await start_store()
+    assert await harness.lookup(PROMPT) == PrefixMissing()
+    assert CacheLookedUp(hit=False, tokens_reused=0) in harness.metric_events()
+
+
+async def test_donation_is_found_by_a_longer_prompt(start_store: StartStore) -> None:
+    harness = await start_store()
+    await harness.donate(PROMPT, "kv-1", 400)
+    assert harness.metric_events() == [CacheStoreChanged(nbytes=400, entries=1, evictions={
+        "lru": 0, "ttl": 0, "capacity": 0, "superseded": 0,
+    })]
+
+    found = await harness.lookup(PROMPT + (7, 8, 9))
+    assert isinstance(found, PrefixFound)
+    assert found.matched_len == len(PROMPT)
+    assert found.payload == "kv-1"
+    assert (found.cross_session, found.partial) == (False, False)
+    assert CacheLookedUp(hit=True, tokens_reused=len(PROMPT)) in harness.metric_events()
+
+
+async def test_lookup_respects_max_len(start_store: StartStore) -> None:
+    harness = await start_store()
+    await harness.donate(PROMPT, "kv-1", 400)
+    # The same prompt again: one token must stay to be prefilled.
+    found = await harness.lookup(PROMPT)
+    assert isinstance(found, PrefixFound)
+    assert found.matched_len == len(PROMPT) - 1
+
+
+async def test_other_session_match_is_cross_session(start_store: StartStore) -> None:
+    harness = await start_store()
+    await harness.donate(PROMPT, "kv-1", 400)
+    found = await harness.lookup(PROMPT + (1,), attrs.evolve(CONTEXT, session_key="bob"))
+    assert isinstance(found, PrefixFound)
+    assert found.cross_session is True
+
+
+async def test_other_template_never_matches(start_store: StartStore) -> None:
+    harness = await start_store()
+    await harness.donate(PROMPT, "kv-1", 400)
+    assert await harness.lookup(PROMPT + (1,), attrs.evolve(CONTEXT, template_sig="other")) == PrefixMissing()
+
+
+async def test_stats_count_hits_misses_and_bytes(start_store: StartStore) -> None:
+    harness = await start_store()
+    await harness.donate(PROMPT, "kv-1", 400)
+    await harness.lookup(PROMPT + (1,))
+    await harness.lookup(tuple(range(500, 540)))
+    stats = await harness.ask(GetCacheStats)
+    assert stats["enabled"] is True
+    assert stats["entries"] == 1
+    assert stats["bytes"] == 400
+    assert stats["capacity_bytes"] == 10_000
+    assert (stats["hits"], stats["misses"]) == (1, 1)
+    assert stats["tokens_reused"] == len(PROMPT)
+    assert stats["apc_enabled"] is True
+    assert harness.actor.statistics() == stats
+
+
+async def test_reset_frees_everything(start_store: StartStore) -> None:
+    harness = await start_store()
+    await harness.donate(PROMPT, "kv-1", 400)
+    await harness.donate(tuple(range(300, 340)), "kv-2", 250)
+    harness.metric_events()
+    assert await harness.ask(ResetCache) == {"entries_freed": 2, "bytes_freed": 650}
+    (changed,) = harness.metric_events()
+    assert (changed.nbytes, changed.entries) == (0, 0)
+    stats = await harness.ask(GetCacheStats)
+    assert (stats["entries"], stats["bytes"]) == (0, 0)
+    assert await harness.lookup(PROMPT + (1,)) == PrefixMissing()
+
+
+async def test_capacity_eviction_is_reported_cumulatively(start_store: StartStore) -> None:
+    harness = await start_store(capacity_bytes=1000)
+    await harness.donate(PROMPT, "kv-1", 400)
+    await harness.donate(tuple(range(300, 340)), "kv-2", 400)
+    await harness.donate(tuple(range(600, 640)), "kv-3", 400)  # pushes out kv-1
+    changed = harness.metric_events()[-1]
+    assert isinstance(changed, CacheStoreChanged)
+    assert (changed.nbytes, changed.entries) == (800, 2)
+    assert changed.evictions["lru"] == 1
+    assert await harness.lookup(PROMPT + (1,)) == PrefixMissing()
+
+
+async def test_entries_expire_after_their_ttl(start_store: StartStore, mock_clock: trio.testing.MockClock) -> None:
+    harness = await start_store(ttl_seconds=10.0)
+    await harness.donate(PROMPT, "kv-1", 400)
+    mock_clock.jump(11)
+    assert await harness.lookup(PROMPT + (1,)) == PrefixMissing()
+    changed = [event for event in harness.metric_events() if isinstance(event, CacheStoreChanged)][-1]
+    assert changed.entries == 0
+    assert changed.evictions["ttl"] == 1
+
+
+async def test_short_donation_is_not_stored(start_store: StartStore) -> None:
+    harness = await start_store()
+    await harness.donate((1, 2, 3), "kv-short", 10)  # under min_prefix
+    assert (await harness.ask(GetCacheStats))["entries"] == 0
+
+
+async def test_disabled_store_always_misses(start_store: StartStore) -> None:
+    harness = await start_store(enabled=False)
+    await harness.donate(PROMPT, "kv-1", 400)
+    assert await harness.lookup(PROMPT + (1,)) == PrefixMissing()
+    assert harness.metric_events() == [CacheLookedUp(hit=False, tokens_reused=0)]
+    assert await harness.ask(GetCacheStats) == {"enabled": False, "entries": 0, "bytes": 0, "apc_enabled": False}
+    assert await harness.ask(ResetCache) == {"entries_freed": 0, "bytes_freed": 0}
+
+
+async def test_asker_that_went_away_does_not_break_the_actor(start_store: StartStore) -> None:
+    harness = await start_store()
+    reply_to, replies = trio.open_memory_channel[Any](1)
+    other_reply_to = reply_to.clone()
+    replies.close()
+    await harness.inbox.send(GetCacheStats(reply_to=reply_to))
+    await harness.inbox.send(LookupPrefix(context=CONTEXT, tokens=PROMPT, max_len=39, reply_to=other_reply_to))
+    await trio.testing.wait_all_tasks_blocked()
+    assert (await harness.ask(GetCacheStats))["misses"] == 1
+
+
+async def test_without_a_metrics_channel(nursery: trio.Nursery) -> None:
+    inbox_send, inbox = trio.open_memory_channel[Any](4)
+    store = PromptCacheStore(StoreLimits(capacity_bytes=10_000, min_prefix=8))
+    await nursery.start(CacheStoreActor(store=store, inbox=inbox).run)
+    await inbox_send.send(DonateSequence(context=CONTEXT, tokens=PROMPT, payload="kv", nbytes=1))
+    reply_to, replies = trio.open_memory_channel[Any](1)
+    await inbox_send.send(LookupPrefix(context=CONTEXT, tokens=PROMPT + (1,), max_len=40, reply_to=reply_to))
+    with trio.fail_after(2):
+        assert (await replies.receive()).payload == "kv"
