@@ -102,13 +102,16 @@ def decode_round(target: Target, level: int, reply_tokens: int, prompt_tokens: i
     }
 
 
-def behind_round(target: Target, long_tokens: int, delay_s: float, seed: int) -> dict[str, Any]:
+def behind_round(target: Target, long_tokens: int, delay_s: float | None, seed: int) -> dict[str, Any]:
     short_text = _words(seed * 7919 + 1, 24)
     alone_short = _chat(target.client, target, _words(seed * 7919 + 2, 24), 8, 0)
     alone_long = _chat(target.client, target, _words(seed * 7919 + 3, long_tokens), 1, 0)
 
+    # Default: a quarter of the long prompt's own TTFT, so the short one lands mid-prefill.
+    delay = delay_s if delay_s is not None else 0.25 * (alone_long.ttft_s or alone_long.e2e_s)
+
     def short_after_delay() -> Any:
-        time.sleep(delay_s)
+        time.sleep(delay)
         return _chat(target.client, target, short_text, 8, 1)
 
     (long_record, short_record), _wall = _concurrent([
@@ -121,6 +124,7 @@ def behind_round(target: Target, long_tokens: int, delay_s: float, seed: int) ->
         "long_ttft_alone_s": alone_long.ttft_s,
         "long_ttft_with_short_s": long_record.ttft_s,
         "long_prompt_tokens": alone_long.prompt_tokens,
+        "delay_s": delay,
         "errors": [r.error for r in (alone_short, alone_long, long_record, short_record) if r.error],
     }
 
@@ -138,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reply-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=24, help="words in each short prompt")
     parser.add_argument("--long-prompt-tokens", type=int, default=1500)
-    parser.add_argument("--behind-delay", type=float, default=0.15,
-                        help="seconds between sending the long prompt and the short request")
+    parser.add_argument("--behind-delay", type=float, default=None,
+                        help="seconds between sending the long prompt and the short request "
+                             "(default: a quarter of the long prompt's TTFT alone)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--peer", default="mlx_lm", choices=("mlx_lm", "none"))
     parser.add_argument("--mlxcel-args", default="", help="extra flags for 'mlxcel serve'")

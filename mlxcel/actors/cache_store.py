@@ -26,6 +26,7 @@ from mlxcel.actors.messages import (
     PrefixFound,
     PrefixMissing,
     ResetCache,
+    ShedCache,
     SnapshotFound,
     SnapshotMissing,
     SnapshotRestoreFailed,
@@ -44,7 +45,10 @@ class CacheStoreActor:
         inbox: trio.MemoryReceiveChannel[CacheStoreMsg],
         to_metrics: trio.MemorySendChannel[MetricsMsg] | None = None,
         snapshots: SnapshotStore | None = None,
+        cross_session: bool = True,
     ) -> None:
+        # False: lookups never reach another session's entries (tenant isolation).
+        self._cross_session = cross_session
         # None: the prompt cache is disabled; every lookup misses and donations are dropped.
         self._store = store
         # The session snapshot store, for snapshot-only model families.
@@ -75,7 +79,8 @@ class CacheStoreActor:
                 found = None
                 if self._store is not None:
                     found = self._store.lookup(
-                        message.context, message.tokens, now, max_len=message.max_len, record=message.record
+                        message.context, message.tokens, now, max_len=message.max_len,
+                        record=message.record, cross_session=self._cross_session,
                     )
                     self._report_store_state()
                 reply: PrefixFound | PrefixMissing = PrefixMissing()
@@ -119,6 +124,15 @@ class CacheStoreActor:
                         "raise --prompt-cache-snapshot-capacity-bytes",
                         message.nbytes, self._snapshots.limits.capacity_bytes,
                     )
+            case ShedCache():
+                if self._store is not None:
+                    freed_before = self._store.stats(now).bytes
+                    self._store.shed(freed_before // 2)
+                    logger.warning("out of device memory: shed the prompt cache from %d to %d bytes",
+                                   freed_before, self._store.stats(now).bytes)
+                    self._report_store_state()
+                if self._snapshots is not None:
+                    self._snapshots.shed(self._snapshots.stats(now).bytes // 2)
             case SnapshotRestoreFailed():
                 if self._snapshots is not None:
                     self._snapshots.record_incompatible()

@@ -236,6 +236,11 @@ class SnapshotRestoreFailed:
 
 
 @attrs.frozen(kw_only=True)
+class ShedCache:
+    """The device ran out of memory: drop the least recently used half of both stores."""
+
+
+@attrs.frozen(kw_only=True)
 class GetCacheStats:
     reply_to: trio.MemorySendChannel[dict[str, Any]] = attrs.field(repr=False)
 
@@ -246,7 +251,8 @@ class ResetCache:
 
 
 CacheStoreMsg = (
-    LookupPrefix | DonateSequence | LookupSnapshot | DonateSnapshot | SnapshotRestoreFailed | GetCacheStats | ResetCache
+    LookupPrefix | DonateSequence | LookupSnapshot | DonateSnapshot | SnapshotRestoreFailed | ShedCache
+    | GetCacheStats | ResetCache
 )
 
 

@@ -43,6 +43,7 @@ from mlxcel.actors.messages import (
     LookupSnapshot,
     SnapshotFound,
     SnapshotMissing,
+    ShedCache,
     SnapshotRestoreFailed,
     WarmSession,
 )
@@ -530,16 +531,22 @@ class SchedulerActor:
             # After the donation above: the parked requests' lookups will find it.
             self._release_parked(sequence_id)
         if done.error is not None:
+            if done.out_of_memory and self._to_cache_store is not None:
+                # Queued before any later lookup, so the store sheds before the next admission.
+                self._send_nowait(self._to_cache_store, ShedCache())
             for sequence_id in done.failed_sequences:
                 self._warming.pop(sequence_id, None)
                 running = self._running.get(sequence_id)
                 if running is None or running.finished:
                     continue
                 self._num_failed += 1
-                self._send_event(running, RequestFailed(error=InvalidRequest(
+                error: InvalidRequest = InvalidRequest(
                     f"the model failed while generating: {done.error}",
                     status=500, error_type="server_error", code="generation_failed",
-                )))
+                )
+                if done.out_of_memory:
+                    error = ServerBusy("the device ran out of memory for this request; retry shortly")
+                self._send_event(running, RequestFailed(error=error))
                 # The device already dropped the sequence.
                 self._forget(running)
 
@@ -593,22 +600,30 @@ class SchedulerActor:
         )
 
     def _finish_running(self, running: _Running, *, donate: bool, reason: str | None, on_device: bool = True) -> None:
-        """End a request. ``reason`` None means cancelled: no final event, no donation."""
+        """End a request. ``reason`` None means cancelled: no final event, no donation.
+
+        A reply counts as a healthy completion only if its final event reaches
+        the client; one whose client has gone is cancelled instead.
+        """
         running.finished = True
         context = running.request.cache_context
-        healthy = reason is not None
+        usage = Usage(
+            prompt_tokens=len(running.request.prompt_tokens),
+            completion_tokens=running.completion_tokens,
+            cached_tokens=running.cached_tokens,
+        )
+        healthy = reason is not None and self._send_event_to(
+            running.request.events, Delta(finish_reason=reason, usage=usage)
+        )
+        if reason is not None and not healthy:
+            self._num_cancelled += 1
+        donate = donate and healthy and context is not None
         if on_device:
-            self._removals.append(RemoveSequence(sequence_id=running.sequence_id, donate=donate and healthy and context is not None))
+            self._removals.append(RemoveSequence(sequence_id=running.sequence_id, donate=donate))
             self._work.set()
-        if healthy and context is not None and donate:
+        if donate:
             self._pending_donations[running.sequence_id] = context
         if healthy:
-            usage = Usage(
-                prompt_tokens=len(running.request.prompt_tokens),
-                completion_tokens=running.completion_tokens,
-                cached_tokens=running.cached_tokens,
-            )
-            self._send_event(running, Delta(finish_reason=reason, usage=usage))
             self._num_completed += 1
             if self._to_metrics is not None:
                 self._send_nowait(self._to_metrics, RequestFinished(

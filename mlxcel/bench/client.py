@@ -90,7 +90,7 @@ def stream_chat(
     finish_reason = error = None
     start = time.perf_counter()
     try:
-        with client.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT_S) as response:
+        with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as response:
             if response.status_code != 200:
                 response.read()
                 error = f"HTTP {response.status_code}: {response.text[:200]}"
@@ -161,11 +161,12 @@ class ConversationRunner:
         model: str | None = None,
         progress: TextIO | None = sys.stderr,
         on_record: Callable[[RequestRecord], None] | None = None,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
     ) -> None:
         self.workload = workload
         self.server = server
         self.base_url = base_url.rstrip("/")
-        self.client = httpx.Client(timeout=REQUEST_TIMEOUT_S)
+        self.client = httpx.Client(timeout=request_timeout_s)
         self.model = model or resolve_model(self.client, self.base_url)
         self.replies: list[list[str]] = [[] for _ in range(workload.shape.conversations)]
         self.records: list[RequestRecord] = []

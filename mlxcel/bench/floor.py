@@ -5,7 +5,8 @@ server's), the model is loaded with mlx-lm, the previous turn's whole prompt
 is prefilled into a fresh ``make_prompt_cache`` cache, and then the timed
 part: prefilling only the rest of this turn's prompt (the previous reply,
 the new user turn, the template's tokens) in one chunk and taking the first
-greedy token. Median of a few runs after a warm-up, the cache trimmed back
+greedy token (as mlx-lm generates: the chunk without its last token fills
+the cache, then one step on the last token gives the logits). Median of a few runs after a warm-up, the cache trimmed back
 between runs. A server's warm-turn TTFT divided by this is its overhead over
 the model's own compute. The cold figure is the same for a whole turn-0
 prompt in ``--prefill-step-size`` chunks.
@@ -49,15 +50,19 @@ def _floor(model_path: str, shape: Shape, *, runs: int, prefill_step_size: int, 
     workload = build_workload(shape, model_path=model_path)
 
     def prefill(cache: list[Any], tokens: list[int], step: int) -> int:
-        """Prefill ``tokens`` in chunks of ``step``; returns the first greedy token."""
-        logits = None
-        for start in range(0, len(tokens), step):
-            logits = model(mx.array(tokens[start:start + step])[None], cache=cache)
-            if start + step < len(tokens):
-                mx.eval([c.state for c in cache])
-        assert logits is not None
+        """Prefill ``tokens`` in chunks of ``step``; returns the first greedy token.
+
+        As mlx-lm's own generation does: all but the last token only fill the
+        cache (their logits are never evaluated, so never computed), then the
+        last token is one step whose logits give the first token.
+        """
+        body = tokens[:-1]
+        for start in range(0, len(body), step):
+            model(mx.array(body[start:start + step])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+        logits = model(mx.array(tokens[-1:])[None], cache=cache)
         token = mx.argmax(logits[:, -1, :], axis=-1)
-        mx.eval(token, [c.state for c in cache])
+        mx.eval(token)
         return int(token.item())
 
     def timed(function: Any) -> float:

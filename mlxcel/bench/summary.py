@@ -50,8 +50,11 @@ def summarize_server(
     warm = [r for r in records if r.turn >= 1]
     warm_ttft = _median(r.ttft_s for r in warm)
     completion = [r.completion_tokens for r in records if r.completion_tokens is not None]
+    first = [r.ttft_s for r in records if r.conversation == 0 and r.turn == 0]
     return {
         "num_requests": len(records),
+        # The only request with nothing to reuse; the other turn-0s share the system prompt.
+        "first_ttft_s": first[0] if first else None,
         "num_errors": sum(1 for r in records if r.error),
         "cold_ttft_median_s": _median(r.ttft_s for r in cold),
         "warm_ttft_median_s": warm_ttft,
@@ -67,6 +70,7 @@ def summarize_server(
 
 
 RATIO_FIELDS = {
+    "first_ttft": "first_ttft_s",
     "cold_ttft": "cold_ttft_median_s",
     "warm_ttft": "warm_ttft_median_s",
     "e2e": "e2e_median_s",
@@ -127,6 +131,7 @@ def _cell(value: Any, kind: str) -> str:
 def format_table(summary: Mapping[str, Any]) -> str:
     columns = [
         ("server", None, None),
+        ("1st TTFT", "first_ttft_s", "s"),
         ("cold TTFT", "cold_ttft_median_s", "s"),
         ("warm TTFT", "warm_ttft_median_s", "s"),
         ("warm/floor", "warm_over_floor", "x"),
@@ -139,7 +144,7 @@ def format_table(summary: Mapping[str, Any]) -> str:
     for name, figures in summary["servers"].items():
         rows.append([name] + [_cell(figures.get(field), kind) for _, field, kind in columns[1:] if field])
     for peer, values in summary.get("ratios", {}).items():
-        rows.append([f"mlxcel / {peer}", _cell(values["cold_ttft"], "x"), _cell(values["warm_ttft"], "x"), "",
+        rows.append([f"mlxcel / {peer}", _cell(values["first_ttft"], "x"), _cell(values["cold_ttft"], "x"), _cell(values["warm_ttft"], "x"), "",
                      _cell(values["e2e"], "x"), "", _cell(values["peak_rss"], "x"), ""])
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = ["  ".join(cell.ljust(width) if i == 0 else cell.rjust(width) for i, (cell, width) in enumerate(zip(row, widths)))
@@ -150,7 +155,10 @@ def format_table(summary: Mapping[str, Any]) -> str:
         lines.append(
             f"in-process floor (prefill the ~{floor.get('suffix_tokens_median')}-token uncached suffix in one chunk, "
             f"first token): {floor['warm_floor_s']:.3f} s"
+            + (f"; cold, the {floor['cold_prompt_tokens']}-token first prompt: {floor['cold_floor_s']:.3f} s"
+               if floor.get("cold_floor_s") is not None else "")
         )
-    lines.append("TTFT figures are medians; cold = turn 0, warm = turns >= 1; "
+    lines.append("1st = the very first request (nothing cached); TTFT medians: cold = turn 0 (from the 2nd "
+                 "conversation on, the system prompt can be reused), warm = turns >= 1; "
                  "cached = cached_tokens / prompt_tokens on warm turns ('-': the server reports none).")
     return "\n".join(lines)

@@ -169,6 +169,11 @@ class SnapshotStore:
             self._evict_oldest("lru")
         return key in self._entries
 
+    def shed(self, target_bytes: int) -> None:
+        """Evict least recently used snapshots until at most target_bytes remain."""
+        while self._entries and self._bytes > target_bytes:
+            self._evict_oldest("capacity")
+
     def reset(self) -> tuple[int, int]:
         freed = (len(self._entries), self._bytes)
         self._entries.clear()

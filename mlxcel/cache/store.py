@@ -7,11 +7,9 @@ untouched.
 
 from __future__ import annotations
 
-import operator
 import struct
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from itertools import compress, repeat
 from typing import Literal
 
 import attrs
@@ -330,12 +328,18 @@ class PromptCacheStore:
         tokens: Sequence[int],
         now: float,
         max_len: int | None = None,
+        *,
+        record: bool = True,
+        cross_session: bool = True,
     ) -> Match | None:
         """The longest usable stored prefix of tokens, or None (a miss).
 
         max_len caps the match (callers pass len(tokens) - 1 so at least one
         token is prefilled). The payload is handed back untouched; an
         adopter that needs fewer tokens than the entry holds trims a copy.
+        ``record=False`` is a peek: no hit or miss is counted and recency is
+        not refreshed. ``cross_session=False`` keeps the lookup inside the
+        request's own session (tenant isolation).
         """
         self._expire(now, [])
         num_tokens = len(tokens)
@@ -343,7 +347,7 @@ class PromptCacheStore:
         floor = max(self.limits.min_prefix, 1)
         trie = self._tries.get((context.bucket, context.rope_regime, context.mm_digest))
         if trie is None or cap < floor:
-            self._misses += 1
+            self._misses += record
             return None
         # Packed lazily: a walk that parts early from every entry packs little.
         request = PackedPrefix(tokens)
@@ -353,15 +357,18 @@ class PromptCacheStore:
         if own is not None:
             floor = own.matched_len + 1
         # Another session's entry wins only when strictly longer.
-        other = self._best(walk, context, num_tokens, cap, request_chain, None, floor)
+        other = None
+        if cross_session:
+            other = self._best(walk, context, num_tokens, cap, request_chain, None, floor)
         chosen = other if other is not None else own
         if chosen is None:
-            self._misses += 1
+            self._misses += record
             return None
         entry = self._entries[chosen.entry_id]
-        self._touch(entry, now)
-        self._hits += 1
-        self._tokens_reused += chosen.matched_len
+        if record:
+            self._touch(entry, now)
+            self._hits += 1
+            self._tokens_reused += chosen.matched_len
         owner = entry.owner or entry
         return Match(
             entry_id=entry.entry_id,
@@ -390,7 +397,7 @@ class PromptCacheStore:
             if min(length, cap) <= best_len:
                 break
             # Multimodal requests adopt whole entries only.
-            if False:
+            if multimodal and length > cap:
                 continue
             best = _Candidate(entry_id, min(length, cap), False)
             best_len = best.matched_len
@@ -435,6 +442,13 @@ class PromptCacheStore:
             if now - entry.last_used < ttl:
                 break
             self._evict(entry, "ttl", evictions)
+
+    def shed(self, target_bytes: int) -> tuple[tuple[EvictionReason, int], ...]:
+        """Evict least recently used entries until at most target_bytes remain (memory pressure)."""
+        evictions: list[tuple[EvictionReason, int]] = []
+        while self._bytes > target_bytes and self._owner_recency:
+            self._evict(self._entries[next(iter(self._owner_recency))], "capacity", evictions)
+        return tuple(evictions)
 
     def reset(self) -> ResetOutcome:
         """Forget every entry and chain; the counters keep running."""
@@ -500,15 +514,19 @@ class PromptCacheStore:
             self._apc_active += sign
 
     def _add_blocks(self, hashes: list[bytes]) -> None:
-        # map/zip keep the per-hash work in C; a chain never repeats a hash.
         refs = self._block_refs
-        refs.update(zip(hashes, map(_plus_one, map(refs.get, hashes, repeat(0)))))
+        get = refs.get
+        for block_hash in hashes:
+            refs[block_hash] = get(block_hash, 0) + 1
 
     def _drop_blocks(self, hashes: list[bytes]) -> None:
         refs = self._block_refs
-        refs.update(zip(hashes, map(_minus_one, map(refs.__getitem__, hashes))))
-        for unused in list(compress(hashes, map(operator.not_, map(refs.__getitem__, hashes)))):
-            del refs[unused]
+        for block_hash in hashes:
+            remaining = refs[block_hash] - 1
+            if remaining:
+                refs[block_hash] = remaining
+            else:
+                del refs[block_hash]
 
     # Introspection
 
@@ -549,6 +567,3 @@ class PromptCacheStore:
             last_used=entry.last_used,
         )
 
-
-_plus_one = (1).__add__
-_minus_one = (-1).__add__

@@ -187,7 +187,7 @@ def create_app(
         if declared is not None and declared > max_body_bytes:
             raise InvalidRequest(
                 f"the request body is {declared} bytes; the limit is {max_body_bytes}",
-                status=413, code="body_too_large",
+                status=413, code="request_too_large",
             )
         raw = await request.get_data(cache=False, as_text=False)
         return decode_json_body(raw, max_bytes=max_body_bytes)

@@ -133,11 +133,6 @@ async def test_device_batches_fails_a_step_and_stops_when_its_inbox_closes() -> 
             to_device.close()  # run() returns: the nursery can exit
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "device._StepWorker.run_step: when an admission raises (here adopt() of a bad payload), "
-    "failed_sequences lists only sequences already in _by_uid, so the admission that broke "
-    "the step is never reported and the scheduler waits on it forever"
-))
 async def test_an_admission_that_raises_is_reported_as_failed() -> None:
     to_device, inbox = trio.open_memory_channel[RunStep](0)
     actor = DeviceActor(DeviceSettings(model_path=fixture_path("llama")), inbox)

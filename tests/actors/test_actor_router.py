@@ -287,11 +287,6 @@ async def test_chat_prompt_regime_uses_the_rendered_length(nursery: trio.Nursery
     assert short.cache_context.template_sig == long.cache_context.template_sig
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "router.PromptRenderer.render calls effective_tool_choice outside its try block: an "
-    "unknown tool_choice (possible from an embedding app, which builds ChatRequest itself) "
-    "raises ValueError out of RouterActor._route and crashes the router and the engine"
-))
 async def test_unknown_tool_choice_is_rejected_not_fatal() -> None:
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:

@@ -31,7 +31,8 @@ async def test_two_conversations_two_turns_against_mlxcel(start_engine, start_se
     workload = build_workload(shape, model_path=fixture_path("llama"))
 
     def run() -> list:
-        with ConversationRunner(workload, server="mlxcel", base_url=base_url, progress=None) as runner:
+        with ConversationRunner(workload, server="mlxcel", base_url=base_url, progress=None,
+                                request_timeout_s=60) as runner:
             assert runner.model == "llama-v1-seed0"
             return runner.run_all(concurrency=1)
 
@@ -53,7 +54,8 @@ async def test_all_at_once_sends_every_conversation(start_engine, start_server) 
     workload = build_workload(Shape(conversations=3, turns=1, system_tokens=40, user_tokens=5, reply_tokens=2))
 
     def run() -> list:
-        with ConversationRunner(workload, server="mlxcel", base_url=base_url, progress=None) as runner:
+        with ConversationRunner(workload, server="mlxcel", base_url=base_url, progress=None,
+                                request_timeout_s=60) as runner:
             return runner.run_turn(0, concurrency=None)
 
     records = await trio.to_thread.run_sync(run)

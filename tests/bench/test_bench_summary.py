@@ -32,6 +32,7 @@ def test_summary_figures_and_ratios() -> None:
     summary = summarize(synthetic(), peak_rss_bytes={"mlxcel": 400 << 20, "peer": 800 << 20},
                         floor={"warm_floor_s": 0.1, "suffix_tokens_median": 140})
     mine, theirs = summary["servers"]["mlxcel"], summary["servers"]["peer"]
+    assert mine["first_ttft_s"] == pytest.approx(2.0)
     assert mine["cold_ttft_median_s"] == pytest.approx(2.5)
     assert mine["warm_ttft_median_s"] == pytest.approx(0.2)
     assert mine["warm_cached_share"] == pytest.approx(1000 / 1200)

@@ -41,5 +41,8 @@ async def test_the_user_key_serves_and_the_admin_key_guards_admin_routes(keyed_s
         assert (await client.post("/v1/cache/reset", headers=user)).status_code == 401
         assert (await client.get("/metrics", headers=user)).status_code == 401
         assert (await client.get("/metrics", headers=admin)).status_code == 200
+        before = (await client.get("/v1/cache/stats", headers=user)).json()
+        assert before["entries"] >= 1 and before["bytes"] > 0
         reset = await client.post("/v1/cache/reset", headers=admin)
-        assert reset.status_code == 200 and reset.json()["entries_freed"] == 1
+        assert reset.status_code == 200
+        assert reset.json()["entries_freed"] == before["entries"] and reset.json()["bytes_freed"] == before["bytes"]
