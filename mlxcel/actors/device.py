@@ -326,22 +326,26 @@ def _detach(sequence_id: int, caches: Any, tokens: Any, *, final: bool = True) -
 
 
 def _sampled_token(sequence: _Sequence, response: Any) -> SampledToken:
-    import mlx.core as mx
+    token = int(response.token)
+    if not sequence.sampling.logprobs:
+        # Reading logprobs would queue behind the next step that mlx-lm has
+        # already started (same stream), undoing its pipelining: skip it.
+        return SampledToken(sequence_id=sequence.sequence_id, token=token, logprob=0.0,
+                            finish_reason=response.finish_reason)
+    import numpy as np
 
-    logprobs = response.logprobs
+    # The vector is already evaluated: copying it to the host waits for nothing.
+    logprobs = np.asarray(response.logprobs, dtype=np.float32)
     top: tuple[tuple[int, float], ...] = ()
-    if sequence.sampling.top_logprobs > 0:
-        count = sequence.sampling.top_logprobs
-        indices = mx.argpartition(-logprobs, count - 1)[:count]
-        values = logprobs[indices]
-        order = mx.argsort(-values)
-        top = tuple(
-            zip(indices[order].tolist(), values[order].tolist(), strict=True)
-        )
+    count = sequence.sampling.top_logprobs
+    if count > 0:
+        indices = np.argpartition(-logprobs, count - 1)[:count]
+        indices = indices[np.argsort(-logprobs[indices], kind="stable")]
+        top = tuple((int(index), float(logprobs[index])) for index in indices)
     return SampledToken(
         sequence_id=sequence.sequence_id,
-        token=int(response.token),
-        logprob=float(logprobs[response.token].item()),
+        token=token,
+        logprob=float(logprobs[token]),
         top_logprobs=top,
         finish_reason=response.finish_reason,
     )

@@ -17,6 +17,7 @@ import trio
 
 from mlxcel.actors.device import ModelInfo
 from mlxcel.actors.messages import RequestFailed, RouteRequest, SubmitRequest
+from mlxcel.model.tokenize import SegmentTokenizer
 from mlxcel.cache.key import CacheContext, effective_tool_choice, rope_regime_for, template_signature
 from mlxcel.types import ChatRequest, CompletionRequest, InvalidRequest, ServerBusy
 
@@ -46,6 +47,7 @@ class PromptRenderer:
         history_boundaries: bool = False,
     ) -> None:
         self._model = model
+        self._segments = SegmentTokenizer(model.tokenizer)
         # Snapshot families split prefill where the conversation history ends.
         self._history_boundaries = history_boundaries
         self._default_template_kwargs = dict(default_template_kwargs)
@@ -100,7 +102,7 @@ class PromptRenderer:
             raise InvalidRequest(
                 f"the chat template could not render these messages: {error}", param="messages"
             ) from None
-        return tuple(tokenizer.encode(text, add_special_tokens=False))
+        return self._segments.encode(text)
 
 
 class RouterActor:

@@ -26,6 +26,7 @@ from typing import Any
 __all__ = [
     "CHAT_TEMPLATE",
     "DEMO_MODEL_NAME",
+    "BENCH_FAMILIES",
     "FAMILIES",
     "FIXTURE_VERSION",
     "SPECIAL_TOKENS",
@@ -40,6 +41,8 @@ __all__ = [
 ]
 
 FAMILIES = ("llama", "phi3-longrope", "gemma3", "hybrid")
+# Larger shapes for benchmarks only; the tests cover FAMILIES.
+BENCH_FAMILIES = ("llama-bench",)
 
 # Bump when the tokenizer conversion changes, so stale caches are not reused.
 TOKENIZER_VERSION = "qwen-bpe-v1"
@@ -127,6 +130,19 @@ _CONFIGS: dict[str, dict[str, Any]] = {
         "sliding_window_pattern": 2,
         "layer_types": ["sliding_attention", "full_attention"],
     },
+    # The benchmark shape (hidden 512, 8 layers, 8/4 heads): big enough that
+    # prefill dominates, small enough for 2 CPU cores. Not used by the tests.
+    "llama-bench": {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "num_hidden_layers": 8,
+        "rope_theta": 10000.0,
+    },
     "hybrid": {
         "model_type": "qwen3_next",
         "architectures": ["Qwen3NextForCausalLM"],
@@ -153,7 +169,7 @@ _CONFIGS: dict[str, dict[str, Any]] = {
 def fixture_config(family: str) -> dict[str, Any]:
     """The config.json contents of a fixture family (a fresh dict)."""
     if family not in _CONFIGS:
-        raise ValueError(f"unknown fixture family {family!r}; choose one of {', '.join(FAMILIES)}")
+        raise ValueError(f"unknown fixture family {family!r}; choose one of {', '.join(FAMILIES + BENCH_FAMILIES)}")
     return json.loads(json.dumps({**_COMMON, **_CONFIGS[family]}))
 
 
@@ -310,7 +326,7 @@ def fixture_main(argv: list[str] | None = None) -> int:
         prog="mlxcel fixture",
         description="Write a random-weight model folder that mlx_lm.load accepts.",
     )
-    parser.add_argument("--family", required=True, choices=FAMILIES)
+    parser.add_argument("--family", required=True, choices=FAMILIES + BENCH_FAMILIES)
     parser.add_argument("--out", required=True, type=Path, metavar="DIR")
     parser.add_argument("--seed", type=int, default=0, metavar="N")
     arguments = parser.parse_args(argv)

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The GPU benchmark run (H200, mlx-cuda): mlxcel vs mlx_lm.server on bf16 random-weight
+# Llama shapes, 8,000-token shared system prompt, 128-token turns, 16-token replies.
+# usage (on the GPU machine, from the repo root): bash benchmarks/gpu_bench.sh SHAPE OUT [MODE...]
+set -euo pipefail
+shape=${1:-llama-3.2-1b}; out=${2:-/tmp/gpu-bench}; shift 2 || true
+modes=${*:-seq all}
+export HF_HUB_OFFLINE=1 PYTHONPATH=$PWD
+model=/root/models/$shape
+python3 benchmarks/make_bf16_model.py "$model" "$shape"
+common=(--compare --model-path "$model" --system-tokens 8000 --user-tokens 128 --reply-tokens 16 --quiet)
+for mode in $modes; do
+  case $mode in
+    seq) python3 -m mlxcel bench "${common[@]}" --conversations 4 --turns 4 --out "$out/$shape-seq" ;;
+    all) python3 -m mlxcel bench "${common[@]}" --conversations 16 --turns 2 --concurrency all --out "$out/$shape-all" ;;
+    throughput) python3 benchmarks/scheduler_throughput.py --model-path "$model" --out "$out/$shape-throughput" ;;
+  esac
+done

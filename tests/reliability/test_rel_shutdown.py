@@ -1,0 +1,173 @@
+"""Graceful shutdown through the real CLI: `mlxcel serve` in a subprocess, then SIGTERM.
+
+With a long grace period an in-flight stream finishes normally while new
+connections are refused; with a short one a long generation is cut off and the
+process still exits promptly. Either way the exit status is 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from mlxcel.model.fixtures import fixture_path
+
+REPO = Path(__file__).resolve().parents[2]
+STARTUP_SECONDS = 60
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def mlxcel_serve(*flags: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A running `mlxcel serve` on a free loopback port; killed on the way out if still alive."""
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mlxcel", "serve", "-m", str(fixture_path("llama")),
+         "--host", "127.0.0.1", "--port", str(port), *flags],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while True:
+            assert process.poll() is None, process.stderr.read().decode(errors="replace")[-2000:]
+            try:
+                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        yield process, base_url
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=10)
+        process.stderr.close()
+
+
+class StreamReader(threading.Thread):
+    """Reads one streaming chat request in a thread, noting when the first chunk arrived."""
+
+    def __init__(self, base_url: str, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.base_url, self.max_tokens = base_url, max_tokens
+        self.first_chunk = threading.Event()
+        self.events: list[str] = []
+        self.status: int | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        body = {"messages": [{"role": "user", "content": "Tell me a long story."}],
+                "max_tokens": self.max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        try:
+            with httpx.stream("POST", f"{self.base_url}/v1/chat/completions", json=body, timeout=120) as response:
+                self.status = response.status_code
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line[len("data: "):])
+                        self.first_chunk.set()
+        except BaseException as error:  # noqa: BLE001 - reported by the test
+            self.error = error
+        finally:
+            self.first_chunk.set()
+
+
+def connection_refused(base_url: str) -> bool:
+    try:
+        httpx.get(f"{base_url}/health", timeout=2)
+    except httpx.ConnectError:
+        return True
+    except httpx.TransportError:
+        return False
+    return False
+
+
+def run_in_thread(function):
+    """Blocking subprocess work runs off the Trio thread."""
+    import trio
+
+    return trio.to_thread.run_sync(function)
+
+
+async def test_sigterm_lets_the_in_flight_stream_finish_then_exits_0() -> None:
+    def scenario() -> None:
+        with mlxcel_serve("--shutdown-grace-seconds", "20") as (process, base_url):
+            reader = StreamReader(base_url, max_tokens=300)
+            reader.start()
+            assert reader.first_chunk.wait(60)
+            assert reader.error is None and reader.status == 200
+            signalled = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            # New connections are refused while the stream is still going.
+            deadline = signalled + 5
+            while not connection_refused(base_url):
+                assert time.monotonic() < deadline, "still accepting connections 5 s after SIGTERM"
+                time.sleep(0.05)
+            refused_while_streaming = reader.is_alive()
+            reader.join(60)
+            assert not reader.is_alive()
+            assert reader.error is None, reader.error
+            assert reader.events[-1] == "[DONE]", reader.events[-3:]
+            chunks = [json.loads(event) for event in reader.events[:-1]]
+            finishes = [c["finish_reason"] for chunk in chunks for c in chunk["choices"] if c["finish_reason"]]
+            assert finishes in (["length"], ["stop"])
+            usage = chunks[-1]["usage"]
+            assert usage["completion_tokens"] == 300 or finishes == ["stop"]
+            status = process.wait(timeout=20)
+            exited_after = time.monotonic() - signalled
+            assert status == 0
+            assert exited_after < 20
+            assert refused_while_streaming, "the stream ended before the listener closed; raise max_tokens"
+
+    await run_in_thread(scenario)
+
+
+async def test_a_short_grace_cancels_a_long_generation_and_exits_promptly() -> None:
+    def scenario() -> None:
+        with mlxcel_serve("--shutdown-grace-seconds", "1") as (process, base_url):
+            reader = StreamReader(base_url, max_tokens=4000)
+            reader.start()
+            assert reader.first_chunk.wait(60)
+            assert reader.status == 200
+            signalled = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            status = process.wait(timeout=15)
+            exited_after = time.monotonic() - signalled
+            reader.join(15)
+            assert status == 0
+            assert exited_after < 10, exited_after
+            # The stream was cut off mid-generation: the connection closed with no [DONE].
+            assert not reader.is_alive()
+            assert reader.events and "[DONE]" not in reader.events
+            assert len(reader.events) < 4000
+
+    await run_in_thread(scenario)
+
+
+async def test_sigint_when_idle_exits_0() -> None:
+    def scenario() -> None:
+        with mlxcel_serve("--shutdown-grace-seconds", "5") as (process, base_url):
+            process.send_signal(signal.SIGINT)
+            assert process.wait(timeout=15) == 0
+            assert connection_refused(base_url)
+
+    await run_in_thread(scenario)
