@@ -8,7 +8,7 @@ modes=${*:-seq all}
 export HF_HUB_OFFLINE=1 PYTHONPATH=$PWD
 model=/root/models/$shape
 python3 benchmarks/make_bf16_model.py "$model" "$shape"
-common=(--compare --model-path "$model" --system-tokens 8000 --user-tokens 128 --reply-tokens 16 --quiet)
+common=(--compare --serial-servers --model-path "$model" --system-tokens 8000 --user-tokens 128 --reply-tokens 16 --quiet)
 for mode in $modes; do
   case $mode in
     seq) python3 -m mlxcel bench "${common[@]}" --conversations 4 --turns 4 --out "$out/$shape-seq" ;;

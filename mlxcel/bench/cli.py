@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--name", default="server", help="label of the --url server in the output")
     target.add_argument("--compare", action="store_true",
                         help="start mlxcel and the peers on --model-path on loopback and run them alternately")
+    target.add_argument("--serial-servers", action="store_true",
+                        help="with --compare: run the servers one after another instead of side by side "
+                             "(on a single GPU, so they do not compete for its memory)")
     target.add_argument("--model-path", help="model folder: served with --compare; its tokenizer sizes the "
                                              "texts and the floor is measured on it")
     target.add_argument("--peer", action="append", default=None,
@@ -199,32 +202,38 @@ def _run(namespace: argparse.Namespace, blas_library: str | None, blas: str) -> 
 
         if namespace.compare:
             specs = _specs(namespace)
-            with launch(specs, str(Path(namespace.model_path).resolve()), out) as servers:
-                runners = [
-                    ConversationRunner(workload, server=server.name, base_url=server.base_url,
-                                       model=server.spec.model_name, progress=progress, on_record=keep)
-                    for server in servers
-                ]
-                by_name = {server.name: server for server in servers}
-                try:
-                    for turn in range(shape.turns):
-                        for runner in (runners if turn % 2 == 0 else runners[::-1]):
-                            process = by_name[runner.server].process
-                            if process.poll() is not None:
-                                print(f"{runner.server} exited (status {process.returncode}) during the run; "
-                                      f"skipping it (see {by_name[runner.server].log_path})",
-                                      file=sys.stderr, flush=True)
-                                continue
-                            runner.run_turn(turn, concurrency=namespace.concurrency)
-                finally:
-                    for runner in runners:
-                        runner.close()
-            for server in servers:
-                peak_rss[server.name] = server.sampler.peak_bytes
-                servers_info[server.name] = {
-                    "command": server.spec.command(str(Path(namespace.model_path).resolve()), 0),
-                    "startup_s": server.startup_s, "log": str(server.log_path), "model_sent": server.spec.model_name,
-                }
+            # On one GPU, servers that are up together compete for its memory
+            # (each MLX process keeps a buffer cache): --serial-servers runs
+            # them one after another instead of alternating.
+            groups = [[spec] for spec in specs] if namespace.serial_servers else [specs]
+            for group in groups:
+                with launch(group, str(Path(namespace.model_path).resolve()), out) as servers:
+                    runners = [
+                        ConversationRunner(workload, server=server.name, base_url=server.base_url,
+                                           model=server.spec.model_name, progress=progress, on_record=keep)
+                        for server in servers
+                    ]
+                    by_name = {server.name: server for server in servers}
+                    try:
+                        for turn in range(shape.turns):
+                            for runner in (runners if turn % 2 == 0 else runners[::-1]):
+                                process = by_name[runner.server].process
+                                if process.poll() is not None:
+                                    print(f"{runner.server} exited (status {process.returncode}) during the run; "
+                                          f"skipping it (see {by_name[runner.server].log_path})",
+                                          file=sys.stderr, flush=True)
+                                    continue
+                                runner.run_turn(turn, concurrency=namespace.concurrency)
+                    finally:
+                        for runner in runners:
+                            runner.close()
+                for server in servers:
+                    peak_rss[server.name] = server.sampler.peak_bytes
+                    servers_info[server.name] = {
+                        "command": server.spec.command(str(Path(namespace.model_path).resolve()), 0),
+                        "startup_s": server.startup_s, "log": str(server.log_path),
+                        "model_sent": server.spec.model_name,
+                    }
         else:
             with ConversationRunner(workload, server=namespace.name, base_url=namespace.url,
                                     model=namespace.model, progress=progress, on_record=keep) as runner:

@@ -42,6 +42,9 @@ def error_response(error: InvalidRequest) -> Response:
     response = Response(json.dumps(error.to_body()), status=error.status, mimetype="application/json")
     if isinstance(error, ServerBusy):
         response.headers["Retry-After"] = str(error.retry_after_seconds)
+    if error.status == 413:
+        # The rest of the body was never read: the connection cannot be reused.
+        response.headers["Connection"] = "close"
     return response
 
 
@@ -189,8 +192,18 @@ def create_app(
                 f"the request body is {declared} bytes; the limit is {max_body_bytes}",
                 status=413, code="request_too_large",
             )
-        raw = await request.get_data(cache=False, as_text=False)
-        return decode_json_body(raw, max_bytes=max_body_bytes)
+        # Read chunk by chunk so a body without a declared length is bounded too.
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.body:
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise InvalidRequest(
+                    f"the request body is over the limit of {max_body_bytes} bytes",
+                    status=413, code="request_too_large",
+                )
+            chunks.append(chunk)
+        return decode_json_body(b"".join(chunks), max_bytes=max_body_bytes)
 
     async def generate(kind: str, parse: Callable[..., ChatRequest | CompletionRequest]) -> Response:
         try:

@@ -145,10 +145,10 @@ async def test_streaming_load_completes_or_refuses_and_stays_in_budget() -> None
     # The nursery above exited: the engine's actors and hypercorn stopped on cancellation.
     assert len(all_tasks()) == tasks_before
 
-    print("load tally", {k: v for k, v in attrs.asdict(tally).items() if k != "ttfts"}, "final", final)
-    assert tally.completed + tally.refused == tally.attempts
-    assert tally.completed + tally.abandoned_turns == CLIENTS * TURNS
-    assert tally.completed >= CLIENTS * TURNS // 2, attrs.asdict(tally)
+    summary = {k: v for k, v in attrs.asdict(tally).items() if k != "ttfts"}
+    assert tally.completed + tally.refused == tally.attempts, summary
+    assert tally.completed + tally.abandoned_turns == CLIENTS * TURNS, summary
+    assert tally.completed >= CLIENTS * TURNS // 2, summary
     assert tally.samples >= 5
     assert tally.cached_tokens > 0  # history and shared system prompts were reused
     assert final["bytes"] <= final["capacity_bytes"]
