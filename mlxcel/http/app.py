@@ -183,6 +183,8 @@ def create_app(
             status=401, code="invalid_api_key", error_type="authentication_error",
         ))
         response.headers["WWW-Authenticate"] = "Bearer"
+        # The body was never read, so this connection cannot carry another request.
+        response.headers["Connection"] = "close"
         return response
 
     async def read_body() -> object:
