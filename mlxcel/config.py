@@ -55,7 +55,9 @@ class SchedulerConfig:
     max_batch_size: int = 32
     # Prompts prefilled together in one forward.
     prefill_batch_size: int = 8
-    prefill_step_size: int = 2048
+    # None: measured per backend (benchmarks/prefill_step.py): 256 on the CPU,
+    # where attention dominates prefill, 2048 on a GPU.
+    prefill_step_size: int | None = None
     # Requests waiting for a batch slot before new ones get 503.
     max_queued_requests: int = 256
     # Undelivered stream events per request before a slow client is dropped.
@@ -71,8 +73,10 @@ class EngineConfig:
     chat_template_kwargs: Mapping[str, Any] = attrs.field(factory=dict)
     prompt_cache: PromptCacheConfig = PromptCacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
-    # Test-only: the device fails the step whose number is given (issue 7 fault hook).
+    # Test-only fault hook: the device fails the step whose number is given,
+    # as an out-of-memory error when fail_out_of_memory is set.
     fail_step: int | None = None
+    fail_out_of_memory: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -218,7 +222,7 @@ SCHEDULER_SETTINGS = (
     Setting("prefill_batch_size", "--prefill-batch-size", ("MLXCEL_PREFILL_BATCH_SIZE",),
             parse_positive_int, "prompts prefilled together (default 8)"),
     Setting("prefill_step_size", "--prefill-step-size", ("MLXCEL_PREFILL_STEP_SIZE",),
-            parse_positive_int, "prompt tokens per prefill chunk (default 2048)"),
+            parse_positive_int, "prompt tokens per prefill chunk (default: 256 on CPU, 2048 on GPU)"),
     Setting("max_queued_requests", "--max-queued-requests", ("MLXCEL_MAX_QUEUED_REQUESTS",),
             parse_positive_int, "waiting requests before new ones get 503 (default 256)"),
 )

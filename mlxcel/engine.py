@@ -259,6 +259,7 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
                 prefill_batch_size=config.scheduler.prefill_batch_size,
                 prefill_step_size=config.scheduler.prefill_step_size,
                 fail_step=config.fail_step,
+                fail_out_of_memory=config.fail_out_of_memory,
             ),
             device_inbox,
         )
@@ -317,8 +318,8 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             to_scheduler=to_scheduler.clone(),
         ).run)
         logger.info(
-            "engine ready: model %s (%s, context %d), prompt cache %s, APC %s",
-            model.model_id, model.family.kind.value, model.context_size,
+            "engine ready: model %s (%s, context %d, prefill step %d), prompt cache %s, APC %s",
+            model.model_id, model.family.kind.value, model.context_size, model.prefill_step_size,
             "on" if store is not None else "off", "on" if apc_enabled else "off",
         )
         task_status.started(Engine(

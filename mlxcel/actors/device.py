@@ -43,6 +43,7 @@ class ModelInfo:
     chat_template: str = attrs.field(repr=False)
     eos_token_ids: frozenset[int]
     context_size: int
+    prefill_step_size: int = 2048
 
 
 @attrs.frozen(kw_only=True)
@@ -51,8 +52,9 @@ class DeviceSettings:
     context_size: int | None = None
     max_batch_size: int = 32
     prefill_batch_size: int = 8
-    prefill_step_size: int = 2048
+    prefill_step_size: int | None = None
     fail_step: int | None = None
+    fail_out_of_memory: bool = False
 
 
 class DeviceActor:
@@ -77,6 +79,10 @@ class DeviceActor:
 
         loaded = load_model(self._settings.model_path)
         context_size = self._settings.context_size or loaded.family.context_size or 4096
+        import mlx.core as mx
+
+        step = self._settings.prefill_step_size or (256 if mx.default_device() == mx.cpu else 2048)
+        self._settings = attrs.evolve(self._settings, prefill_step_size=step)
         worker = _StepWorker(loaded.model, loaded.eos_token_ids, self._settings, loaded.family.model_type)
         info = ModelInfo(
             model_id=loaded.model_id,
@@ -87,6 +93,7 @@ class DeviceActor:
             chat_template=loaded.chat_template,
             eos_token_ids=frozenset(loaded.eos_token_ids),
             context_size=context_size,
+            prefill_step_size=step,
         )
         trio.from_thread.run_sync(task_status.started, info)
         while True:
@@ -166,6 +173,8 @@ class _StepWorker:
                 if failure is not None:
                     restore_failures.append((admission.sequence_id, failure))
             if self._settings.fail_step == self._step_number:
+                if self._settings.fail_out_of_memory:
+                    raise RuntimeError(f"[malloc] injected out of memory at step {self._step_number}")
                 raise RuntimeError(f"injected fault at step {self._step_number}")
             if not self._by_uid:
                 return StepDone(

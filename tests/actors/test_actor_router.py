@@ -299,3 +299,36 @@ async def test_unknown_tool_choice_is_rejected_not_fatal() -> None:
             submit, _ = await harness.route(chat())
             assert submit is not None
             nursery.cancel_scope.cancel()
+
+
+def test_preserve_thinking_defaults_on_with_the_cache_and_a_request_can_override() -> None:
+    from mlxcel.actors.router import PromptRenderer
+
+    class Tokenizer:
+        def __init__(self) -> None:
+            self.seen: list[dict] = []
+
+        def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, tokenize=False, **kwargs):
+            self.seen.append(kwargs)
+            return "text"
+
+        def encode(self, text, add_special_tokens=False):
+            return [1, 2, 3]
+
+        def get_added_vocab(self):
+            return {}
+
+    tokenizer = Tokenizer()
+    model = attrs.evolve(
+        llama_info(), tokenizer=tokenizer,
+        chat_template="{% if preserve_thinking %}keep{% endif %}{{ messages }}",
+    )
+    renderer = PromptRenderer(model, default_template_kwargs={}, cache_enabled=True)
+    renderer.render(ChatRequest(messages=({"role": "user", "content": "x"},)))
+    assert tokenizer.seen[-1]["preserve_thinking"] is True
+    renderer.render(ChatRequest(messages=({"role": "user", "content": "x"},),
+                                chat_template_kwargs={"preserve_thinking": False}))
+    assert tokenizer.seen[-1]["preserve_thinking"] is False
+    PromptRenderer(model, default_template_kwargs={}, cache_enabled=False).render(
+        ChatRequest(messages=({"role": "user", "content": "x"},)))
+    assert "preserve_thinking" not in tokenizer.seen[-1]

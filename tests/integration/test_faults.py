@@ -71,3 +71,29 @@ async def test_other_requests_in_a_failed_batch_fail_cleanly(start_engine) -> No
     stats = await engine.scheduler_stats()
     assert stats.num_running == 0 and stats.num_waiting == 0
     assert (await engine.cache_stats())["entries"] == sum(1 for o in outcomes if o != 500)
+
+
+async def test_out_of_memory_is_a_503_and_the_store_sheds(start_engine, start_server) -> None:
+    engine = await start_engine(fail_step=40, fail_out_of_memory=True)
+    base_url = await start_server(engine)
+    system = "shared rules " * 80
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        # Fill the store with a few entries first (steps 1..~30).
+        for index in range(3):
+            body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": f"q{index}"}],
+                    "max_tokens": 4, "temperature": 0, "user": f"u{index}"}
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        before = await engine.cache_stats()
+        assert before["bytes"] > 0
+        statuses = []
+        while (await engine.scheduler_stats()).num_steps < 40:
+            response = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+            statuses.append(response.status_code)
+            if response.status_code == 503:
+                assert response.headers["retry-after"]
+                assert "out of memory" in response.json()["error"]["message"]
+                break
+        assert 503 in statuses
+        after = await engine.cache_stats()
+        assert after["evictions"]["capacity"] >= 1  # shed under memory pressure
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200

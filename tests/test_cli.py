@@ -1,0 +1,71 @@
+"""The command line and configuration: precedence, aliases, and one-line errors with status 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from mlxcel.config import ConfigError, build_configs, build_serve_parser
+
+
+def configs(argv: list[str], environ: dict[str, str] | None = None):
+    return build_configs(build_serve_parser().parse_args(argv), environ or {})
+
+
+def test_flags_win_over_environment_and_defaults_hold() -> None:
+    engine, server = configs([], {})
+    assert engine.prompt_cache.enabled and engine.prompt_cache.max_entries == 1024
+    assert engine.prompt_cache.capacity_bytes is None  # model-aware at startup
+    assert server.host == "127.0.0.1" and server.port == 8080
+    engine, _ = configs(["--prompt-cache-max-entries", "7"], {"MLXCEL_PROMPT_CACHE_MAX_ENTRIES": "9"})
+    assert engine.prompt_cache.max_entries == 7
+    engine, _ = configs([], {"MLXCEL_PROMPT_CACHE_MAX_ENTRIES": "9", "APC_HASH": "blake3", "APC_BLOCK_SIZE": "32"})
+    assert engine.prompt_cache.max_entries == 9
+    assert engine.prompt_cache.apc_hash == "blake3" and engine.prompt_cache.apc_block_size == 32
+
+
+@pytest.mark.parametrize(("argv", "environ", "enabled"), [
+    (["--prompt-cache-enabled=false"], {"MLXCEL_PROMPT_CACHE_ENABLED": "true"}, False),
+    (["--prompt-cache-enabled"], {"MLXCEL_PROMPT_CACHE_ENABLED": "0"}, True),
+    ([], {"MLXCEL_PROMPT_CACHE_ENABLED": "false", "LLAMA_ARG_CACHE_REUSE": "256"}, False),
+    ([], {"LLAMA_ARG_CACHE_REUSE": "0"}, False),
+    ([], {"LLAMA_ARG_CACHE_REUSE": "256"}, True),
+    (["--no-cache-prompt"], {}, False),
+])
+def test_enabled_precedence_and_the_llama_cpp_alias(argv, environ, enabled) -> None:
+    engine, _ = configs(argv, environ)
+    assert engine.prompt_cache.enabled is enabled
+
+
+def test_apc_and_cross_session_switches() -> None:
+    engine, _ = configs(["--apc-enabled=false", "--prompt-cache-cross-session=false"])
+    assert not engine.prompt_cache.apc_enabled and not engine.prompt_cache.cross_session
+    engine, _ = configs([], {"MLXCEL_DISABLE_BOUNDARY_SNAPSHOT": "1", "MLXCEL_APC_TRACE": "1"})
+    assert not engine.prompt_cache.boundary_snapshots and engine.prompt_cache.trace
+
+
+def test_bad_environment_values_name_the_variable() -> None:
+    with pytest.raises(ConfigError, match="MLXCEL_PROMPT_CACHE_TTL"):
+        configs([], {"MLXCEL_PROMPT_CACHE_TTL": "soon"})
+    with pytest.raises(ConfigError, match="APC_HASH"):
+        configs([], {"APC_HASH": "md5"})
+
+
+@pytest.mark.parametrize(("argv", "environ", "needle"), [
+    (["serve", "--prompt-cache-ttl", "abc"], {}, "--prompt-cache-ttl"),
+    (["serve", "--apc-hash", "md5"], {}, "--apc-hash"),
+    (["serve", "--bogus-flag"], {}, "unrecognized"),
+    (["serve"], {"MLXCEL_PROMPT_CACHE_MAX_ENTRIES": "x"}, "MLXCEL_PROMPT_CACHE_MAX_ENTRIES"),
+    (["serve", "-m", "/nonexistent/model"], {}, "model folder not found"),
+    (["nonsense"], {}, "unknown command"),
+])
+def test_user_errors_exit_2_with_one_line(argv, environ, needle) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "mlxcel", *argv], capture_output=True, text=True, timeout=60,
+        env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", **environ},
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], result.stderr
