@@ -35,7 +35,7 @@ from mlxcel.actors.metrics import MetricsActor
 from mlxcel.actors.router import PromptRenderer, RouterActor
 from mlxcel.actors.scheduler import SchedulerActor
 from mlxcel.actors.warmer import WarmerActor
-from mlxcel.cache.capacity import plan_kv_store_capacity, plan_snapshot_store_capacity
+from mlxcel.cache.capacity import CapacityDecision, plan_kv_store_capacity, plan_snapshot_store_capacity
 from mlxcel.cache.snapshots import SnapshotLimits, SnapshotStore
 from mlxcel.cache.store import ApcSettings, PromptCacheStore, StoreLimits
 from mlxcel.config import EngineConfig
@@ -145,8 +145,6 @@ class Engine:
                     )
         raise RuntimeError("the request ended without a finish reason")
 
-    complete = chat
-
     async def cache_stats(self) -> dict[str, Any]:
         stats = await self._ask(self._to_cache_store, GetCacheStats)
         stats["apc_enabled"] = stats.get("apc_enabled", False) and self.apc_enabled
@@ -174,23 +172,27 @@ class Engine:
             pass  # the closed event channel still frees the sequence at its next token
 
 
+def _log_capacity(plan: CapacityDecision, store: str, flag: str) -> None:
+    if plan.applied:
+        logger.info(
+            "Applied model-aware prompt-cache %s capacity default: previous=%d recommended=%d "
+            "entry_bytes=%d ceiling=%d",
+            store, plan.previous, plan.recommended, plan.entry_nbytes, plan.ceiling,
+        )
+    if plan.entry_never_fits:
+        logger.warning(
+            "one %s entry at the representative length (%d bytes) is larger than the whole store "
+            "(%d bytes), so such entries are never kept; raise %s",
+            store, plan.entry_nbytes, plan.recommended, flag,
+        )
+
+
 def _build_store(config: EngineConfig, model: ModelInfo, apc_enabled: bool) -> PromptCacheStore | None:
     cache = config.prompt_cache
     if not cache.enabled:
         return None
     plan = plan_kv_store_capacity(model.config, ctx_size=config.ctx_size, configured=cache.capacity_bytes)
-    if plan.applied:
-        logger.info(
-            "Applied model-aware prompt-cache KV store capacity default: previous=%d recommended=%d "
-            "entry_bytes=%d ceiling=%d",
-            plan.previous, plan.recommended, plan.entry_nbytes, plan.ceiling,
-        )
-    if plan.entry_never_fits:
-        logger.warning(
-            "one prompt-cache entry at the representative length (%d bytes) is larger than the whole "
-            "KV store (%d bytes), so such prompts are never kept; raise --prompt-cache-capacity-bytes",
-            plan.entry_nbytes, plan.recommended,
-        )
+    _log_capacity(plan, "KV store", "--prompt-cache-capacity-bytes")
     return PromptCacheStore(
         StoreLimits(
             capacity_bytes=plan.recommended,
@@ -213,18 +215,7 @@ def _build_snapshot_store(config: EngineConfig, model: ModelInfo) -> SnapshotSto
         return None
     cache = config.prompt_cache
     plan = plan_snapshot_store_capacity(model.config, ctx_size=config.ctx_size, configured=cache.snapshot_capacity_bytes)
-    if plan.applied:
-        logger.info(
-            "Applied model-aware prompt-cache snapshot capacity default: previous=%d recommended=%d "
-            "entry_bytes=%d ceiling=%d",
-            plan.previous, plan.recommended, plan.entry_nbytes, plan.ceiling,
-        )
-    if plan.entry_never_fits:
-        logger.warning(
-            "one session snapshot at the representative length (%d bytes) is larger than the whole "
-            "snapshot store (%d bytes), so such sessions are never kept; raise "
-            "--prompt-cache-snapshot-capacity-bytes", plan.entry_nbytes, plan.recommended,
-        )
+    _log_capacity(plan, "snapshot", "--prompt-cache-snapshot-capacity-bytes")
     return SnapshotStore(SnapshotLimits(
         capacity_bytes=plan.recommended,
         max_entries=cache.snapshot_max_entries,

@@ -47,6 +47,7 @@ from mlxcel.actors.messages import (
     SnapshotRestoreFailed,
     WarmSession,
 )
+from mlxcel.cache.snapshots import common_prefix_length
 from mlxcel.config import PromptCacheConfig, SchedulerConfig
 from mlxcel.types import Delta, InvalidRequest, SamplingParams, ServerBusy, TokenLogprob, Usage
 
@@ -73,18 +74,6 @@ class _Running:
     finished: bool = False
     # The reply so far, for the warmer (snapshot families only).
     reply_parts: list[str] = attrs.Factory(list)
-
-
-def common_prefix_length(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """Length of the common prefix, by bisection on C-speed slice comparisons."""
-    low, high = 0, min(len(a), len(b))
-    while low < high:
-        middle = (low + high + 1) // 2
-        if a[low:middle] == b[low:middle]:
-            low = middle
-        else:
-            high = middle - 1
-    return low
 
 
 class StopMatcher:

@@ -164,6 +164,22 @@ def physical_memory_bytes() -> int | None:
         return None
 
 
+def _plan_for_model(
+    config: Mapping, *, ctx_size: int | None, memory_bytes: int | None, configured: int | None, floor: int
+) -> CapacityDecision:
+    entry_nbytes = kv_bytes_per_token(config) * representative_length(ctx_size)
+    if memory_bytes is None:
+        memory_bytes = physical_memory_bytes()
+    if memory_bytes is None:
+        # Unknown memory: no ceiling beyond six entries.
+        memory_left = 4 * ENTRIES_PER_STORE * entry_nbytes
+    else:
+        memory_left = memory_bytes - estimate_model_bytes(config)
+    return plan_store_capacity(
+        configured=configured, entry_nbytes=entry_nbytes, memory_left=memory_left, floor=floor
+    )
+
+
 def plan_kv_store_capacity(
     config: Mapping,
     *,
@@ -176,19 +192,8 @@ def plan_kv_store_capacity(
     memory_bytes defaults to the installed memory; on Apple silicon the
     caller should pass MLX's recommended working-set size instead.
     """
-    entry_nbytes = kv_bytes_per_token(config) * representative_length(ctx_size)
-    if memory_bytes is None:
-        memory_bytes = physical_memory_bytes()
-    if memory_bytes is None:
-        # Unknown memory: no ceiling beyond six entries.
-        memory_left = 4 * ENTRIES_PER_STORE * entry_nbytes
-    else:
-        memory_left = memory_bytes - estimate_model_bytes(config)
-    return plan_store_capacity(
-        configured=configured,
-        entry_nbytes=entry_nbytes,
-        memory_left=memory_left,
-        floor=KV_STORE_FLOOR_BYTES,
+    return _plan_for_model(
+        config, ctx_size=ctx_size, memory_bytes=memory_bytes, configured=configured, floor=KV_STORE_FLOOR_BYTES
     )
 
 
@@ -206,16 +211,7 @@ def plan_snapshot_store_capacity(
     before a sliding window wraps. Recurrent state is small beside that, so
     counting recurrent layers as attention errs on the generous side.
     """
-    entry_nbytes = kv_bytes_per_token(config) * representative_length(ctx_size)
-    if memory_bytes is None:
-        memory_bytes = physical_memory_bytes()
-    if memory_bytes is None:
-        memory_left = 4 * ENTRIES_PER_STORE * entry_nbytes
-    else:
-        memory_left = memory_bytes - estimate_model_bytes(config)
-    return plan_store_capacity(
-        configured=configured,
-        entry_nbytes=entry_nbytes,
-        memory_left=memory_left,
+    return _plan_for_model(
+        config, ctx_size=ctx_size, memory_bytes=memory_bytes, configured=configured,
         floor=SNAPSHOT_STORE_FLOOR_BYTES,
     )

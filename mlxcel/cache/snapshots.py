@@ -78,11 +78,13 @@ def _session(context: CacheContext) -> tuple[str, str, str, str]:
     return (context.model_id, context.lora_id, context.cache_salt, context.session_key)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix, by bisection on C-speed slice comparisons."""
+    a, b = tuple(a), tuple(b)
     low, high = 0, min(len(a), len(b))
     while low < high:
         middle = (low + high + 1) // 2
-        if list(a[low:middle]) == list(b[low:middle]):
+        if a[low:middle] == b[low:middle]:
             low = middle
         else:
             high = middle - 1
@@ -136,7 +138,7 @@ class SnapshotStore:
             return SnapshotRefused(cause=RefusalCause.TEMPLATE_CHANGED, snapshot_tokens=stored)
         if entry.context.rope_regime != context.rope_regime:
             return SnapshotRefused(cause=RefusalCause.INCOMPATIBLE, snapshot_tokens=stored)
-        common = _common_prefix(entry.tokens, tokens)
+        common = common_prefix_length(entry.tokens, tokens)
         if common < stored:
             cause = RefusalCause.TOO_SHORT if common == len(tokens) else RefusalCause.HISTORY_REWRITTEN
             return SnapshotRefused(cause=cause, snapshot_tokens=stored, common_tokens=common)

@@ -309,23 +309,17 @@ async def _whole_response(deltas: DeltaStream, first: Delta, shapes: _Shapes, wa
 async def _event_stream(
     deltas: DeltaStream, first: Delta, shapes: _Shapes, want_logprobs: bool, include_usage: bool
 ) -> AsyncIterator[bytes]:
+    """Server-sent events; the scheduler sends a reply's last text before its final (usage) delta."""
     async with deltas:
         delta = first
         is_first = True
         try:
             while True:
-                usage = delta.usage
-                if delta.finish_reason is not None and shapes.kind != "native":
-                    if delta.text or delta.logprobs:
-                        yield sse(shapes.chunk(attrs_evolve_text(delta), want_logprobs, first=is_first))
-                        is_first = False
-                    yield sse(shapes.chunk(Delta(finish_reason=delta.finish_reason), want_logprobs, first=is_first))
-                    if include_usage and usage is not None:
-                        yield sse(shapes.usage_chunk(usage))
-                    break
                 yield sse(shapes.chunk(delta, want_logprobs, first=is_first))
                 is_first = False
                 if delta.finish_reason is not None:
+                    if include_usage and delta.usage is not None and shapes.kind != "native":
+                        yield sse(shapes.usage_chunk(delta.usage))
                     break
                 delta = await deltas.__anext__()
         except StopAsyncIteration:
@@ -334,8 +328,3 @@ async def _event_stream(
             yield sse(error.to_body())
     if shapes.kind != "native":
         yield b"data: [DONE]\n\n"
-
-
-def attrs_evolve_text(delta: Delta) -> Delta:
-    """The content part of a final delta, without its finish reason."""
-    return Delta(text=delta.text, logprobs=delta.logprobs)
