@@ -298,8 +298,6 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             # Only plain KV tables can be detached mid-flight and adopted by others.
             prompt_donation=store is not None and model.family.kind is FamilyKind.DENSE,
             snapshots=snapshots is not None,
-            boundary_snapshots=config.prompt_cache.boundary_snapshots,
-            trace=config.prompt_cache.trace,
         ).run)
         await nursery.start(RouterActor(
             model=model,

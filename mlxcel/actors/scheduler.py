@@ -114,8 +114,6 @@ class SchedulerActor:
         cache_config: PromptCacheConfig | None = None,
         prompt_donation: bool = False,
         snapshots: bool = False,
-        boundary_snapshots: bool = True,
-        trace: bool = False,
     ) -> None:
         self._config = config
         # Requests that share at least this many more tokens with a prompt being
@@ -127,8 +125,8 @@ class SchedulerActor:
         self._prompt_donation = prompt_donation and cache_config is not None
         # Snapshot families resume from session snapshots instead of the prefix store.
         self._snapshots = snapshots and cache_config is not None
-        self._boundary_snapshots = boundary_snapshots
-        self._trace = trace
+        self._boundary_snapshots = cache_config.boundary_snapshots if cache_config else False
+        self._trace = cache_config.trace if cache_config else False
         self._pending_warmups: collections.OrderedDict[tuple[str, ...], WarmSession] = collections.OrderedDict()
         self._warming: dict[int, WarmSession] = {}
         self._num_warm_started = 0
