@@ -278,6 +278,7 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
         await nursery.start(CacheStoreActor(
             store=store, snapshots=snapshots, inbox=cache_inbox, to_metrics=to_metrics.clone(),
             cross_session=config.prompt_cache.cross_session,
+            to_scheduler=to_scheduler.clone(),
         ).run)
         warm = snapshots is not None and config.prompt_cache.warmup
         await nursery.start(WarmerActor(

@@ -25,6 +25,7 @@ from mlxcel.actors.messages import (
     LookupSnapshot,
     PrefixFound,
     PrefixMissing,
+    ReleasePayloads,
     ResetCache,
     ShedCache,
     SnapshotFound,
@@ -46,7 +47,11 @@ class CacheStoreActor:
         to_metrics: trio.MemorySendChannel[MetricsMsg] | None = None,
         snapshots: SnapshotStore | None = None,
         cross_session: bool = True,
+        to_scheduler: trio.MemorySendChannel[Any] | None = None,
     ) -> None:
+        # Where let-go payloads go, so MLX frees them on the device thread.
+        self._to_scheduler = to_scheduler
+        self._unstored: list[Any] = []
         # False: lookups never reach another session's entries (tenant isolation).
         self._cross_session = cross_session
         # None: the prompt cache is disabled; every lookup misses and donations are dropped.
@@ -61,6 +66,8 @@ class CacheStoreActor:
             task_status.started()
             async for message in self.inbox:
                 self._handle(message)
+                del message
+                self._pass_on_released()
 
     def statistics(self) -> dict[str, Any]:
         if self._store is None:
@@ -100,6 +107,7 @@ class CacheStoreActor:
                 outcome = self._store.insert(message.context, message.tokens, message.payload, message.nbytes, now)
                 if not outcome.stored:
                     logger.debug("prompt-cache donation not stored (%s)", outcome.reason)
+                    self._unstored.append(message.payload)
                 self._report_store_state()
             case LookupSnapshot():
                 snapshot_reply: SnapshotFound | SnapshotMissing = SnapshotMissing()
@@ -119,6 +127,7 @@ class CacheStoreActor:
                 if self._snapshots is not None and not self._snapshots.insert(
                     message.context, message.tokens, message.payload, message.nbytes, now
                 ):
+                    self._unstored.append(message.payload)
                     logger.warning(
                         "a %d-byte session snapshot is larger than the whole snapshot store (%d bytes); "
                         "raise --prompt-cache-snapshot-capacity-bytes",
@@ -149,6 +158,19 @@ class CacheStoreActor:
                     freed["snapshots_freed"] = entries
                     freed["snapshot_bytes_freed"] = nbytes
                 _reply(message.reply_to, freed)
+
+    def _pass_on_released(self) -> None:
+        released = self._unstored
+        self._unstored = []
+        for store in (self._store, self._snapshots):
+            if store is not None:
+                released.extend(store.take_released())
+        if not released or self._to_scheduler is None:
+            return
+        try:
+            self._to_scheduler.send_nowait(ReleasePayloads(payloads=tuple(released)))
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # freed here instead: correct, only off the device thread
 
     def _report_store_state(self) -> None:
         if self._store is None:

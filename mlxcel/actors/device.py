@@ -106,6 +106,8 @@ class DeviceActor:
                     done = worker.run_step(message)
                     self._num_steps = done.step_number
                     trio.from_thread.run_sync(_reply, message.reply_to, done)
+                    # Drops the released payloads here, so MLX frees them on this thread.
+                    del message, done
                 case _:
                     raise AssertionError(f"unexpected device message {message!r}")
 

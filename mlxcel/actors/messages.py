@@ -55,6 +55,13 @@ class WarmSession:
 
 
 @attrs.frozen(kw_only=True)
+class ReleasePayloads:
+    """Evicted or unstored payloads, to be freed on the device thread (cache store -> scheduler)."""
+
+    payloads: tuple[Any, ...] = attrs.field(repr=False)
+
+
+@attrs.frozen(kw_only=True)
 class CancelRequest:
     """The client went away or gave up: free the sequence, donate nothing."""
 
@@ -115,6 +122,8 @@ class RemoveSequence:
 class RunStep:
     admit: tuple[AdmitSequence, ...] = ()
     remove: tuple[RemoveSequence, ...] = ()
+    # Payloads the cache stores let go of: dropped with this message, on the device thread.
+    release: tuple[Any, ...] = attrs.field(default=(), repr=False)
     reply_to: trio.MemorySendChannel[StepDone] = attrs.field(repr=False)
 
 

@@ -43,6 +43,7 @@ from mlxcel.actors.messages import (
     LookupSnapshot,
     SnapshotFound,
     SnapshotMissing,
+    ReleasePayloads,
     ShedCache,
     SnapshotRestoreFailed,
     WarmSession,
@@ -53,7 +54,7 @@ from mlxcel.types import Delta, InvalidRequest, SamplingParams, ServerBusy, Toke
 
 logger = logging.getLogger(__name__)
 
-SchedulerMsg = SubmitRequest | CancelRequest | GetSchedulerStats | WarmSession
+SchedulerMsg = SubmitRequest | CancelRequest | GetSchedulerStats | WarmSession | ReleasePayloads
 
 # Warm-ups waiting for an idle device, newest per session; older ones are dropped.
 MAX_PENDING_WARMUPS = 64
@@ -144,6 +145,8 @@ class SchedulerActor:
         self._running: dict[int, _Running] = {}
         self._sequence_of: dict[str, int] = {}
         self._removals: list[RemoveSequence] = []
+        # Payloads the cache stores let go of, to be dropped on the device thread.
+        self._release: list[Any] = []
         # Contexts of finished sequences whose KV is still on its way back.
         self._pending_donations: dict[int, CacheContext] = {}
         self._cancelled_before_submit: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -196,6 +199,9 @@ class SchedulerActor:
                 self._submit(message)
             case CancelRequest():
                 self._cancel(message.request_id)
+            case ReleasePayloads():
+                self._release.extend(message.payloads)
+                self._work.set()
             case WarmSession():
                 if self._snapshots:
                     key = (message.context.model_id, message.context.cache_salt, message.context.session_key)
@@ -263,10 +269,12 @@ class SchedulerActor:
                 self._work = trio.Event()
                 await self._work.wait()
             step = await self._build_step()
+            release, self._release = tuple(self._release), []
             reply_to, replies = trio.open_memory_channel[StepDone](1)
             await self._to_device.send(
-                RunStep(admit=step[0], remove=step[1], reply_to=reply_to)
+                RunStep(admit=step[0], remove=step[1], release=release, reply_to=reply_to)
             )
+            del release
             with replies:
                 done = await replies.receive()
             self._apply(done)
@@ -275,7 +283,7 @@ class SchedulerActor:
         return not (self._waiting or self._running or self._parked)
 
     def _has_work(self) -> bool:
-        if self._waiting or self._running or self._removals or self._warming:
+        if self._waiting or self._running or self._removals or self._warming or self._release:
             return True
         return bool(self._pending_warmups) and self._idle()
 

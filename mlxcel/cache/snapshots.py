@@ -102,6 +102,7 @@ class SnapshotStore:
         self._inserts = 0
         self._refusals: collections.Counter[str] = collections.Counter()
         self._evictions: collections.Counter[str] = collections.Counter()
+        self._released: list[Any] = []
 
     def lookup(
         self, context: CacheContext, tokens: Sequence[int], now: float, *, record: bool = True
@@ -161,6 +162,7 @@ class SnapshotStore:
         previous = self._entries.pop(key, None)
         if previous is not None:
             self._bytes -= previous.nbytes
+            self._released.append(previous.payload)
             self._evictions["superseded"] += 1
         self._entries[key] = _Snapshot(
             context=context, tokens=tuple(tokens), payload=payload, nbytes=nbytes, last_used=now
@@ -176,8 +178,14 @@ class SnapshotStore:
         while self._entries and self._bytes > target_bytes:
             self._evict_oldest("capacity")
 
+    def take_released(self) -> list[Any]:
+        """Payloads let go of since the last call, for the owner to release on the device thread."""
+        released, self._released = self._released, []
+        return released
+
     def reset(self) -> tuple[int, int]:
         freed = (len(self._entries), self._bytes)
+        self._released.extend(entry.payload for entry in self._entries.values())
         self._entries.clear()
         self._bytes = 0
         return freed
@@ -208,4 +216,5 @@ class SnapshotStore:
     def _evict_oldest(self, reason: str) -> None:
         _key, entry = self._entries.popitem(last=False)
         self._bytes -= entry.nbytes
+        self._released.append(entry.payload)
         self._evictions[reason] += 1

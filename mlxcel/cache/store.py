@@ -178,6 +178,7 @@ class PromptCacheStore:
         # Least recently used first, which is also last_used order.
         self._recency: OrderedDict[bytes, None] = OrderedDict()
         self._owner_recency: OrderedDict[bytes, None] = OrderedDict()
+        self._released: list[object] = []
         self._tries: dict[tuple, RadixTrie] = {}
         self._block_refs: dict[bytes, int] = {}
         self._bytes = 0
@@ -298,6 +299,7 @@ class PromptCacheStore:
         # Its chain is a prefix of newer's, so its num_blocks stays valid.
         if not references_moved:
             self._drop_blocks(older.chain)
+        self._released.append(older.payload)
         older.payload = None
         older.token_bytes = None
         older.chain = []
@@ -443,6 +445,15 @@ class PromptCacheStore:
                 break
             self._evict(entry, "ttl", evictions)
 
+    def take_released(self) -> list[object]:
+        """Payloads the store has let go of since the last call.
+
+        The store never frees a payload itself: its owner hands these to
+        whoever must release them (MLX arrays are freed on the device thread).
+        """
+        released, self._released = self._released, []
+        return released
+
     def shed(self, target_bytes: int) -> tuple[tuple[EvictionReason, int], ...]:
         """Evict least recently used entries until at most target_bytes remain (memory pressure)."""
         evictions: list[tuple[EvictionReason, int]] = []
@@ -453,6 +464,7 @@ class PromptCacheStore:
     def reset(self) -> ResetOutcome:
         """Forget every entry and chain; the counters keep running."""
         outcome = ResetOutcome(entries_freed=len(self._entries), bytes_freed=self._bytes)
+        self._released.extend(entry.payload for entry in self._entries.values() if entry.owner is None)
         self._entries.clear()
         self._recency.clear()
         self._owner_recency.clear()
@@ -486,6 +498,7 @@ class PromptCacheStore:
             del self._owner_recency[entry_id]
             self._drop_blocks(entry.chain)
             self._bytes -= entry.nbytes
+            self._released.append(entry.payload)
         else:
             del entry.owner.aliases[entry_id]
         evictions.append((reason, entry.nbytes))

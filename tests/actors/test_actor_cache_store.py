@@ -207,3 +207,35 @@ async def test_without_a_metrics_channel(nursery: trio.Nursery) -> None:
     await inbox_send.send(LookupPrefix(context=CONTEXT, tokens=PROMPT + (1,), max_len=40, reply_to=reply_to))
     with trio.fail_after(2):
         assert (await replies.receive()).payload == "kv"
+
+
+async def test_let_go_payloads_are_sent_to_the_scheduler_for_release() -> None:
+    from mlxcel.actors.cache_store import CacheStoreActor
+    from mlxcel.actors.messages import DonateSequence, ReleasePayloads, ResetCache
+    from mlxcel.cache.key import CacheContext
+    from mlxcel.cache.store import ApcSettings, PromptCacheStore, StoreLimits
+
+    store = PromptCacheStore(StoreLimits(capacity_bytes=1000, min_prefix=4), ApcSettings())
+    send, inbox = trio.open_memory_channel(8)
+    to_scheduler, released = trio.open_memory_channel(8)
+    actor = CacheStoreActor(store=store, inbox=inbox, to_scheduler=to_scheduler)
+    context = CacheContext(model_id="m", template_sig="t")
+    reply_to, replies = trio.open_memory_channel(1)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(actor.run)
+        await send.send(DonateSequence(context=context, tokens=tuple(range(8)), payload="a", nbytes=600))
+        # Evicts "a" (budget 1000), and a too-short donation is never stored.
+        await send.send(DonateSequence(context=context, tokens=tuple(range(100, 108)), payload="b", nbytes=600))
+        await send.send(DonateSequence(context=context, tokens=(1, 2), payload="short", nbytes=1))
+        await send.send(ResetCache(reply_to=reply_to))
+        await replies.receive()
+        send.close()
+    payloads: list[str] = []
+    while True:
+        try:
+            message = released.receive_nowait()
+        except trio.WouldBlock:
+            break
+        assert isinstance(message, ReleasePayloads)
+        payloads.extend(message.payloads)
+    assert payloads == ["a", "short", "b"]
