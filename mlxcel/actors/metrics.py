@@ -43,6 +43,7 @@ class MetricsActor:
             "mlxcel_time_to_first_token_seconds", "Time from admission to the first token", registry=self.registry
         )
         self._seen_evictions: dict[str, int] = {}
+        self._num_events = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with self.inbox:
@@ -50,7 +51,11 @@ class MetricsActor:
             async for message in self.inbox:
                 self._handle(message)
 
+    def statistics(self) -> dict[str, int]:
+        return {"num_events": self._num_events}
+
     def _handle(self, message: MetricsMsg) -> None:
+        self._num_events += 1
         match message:
             case CacheLookedUp(hit=True, tokens_reused=tokens):
                 self._hits.inc()
