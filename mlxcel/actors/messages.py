@@ -44,6 +44,8 @@ class SubmitRequest:
     history_boundary: int | None = None
     # The chat request itself, so the warmer can render the next turn's history.
     chat: ChatRequest | None = attrs.field(default=None, repr=False)
+    # More requests were already queued at the router behind this one.
+    more_pending: bool = False
 
 
 @attrs.frozen(kw_only=True)

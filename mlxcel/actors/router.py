@@ -183,4 +183,5 @@ class RouterActor:
             events=message.events,
             history_boundary=rendered.history_boundary if cache_context is not None else None,
             chat=request if isinstance(request, ChatRequest) else None,
+            more_pending=self.inbox.statistics().current_buffer_used > 0,
         )

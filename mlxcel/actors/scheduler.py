@@ -58,6 +58,9 @@ SchedulerMsg = SubmitRequest | CancelRequest | GetSchedulerStats | WarmSession |
 
 # Warm-ups waiting for an idle device, newest per session; older ones are dropped.
 MAX_PENDING_WARMUPS = 64
+# How long an idle device waits for requests the router says are right behind
+# the first one, so clients that arrive together are prefilled together.
+ARRIVAL_WINDOW_SECONDS = 0.02
 
 
 @attrs.define(kw_only=True)
@@ -154,6 +157,8 @@ class SchedulerActor:
         self._parked: dict[int, list[SubmitRequest]] = {}
         self._next_sequence_id = 0
         self._work = trio.Event()
+        self._more_coming = False
+        self._arrival = trio.Event()
         self._num_steps = 0
         self._num_completed = 0
         self._num_cancelled = 0
@@ -233,6 +238,8 @@ class SchedulerActor:
             request.events.close()
             return
         self._waiting.append(request)
+        self._more_coming = request.more_pending
+        self._arrival.set()
         self._work.set()
 
     def _cancel(self, request_id: str) -> None:
@@ -268,6 +275,8 @@ class SchedulerActor:
             while not self._has_work():
                 self._work = trio.Event()
                 await self._work.wait()
+            if not self._running and self._more_coming:
+                await self._gather_arrivals()
             step = await self._build_step()
             release, self._release = tuple(self._release), []
             reply_to, replies = trio.open_memory_channel[StepDone](1)
@@ -278,6 +287,14 @@ class SchedulerActor:
             with replies:
                 done = await replies.receive()
             self._apply(done)
+
+    async def _gather_arrivals(self) -> None:
+        """Starting from idle: let requests queued right behind the first join its step."""
+        with trio.move_on_after(ARRIVAL_WINDOW_SECONDS):
+            while self._more_coming:
+                self._arrival = trio.Event()
+                await self._arrival.wait()
+        self._more_coming = False
 
     def _idle(self) -> bool:
         return not (self._waiting or self._running or self._parked)

@@ -106,6 +106,7 @@ class Harness:
         logprobs: bool = False,
         context: CacheContext | None = None,
         buffer: int = 64,
+        more_pending: bool = False,
     ) -> trio.MemoryReceiveChannel[StreamEvent]:
         events_send, events = trio.open_memory_channel[StreamEvent](buffer)
         await self.inbox.send(SubmitRequest(
@@ -115,6 +116,7 @@ class Harness:
             max_tokens=max_tokens,
             cache_context=context,
             events=events_send,
+            more_pending=more_pending,
         ))
         await trio.testing.wait_all_tasks_blocked()
         return events
@@ -717,3 +719,22 @@ async def test_decode_batch_sizes_are_reported(start_scheduler: StartScheduler) 
     assert stats.num_steps == 6
     assert stats.num_completed == 2
     assert harness.actor.statistics() == stats
+
+
+async def test_requests_queued_behind_the_first_join_its_step(start_scheduler: StartScheduler) -> None:
+    harness = await start_scheduler()
+    await harness.submit("r1", more_pending=True)
+    # The device is idle, but the router said more is coming: no step yet.
+    with trio.move_on_after(0.005):
+        await harness.device.receive()
+        raise AssertionError("the scheduler did not wait for the queued arrivals")
+    await harness.submit("r2", more_pending=False)
+    step = await harness.step()
+    assert [admission.sequence_id for admission in step.admit] == [0, 1]
+
+
+async def test_the_arrival_window_is_bounded(start_scheduler: StartScheduler) -> None:
+    harness = await start_scheduler()
+    await harness.submit("r1", more_pending=True)  # the promised request never comes
+    step = await harness.step()
+    assert [admission.sequence_id for admission in step.admit] == [0]
