@@ -35,7 +35,7 @@ from mlxcel.actors.metrics import MetricsActor
 from mlxcel.actors.router import PromptRenderer, RouterActor
 from mlxcel.actors.scheduler import SchedulerActor
 from mlxcel.actors.warmer import WarmerActor
-from mlxcel.cache.capacity import CapacityDecision, plan_kv_store_capacity, plan_snapshot_store_capacity
+from mlxcel.cache.capacity import KV_STORE_FLOOR_BYTES, CapacityDecision, plan_kv_store_capacity, plan_snapshot_store_capacity
 from mlxcel.cache.snapshots import SnapshotLimits, SnapshotStore
 from mlxcel.cache.store import ApcSettings, PromptCacheStore, StoreLimits
 from mlxcel.config import EngineConfig
@@ -172,6 +172,11 @@ class Engine:
             pass  # the closed event channel still frees the sequence at its next token
 
 
+def _uses_snapshots(model: ModelInfo) -> bool:
+    """Families whose state cannot resume from a KV prefix: they use session snapshots."""
+    return model.family.snapshot_only or model.family.kind is not FamilyKind.DENSE
+
+
 def _log_capacity(plan: CapacityDecision, store: str, flag: str) -> None:
     if plan.applied:
         logger.info(
@@ -191,11 +196,16 @@ def _build_store(config: EngineConfig, model: ModelInfo, apc_enabled: bool) -> P
     cache = config.prompt_cache
     if not cache.enabled:
         return None
-    plan = plan_kv_store_capacity(model.config, ctx_size=config.ctx_size, configured=cache.capacity_bytes)
-    _log_capacity(plan, "KV store", "--prompt-cache-capacity-bytes")
+    if _uses_snapshots(model):
+        # Snapshot families never donate into the KV store: it stays at its floor, unsized.
+        capacity = cache.capacity_bytes or KV_STORE_FLOOR_BYTES
+    else:
+        plan = plan_kv_store_capacity(model.config, ctx_size=config.ctx_size, configured=cache.capacity_bytes)
+        _log_capacity(plan, "KV store", "--prompt-cache-capacity-bytes")
+        capacity = plan.recommended
     return PromptCacheStore(
         StoreLimits(
-            capacity_bytes=plan.recommended,
+            capacity_bytes=capacity,
             max_entries=cache.max_entries,
             ttl_seconds=cache.ttl_seconds,
             min_prefix=cache.min_prefix,
@@ -211,7 +221,7 @@ def _build_store(config: EngineConfig, model: ModelInfo, apc_enabled: bool) -> P
 
 def _build_snapshot_store(config: EngineConfig, model: ModelInfo) -> SnapshotStore | None:
     """The session snapshot store, for families that cannot resume from a prefix."""
-    if not model.family.snapshot_only and model.family.kind is FamilyKind.DENSE:
+    if not _uses_snapshots(model):
         return None
     cache = config.prompt_cache
     plan = plan_snapshot_store_capacity(model.config, ctx_size=config.ctx_size, configured=cache.snapshot_capacity_bytes)
@@ -262,7 +272,7 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
                 model.family.model_type, model.family.apc_disabled_reason or "recurrent state",
             )
             apc_enabled = False
-        if apc_enabled and model.family.snapshot_only:
+        if apc_enabled and _uses_snapshots(model):
             logger.info("APC unused for %s: it resumes from session snapshots, not KV prefixes",
                         model.family.model_type)
             apc_enabled = False
@@ -297,7 +307,7 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             eos_token_ids=model.eos_token_ids,
             cache_config=config.prompt_cache if store is not None else None,
             # Only plain KV tables can be detached mid-flight and adopted by others.
-            prompt_donation=store is not None and model.family.kind is FamilyKind.DENSE,
+            prompt_donation=store is not None and not _uses_snapshots(model),
             snapshots=snapshots is not None,
         ).run)
         await nursery.start(RouterActor(

@@ -558,8 +558,8 @@ class SchedulerActor:
                 )
                 if done.out_of_memory:
                     error = ServerBusy("the device ran out of memory for this request; retry shortly")
-                self._send_event(running, RequestFailed(error=error))
-                # The device already dropped the sequence.
+                # The device already dropped the sequence; a client that is gone misses nothing.
+                self._send_event_to(running.request.events, RequestFailed(error=error))
                 self._forget(running)
 
     def _donate_snapshot(self, item: Any) -> None:
