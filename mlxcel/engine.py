@@ -16,6 +16,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import attrs
 import trio
 
 from mlxcel.actors.cache_store import CacheStoreActor
@@ -297,7 +298,8 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             to_scheduler=to_scheduler.clone() if warm else None,
         ).run)
         await nursery.start(SchedulerActor(
-            config=config.scheduler,
+            # The device resolved the per-backend default prefill step.
+            config=attrs.evolve(config.scheduler, prefill_step_size=model.prefill_step_size),
             inbox=scheduler_inbox,
             to_device=to_device,
             to_cache_store=to_cache_store.clone(),

@@ -121,6 +121,19 @@ def _reply(reply_to: trio.MemorySendChannel[StepDone], done: StepDone) -> None:
 
 
 @attrs.define
+class _DirectStart:
+    """An admission whose first token is computed outside the batch (see ``_admit``)."""
+
+    admission: AdmitSequence
+    caches: list[Any]
+    all_tokens: list[int]
+    sampler: Callable[[Any], Any] | None
+    token: Any
+    logprobs: Any
+    donation: DetachedSequence | None = None
+
+
+@attrs.define
 class _Sequence:
     sequence_id: int
     sampling: SamplingParams
@@ -140,6 +153,7 @@ class _StepWorker:
         from mlx_lm.generate import BatchGenerator
 
         self._model = model
+        self._eos_token_ids = frozenset(eos_token_ids)
         self._family = family
         self._settings = settings
         self._make_generator: Callable[[], Any] = lambda: BatchGenerator(
@@ -170,21 +184,32 @@ class _StepWorker:
                     if item is not None:
                         detached.append(item)
             restore_failures = []
+            direct: list[_DirectStart] = []
             for admission in step.admit:
-                failure = self._admit(admission)
+                failure = self._admit(admission, direct)
                 if failure is not None:
                     restore_failures.append((admission.sequence_id, failure))
             if self._settings.fail_step == self._step_number:
                 if self._settings.fail_out_of_memory:
                     raise RuntimeError(f"[malloc] injected out of memory at step {self._step_number}")
                 raise RuntimeError(f"injected fault at step {self._step_number}")
-            if not self._by_uid:
+            if direct:
+                # One evaluation for every direct start (and its prompt donation copy).
+                import mlx.core as mx
+
+                mx.eval([(start.token, start.logprobs) for start in direct],
+                        [start.donation.payload.arrays() for start in direct if start.donation is not None])
+            if not self._by_uid and not direct:
                 return StepDone(
                     step_number=self._step_number, detached=tuple(detached),
                     restore_failures=tuple(restore_failures),
                 )
-            with self._generator.stats() as stats:
-                prompt_responses, generation_responses = self._generator.next()
+            prompt_responses, generation_responses, prompt_tokens = [], [], 0
+            if self._by_uid:
+                with self._generator.stats() as stats:
+                    prompt_responses, generation_responses = self._generator.next()
+                prompt_tokens = stats.prompt_tokens
+            started = [self._start_generating(start) for start in direct]
         except Exception as error:  # noqa: BLE001 - reported to every sequence in the batch
             logger.exception("device step %d failed", self._step_number)
             out_of_memory = _is_out_of_memory(error)
@@ -205,6 +230,15 @@ class _StepWorker:
             )
 
         sampled = []
+        prompts_done = []
+        for start, (token, done) in zip(direct, started):
+            sampled.append(token)
+            prompts_done.append(start.admission.sequence_id)
+            prompt_tokens += len(start.admission.prompt_tokens)
+            if done is not None:
+                detached.append(done)
+            elif start.donation is not None:
+                detached.append(start.donation)
         for response in generation_responses:
             sequence = self._by_uid.get(response.uid)
             if sequence is None:
@@ -218,7 +252,6 @@ class _StepWorker:
                     if item is not None:
                         detached.append(item)
         prefilling = []
-        prompts_done = []
         warmed = []
         for response in prompt_responses:
             sequence = self._by_uid.get(response.uid)
@@ -245,15 +278,24 @@ class _StepWorker:
             sampled=tuple(sampled),
             detached=tuple(detached),
             decode_batch_size=len(generation_responses),
-            prefill_tokens=stats.prompt_tokens,
+            prefill_tokens=prompt_tokens,
             prefilling=tuple(prefilling),
             prompts_done=tuple(prompts_done),
             restore_failures=tuple(restore_failures),
             warmed=tuple(warmed),
         )
 
-    def _admit(self, admission: AdmitSequence) -> str | None:
-        """Insert a sequence; returns why a snapshot could not be restored (it then runs cold)."""
+    def _admit(self, admission: AdmitSequence, direct: list[_DirectStart]) -> str | None:
+        """Insert a sequence; returns why a snapshot could not be restored (it then runs cold).
+
+        A prompt that needs at most one prefill chunk (a cache hit's new turn,
+        or a short prompt) starts directly: it is prefilled on its own cache
+        and its first token sampled in this step, in one evaluation, as
+        mlx-lm's own ``generate`` does; it joins the decode batch afterwards.
+        Through the batch, the same first token would take three steps (the
+        chunk, the move to decoding, the first decode) and a copy of the whole
+        cache into the batch before the prefill.
+        """
         from mlx_lm.models.cache import make_prompt_cache
 
         from mlxcel.model.kv import adopt
@@ -271,6 +313,10 @@ class _StepWorker:
             except SnapshotMismatch as error:
                 failure = str(error)
                 prompt, cached = cached + prompt, []
+        if (admission.snapshot_after is None and not admission.warm
+                and len(prompt) <= self._settings.prefill_step_size):
+            direct.append(self._start_direct(admission, caches, cached, prompt))
+            return failure
         snapshot_tokens = None
         if admission.snapshot_after is not None and failure is None:
             boundary = admission.snapshot_after
@@ -300,6 +346,65 @@ class _StepWorker:
         self._uid_of[admission.sequence_id] = uid
         return failure
 
+    def _start_direct(
+        self, admission: AdmitSequence, caches: list[Any] | None, cached: list[int], prompt: list[int]
+    ) -> _DirectStart:
+        """Build (not evaluate) the prompt's forward pass and its first token."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        if caches is None:
+            caches = make_prompt_cache(self._model)
+        sampler = _make_sampler(admission.sampling)
+        with mx.stream(self._generator.stream):
+            tokens = mx.array(prompt)[None]
+            if len(prompt) > 1:
+                # All but the last token only fill the cache: their logits are never computed.
+                self._model(tokens[:, :-1], cache=caches)
+            logits = self._model(tokens[:, -1:], cache=caches)[:, -1, :]
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            token = mx.argmax(logprobs, axis=-1) if sampler is None else sampler(logprobs)
+        all_tokens = cached + prompt
+        donation = None
+        if admission.donate_prompt:
+            donation = _detach(admission.sequence_id, caches, all_tokens, final=False, evaluate=False)
+        return _DirectStart(admission=admission, caches=caches, all_tokens=all_tokens, sampler=sampler,
+                            token=token, logprobs=logprobs[0], donation=donation)
+
+    def _start_generating(self, start: _DirectStart) -> tuple[SampledToken, DetachedSequence | None]:
+        """Report a direct start's first token; it decodes on in the batch unless that ends it.
+
+        Returns the token and, when it finished the sequence, the final donation.
+        """
+        admission = start.admission
+        token = int(start.token.item())
+        finish_reason = None
+        if token in self._eos_token_ids:
+            finish_reason = "stop"
+        elif admission.max_tokens <= 1:
+            finish_reason = "length"
+        sequence = _Sequence(
+            sequence_id=admission.sequence_id, sampling=admission.sampling,
+            donate_on_finish=admission.donate_on_finish, donate_prompt=False,
+        )
+        sampled = _sampled_token(sequence, _FirstToken(token, start.logprobs, finish_reason))
+        if finish_reason is not None:
+            done = None
+            if admission.donate_on_finish:
+                done = _detach(admission.sequence_id, start.caches, start.all_tokens)
+            return sampled, done
+        # The first token goes in as the prompt's last: its forward pass gives the second.
+        (uid,) = self._generator.insert(
+            [[token]],
+            max_tokens=[admission.max_tokens - 1],
+            caches=[start.caches],
+            all_tokens=[start.all_tokens],
+            samplers=[start.sampler],
+        )
+        self._by_uid[uid] = sequence
+        self._uid_of[admission.sequence_id] = uid
+        return sampled, None
+
     def _snapshot(self, uid: int, sequence: _Sequence) -> DetachedSequence:
         from mlxcel.model.snapshot import capture
 
@@ -324,11 +429,22 @@ def _is_out_of_memory(error: Exception) -> bool:
     return isinstance(error, MemoryError) or "out of memory" in text or "malloc" in text
 
 
-def _detach(sequence_id: int, caches: Any, tokens: Any, *, final: bool = True) -> DetachedSequence | None:
+@attrs.frozen
+class _FirstToken:
+    """The fields of mlx-lm's generation response that ``_sampled_token`` reads."""
+
+    token: int
+    logprobs: Any
+    finish_reason: str | None
+
+
+def _detach(
+    sequence_id: int, caches: Any, tokens: Any, *, final: bool = True, evaluate: bool = True
+) -> DetachedSequence | None:
     from mlxcel.model.kv import detach
 
     token_tuple = tuple(int(token) for token in tokens)
-    payload = detach(caches, len(token_tuple))
+    payload = detach(caches, len(token_tuple), evaluate=evaluate)
     if payload is None:
         return None
     return DetachedSequence(

@@ -334,7 +334,20 @@ class SchedulerActor:
                 admissions.append(warm)
         if self._warming and self._running:
             self._num_warm_steps_with_foreground += 1
-        return tuple(admissions), removals
+        return tuple(self._trim_prompt_donation(admission) for admission in admissions), removals
+
+    def _trim_prompt_donation(self, admission: AdmitSequence) -> AdmitSequence:
+        """Drop a prompt donation no request can use before the final one.
+
+        A prompt of one prefill chunk is done within the step that admits it,
+        so only requests that parked on it while this step was built can use
+        its KV early; without them the copy would only delay the first token.
+        """
+        step = self._config.prefill_step_size
+        if (not admission.donate_prompt or step is None or len(admission.prompt_tokens) > step
+                or admission.sequence_id in self._parked):
+            return admission
+        return attrs.evolve(admission, donate_prompt=False)
 
     async def _admit_warmup(self) -> AdmitSequence | None:
         _key, job = self._pending_warmups.popitem(last=False)

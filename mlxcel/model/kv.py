@@ -34,6 +34,9 @@ class DetachedKV:
         self.nbytes = sum(keys.nbytes + values.nbytes for keys, values in layers)
         self.trimmable = True
 
+    def arrays(self) -> list[mx.array]:
+        return [array for pair in self.layers for array in pair]
+
     def can_adopt(self, num_tokens: int) -> bool:
         return 0 < num_tokens <= self.length
 
@@ -41,12 +44,13 @@ class DetachedKV:
         return f"DetachedKV(length={self.length}, nbytes={self.nbytes})"
 
 
-def detach(caches: Sequence[Any], num_tokens: int) -> DetachedKV | None:
+def detach(caches: Sequence[Any], num_tokens: int, *, evaluate: bool = True) -> DetachedKV | None:
     """Detach a single sequence's caches (as extracted from a batch).
 
     Returns None for layer kinds that cannot be resumed from an arbitrary
     prefix (rotating windows, recurrent state): those families go through
-    session snapshots instead.
+    session snapshots instead. With ``evaluate=False`` the caller evaluates
+    ``arrays()`` itself (with other work, in one go).
     """
     layers = []
     for cache in caches:
@@ -60,8 +64,10 @@ def detach(caches: Sequence[Any], num_tokens: int) -> DetachedKV | None:
             # Copy so the entry does not pin the larger step-padded buffer.
             keys, values = mx.contiguous(keys), mx.contiguous(values)
         layers.append((keys, values))
-    mx.eval([array for pair in layers for array in pair])
-    return DetachedKV(layers, num_tokens)
+    detached = DetachedKV(layers, num_tokens)
+    if evaluate:
+        mx.eval(detached.arrays())
+    return detached
 
 
 def adopt(detached: DetachedKV, num_tokens: int) -> list[KVCache]:

@@ -20,9 +20,9 @@ FAIL_STEP = 20
 
 
 def admit(sequence_id: int, prompt: tuple[int, ...], max_tokens: int, **fields: Any) -> AdmitSequence:
+    fields.setdefault("sampling", GREEDY)
     return AdmitSequence(
-        sequence_id=sequence_id, prompt_tokens=prompt, cached_tokens=(), sampling=GREEDY,
-        max_tokens=max_tokens, **fields,
+        sequence_id=sequence_id, prompt_tokens=prompt, cached_tokens=(), max_tokens=max_tokens, **fields,
     )
 
 
@@ -148,3 +148,52 @@ async def test_an_admission_that_raises_is_reported_as_failed() -> None:
             to_device.close()
     assert done.error is not None
     assert set(done.failed_sequences) == {6, 7}
+
+
+async def test_a_one_chunk_prompt_gets_its_first_token_in_its_admitting_step() -> None:
+    """Short prompts (and a hit's new turn) start outside the batch; the tokens match the batch's."""
+    with_logprobs = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)
+    to_device, inbox = trio.open_memory_channel[RunStep](0)
+    actor = DeviceActor(DeviceSettings(model_path=fixture_path("llama"), prefill_step_size=16), inbox)
+    long_prompt = tuple(range(3000, 3040))
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(actor.run)
+            scheduler = Scheduler(to_device)
+
+            # 40 tokens > one 16-token chunk: the batch prefills it over several steps.
+            done = await scheduler.step(admit=(
+                admit(0, long_prompt, 5, donate_on_finish=True, sampling=with_logprobs),
+            ))
+            assert done.sampled == () and done.prefilling == (0,)
+            batched = (await scheduler.run_until_finished({0}))[0]
+            final = [item for step in scheduler.steps for item in step.detached]
+            assert [(item.sequence_id, item.final) for item in final] == [(0, True)]
+
+            # The same prompt resumed from that KV at 30 tokens: the 10 left fit one chunk.
+            done = await scheduler.step(admit=(AdmitSequence(
+                sequence_id=1, prompt_tokens=long_prompt[30:], cached_tokens=long_prompt[:30],
+                adopted=final[0].payload, sampling=with_logprobs, max_tokens=5, donate_prompt=True,
+            ),))
+            assert done.error is None
+            assert [token.sequence_id for token in done.sampled] == [1]
+            assert done.prompts_done == (1,) and done.prefill_tokens == 10
+            # Its prompt KV is handed out in the same step, covering the whole prompt.
+            assert [(item.sequence_id, item.final, item.tokens) for item in done.detached] == [
+                (1, False, long_prompt)
+            ]
+            resumed = list(done.sampled) + (await scheduler.run_until_finished({1}))[1]
+            assert [token.token for token in resumed] == [token.token for token in batched]
+            assert [token.finish_reason for token in resumed] == [None] * 4 + ["length"]
+            for ours, theirs in zip(resumed, batched, strict=True):
+                assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+                assert [index for index, _ in ours.top_logprobs] == [index for index, _ in theirs.top_logprobs]
+
+            # One token asked for: it ends in the admitting step and its KV is the final donation.
+            done = await scheduler.step(admit=(admit(2, long_prompt[:12], 1, donate_on_finish=True),))
+            assert [(token.sequence_id, token.finish_reason) for token in done.sampled] == [(2, "length")]
+            assert [(item.sequence_id, item.final, item.tokens) for item in done.detached] == [
+                (2, True, long_prompt[:12])
+            ]
+            assert (await scheduler.step()).sampled == ()  # nothing left running
+            to_device.close()

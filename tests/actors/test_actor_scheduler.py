@@ -31,7 +31,7 @@ from mlxcel.actors.messages import (
 )
 from mlxcel.actors.scheduler import SchedulerActor, StopMatcher
 from mlxcel.cache.key import CacheContext
-from mlxcel.config import SchedulerConfig
+from mlxcel.config import PromptCacheConfig, SchedulerConfig
 from mlxcel.types import Delta, SamplingParams, ServerBusy, Usage
 
 EOS = 999
@@ -181,7 +181,8 @@ StartScheduler = Callable[..., Any]
 
 @pytest.fixture
 def start_scheduler(nursery: trio.Nursery) -> StartScheduler:
-    async def start(*, with_store: bool = False, **config: Any) -> Harness:
+    async def start(*, with_store: bool = False, actor_options: dict[str, Any] | None = None,
+                    **config: Any) -> Harness:
         inbox_send, inbox = trio.open_memory_channel[Any](64)
         # Unbuffered: each RunStep waits for the test to take it, as with one step in flight.
         to_device, device = trio.open_memory_channel[RunStep](0)
@@ -197,6 +198,7 @@ def start_scheduler(nursery: trio.Nursery) -> StartScheduler:
             to_warmer=to_warmer,
             tokenizer=FakeTokenizer(),
             eos_token_ids=frozenset({EOS}),
+            **(actor_options or {}),
         )
         await nursery.start(actor.run)
         return Harness(
@@ -738,3 +740,33 @@ async def test_the_arrival_window_is_bounded(start_scheduler: StartScheduler) ->
     await harness.submit("r1", more_pending=True)  # the promised request never comes
     step = await harness.step()
     assert [admission.sequence_id for admission in step.admit] == [0]
+
+
+async def test_a_one_chunk_prompt_donates_its_prompt_kv_only_to_requests_parked_on_it(
+    start_scheduler: StartScheduler,
+) -> None:
+    """Such a prompt is done within its admitting step; its final KV comes a few tokens later."""
+    harness = await start_scheduler(
+        with_store=True, prefill_step_size=64,
+        actor_options={"cache_config": PromptCacheConfig(), "prompt_donation": True},
+    )
+    assert harness.store is not None
+    short, long = tuple(range(100, 140)), tuple(range(200, 300))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(answer_lookups, harness.store, lambda _: PrefixMissing(), [], [])
+        await harness.submit("short", short, context=CONTEXT, more_pending=True)
+        await harness.submit("long", long, context=CONTEXT)
+        step = await harness.step()
+        assert [(a.sequence_id, a.donate_prompt) for a in step.admit] == [(0, False), (1, True)]
+        await harness.reply(step, sampled=(token(0, 0, "length"),), prefilling=(1,))
+        await harness.reply(await harness.step(), prompts_done=(1,), sampled=(token(1, 0, "length"),))
+        await harness.assert_idle()
+
+        # A request that shares 40 tokens with a one-chunk prompt admitted with it parks on it.
+        await harness.submit("leader", short + (1, 2), context=CONTEXT, more_pending=True)
+        await harness.submit("follower", short + (3, 4), context=CONTEXT)
+        step = await harness.step()
+        (leader,) = step.admit
+        assert leader.donate_prompt is True
+        assert (await harness.stats()).num_parked == 1
+        nursery.cancel_scope.cancel()
