@@ -62,6 +62,8 @@ class SchedulerConfig:
     max_queued_requests: int = 256
     # Undelivered stream events per request before a slow client is dropped.
     client_buffer_events: int = 4096
+    # Run each kind of step once at start-up (CUDA compiles kernels on first use).
+    device_warmup: bool = True
 
 
 @attrs.frozen(kw_only=True)
@@ -225,6 +227,9 @@ SCHEDULER_SETTINGS = (
             parse_positive_int, "prompt tokens per prefill chunk (default: 256 on CPU, 2048 on GPU)"),
     Setting("max_queued_requests", "--max-queued-requests", ("MLXCEL_MAX_QUEUED_REQUESTS",),
             parse_positive_int, "waiting requests before new ones get 503 (default 256)"),
+    Setting("device_warmup", "--device-warmup", ("MLXCEL_DEVICE_WARMUP",), parse_bool,
+            "run throwaway steps at start-up so the first request compiles no kernels (default true)",
+            optional_value=True),
 )
 
 

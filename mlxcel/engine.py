@@ -260,6 +260,7 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
                 max_batch_size=config.scheduler.max_batch_size,
                 prefill_batch_size=config.scheduler.prefill_batch_size,
                 prefill_step_size=config.scheduler.prefill_step_size,
+                warm_up=config.scheduler.device_warmup,
                 fail_step=config.fail_step,
                 fail_out_of_memory=config.fail_out_of_memory,
             ),

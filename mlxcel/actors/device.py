@@ -10,6 +10,7 @@ Batching, chunked prefill and per-sequence caches come from mlx-lm's
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ class DeviceSettings:
     max_batch_size: int = 32
     prefill_batch_size: int = 8
     prefill_step_size: int | None = None
+    warm_up: bool = False
     fail_step: int | None = None
     fail_out_of_memory: bool = False
 
@@ -84,6 +86,8 @@ class DeviceActor:
         step = self._settings.prefill_step_size or (256 if mx.default_device() == mx.cpu else 2048)
         self._settings = attrs.evolve(self._settings, prefill_step_size=step)
         worker = _StepWorker(loaded.model, loaded.eos_token_ids, self._settings, loaded.family.model_type)
+        if self._settings.warm_up:
+            logger.info("device warm-up took %.2f s", worker.warm_up())
         info = ModelInfo(
             model_id=loaded.model_id,
             path=loaded.path,
@@ -167,6 +171,43 @@ class _StepWorker:
         self._by_uid: dict[int, _Sequence] = {}
         self._uid_of: dict[int, int] = {}
         self._step_number = 0
+
+    def warm_up(self) -> float:
+        """Run a direct start, a chunked prefill and decoding once on throwaway prompts.
+
+        The CUDA backend compiles its kernels on first use (seconds for the
+        first request otherwise); on the CPU this costs a fraction of a second.
+        Returns the seconds it took. The generator is fresh afterwards.
+        """
+        import mlx.core as mx
+
+        start = time.perf_counter()
+        settings = self._settings
+        self._settings = attrs.evolve(settings, fail_step=None)
+        greedy = SamplingParams(temperature=0.0)
+        prompts = {-1: 8, -2: settings.prefill_step_size + 8}  # one chunk; two chunks
+        admissions = tuple(
+            AdmitSequence(sequence_id=sequence_id, prompt_tokens=tuple(10 + i % 1000 for i in range(length)),
+                          cached_tokens=(), sampling=greedy, max_tokens=3)
+            for sequence_id, length in prompts.items()
+        )
+        unfinished = set(prompts)
+        step = RunStep(admit=admissions, reply_to=None)  # type: ignore[arg-type]
+        for _ in range(32):
+            done = self.run_step(step)
+            if done.error is not None:
+                raise RuntimeError(f"the device warm-up failed: {done.error}")
+            unfinished -= {token.sequence_id for token in done.sampled if token.finish_reason is not None}
+            if not unfinished:
+                break
+            step = RunStep(reply_to=None)  # type: ignore[arg-type]
+        self._settings = settings
+        self._generator = self._make_generator()
+        self._by_uid.clear()
+        self._uid_of.clear()
+        self._step_number = 0
+        mx.clear_cache()
+        return time.perf_counter() - start
 
     def run_step(self, step: RunStep) -> StepDone:
         self._step_number += 1

@@ -157,3 +157,17 @@ async def test_logprobs_agree_with_greedy_choice(start_engine) -> None:
         assert item.logprob <= 0.0
         assert abs(item.logprob - best_logprob) < 1e-5
         assert [value for _token, value in item.top] == sorted((value for _t, value in item.top), reverse=True)
+
+
+async def test_the_start_up_warm_up_runs_and_leaves_nothing_behind(start_engine, caplog) -> None:
+    caplog.set_level("INFO", logger="mlxcel.actors.device")
+    cold = await start_engine(scheduler=SchedulerConfig(prefill_step_size=32, device_warmup=False))
+    assert "device warm-up took" not in caplog.text
+    warm = await start_engine(scheduler=SchedulerConfig(prefill_step_size=32, device_warmup=True))
+    assert "device warm-up took" in caplog.text
+    # Nothing was stored, and requests after it run as on an engine without it.
+    assert (await warm.cache_stats())["entries"] == 0
+    long_prompt = " ".join(f"word{i}" for i in range(60))  # over one chunk: the batched path
+    for text in ("Hello there", long_prompt):
+        ours, reference = await warm.chat(chat(text)), await cold.chat(chat(text))
+        assert (ours.text, ours.usage) == (reference.text, reference.usage)
