@@ -104,7 +104,8 @@ class CacheStoreActor:
             case DonateSequence():
                 if self._store is None:
                     return
-                outcome = self._store.insert(message.context, message.tokens, message.payload, message.nbytes, now)
+                outcome = self._store.insert(message.context, message.tokens, message.payload, message.nbytes, now,
+                                             prompt_len=message.prompt_len)
                 if not outcome.stored:
                     logger.debug("prompt-cache donation not stored (%s)", outcome.reason)
                     self._unstored.append(message.payload)

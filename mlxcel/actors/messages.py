@@ -208,6 +208,8 @@ class DonateSequence:
     tokens: tuple[int, ...] = attrs.field(repr=False)
     payload: Any = attrs.field(repr=False)
     nbytes: int
+    # Leading tokens that were the request's prompt (the rest it generated).
+    prompt_len: int | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -151,7 +151,8 @@ class SchedulerActor:
         # Payloads the cache stores let go of, to be dropped on the device thread.
         self._release: list[Any] = []
         # Contexts of finished sequences whose KV is still on its way back.
-        self._pending_donations: dict[int, CacheContext] = {}
+        # Finished sequences whose KV is on its way: (context, prompt length).
+        self._pending_donations: dict[int, tuple[CacheContext, int]] = {}
         self._cancelled_before_submit: collections.OrderedDict[str, None] = collections.OrderedDict()
         # Requests waiting for a prefilling sequence's prompt KV, by that sequence's id.
         self._parked: dict[int, list[SubmitRequest]] = {}
@@ -530,15 +531,16 @@ class SchedulerActor:
                 self._donate_snapshot(item)
                 continue
             if item.final:
-                context = self._pending_donations.pop(item.sequence_id, None)
+                context, prompt_len = self._pending_donations.pop(item.sequence_id, (None, None))
             else:
                 running = self._running.get(item.sequence_id)
                 context = None if running is None else running.request.cache_context
+                prompt_len = len(item.tokens)
             if context is not None and self._to_cache_store is not None:
-                self._send_nowait(
-                    self._to_cache_store,
-                    DonateSequence(context=context, tokens=item.tokens, payload=item.payload, nbytes=item.nbytes),
-                )
+                self._send_nowait(self._to_cache_store, DonateSequence(
+                    context=context, tokens=item.tokens, payload=item.payload, nbytes=item.nbytes,
+                    prompt_len=prompt_len,
+                ))
         for sequence_id in done.warmed:
             if self._warming.pop(sequence_id, None) is not None:
                 self._num_warm_completed += 1
@@ -647,7 +649,7 @@ class SchedulerActor:
             self._removals.append(RemoveSequence(sequence_id=running.sequence_id, donate=donate))
             self._work.set()
         if donate:
-            self._pending_donations[running.sequence_id] = context
+            self._pending_donations[running.sequence_id] = (context, len(running.request.prompt_tokens))
         if healthy:
             self._num_completed += 1
             if self._to_metrics is not None:

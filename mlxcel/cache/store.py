@@ -124,6 +124,8 @@ class _Entry:
     num_blocks: int
     owner: _Entry | None = None
     aliases: dict[bytes, _Entry] = attrs.Factory(dict)
+    # How many leading tokens were the donating request's prompt (None: not told).
+    prompt_len: int | None = None
 
     def packed(self) -> bytes:
         owner = self.owner or self
@@ -204,8 +206,17 @@ class PromptCacheStore:
         payload: object,
         nbytes: int,
         now: float,
+        prompt_len: int | None = None,
     ) -> InsertOutcome:
-        """Offer the KV payload of tokens; the store keeps it when stored is True."""
+        """Offer the KV payload of tokens; the store keeps it when stored is True.
+
+        ``prompt_len`` is how many leading tokens were the donating request's
+        prompt (the rest it generated). An entry that told it is dropped
+        (reason ``superseded``) when a later entry covers its whole prompt but
+        not its generated tail: the conversation went on without that reply's
+        tokens (the next turn re-renders the reply, or strips its reasoning),
+        so the tail serves no one, and the rest is in the newer entry.
+        """
         if nbytes < 0:
             raise ValueError("nbytes must not be negative")
         evictions: list[tuple[EvictionReason, int]] = []
@@ -228,9 +239,16 @@ class PromptCacheStore:
         trie_key = (context.bucket, context.rope_regime, context.mm_digest)
         trie = self._tries.get(trie_key)
         superseded: list[_Entry] = []
+        dominated: _Entry | None = None
         chain: list[bytes] = []
         if trie is not None:
             walk = trie.walk(token_bytes)
+            nearest = walk.longest_common()
+            if nearest is not None:
+                neighbor = self._entries[nearest[0]]
+                if (neighbor.owner is None and neighbor.context == context and neighbor.prompt_len is not None
+                        and neighbor.prompt_len <= nearest[1] < neighbor.num_tokens):
+                    dominated = neighbor
             for older_id, length in walk.prefix_matches(tag=context.session_key):
                 older = self._entries[older_id]
                 if older.owner is None and length < len(tokens) and older.context == context:
@@ -260,6 +278,7 @@ class PromptCacheStore:
             token_bytes=token_bytes,
             chain=chain,
             num_blocks=len(chain),
+            prompt_len=prompt_len,
         )
         trie.insert(token_bytes, entry_id, tag=context.session_key)
         self._entries[entry_id] = entry
@@ -274,6 +293,8 @@ class PromptCacheStore:
         self._add_blocks(chain[len(heir.chain) :] if heir is not None else chain)
         for older in superseded:
             self._supersede(older, entry, evictions, references_moved=older is heir)
+        if dominated is not None:
+            self._evict(dominated, "superseded", evictions)
         self._enforce_limits(evictions)
         return InsertOutcome(
             stored=True, entry_id=entry_id, reason=None, evictions=tuple(evictions)

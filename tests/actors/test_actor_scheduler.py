@@ -613,7 +613,7 @@ async def test_natural_finish_donates_the_detached_sequence(start_scheduler: Sta
         ))
         await harness.assert_idle()
         nursery.cancel_scope.cancel()
-    assert donations == [DonateSequence(context=CONTEXT, tokens=(1, 2, 3, 4), payload="kv-0", nbytes=123)]
+    assert donations == [DonateSequence(context=CONTEXT, tokens=(1, 2, 3, 4), payload="kv-0", nbytes=123, prompt_len=3)]
 
 
 async def test_stop_string_finish_donates_what_the_removal_detaches(start_scheduler: StartScheduler) -> None:

@@ -190,6 +190,29 @@ def test_superseded_entry_becomes_a_free_alias() -> None:
     assert (stats.entries, stats.bytes, stats.aliases) == (1, 9500, 0)
 
 
+def test_an_entry_whose_whole_prompt_a_newer_entry_covers_is_dropped() -> None:
+    """A reply re-rendered differently next turn leaves the old entry only its useless tail."""
+    store = _store()
+    system, first_user, reply, rerendered = SHARED[:40], _tokens(2000, 10), _tokens(3000, 8), _tokens(4000, 8)
+    old_prompt = system + first_user
+    old = store.insert(TEXT, old_prompt + reply, "old", 580, now=0, prompt_len=len(old_prompt))
+    # Another conversation in the session shares only the system prompt: it keeps its entry.
+    other = store.insert(TEXT, system + _tokens(5000, 18), "other", 580, now=1, prompt_len=50)
+    # Without a prompt length an entry is never judged this way.
+    unknown = store.insert(TEXT, system + _tokens(6000, 18), "unknown", 580, now=2)
+    new_prompt = old_prompt + rerendered + _tokens(7000, 20)
+    outcome = store.insert(TEXT, new_prompt + _tokens(8000, 5), "new", 830, now=3, prompt_len=len(new_prompt))
+    assert outcome.stored and outcome.evictions == (("superseded", 580),)
+    assert store.take_released() == ["old"]
+    live = {info.entry_id for info in store.entries_by_recency()}
+    assert live == {other.entry_id, unknown.entry_id, outcome.entry_id}
+    assert old.entry_id not in live
+    # The old conversation's next turn finds its previous prompt in the newer entry
+    # (a partial match, so rounded down to a block).
+    match = store.lookup(TEXT, new_prompt + [1, 2], now=4)
+    assert match is not None and (match.payload, match.matched_len) == ("new", len(new_prompt) // 16 * 16)
+
+
 def test_other_sessions_are_not_superseded() -> None:
     store = _store()
     store.insert(BOB, SHARED[:40], "bob", 400, now=0)
