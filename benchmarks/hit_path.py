@@ -111,7 +111,9 @@ def measure_generator(model: Any, previous: list[int], suffix: list[int], runs: 
     }
 
 
-def measure_engine(model_path: str, workload: Any, runs: int, prefill_step_size: int | None) -> dict[str, Any]:
+def measure_engine(model_path: str, workload: Any, runs: int, prefill_step_size: int | None,
+                   pause: float = 0.0) -> dict[str, Any]:
+    """``pause``: seconds between a conversation's turn 0 ending and its turn 1 being sent."""
     import trio
 
     from mlxcel.actors import device
@@ -153,6 +155,7 @@ def measure_engine(model_path: str, workload: Any, runs: int, prefill_step_size:
         async with open_engine(config) as engine:
             for conversation in range(runs + 1):
                 _start, reply, _ = await first_delta(engine, workload.messages(conversation, 0, []))
+                await trio.sleep(pause)
                 del step_log[:]
                 start, _text, (ttft, usage) = await first_delta(engine, workload.messages(conversation, 1, [reply]))
                 end = start + ttft
@@ -182,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--prefill-step-size", type=int, default=None)
     parser.add_argument("--skip", nargs="*", default=(), choices=("floor", "generator", "engine"))
+    parser.add_argument("--pause", type=float, default=0.0,
+                        help="seconds between turn 0's end and turn 1 (engine measurement)")
     options = parser.parse_args(argv)
 
     from mlxcel.blas import reexec_with_optimized_blas
@@ -211,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         del model
         mx.clear_cache()
     if "engine" not in options.skip:
-        result["engine"] = measure_engine(options.model_path, workload, options.runs, options.prefill_step_size)
+        result["engine"] = measure_engine(options.model_path, workload, options.runs, options.prefill_step_size,
+                                          options.pause)
     print(json.dumps(result))
     return 0
 

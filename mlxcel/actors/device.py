@@ -146,6 +146,8 @@ class _Sequence:
     # Tokens at which a whole-state snapshot is due (cached + prompt up to the boundary).
     snapshot_tokens: tuple[int, ...] | None = None
     warm: bool = False
+    # Started outside the batch: its prompt was reported done then.
+    direct: bool = False
 
 
 class _StepWorker:
@@ -170,6 +172,8 @@ class _StepWorker:
         self._generator = self._make_generator()
         self._by_uid: dict[int, _Sequence] = {}
         self._uid_of: dict[int, int] = {}
+        # Admitted one-chunk prompts left for a later step (see run_step).
+        self._deferred: list[AdmitSequence] = []
         self._step_number = 0
 
     def warm_up(self) -> float:
@@ -205,6 +209,7 @@ class _StepWorker:
         self._generator = self._make_generator()
         self._by_uid.clear()
         self._uid_of.clear()
+        self._deferred.clear()
         self._step_number = 0
         mx.clear_cache()
         return time.perf_counter() - start
@@ -212,10 +217,13 @@ class _StepWorker:
     def run_step(self, step: RunStep) -> StepDone:
         self._step_number += 1
         detached: list[DetachedSequence] = []
+        admissions, self._deferred = [*self._deferred, *step.admit], []
         try:
             for removal in step.remove:
                 uid = self._uid_of.pop(removal.sequence_id, None)
                 if uid is None:
+                    # A deferred start (not started yet: it has no KV to give).
+                    admissions = [a for a in admissions if a.sequence_id != removal.sequence_id]
                     continue
                 sequence = self._by_uid.pop(uid)
                 caches = self._generator.remove([uid], return_prompt_caches=removal.donate)
@@ -226,7 +234,16 @@ class _StepWorker:
                         detached.append(item)
             restore_failures = []
             direct: list[_DirectStart] = []
-            for admission in step.admit:
+            # Direct starts take at most one prefill chunk's worth of tokens per
+            # step (at least one start): the first tokens of prompts admitted
+            # together come out step by step instead of all after the last.
+            direct_tokens = 0
+            for admission in admissions:
+                if self._starts_directly(admission):
+                    direct_tokens += len(admission.prompt_tokens)
+                    if direct and direct_tokens > self._settings.prefill_step_size:
+                        self._deferred.append(admission)
+                        continue
                 failure = self._admit(admission, direct)
                 if failure is not None:
                     restore_failures.append((admission.sequence_id, failure))
@@ -257,8 +274,9 @@ class _StepWorker:
             # Admissions that raised never reached the generator: they fail too.
             failed = tuple(
                 {sequence.sequence_id for sequence in self._by_uid.values()}
-                | {admission.sequence_id for admission in step.admit}
+                | {admission.sequence_id for admission in [*admissions, *self._deferred]}
             )
+            self._deferred = []
             self._generator = self._make_generator()
             self._by_uid.clear()
             self._uid_of.clear()
@@ -296,7 +314,7 @@ class _StepWorker:
         warmed = []
         for response in prompt_responses:
             sequence = self._by_uid.get(response.uid)
-            if sequence is None:
+            if sequence is None or sequence.direct:
                 continue
             if response.end_of_segment and sequence.snapshot_tokens is not None:
                 # The chunk just run ended exactly at the history boundary.
@@ -354,8 +372,8 @@ class _StepWorker:
             except SnapshotMismatch as error:
                 failure = str(error)
                 prompt, cached = cached + prompt, []
-        if (admission.snapshot_after is None and not admission.warm
-                and len(prompt) <= self._settings.prefill_step_size):
+        if self._starts_directly(admission) and len(prompt) <= self._settings.prefill_step_size:
+            # (A snapshot that would not restore makes the prompt longer.)
             direct.append(self._start_direct(admission, caches, cached, prompt))
             return failure
         snapshot_tokens = None
@@ -386,6 +404,10 @@ class _StepWorker:
         )
         self._uid_of[admission.sequence_id] = uid
         return failure
+
+    def _starts_directly(self, admission: AdmitSequence) -> bool:
+        return (admission.snapshot_after is None and not admission.warm
+                and len(admission.prompt_tokens) <= self._settings.prefill_step_size)
 
     def _start_direct(
         self, admission: AdmitSequence, caches: list[Any] | None, cached: list[int], prompt: list[int]
@@ -426,7 +448,7 @@ class _StepWorker:
             finish_reason = "length"
         sequence = _Sequence(
             sequence_id=admission.sequence_id, sampling=admission.sampling,
-            donate_on_finish=admission.donate_on_finish, donate_prompt=False,
+            donate_on_finish=admission.donate_on_finish, donate_prompt=False, direct=True,
         )
         sampled = _sampled_token(sequence, _FirstToken(token, start.logprobs, finish_reason))
         if finish_reason is not None:

@@ -197,3 +197,27 @@ async def test_a_one_chunk_prompt_gets_its_first_token_in_its_admitting_step() -
             ]
             assert (await scheduler.step()).sampled == ()  # nothing left running
             to_device.close()
+
+
+async def test_direct_starts_take_one_chunk_of_tokens_per_step() -> None:
+    """Prompts admitted together get their first tokens step by step, not all after the last."""
+    to_device, inbox = trio.open_memory_channel[RunStep](0)
+    actor = DeviceActor(DeviceSettings(model_path=fixture_path("llama"), prefill_step_size=16), inbox)
+    prompts = {sequence_id: tuple(range(100 * sequence_id, 100 * sequence_id + 10)) for sequence_id in (1, 2, 3)}
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(actor.run)
+            scheduler = Scheduler(to_device)
+            # 10 + 10 tokens would pass the 16-token chunk: one start per step.
+            first = await scheduler.step(admit=tuple(admit(i, prompt, 4) for i, prompt in prompts.items()))
+            assert [token.sequence_id for token in first.sampled] == [1]
+            assert first.prompts_done == (1,) and first.prefill_tokens == 10
+            # Sequence 3 leaves before it started: it never runs and gives no KV.
+            second = await scheduler.step(remove=(RemoveSequence(sequence_id=3, donate=True),))
+            assert [token.sequence_id for token in second.sampled] == [2]
+            assert second.prompts_done == (2,) and second.detached == ()
+            await scheduler.run_until_finished({1, 2})
+            counts = {i: sum(token.sequence_id == i for step in scheduler.steps for token in step.sampled)
+                      for i in prompts}
+            assert counts == {1: 4, 2: 4, 3: 0}
+            to_device.close()
