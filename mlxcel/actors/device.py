@@ -31,6 +31,9 @@ from mlxcel.types import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# Steps in a row in which direct starts may hold back the batch's decode step.
+MAX_BATCH_HOLDS = 4
+
 
 @attrs.frozen(kw_only=True)
 class ModelInfo:
@@ -174,6 +177,8 @@ class _StepWorker:
         self._uid_of: dict[int, int] = {}
         # Admitted one-chunk prompts left for a later step (see run_step).
         self._deferred: list[AdmitSequence] = []
+        # Steps in a row that held the batch back for direct starts.
+        self._batch_holds = 0
         self._step_number = 0
 
     def warm_up(self) -> float:
@@ -210,6 +215,7 @@ class _StepWorker:
         self._by_uid.clear()
         self._uid_of.clear()
         self._deferred.clear()
+        self._batch_holds = 0
         self._step_number = 0
         mx.clear_cache()
         return time.perf_counter() - start
@@ -263,7 +269,11 @@ class _StepWorker:
                     restore_failures=tuple(restore_failures),
                 )
             prompt_responses, generation_responses, prompt_tokens = [], [], 0
-            if self._by_uid:
+            # While started prompts wait, first tokens go ahead of the batch's
+            # decode and prefill chunk, for a bounded number of steps in a row.
+            hold_batch = bool(self._deferred) and self._batch_holds < MAX_BATCH_HOLDS
+            self._batch_holds = self._batch_holds + 1 if hold_batch else 0
+            if self._by_uid and not hold_batch:
                 with self._generator.stats() as stats:
                     prompt_responses, generation_responses = self._generator.next()
                 prompt_tokens = stats.prompt_tokens

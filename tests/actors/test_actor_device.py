@@ -208,16 +208,40 @@ async def test_direct_starts_take_one_chunk_of_tokens_per_step() -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(actor.run)
             scheduler = Scheduler(to_device)
-            # 10 + 10 tokens would pass the 16-token chunk: one start per step.
+            await scheduler.step(admit=(admit(0, tuple(range(7, 15)), 40),))
+            while not any(token.sequence_id == 0 for token in (await scheduler.step()).sampled):
+                pass  # sequence 0 is decoding
+            # 10 + 10 tokens would pass the 16-token chunk: one start per step,
+            # and while starts wait, the decoding sequence is held back.
             first = await scheduler.step(admit=tuple(admit(i, prompt, 4) for i, prompt in prompts.items()))
             assert [token.sequence_id for token in first.sampled] == [1]
             assert first.prompts_done == (1,) and first.prefill_tokens == 10
             # Sequence 3 leaves before it started: it never runs and gives no KV.
             second = await scheduler.step(remove=(RemoveSequence(sequence_id=3, donate=True),))
-            assert [token.sequence_id for token in second.sampled] == [2]
+            assert [token.sequence_id for token in second.sampled] == [2, 0]  # nothing waits: decode again
             assert second.prompts_done == (2,) and second.detached == ()
-            await scheduler.run_until_finished({1, 2})
+            await scheduler.run_until_finished({0, 1, 2}, max_steps=80)
             counts = {i: sum(token.sequence_id == i for step in scheduler.steps for token in step.sampled)
-                      for i in prompts}
-            assert counts == {1: 4, 2: 4, 3: 0}
+                      for i in (0, *prompts)}
+            assert counts == {0: 40, 1: 4, 2: 4, 3: 0}
+            to_device.close()
+
+
+async def test_waiting_starts_hold_back_decoding_for_a_bounded_number_of_steps() -> None:
+    to_device, inbox = trio.open_memory_channel[RunStep](0)
+    actor = DeviceActor(DeviceSettings(model_path=fixture_path("llama"), prefill_step_size=16), inbox)
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(actor.run)
+            scheduler = Scheduler(to_device)
+            await scheduler.step(admit=(admit(0, tuple(range(7, 15)), 60),))
+            while not any(token.sequence_id == 0 for token in (await scheduler.step()).sampled):
+                pass
+            burst = tuple(admit(i, tuple(range(100 * i, 100 * i + 10)), 2) for i in range(1, 8))
+            steps = [await scheduler.step(admit=burst)] + [await scheduler.step() for _ in range(4)]
+            starts = [[t.sequence_id for t in step.sampled if t.sequence_id != 0 and t.finish_reason is None]
+                      for step in steps]
+            assert starts == [[1], [2], [3], [4], [5]]
+            # Four steps in a row held sequence 0 back; the fifth decodes it although starts wait.
+            assert [any(t.sequence_id == 0 for t in step.sampled) for step in steps] == [False] * 4 + [True]
             to_device.close()
