@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlxcel.bench.workload import Shape, build_workload  # noqa: E402
+from mlxcel.bench.workload import Shape, add_shape_arguments, build_workload  # noqa: E402
 
 
 def render(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -179,9 +179,7 @@ def measure_engine(model_path: str, workload: Any, runs: int, prefill_step_size:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", required=True)
-    parser.add_argument("--system-tokens", type=int, default=1020)
-    parser.add_argument("--user-tokens", type=int, default=117)
-    parser.add_argument("--reply-tokens", type=int, default=16)
+    add_shape_arguments(parser, counts=False)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--prefill-step-size", type=int, default=None)
     parser.add_argument("--skip", nargs="*", default=(), choices=("floor", "generator", "engine"))

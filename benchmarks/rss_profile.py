@@ -44,7 +44,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlxcel.bench.workload import Shape, build_workload  # noqa: E402
+from mlxcel.bench.workload import Shape, add_shape_arguments, build_workload  # noqa: E402
 
 MIB = 1024**2
 
@@ -154,11 +154,7 @@ def install_step_hooks(clear_cache: bool, malloc_trim: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", required=True)
-    parser.add_argument("--conversations", type=int, default=6)
-    parser.add_argument("--turns", type=int, default=5)
-    parser.add_argument("--system-tokens", type=int, default=1020)
-    parser.add_argument("--user-tokens", type=int, default=117)
-    parser.add_argument("--reply-tokens", type=int, default=16)
+    add_shape_arguments(parser)
     parser.add_argument("--interval", type=float, default=0.02, help="sampling period, seconds")
     parser.add_argument("--cache-limit-mib", type=float, default=None)
     parser.add_argument("--clear-cache", choices=("step", "turn"), default=None)

@@ -150,8 +150,7 @@ class SchedulerActor:
         self._removals: list[RemoveSequence] = []
         # Payloads the cache stores let go of, to be dropped on the device thread.
         self._release: list[Any] = []
-        # Contexts of finished sequences whose KV is still on its way back.
-        # Finished sequences whose KV is on its way: (context, prompt length).
+        # Finished sequences whose KV is still on its way back: (context, prompt length).
         self._pending_donations: dict[int, tuple[CacheContext, int]] = {}
         self._cancelled_before_submit: collections.OrderedDict[str, None] = collections.OrderedDict()
         # Requests waiting for a prefilling sequence's prompt KV, by that sequence's id.

@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any
 
-from mlxcel.bench.workload import Shape, build_workload
+from mlxcel.bench.workload import Shape, add_shape_arguments, build_workload
 
 __all__ = ["measure_floor", "floor_main"]
 
@@ -114,11 +114,7 @@ def _floor(model_path: str, shape: Shape, *, runs: int, prefill_step_size: int, 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mlxcel.bench.floor", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", required=True)
-    parser.add_argument("--conversations", type=int, default=6)
-    parser.add_argument("--turns", type=int, default=5)
-    parser.add_argument("--system-tokens", type=int, default=1020)
-    parser.add_argument("--user-tokens", type=int, default=117)
-    parser.add_argument("--reply-tokens", type=int, default=16)
+    add_shape_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--prefill-step-size", type=int, default=2048)

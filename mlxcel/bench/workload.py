@@ -10,13 +10,14 @@ are approximations. Pure Python (``tokenizers`` only when given a folder).
 
 from __future__ import annotations
 
+import argparse
 import random
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-__all__ = ["WORDS", "Shape", "Workload", "build_workload", "load_word_counter"]
+__all__ = ["WORDS", "Shape", "Workload", "add_shape_arguments", "build_workload", "load_word_counter"]
 
 # Single tokens in the Qwen BPE (checked against the fixture's tokenizer.json).
 WORDS = tuple(
@@ -51,6 +52,14 @@ class Shape:
     user_tokens: int = 117
     reply_tokens: int = 16
     seed: int = 0
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser, *, counts: bool = True) -> None:
+    """The workload's size flags with ``Shape``'s defaults (``counts``: also conversations and turns)."""
+    defaults = Shape()
+    names = ("conversations", "turns") if counts else ()
+    for name in (*names, "system_tokens", "user_tokens", "reply_tokens"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
 
 
 @attrs.frozen(kw_only=True)

@@ -253,13 +253,10 @@ class PromptCacheStore:
                 older = self._entries[older_id]
                 if older.owner is None and length < len(tokens) and older.context == context:
                     superseded.append(older)
-            if self.apc.enabled:
+            if self.apc.enabled and nearest is not None:
                 # The entry sharing the longest prefix lends its hashes for it.
-                found = walk.longest_common()
-                if found is not None:
-                    neighbor = self._entries[found[0]]
-                    neighbor_chain, neighbor_blocks = self._chain_of(neighbor)
-                    chain = neighbor_chain[: min(found[1] // self.apc.block_size, neighbor_blocks)]
+                neighbor_chain, neighbor_blocks = self._chain_of(self._entries[nearest[0]])
+                chain = neighbor_chain[: min(nearest[1] // self.apc.block_size, neighbor_blocks)]
         else:
             trie = self._tries[trie_key] = RadixTrie()
         if self.apc.enabled:

@@ -165,9 +165,12 @@ async def test_the_start_up_warm_up_runs_and_leaves_nothing_behind(start_engine,
     assert "device warm-up took" not in caplog.text
     warm = await start_engine(scheduler=SchedulerConfig(prefill_step_size=32, device_warmup=True))
     assert "device warm-up took" in caplog.text
-    # Nothing was stored, and requests after it run as on an engine without it.
-    assert (await warm.cache_stats())["entries"] == 0
+    # Requests after it run as on an engine without it: same replies, and no
+    # warm-up sequence left in the decode batch.
     long_prompt = " ".join(f"word{i}" for i in range(60))  # over one chunk: the batched path
     for text in ("Hello there", long_prompt):
         ours, reference = await warm.chat(chat(text)), await cold.chat(chat(text))
         assert (ours.text, ours.usage) == (reference.text, reference.usage)
+    warm_stats, cold_stats = await warm.scheduler_stats(), await cold.scheduler_stats()
+    assert warm_stats.decode_batch_sizes == cold_stats.decode_batch_sizes
+    assert set(warm_stats.decode_batch_sizes) == {1}  # one request at a time, nothing else decoding

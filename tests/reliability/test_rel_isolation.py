@@ -36,6 +36,20 @@ async def cached_tokens(client: httpx.AsyncClient, body: dict[str, Any]) -> int:
     return usage["prompt_tokens_details"]["cached_tokens"]
 
 
+async def cached_tokens_at_once(client: httpx.AsyncClient, bodies: list[dict[str, Any]]) -> list[int]:
+    """Send the bodies concurrently; their cached_tokens in the same order."""
+    results = [0] * len(bodies)
+
+    async def one(index: int) -> None:
+        results[index] = await cached_tokens(client, bodies[index])
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            for index in range(len(bodies)):
+                nursery.start_soon(one, index)
+    return results
+
+
 @pytest.fixture
 def serve(start_engine, start_server):
     async def start(**engine_changes: Any) -> tuple[Any, httpx.AsyncClient]:
@@ -74,27 +88,11 @@ async def test_two_salts_never_share_a_hit(serve) -> None:
 async def test_salts_share_nothing_in_flight_either(serve) -> None:
     """Concurrent identical prompts under distinct salts: no in-flight prefix sharing between them."""
     _engine, client = await serve()
-    results: dict[str, int] = {}
-
-    async def one(salt: str) -> None:
-        results[salt] = await cached_tokens(client, chat("same question", cache_salt=salt))
-
     async with client:
-        with trio.fail_after(60):
-            async with trio.open_nursery() as nursery:
-                for index in range(4):
-                    nursery.start_soon(one, f"tenant-{index}")
-        assert results == {f"tenant-{index}": 0 for index in range(4)}
+        salted = [chat("same question", cache_salt=f"tenant-{index}") for index in range(4)]
+        assert await cached_tokens_at_once(client, salted) == [0, 0, 0, 0]
         # Control: the same four requests under one (new) salt do share a prefill in flight.
-        shared: list[int] = []
-
-        async def same_salt() -> None:
-            shared.append(await cached_tokens(client, chat("same question", cache_salt="tenant-z")))
-
-        with trio.fail_after(60):
-            async with trio.open_nursery() as nursery:
-                for _ in range(4):
-                    nursery.start_soon(same_salt)
+        shared = await cached_tokens_at_once(client, [chat("same question", cache_salt="tenant-z")] * 4)
     assert any(shared), shared
 
 
@@ -127,17 +125,9 @@ async def test_with_cross_session_off_a_second_user_never_hits_the_first_users_e
 
 async def test_with_cross_session_off_nothing_is_shared_in_flight(serve) -> None:
     _engine, client = await serve(prompt_cache=evolve_cache(cross_session=False))
-    results: dict[str, int] = {}
-
-    async def one(user: str) -> None:
-        results[user] = await cached_tokens(client, chat("same question", user=user))
-
     async with client:
-        with trio.fail_after(60):
-            async with trio.open_nursery() as nursery:
-                for index in range(4):
-                    nursery.start_soon(one, f"user-{index}")
-    assert results == {f"user-{index}": 0 for index in range(4)}
+        users = [chat("same question", user=f"user-{index}") for index in range(4)]
+        assert await cached_tokens_at_once(client, users) == [0, 0, 0, 0]
 
 
 async def test_with_cross_session_on_a_second_user_hits_the_first_users_entry(serve) -> None:
