@@ -1,6 +1,6 @@
 """Where a warm turn's time-to-first-token goes, layer by layer, in one process.
 
-Three measurements of the same kind of hit (a stored prefix plus a short new
+Four measurements of the same kind of hit (a stored prefix plus a short new
 suffix), each median of ``--runs``:
 
 1. floor: mlx-lm primitives on a ``KVCache`` already holding the prefix
@@ -8,7 +8,10 @@ suffix), each median of ``--runs``:
 2. generator: mlx-lm's ``BatchGenerator`` seeded with a stored prefix
    (``mlxcel.model.kv.adopt``), ``next()`` until the first generated token;
    the time of each ``next()`` call is shown, since a hit takes several;
-3. engine: ``Engine.stream`` on a warm turn (conversation N's turn 1 after
+3. device step: the device actor's admitting step for such a hit, alone
+   (adopt, the suffix's forward pass, the first token), with the last
+   token's logits in the same pass or a second one;
+4. engine: ``Engine.stream`` on a warm turn (conversation N's turn 1 after
    its turn 0), time to the first delta, with the device time of the steps
    it waited for (the rest is router, scheduler, cache store and Trio).
 
@@ -111,6 +114,37 @@ def measure_generator(model: Any, previous: list[int], suffix: list[int], runs: 
     }
 
 
+def measure_device_step(model: Any, previous: list[int], suffix: list[int], runs: int, prefill_step_size: int,
+                        *, one_pass: bool) -> float:
+    """The device actor's admitting step alone (adopt, forward pass, first token): no Trio, no store."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxcel.actors.device import DeviceSettings, _StepWorker
+    from mlxcel.actors.messages import AdmitSequence, RemoveSequence, RunStep
+    from mlxcel.model.kv import detach
+    from mlxcel.types import SamplingParams
+
+    cache = make_prompt_cache(model)
+    model(mx.array(previous)[None], cache=cache)
+    stored = detach(cache, len(previous))
+    del cache
+    settings = DeviceSettings(model_path=Path("."), prefill_step_size=prefill_step_size, one_pass_starts=one_pass)
+    worker = _StepWorker(model, set(), settings)
+    times = []
+    for sequence_id in range(runs + 1):
+        admission = AdmitSequence(sequence_id=sequence_id, prompt_tokens=tuple(suffix),
+                                  cached_tokens=tuple(previous), adopted=stored,
+                                  sampling=SamplingParams(temperature=0.0), max_tokens=4)
+        start = time.perf_counter()
+        done = worker.run_step(RunStep(admit=(admission,), reply_to=None))  # type: ignore[arg-type]
+        times.append(time.perf_counter() - start)
+        assert done.error is None and done.sampled, done
+        worker.run_step(RunStep(remove=(RemoveSequence(sequence_id=sequence_id, donate=False),),
+                                reply_to=None))  # type: ignore[arg-type]
+    return statistics.median(times[1:])
+
+
 def measure_engine(model_path: str, workload: Any, runs: int, prefill_step_size: int | None,
                    pause: float = 0.0) -> dict[str, Any]:
     """``pause``: seconds between a conversation's turn 0 ending and its turn 1 being sent."""
@@ -182,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     add_shape_arguments(parser, counts=False)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--prefill-step-size", type=int, default=None)
-    parser.add_argument("--skip", nargs="*", default=(), choices=("floor", "generator", "engine"))
+    parser.add_argument("--skip", nargs="*", default=(), choices=("floor", "generator", "step", "engine"))
     parser.add_argument("--pause", type=float, default=0.0,
                         help="seconds between turn 0's end and turn 1 (engine measurement)")
     options = parser.parse_args(argv)
@@ -198,13 +232,17 @@ def main(argv: list[str] | None = None) -> int:
     workload = build_workload(shape, model_path=options.model_path)
     step = options.prefill_step_size or (256 if mx.default_device() == mx.cpu else 2048)
     result: dict[str, Any] = {"device": str(mx.default_device()), "prefill_step_size": step}
-    if not {"floor", "generator"} <= set(options.skip):
+    if not {"floor", "generator", "step"} <= set(options.skip):
         model, tokenizer = load(options.model_path)
         previous, current = prompts(tokenizer, workload, 0)
         suffix = current[len(previous):]
         result.update(prefix_tokens=len(previous), suffix_tokens=len(suffix))
         if "floor" not in options.skip:
             result["floor_s"] = round(measure_floor(model, previous, suffix, options.runs), 5)
+        if "step" not in options.skip:
+            for one_pass in (False, True):
+                result[f"device_step_{'one' if one_pass else 'two'}_pass_s"] = round(
+                    measure_device_step(model, previous, suffix, options.runs, step, one_pass=one_pass), 5)
         if "generator" not in options.skip:
             result["generator"] = measure_generator(model, previous, suffix, options.runs, step)
             result["generator_donating"] = measure_generator(model, previous, suffix, options.runs, step,

@@ -58,6 +58,8 @@ class DeviceSettings:
     prefill_batch_size: int = 8
     prefill_step_size: int | None = None
     warm_up: bool = False
+    # A direct start's logits in one forward pass (None: on a GPU only; see _StepWorker).
+    one_pass_starts: bool | None = None
     fail_step: int | None = None
     fail_out_of_memory: bool = False
 
@@ -159,9 +161,16 @@ class _StepWorker:
     def __init__(
         self, model: Any, eos_token_ids: frozenset[int] | set[int], settings: DeviceSettings, family: str = ""
     ) -> None:
+        import mlx.core as mx
         from mlx_lm.generate import BatchGenerator
 
         self._model = model
+        # How a direct start gets its last token's logits: on a GPU in the same
+        # forward pass as the rest (projecting every position to the vocabulary
+        # costs less than reading the weights again); on the CPU in a second
+        # one-token pass, as mlx-lm does (the projection costs more there).
+        one_pass = settings.one_pass_starts
+        self._one_pass_starts = mx.default_device() != mx.cpu if one_pass is None else one_pass
         self._eos_token_ids = frozenset(eos_token_ids)
         self._family = family
         self._settings = settings
@@ -431,10 +440,11 @@ class _StepWorker:
         sampler = _make_sampler(admission.sampling)
         with mx.stream(self._generator.stream):
             tokens = mx.array(prompt)[None]
-            if len(prompt) > 1:
+            if len(prompt) > 1 and not self._one_pass_starts:
                 # All but the last token only fill the cache: their logits are never computed.
                 self._model(tokens[:, :-1], cache=caches)
-            logits = self._model(tokens[:, -1:], cache=caches)[:, -1, :]
+                tokens = tokens[:, -1:]
+            logits = self._model(tokens, cache=caches)[:, -1, :]
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             token = mx.argmax(logprobs, axis=-1) if sampler is None else sampler(logprobs)
         all_tokens = cached + prompt

@@ -150,11 +150,14 @@ async def test_an_admission_that_raises_is_reported_as_failed() -> None:
     assert set(done.failed_sequences) == {6, 7}
 
 
-async def test_a_one_chunk_prompt_gets_its_first_token_in_its_admitting_step() -> None:
-    """Short prompts (and a hit's new turn) start outside the batch; the tokens match the batch's."""
+@pytest.mark.parametrize("one_pass", [False, True], ids=["two-pass", "one-pass"])
+async def test_a_one_chunk_prompt_gets_its_first_token_in_its_admitting_step(one_pass: bool) -> None:
+    """Short prompts (and a hit's new turn) start outside the batch; the tokens match the batch's,
+    whether the last token's logits come from the prompt's own forward pass (GPU default) or a second."""
     with_logprobs = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)
     to_device, inbox = trio.open_memory_channel[RunStep](0)
-    actor = DeviceActor(DeviceSettings(model_path=fixture_path("llama"), prefill_step_size=16), inbox)
+    settings = DeviceSettings(model_path=fixture_path("llama"), prefill_step_size=16, one_pass_starts=one_pass)
+    actor = DeviceActor(settings, inbox)
     long_prompt = tuple(range(3000, 3040))
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
