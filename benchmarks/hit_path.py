@@ -120,10 +120,9 @@ def measure_device_step(model: Any, previous: list[int], suffix: list[int], runs
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    from benchmarks.start_shapes import run_pass
     from mlxcel.actors.device import DeviceSettings, _StepWorker
-    from mlxcel.actors.messages import AdmitSequence, RemoveSequence, RunStep
     from mlxcel.model.kv import detach
-    from mlxcel.types import SamplingParams
 
     cache = make_prompt_cache(model)
     model(mx.array(previous)[None], cache=cache)
@@ -131,17 +130,7 @@ def measure_device_step(model: Any, previous: list[int], suffix: list[int], runs
     del cache
     settings = DeviceSettings(model_path=Path("."), prefill_step_size=prefill_step_size, one_pass_starts=one_pass)
     worker = _StepWorker(model, set(), settings)
-    times = []
-    for sequence_id in range(runs + 1):
-        admission = AdmitSequence(sequence_id=sequence_id, prompt_tokens=tuple(suffix),
-                                  cached_tokens=tuple(previous), adopted=stored,
-                                  sampling=SamplingParams(temperature=0.0), max_tokens=4)
-        start = time.perf_counter()
-        done = worker.run_step(RunStep(admit=(admission,), reply_to=None))  # type: ignore[arg-type]
-        times.append(time.perf_counter() - start)
-        assert done.error is None and done.sampled, done
-        worker.run_step(RunStep(remove=(RemoveSequence(sequence_id=sequence_id, donate=False),),
-                                reply_to=None))  # type: ignore[arg-type]
+    times = run_pass(worker, stored, [(tuple(previous), tuple(suffix))] * (runs + 1))
     return statistics.median(times[1:])
 
 

@@ -33,6 +33,12 @@ logger = logging.getLogger(__name__)
 
 # Steps in a row in which direct starts may hold back the batch's decode step.
 MAX_BATCH_HOLDS = 4
+# Shape buckets of direct starts (see _StepWorker._bucket): the adopted prefix is
+# cut to a multiple of START_PREFIX_ALIGN tokens (mlx-lm's KV cache step, so the
+# cache's capacity follows) and the tokens run are padded to a multiple of
+# START_QUERY_BUCKET.
+START_PREFIX_ALIGN = 256
+START_QUERY_BUCKET = 128
 
 
 @attrs.frozen(kw_only=True)
@@ -60,6 +66,8 @@ class DeviceSettings:
     warm_up: bool = False
     # A direct start's logits in one forward pass (None: on a GPU only; see _StepWorker).
     one_pass_starts: bool | None = None
+    # Direct starts run in bucketed shapes (None: with CUDA only; see _StepWorker._bucket).
+    bucket_starts: bool | None = None
     fail_step: int | None = None
     fail_out_of_memory: bool = False
 
@@ -89,7 +97,7 @@ class DeviceActor:
         import mlx.core as mx
 
         step = self._settings.prefill_step_size or (256 if mx.default_device() == mx.cpu else 2048)
-        self._settings = attrs.evolve(self._settings, prefill_step_size=step)
+        self._settings = attrs.evolve(self._settings, prefill_step_size=step, context_size=context_size)
         worker = _StepWorker(loaded.model, loaded.eos_token_ids, self._settings, loaded.family.model_type)
         if self._settings.warm_up:
             logger.info("device warm-up took %.2f s", worker.warm_up())
@@ -171,6 +179,8 @@ class _StepWorker:
         # one-token pass, as mlx-lm does (the projection costs more there).
         one_pass = settings.one_pass_starts
         self._one_pass_starts = mx.default_device() != mx.cpu if one_pass is None else one_pass
+        bucket = settings.bucket_starts
+        self._bucket_starts = mx.cuda.is_available() if bucket is None else bucket
         self._eos_token_ids = frozenset(eos_token_ids)
         self._family = family
         self._settings = settings
@@ -382,18 +392,21 @@ class _StepWorker:
         caches = None
         prompt = list(admission.prompt_tokens)
         cached = list(admission.cached_tokens)
+        kept = len(cached)
         failure = None
         if admission.adopted is not None:
-            caches = adopt(admission.adopted, len(cached))
+            if self._bucket_starts and self._starts_directly(admission):
+                kept -= kept % START_PREFIX_ALIGN
+            caches = adopt(admission.adopted, kept) if kept else None
         elif admission.restore is not None:
             try:
                 caches = restore(admission.restore, self._family, make_prompt_cache(self._model))
             except SnapshotMismatch as error:
                 failure = str(error)
-                prompt, cached = cached + prompt, []
+                prompt, cached, kept = cached + prompt, [], 0
         if self._starts_directly(admission) and len(prompt) <= self._settings.prefill_step_size:
             # (A snapshot that would not restore makes the prompt longer.)
-            direct.append(self._start_direct(admission, caches, cached, prompt))
+            direct.append(self._start_direct(admission, caches, cached, prompt, kept))
             return failure
         snapshot_tokens = None
         if admission.snapshot_after is not None and failure is None:
@@ -429,22 +442,31 @@ class _StepWorker:
                 and len(admission.prompt_tokens) <= self._settings.prefill_step_size)
 
     def _start_direct(
-        self, admission: AdmitSequence, caches: list[Any] | None, cached: list[int], prompt: list[int]
+        self, admission: AdmitSequence, caches: list[Any] | None, cached: list[int], prompt: list[int], kept: int
     ) -> _DirectStart:
-        """Build (not evaluate) the prompt's forward pass and its first token."""
+        """Build (not evaluate) the prompt's forward pass and its first token.
+
+        ``caches`` hold the first ``kept`` of the ``cached`` tokens; the rest
+        run again with the prompt (a bucketed start, see ``_bucket``).
+        """
         import mlx.core as mx
         from mlx_lm.models.cache import make_prompt_cache
 
         if caches is None:
             caches = make_prompt_cache(self._model)
+        run = cached[kept:] + prompt
+        padding = self._bucket(caches, kept, len(run))
         sampler = _make_sampler(admission.sampling)
         with mx.stream(self._generator.stream):
-            tokens = mx.array(prompt)[None]
-            if len(prompt) > 1 and not self._one_pass_starts:
+            tokens = mx.array(run + run[-1:] * padding)[None]
+            if len(run) > 1 and not (self._one_pass_starts or padding):
                 # All but the last token only fill the cache: their logits are never computed.
                 self._model(tokens[:, :-1], cache=caches)
-                tokens = tokens[:, -1:]
-            logits = self._model(tokens, cache=caches)[:, -1, :]
+                logits = self._model(tokens[:, -1:], cache=caches)[:, -1, :]
+            else:
+                logits = self._model(tokens, cache=caches)[:, len(run) - 1, :]
+                for cache in caches:
+                    cache.trim(padding)  # the padding's keys and values are dropped
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             token = mx.argmax(logprobs, axis=-1) if sampler is None else sampler(logprobs)
         all_tokens = cached + prompt
@@ -453,6 +475,29 @@ class _StepWorker:
             donation = _detach(admission.sequence_id, caches, all_tokens, final=False, evaluate=False)
         return _DirectStart(admission=admission, caches=caches, all_tokens=all_tokens, sampler=sampler,
                             token=token, logprobs=logprobs[0], donation=donation)
+
+    def _bucket(self, caches: list[Any], kept: int, length: int) -> int:
+        """How many padding tokens follow a direct start's ``length`` tokens (0: none).
+
+        MLX's CUDA backend builds a cuDNN attention plan for every new pair
+        of query and key lengths it meets, 0.06-0.16 s each on the H200
+        (docs/benchmarks.md), and a hit's lengths are nearly always new. So
+        there a start runs in bucketed shapes: the prefix it resumes from is
+        cut to a multiple of START_PREFIX_ALIGN tokens (the cut tokens run
+        again) and the tokens run are padded to a multiple of
+        START_QUERY_BUCKET. Causal attention keeps the padding out of the
+        real tokens' results, and the cache drops it afterwards. Only plain
+        KV caches can drop it: other layer kinds run unpadded.
+        """
+        from mlx_lm.models.cache import KVCache
+
+        if not self._bucket_starts or not all(type(cache) is KVCache for cache in caches):
+            return 0
+        padding = -length % START_QUERY_BUCKET
+        context_size = self._settings.context_size
+        if context_size is not None and kept + length + padding > context_size:
+            return 0
+        return padding
 
     def _start_generating(self, start: _DirectStart) -> tuple[SampledToken, DetachedSequence | None]:
         """Report a direct start's first token; it decodes on in the batch unless that ends it.

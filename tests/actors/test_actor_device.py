@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import trio
 
+from mlxcel.actors import device
 from mlxcel.actors.device import DeviceActor, DeviceSettings, ModelInfo
 from mlxcel.actors.messages import AdmitSequence, RemoveSequence, RunStep, StepDone
 from mlxcel.model.fixtures import fixture_path
@@ -150,13 +151,22 @@ async def test_an_admission_that_raises_is_reported_as_failed() -> None:
     assert set(done.failed_sequences) == {6, 7}
 
 
-@pytest.mark.parametrize("one_pass", [False, True], ids=["two-pass", "one-pass"])
-async def test_a_one_chunk_prompt_gets_its_first_token_in_its_admitting_step(one_pass: bool) -> None:
+@pytest.mark.parametrize(("one_pass", "bucket"), [(False, False), (True, False), (True, True)],
+                         ids=["two-pass", "one-pass", "bucketed"])
+async def test_a_one_chunk_prompt_gets_its_first_token_in_its_admitting_step(
+    one_pass: bool, bucket: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Short prompts (and a hit's new turn) start outside the batch; the tokens match the batch's,
-    whether the last token's logits come from the prompt's own forward pass (GPU default) or a second."""
+    whether the last token's logits come from the prompt's own forward pass (GPU default) or a
+    second, and when the start runs in bucketed shapes (CUDA default: part of the prefix again,
+    padding after the prompt)."""
+    # Small buckets for a small prompt: the 30-token prefix is cut to 24, and 6 + 10 tokens pad to 32.
+    monkeypatch.setattr(device, "START_PREFIX_ALIGN", 8)
+    monkeypatch.setattr(device, "START_QUERY_BUCKET", 32)
     with_logprobs = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)
     to_device, inbox = trio.open_memory_channel[RunStep](0)
-    settings = DeviceSettings(model_path=fixture_path("llama"), prefill_step_size=16, one_pass_starts=one_pass)
+    settings = DeviceSettings(model_path=fixture_path("llama"), prefill_step_size=16, one_pass_starts=one_pass,
+                              bucket_starts=bucket)
     actor = DeviceActor(settings, inbox)
     long_prompt = tuple(range(3000, 3040))
     with trio.fail_after(120):

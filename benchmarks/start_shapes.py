@@ -1,0 +1,98 @@
+"""Hits of varied lengths through the device actor's admitting step, with and without shape buckets.
+
+A stream of hits, each resuming a stored prefix of a random length P and
+running S random new tokens, goes through ``_StepWorker.run_step`` (adopt,
+forward pass, first token) in one process: first unbucketed, then with
+bucketed starts, on the same (P, S) list, each twice. The first pass pays
+whatever the backend builds per new shape (on CUDA a cuDNN attention plan
+per query/key length pair); the second shows the steady cost of each mode.
+Prints one JSON line per mode and pass (median, p90, mean and the median of
+each quarter of the stream, seconds).
+
+    python benchmarks/start_shapes.py --model-path DIR [--requests 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def run_pass(worker: Any, stored: Any, requests: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[float]:
+    """Seconds of each admitting step; a request is (cached tokens, new tokens), resumed from ``stored``."""
+    from mlxcel.actors.messages import AdmitSequence, RemoveSequence, RunStep
+    from mlxcel.types import SamplingParams
+
+    times = []
+    for sequence_id, (cached, new) in enumerate(requests):
+        admission = AdmitSequence(sequence_id=sequence_id, prompt_tokens=new, cached_tokens=cached, adopted=stored,
+                                  sampling=SamplingParams(temperature=0.0), max_tokens=4)
+        start = time.perf_counter()
+        done = worker.run_step(RunStep(admit=(admission,), reply_to=None))  # type: ignore[arg-type]
+        times.append(time.perf_counter() - start)
+        assert done.error is None and done.sampled, done
+        worker.run_step(RunStep(remove=(RemoveSequence(sequence_id=sequence_id, donate=False),),
+                                reply_to=None))  # type: ignore[arg-type]
+    return times
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--min-cached", type=int, default=6000)
+    parser.add_argument("--max-cached", type=int, default=8400)
+    parser.add_argument("--min-new", type=int, default=60)
+    parser.add_argument("--max-new", type=int, default=400)
+    parser.add_argument("--seed", type=int, default=0)
+    options = parser.parse_args()
+
+    from mlxcel.blas import reexec_with_optimized_blas
+
+    reexec_with_optimized_blas()
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxcel.actors.device import DeviceSettings, _StepWorker
+    from mlxcel.model.kv import detach
+
+    model, _tokenizer = load(options.model_path)
+    rng = random.Random(options.seed)
+    prefix = [rng.randrange(100, 30000) for _ in range(options.max_cached)]
+    cache = make_prompt_cache(model)
+    model(mx.array(prefix)[None], cache=cache)
+    stored = detach(cache, len(prefix))
+    del cache
+    cases = [(rng.randint(options.min_cached, options.max_cached), rng.randint(options.min_new, options.max_new))
+             for _ in range(options.requests)]
+    for bucket in (False, True):
+        settings = DeviceSettings(model_path=Path(options.model_path), prefill_step_size=2048, bucket_starts=bucket)
+        worker = _StepWorker(model, set(), settings)
+        for attempt in (1, 2):
+            words = random.Random(options.seed + attempt)
+            requests = [(tuple(prefix[:cached]), tuple(words.randrange(100, 30000) for _ in range(new)))
+                        for cached, new in cases]
+            times = run_pass(worker, stored, requests)
+            ordered = sorted(times)
+            print(json.dumps({
+                "device": str(mx.default_device()), "bucketed": bucket, "pass": attempt, "requests": len(times),
+                "median_s": round(statistics.median(times), 4),
+                "p90_s": round(ordered[int(0.9 * (len(ordered) - 1))], 4),
+                "mean_s": round(statistics.fmean(times), 4),
+                "median_by_quarter_s": [round(statistics.median(times[i * len(times) // 4:(i + 1) * len(times) // 4]), 4)
+                                        for i in range(4)],
+            }), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
