@@ -427,11 +427,10 @@ class PromptCacheStore:
         block_size = self.apc.block_size
         cap_blocks = cap // block_size
         request_blocks = num_tokens // block_size
-        # Only branches that can add a whole block over best are visited.
-        min_common = (best_len // block_size + 1) * block_size
-        for entry_id, common in walk.diverging_matches(tag=tag, min_common=min_common):
-            bound = min(common // block_size, cap_blocks) * block_size
-            # At equal length a whole-prefix match is kept (no block rounding).
+        # Only branches that share more tokens than best are visited.
+        for entry_id, common in walk.diverging_matches(tag=tag, min_common=best_len + 1):
+            bound = min(common, cap)
+            # At equal length a whole-prefix match is kept.
             if bound <= best_len:
                 break
             chain, num_blocks = self._chain_of(self._entries[entry_id])
@@ -439,7 +438,13 @@ class PromptCacheStore:
             needed = min(common // block_size + 1, num_blocks, cap_blocks, request_blocks)
             request_hashes = request_chain.up_to(needed, chain, common // block_size)
             agreeing = agreeing_blocks(request_hashes[:needed], chain[:needed])
-            matched = min(agreeing, cap_blocks) * block_size
+            if agreeing >= bound // block_size:
+                # The chains confirm every whole block of the shared tokens, and the
+                # trie knows the exact token where the entry parts from the request:
+                # the KV is reused up to there, not rounded down to a block.
+                matched = bound
+            else:
+                matched = min(agreeing, cap_blocks) * block_size
             if matched > best_len:
                 best = _Candidate(entry_id, matched, True)
                 best_len = matched

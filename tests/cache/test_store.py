@@ -46,22 +46,31 @@ def test_max_len_caps_a_whole_prefix_match() -> None:
     assert store.lookup(TEXT, _tokens(0, 40), now=1, max_len=7) is None  # below min_prefix
 
 
-def test_apc_partial_match_rounds_down_to_blocks() -> None:
+def test_apc_partial_match_reaches_the_exact_divergence() -> None:
+    """The block chains confirm the shared blocks; the trie gives the token where the entry parts."""
     store = _store()
     store.insert(TEXT, SHARED + _tokens(1, 20), "kv", 100, now=0)
     request = SHARED + _tokens(500, 20)
     match = store.lookup(TEXT, request, now=1, max_len=len(request) - 1)
     assert match is not None
-    assert (match.matched_len, match.entry_len, match.partial) == (96, 120, True)
+    assert (match.matched_len, match.entry_len, match.partial) == (100, 120, True)
 
 
-def test_partial_match_cap_floors_to_a_block() -> None:
+def test_partial_match_is_capped_exactly() -> None:
     store = _store()
     store.insert(TEXT, SHARED + _tokens(1, 20), "kv", 100, now=0)
     match = store.lookup(TEXT, SHARED + _tokens(500, 20), now=1, max_len=90)
-    assert match is not None and match.matched_len == 80
+    assert match is not None and match.matched_len == 90
     # A request that is a strict prefix of a longer entry is a partial match too.
     match = store.lookup(TEXT, SHARED[:50], now=1, max_len=49)
+    assert match is not None and (match.matched_len, match.partial) == (49, True)
+
+
+def test_partial_match_without_a_block_chain_rounds_down_to_agreeing_blocks() -> None:
+    """Past the blocks an entry's chain covers (the APC block cap), the reuse stops at a block."""
+    store = _store(apc=ApcSettings(num_blocks=3))
+    store.insert(TEXT, SHARED + _tokens(1, 20), "kv", 100, now=0)
+    match = store.lookup(TEXT, SHARED + _tokens(500, 20), now=1)
     assert match is not None and (match.matched_len, match.partial) == (48, True)
 
 
@@ -139,7 +148,7 @@ def test_in_session_partial_beats_shorter_cross_session_whole() -> None:
     store.insert(TEXT, SHARED + _tokens(1, 20), "alice", 10, now=0)
     store.insert(BOB, SHARED[:40], "bob", 10, now=0)
     match = store.lookup(TEXT, SHARED + _tokens(500, 20), now=1)
-    assert match is not None and (match.payload, match.matched_len, match.partial) == ("alice", 96, True)
+    assert match is not None and (match.payload, match.matched_len, match.partial) == ("alice", 100, True)
 
 
 def test_whole_prefix_preferred_over_equal_partial() -> None:
@@ -147,8 +156,11 @@ def test_whole_prefix_preferred_over_equal_partial() -> None:
     # Longest first, so the shorter one is not superseded into an alias.
     store.insert(TEXT, SHARED + [1], "diverging", 10, now=0)
     store.insert(TEXT, SHARED[:96], "whole", 10, now=0)
-    match = store.lookup(TEXT, SHARED[:99] + [5, 6], now=1)
+    match = store.lookup(TEXT, SHARED[:96] + [5, 6], now=1)
     assert match is not None and (match.payload, match.matched_len, match.partial) == ("whole", 96, False)
+    # One shared token more and the diverging entry is the longer match.
+    match = store.lookup(TEXT, SHARED[:97] + [5, 6], now=1)
+    assert match is not None and (match.payload, match.matched_len, match.partial) == ("diverging", 97, True)
 
 
 def test_refusals_and_duplicates() -> None:
@@ -207,10 +219,9 @@ def test_an_entry_whose_whole_prompt_a_newer_entry_covers_is_dropped() -> None:
     live = {info.entry_id for info in store.entries_by_recency()}
     assert live == {other.entry_id, unknown.entry_id, outcome.entry_id}
     assert old.entry_id not in live
-    # The old conversation's next turn finds its previous prompt in the newer entry
-    # (a partial match, so rounded down to a block).
+    # The old conversation's next turn finds its previous prompt in the newer entry.
     match = store.lookup(TEXT, new_prompt + [1, 2], now=4)
-    assert match is not None and (match.payload, match.matched_len) == ("new", len(new_prompt) // 16 * 16)
+    assert match is not None and (match.payload, match.matched_len) == ("new", len(new_prompt))
 
 
 def test_other_sessions_are_not_superseded() -> None:

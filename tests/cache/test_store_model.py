@@ -155,8 +155,11 @@ class Reference:
                     continue
                 yield entry, min(common, cap), False
             elif self.apc.enabled and not context.is_multimodal:
-                blocks = min(common // size, self.num_blocks(entry), cap // size)
-                yield entry, blocks * size, True
+                usable = min(common, cap)
+                if usable // size > self.num_blocks(entry):
+                    # Past the entry's block chain only whole agreeing blocks count.
+                    usable = min(common // size, self.num_blocks(entry), cap // size) * size
+                yield entry, usable, True
 
     def lookup(self, context, tokens, now, max_len):
         self.expire(now, [])
