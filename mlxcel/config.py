@@ -64,6 +64,8 @@ class SchedulerConfig:
     client_buffer_events: int = 4096
     # Run each kind of step once at start-up (CUDA compiles kernels on first use).
     device_warmup: bool = True
+    # Cache-hit starts in bucketed shapes so cuDNN attention plans repeat ("auto": with CUDA only).
+    start_buckets: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "true", "false")))
 
 
 @attrs.frozen(kw_only=True)
@@ -109,6 +111,21 @@ def parse_bool(text: str) -> bool:
     if lowered in _FALSE:
         return False
     raise ValueError(f"expected a boolean (true/false/1/0), got {text!r}")
+
+
+def parse_auto_bool(text: str) -> str:
+    """``auto`` (decided at start-up), ``true`` or ``false``, normalized to one of those words."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return "true" if parse_bool(text) else "false"
+    except ValueError:
+        raise ValueError(f"expected auto, true or false, got {text!r}") from None
+
+
+def auto_bool(word: str) -> bool | None:
+    """What ``parse_auto_bool`` gave, as the device settings take it (None: auto)."""
+    return None if word == "auto" else word == "true"
 
 
 def parse_llama_cache_reuse(text: str) -> bool:
@@ -230,6 +247,9 @@ SCHEDULER_SETTINGS = (
     Setting("device_warmup", "--device-warmup", ("MLXCEL_DEVICE_WARMUP",), parse_bool,
             "run throwaway steps at start-up so the first request compiles no kernels (default true)",
             optional_value=True),
+    Setting("start_buckets", "--start-buckets", ("MLXCEL_START_BUCKETS",), parse_auto_bool,
+            "start cache hits in bucketed lengths so CUDA attention plans are reused: "
+            "auto (with CUDA only), true or false (default auto)"),
 )
 
 

@@ -39,7 +39,7 @@ from mlxcel.actors.warmer import WarmerActor
 from mlxcel.cache.capacity import KV_STORE_FLOOR_BYTES, CapacityDecision, plan_kv_store_capacity, plan_snapshot_store_capacity
 from mlxcel.cache.snapshots import SnapshotLimits, SnapshotStore
 from mlxcel.cache.store import ApcSettings, PromptCacheStore, StoreLimits
-from mlxcel.config import EngineConfig
+from mlxcel.config import EngineConfig, auto_bool
 from mlxcel.model.family import FamilyKind
 from mlxcel.types import ChatRequest, Completion, CompletionRequest, Delta, ServerBusy, TokenLogprob
 
@@ -261,6 +261,7 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
                 prefill_batch_size=config.scheduler.prefill_batch_size,
                 prefill_step_size=config.scheduler.prefill_step_size,
                 warm_up=config.scheduler.device_warmup,
+                bucket_starts=auto_bool(config.scheduler.start_buckets),
                 fail_step=config.fail_step,
                 fail_out_of_memory=config.fail_out_of_memory,
             ),

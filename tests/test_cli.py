@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mlxcel.config import ConfigError, build_configs, build_serve_parser
+from mlxcel.config import ConfigError, auto_bool, build_configs, build_serve_parser
 
 
 def configs(argv: list[str], environ: dict[str, str] | None = None):
@@ -46,6 +46,17 @@ def test_apc_and_cross_session_switches() -> None:
     assert not engine.prompt_cache.boundary_snapshots and engine.prompt_cache.trace
 
 
+@pytest.mark.parametrize(("argv", "environ", "buckets"), [
+    ([], {}, None),
+    (["--start-buckets", "auto"], {"MLXCEL_START_BUCKETS": "false"}, None),
+    ([], {"MLXCEL_START_BUCKETS": "false"}, False),
+    (["--start-buckets=on"], {}, True),
+])
+def test_start_buckets_is_auto_true_or_false(argv, environ, buckets) -> None:
+    engine, _ = configs(argv, environ)
+    assert auto_bool(engine.scheduler.start_buckets) is buckets
+
+
 def test_bad_environment_values_name_the_variable() -> None:
     with pytest.raises(ConfigError, match="MLXCEL_PROMPT_CACHE_TTL"):
         configs([], {"MLXCEL_PROMPT_CACHE_TTL": "soon"})
@@ -56,6 +67,7 @@ def test_bad_environment_values_name_the_variable() -> None:
 @pytest.mark.parametrize(("argv", "environ", "needle"), [
     (["serve", "--prompt-cache-ttl", "abc"], {}, "--prompt-cache-ttl"),
     (["serve", "--apc-hash", "md5"], {}, "--apc-hash"),
+    (["serve", "--start-buckets", "sometimes"], {}, "--start-buckets"),
     (["serve", "--bogus-flag"], {}, "unrecognized"),
     (["serve"], {"MLXCEL_PROMPT_CACHE_MAX_ENTRIES": "x"}, "MLXCEL_PROMPT_CACHE_MAX_ENTRIES"),
     (["serve", "-m", "/nonexistent/model"], {}, "model folder not found"),
