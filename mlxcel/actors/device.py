@@ -161,6 +161,8 @@ class _Sequence:
     warm: bool = False
     # Started outside the batch: its prompt was reported done then.
     direct: bool = False
+    # Prefilled in the batch, first token not sampled yet: the batch is not held for it.
+    awaiting_first: bool = False
 
 
 class _StepWorker:
@@ -289,8 +291,10 @@ class _StepWorker:
                 )
             prompt_responses, generation_responses, prompt_tokens = [], [], 0
             # While started prompts wait, first tokens go ahead of the batch's
-            # decode and prefill chunk, for a bounded number of steps in a row.
-            hold_batch = bool(self._deferred) and self._batch_holds < MAX_BATCH_HOLDS
+            # decode and prefill chunk, for a bounded number of steps in a row;
+            # never ahead of a first token the batch itself owes.
+            hold_batch = (bool(self._deferred) and self._batch_holds < MAX_BATCH_HOLDS
+                          and not any(sequence.awaiting_first for sequence in self._by_uid.values()))
             self._batch_holds = self._batch_holds + 1 if hold_batch else 0
             if self._by_uid and not hold_batch:
                 with self._generator.stats() as stats:
@@ -332,6 +336,7 @@ class _StepWorker:
             if sequence is None:
                 continue
             sampled.append(_sampled_token(sequence, response))
+            sequence.awaiting_first = False
             if response.finish_reason is not None:
                 del self._by_uid[response.uid]
                 del self._uid_of[sequence.sequence_id]
@@ -356,6 +361,7 @@ class _StepWorker:
                 prefilling.append(sequence.sequence_id)
                 continue
             prompts_done.append(sequence.sequence_id)
+            sequence.awaiting_first = True
             if sequence.donate_prompt:
                 cache_list, tokens = self._generator.extract_cache([response.uid])[response.uid]
                 item = _detach(sequence.sequence_id, cache_list, tokens, final=False)

@@ -258,3 +258,27 @@ async def test_waiting_starts_hold_back_decoding_for_a_bounded_number_of_steps()
             # Four steps in a row held sequence 0 back; the fifth decodes it although starts wait.
             assert [any(t.sequence_id == 0 for t in step.sampled) for step in steps] == [False] * 4 + [True]
             to_device.close()
+
+
+async def test_a_prompt_prefilled_in_the_batch_gets_its_first_token_although_starts_wait() -> None:
+    """The batch hold delays decoding of running streams, never a first token the batch owes."""
+    to_device, inbox = trio.open_memory_channel[RunStep](0)
+    actor = DeviceActor(DeviceSettings(model_path=fixture_path("llama"), prefill_step_size=16), inbox)
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(actor.run)
+            scheduler = Scheduler(to_device)
+            done = await scheduler.step(admit=(admit(0, tuple(range(500, 540)), 4),))  # three chunks
+            for _ in range(6):
+                if 0 in done.prompts_done:
+                    break
+                done = await scheduler.step()
+            assert 0 in done.prompts_done and not done.sampled
+            burst = tuple(admit(i, tuple(range(100 * i, 100 * i + 10)), 2) for i in range(1, 6))
+            done = await scheduler.step(admit=burst)
+            # One start this step (a 16-token budget), the rest wait, and sequence 0's first token comes too.
+            assert sorted(token.sequence_id for token in done.sampled) == [0, 1]
+            # Once it has its first token, waiting starts hold its decoding back again.
+            done = await scheduler.step()
+            assert [token.sequence_id for token in done.sampled] == [2]
+            to_device.close()
