@@ -471,8 +471,9 @@ class _StepWorker:
                 logits = self._model(tokens[:, -1:], cache=caches)[:, -1, :]
             else:
                 logits = self._model(tokens, cache=caches)[:, len(run) - 1, :]
-                for cache in caches:
-                    cache.trim(padding)  # the padding's keys and values are dropped
+                if padding:
+                    for cache in caches:
+                        cache.trim(padding)  # the padding's keys and values are dropped
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             token = mx.argmax(logprobs, axis=-1) if sampler is None else sampler(logprobs)
         all_tokens = cached + prompt

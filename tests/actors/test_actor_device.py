@@ -5,6 +5,8 @@ Loading the model takes seconds, so one test drives one actor through its whole 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -56,6 +58,18 @@ class Scheduler:
                 if token.finish_reason is not None:
                     unfinished.discard(token.sequence_id)
         raise AssertionError(f"sequences {unfinished} did not finish in {max_steps} steps")
+
+
+@contextlib.asynccontextmanager
+async def running_device(**settings: Any) -> AsyncIterator[Scheduler]:
+    """A device actor on the llama fixture with these settings, driven by a Scheduler."""
+    to_device, inbox = trio.open_memory_channel[RunStep](0)
+    actor = DeviceActor(DeviceSettings(model_path=fixture_path("llama"), **settings), inbox)
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(actor.run)
+            yield Scheduler(to_device)
+            to_device.close()  # run() returns: the nursery can exit
 
 
 async def test_device_batches_fails_a_step_and_stops_when_its_inbox_closes() -> None:
@@ -164,121 +178,94 @@ async def test_a_one_chunk_prompt_gets_its_first_token_in_its_admitting_step(
     monkeypatch.setattr(device, "START_PREFIX_ALIGN", 8)
     monkeypatch.setattr(device, "START_QUERY_BUCKET", 32)
     with_logprobs = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)
-    to_device, inbox = trio.open_memory_channel[RunStep](0)
-    settings = DeviceSettings(model_path=fixture_path("llama"), prefill_step_size=16, one_pass_starts=one_pass,
-                              bucket_starts=bucket)
-    actor = DeviceActor(settings, inbox)
     long_prompt = tuple(range(3000, 3040))
-    with trio.fail_after(120):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(actor.run)
-            scheduler = Scheduler(to_device)
+    async with running_device(prefill_step_size=16, one_pass_starts=one_pass, bucket_starts=bucket) as scheduler:
+        # 40 tokens > one 16-token chunk: the batch prefills it over several steps.
+        done = await scheduler.step(admit=(
+            admit(0, long_prompt, 5, donate_on_finish=True, sampling=with_logprobs),
+        ))
+        assert done.sampled == () and done.prefilling == (0,)
+        batched = (await scheduler.run_until_finished({0}))[0]
+        final = [item for step in scheduler.steps for item in step.detached]
+        assert [(item.sequence_id, item.final) for item in final] == [(0, True)]
 
-            # 40 tokens > one 16-token chunk: the batch prefills it over several steps.
-            done = await scheduler.step(admit=(
-                admit(0, long_prompt, 5, donate_on_finish=True, sampling=with_logprobs),
-            ))
-            assert done.sampled == () and done.prefilling == (0,)
-            batched = (await scheduler.run_until_finished({0}))[0]
-            final = [item for step in scheduler.steps for item in step.detached]
-            assert [(item.sequence_id, item.final) for item in final] == [(0, True)]
+        # The same prompt resumed from that KV at 30 tokens: the 10 left fit one chunk.
+        done = await scheduler.step(admit=(AdmitSequence(
+            sequence_id=1, prompt_tokens=long_prompt[30:], cached_tokens=long_prompt[:30],
+            adopted=final[0].payload, sampling=with_logprobs, max_tokens=5, donate_prompt=True,
+        ),))
+        assert done.error is None
+        assert [token.sequence_id for token in done.sampled] == [1]
+        assert done.prompts_done == (1,) and done.prefill_tokens == 10
+        # Its prompt KV is handed out in the same step, covering the whole prompt.
+        assert [(item.sequence_id, item.final, item.tokens) for item in done.detached] == [
+            (1, False, long_prompt)
+        ]
+        resumed = list(done.sampled) + (await scheduler.run_until_finished({1}))[1]
+        assert [token.token for token in resumed] == [token.token for token in batched]
+        assert [token.finish_reason for token in resumed] == [None] * 4 + ["length"]
+        for ours, theirs in zip(resumed, batched, strict=True):
+            assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+            assert [index for index, _ in ours.top_logprobs] == [index for index, _ in theirs.top_logprobs]
 
-            # The same prompt resumed from that KV at 30 tokens: the 10 left fit one chunk.
-            done = await scheduler.step(admit=(AdmitSequence(
-                sequence_id=1, prompt_tokens=long_prompt[30:], cached_tokens=long_prompt[:30],
-                adopted=final[0].payload, sampling=with_logprobs, max_tokens=5, donate_prompt=True,
-            ),))
-            assert done.error is None
-            assert [token.sequence_id for token in done.sampled] == [1]
-            assert done.prompts_done == (1,) and done.prefill_tokens == 10
-            # Its prompt KV is handed out in the same step, covering the whole prompt.
-            assert [(item.sequence_id, item.final, item.tokens) for item in done.detached] == [
-                (1, False, long_prompt)
-            ]
-            resumed = list(done.sampled) + (await scheduler.run_until_finished({1}))[1]
-            assert [token.token for token in resumed] == [token.token for token in batched]
-            assert [token.finish_reason for token in resumed] == [None] * 4 + ["length"]
-            for ours, theirs in zip(resumed, batched, strict=True):
-                assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
-                assert [index for index, _ in ours.top_logprobs] == [index for index, _ in theirs.top_logprobs]
-
-            # One token asked for: it ends in the admitting step and its KV is the final donation.
-            done = await scheduler.step(admit=(admit(2, long_prompt[:12], 1, donate_on_finish=True),))
-            assert [(token.sequence_id, token.finish_reason) for token in done.sampled] == [(2, "length")]
-            assert [(item.sequence_id, item.final, item.tokens) for item in done.detached] == [
-                (2, True, long_prompt[:12])
-            ]
-            assert (await scheduler.step()).sampled == ()  # nothing left running
-            to_device.close()
+        # One token asked for: it ends in the admitting step and its KV is the final donation.
+        done = await scheduler.step(admit=(admit(2, long_prompt[:12], 1, donate_on_finish=True),))
+        assert [(token.sequence_id, token.finish_reason) for token in done.sampled] == [(2, "length")]
+        assert [(item.sequence_id, item.final, item.tokens) for item in done.detached] == [
+            (2, True, long_prompt[:12])
+        ]
+        assert (await scheduler.step()).sampled == ()  # nothing left running
 
 
 async def test_direct_starts_take_one_chunk_of_tokens_per_step() -> None:
     """Prompts admitted together get their first tokens step by step, not all after the last."""
-    to_device, inbox = trio.open_memory_channel[RunStep](0)
-    actor = DeviceActor(DeviceSettings(model_path=fixture_path("llama"), prefill_step_size=16), inbox)
     prompts = {sequence_id: tuple(range(100 * sequence_id, 100 * sequence_id + 10)) for sequence_id in (1, 2, 3)}
-    with trio.fail_after(120):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(actor.run)
-            scheduler = Scheduler(to_device)
-            await scheduler.step(admit=(admit(0, tuple(range(7, 15)), 40),))
-            while not any(token.sequence_id == 0 for token in (await scheduler.step()).sampled):
-                pass  # sequence 0 is decoding
-            # 10 + 10 tokens would pass the 16-token chunk: one start per step,
-            # and while starts wait, the decoding sequence is held back.
-            first = await scheduler.step(admit=tuple(admit(i, prompt, 4) for i, prompt in prompts.items()))
-            assert [token.sequence_id for token in first.sampled] == [1]
-            assert first.prompts_done == (1,) and first.prefill_tokens == 10
-            # Sequence 3 leaves before it started: it never runs and gives no KV.
-            second = await scheduler.step(remove=(RemoveSequence(sequence_id=3, donate=True),))
-            assert [token.sequence_id for token in second.sampled] == [2, 0]  # nothing waits: decode again
-            assert second.prompts_done == (2,) and second.detached == ()
-            await scheduler.run_until_finished({0, 1, 2}, max_steps=80)
-            counts = {i: sum(token.sequence_id == i for step in scheduler.steps for token in step.sampled)
-                      for i in (0, *prompts)}
-            assert counts == {0: 40, 1: 4, 2: 4, 3: 0}
-            to_device.close()
+    async with running_device(prefill_step_size=16) as scheduler:
+        await scheduler.step(admit=(admit(0, tuple(range(7, 15)), 40),))
+        while not any(token.sequence_id == 0 for token in (await scheduler.step()).sampled):
+            pass  # sequence 0 is decoding
+        # 10 + 10 tokens would pass the 16-token chunk: one start per step,
+        # and while starts wait, the decoding sequence is held back.
+        first = await scheduler.step(admit=tuple(admit(i, prompt, 4) for i, prompt in prompts.items()))
+        assert [token.sequence_id for token in first.sampled] == [1]
+        assert first.prompts_done == (1,) and first.prefill_tokens == 10
+        # Sequence 3 leaves before it started: it never runs and gives no KV.
+        second = await scheduler.step(remove=(RemoveSequence(sequence_id=3, donate=True),))
+        assert [token.sequence_id for token in second.sampled] == [2, 0]  # nothing waits: decode again
+        assert second.prompts_done == (2,) and second.detached == ()
+        await scheduler.run_until_finished({0, 1, 2}, max_steps=80)
+        counts = {i: sum(token.sequence_id == i for step in scheduler.steps for token in step.sampled)
+                  for i in (0, *prompts)}
+        assert counts == {0: 40, 1: 4, 2: 4, 3: 0}
 
 
 async def test_waiting_starts_hold_back_decoding_for_a_bounded_number_of_steps() -> None:
-    to_device, inbox = trio.open_memory_channel[RunStep](0)
-    actor = DeviceActor(DeviceSettings(model_path=fixture_path("llama"), prefill_step_size=16), inbox)
-    with trio.fail_after(120):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(actor.run)
-            scheduler = Scheduler(to_device)
-            await scheduler.step(admit=(admit(0, tuple(range(7, 15)), 60),))
-            while not any(token.sequence_id == 0 for token in (await scheduler.step()).sampled):
-                pass
-            burst = tuple(admit(i, tuple(range(100 * i, 100 * i + 10)), 2) for i in range(1, 8))
-            steps = [await scheduler.step(admit=burst)] + [await scheduler.step() for _ in range(4)]
-            starts = [[t.sequence_id for t in step.sampled if t.sequence_id != 0 and t.finish_reason is None]
-                      for step in steps]
-            assert starts == [[1], [2], [3], [4], [5]]
-            # Four steps in a row held sequence 0 back; the fifth decodes it although starts wait.
-            assert [any(t.sequence_id == 0 for t in step.sampled) for step in steps] == [False] * 4 + [True]
-            to_device.close()
+    async with running_device(prefill_step_size=16) as scheduler:
+        await scheduler.step(admit=(admit(0, tuple(range(7, 15)), 60),))
+        while not any(token.sequence_id == 0 for token in (await scheduler.step()).sampled):
+            pass
+        burst = tuple(admit(i, tuple(range(100 * i, 100 * i + 10)), 2) for i in range(1, 8))
+        steps = [await scheduler.step(admit=burst)] + [await scheduler.step() for _ in range(4)]
+        starts = [[t.sequence_id for t in step.sampled if t.sequence_id != 0 and t.finish_reason is None]
+                  for step in steps]
+        assert starts == [[1], [2], [3], [4], [5]]
+        # Four steps in a row held sequence 0 back; the fifth decodes it although starts wait.
+        assert [any(t.sequence_id == 0 for t in step.sampled) for step in steps] == [False] * 4 + [True]
 
 
 async def test_a_prompt_prefilled_in_the_batch_gets_its_first_token_although_starts_wait() -> None:
     """The batch hold delays decoding of running streams, never a first token the batch owes."""
-    to_device, inbox = trio.open_memory_channel[RunStep](0)
-    actor = DeviceActor(DeviceSettings(model_path=fixture_path("llama"), prefill_step_size=16), inbox)
-    with trio.fail_after(120):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(actor.run)
-            scheduler = Scheduler(to_device)
-            done = await scheduler.step(admit=(admit(0, tuple(range(500, 540)), 4),))  # three chunks
-            for _ in range(6):
-                if 0 in done.prompts_done:
-                    break
-                done = await scheduler.step()
-            assert 0 in done.prompts_done and not done.sampled
-            burst = tuple(admit(i, tuple(range(100 * i, 100 * i + 10)), 2) for i in range(1, 6))
-            done = await scheduler.step(admit=burst)
-            # One start this step (a 16-token budget), the rest wait, and sequence 0's first token comes too.
-            assert sorted(token.sequence_id for token in done.sampled) == [0, 1]
-            # Once it has its first token, waiting starts hold its decoding back again.
+    async with running_device(prefill_step_size=16) as scheduler:
+        done = await scheduler.step(admit=(admit(0, tuple(range(500, 540)), 4),))  # three chunks
+        for _ in range(6):
+            if 0 in done.prompts_done:
+                break
             done = await scheduler.step()
-            assert [token.sequence_id for token in done.sampled] == [2]
-            to_device.close()
+        assert 0 in done.prompts_done and not done.sampled
+        burst = tuple(admit(i, tuple(range(100 * i, 100 * i + 10)), 2) for i in range(1, 6))
+        done = await scheduler.step(admit=burst)
+        # One start this step (a 16-token budget), the rest wait, and sequence 0's first token comes too.
+        assert sorted(token.sequence_id for token in done.sampled) == [0, 1]
+        # Once it has its first token, waiting starts hold its decoding back again.
+        done = await scheduler.step()
+        assert [token.sequence_id for token in done.sampled] == [2]
