@@ -163,6 +163,8 @@ class _Sequence:
     direct: bool = False
     # Prefilled in the batch, first token not sampled yet: the batch is not held for it.
     awaiting_first: bool = False
+    # A long prompt whose body runs in the batch: its tail then starts directly (see _admit).
+    tail: AdmitSequence | None = None
 
 
 class _StepWorker:
@@ -183,6 +185,10 @@ class _StepWorker:
         self._one_pass_starts = mx.default_device() != mx.cpu if one_pass is None else one_pass
         bucket = settings.bucket_starts
         self._bucket_starts = mx.cuda.is_available() if bucket is None else bucket
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+        # Only plain KV caches can be cut and trimmed for bucketed shapes.
+        self._plain_kv = all(type(cache) is KVCache for cache in make_prompt_cache(model))
         self._eos_token_ids = frozenset(eos_token_ids)
         self._family = family
         self._settings = settings
@@ -350,6 +356,16 @@ class _StepWorker:
             sequence = self._by_uid.get(response.uid)
             if sequence is None or sequence.direct:
                 continue
+            if response.end_of_segment and sequence.tail is not None:
+                # The body ended on a bucket boundary: the tail starts directly next step.
+                from mlxcel.model.kv import detach
+
+                tail = sequence.tail
+                cache_list, _tokens = self._generator.extract_cache([response.uid])[response.uid]
+                self._drop(response.uid)
+                self._deferred.append(attrs.evolve(tail, adopted=detach(cache_list, len(tail.cached_tokens))))
+                prefilling.append(sequence.sequence_id)
+                continue
             if response.end_of_segment and sequence.snapshot_tokens is not None:
                 # The chunk just run ended exactly at the history boundary.
                 detached.append(self._snapshot(response.uid, sequence))
@@ -401,7 +417,7 @@ class _StepWorker:
         kept = len(cached)
         failure = None
         if admission.adopted is not None:
-            if self._bucket_starts and self._starts_directly(admission):
+            if self._bucket_starts and (self._starts_directly(admission) or self._splits(admission)):
                 kept -= kept % START_PREFIX_ALIGN
             caches = adopt(admission.adopted, kept) if kept else None
         elif admission.restore is not None:
@@ -415,7 +431,20 @@ class _StepWorker:
             direct.append(self._start_direct(admission, caches, cached, prompt, kept))
             return failure
         snapshot_tokens = None
-        if admission.snapshot_after is not None and failure is None:
+        tail = None
+        everything = cached + prompt
+        body_end = (len(everything) - 1) // START_PREFIX_ALIGN * START_PREFIX_ALIGN
+        if self._splits(admission) and body_end > kept:
+            # A long prompt in bucketed shapes: the batch prefills a body that
+            # ends on a multiple of START_PREFIX_ALIGN (every chunk then has
+            # aligned lengths), and the rest starts directly, padded like a
+            # hit's new turn (see _bucket). So a never-seen prompt length
+            # costs no new attention plan once the buckets have been met.
+            tail = attrs.evolve(admission, cached_tokens=tuple(everything[:body_end]),
+                                prompt_tokens=tuple(everything[body_end:]), adopted=None)
+            segments = [everything[kept:body_end], everything[body_end - 1:body_end]]
+            cached = everything[:kept]
+        elif admission.snapshot_after is not None and failure is None:
             boundary = admission.snapshot_after
             if admission.warm:
                 # Prefill everything, snapshot, then stop: the extra token is never run.
@@ -424,7 +453,8 @@ class _StepWorker:
                 segments = [prompt[:boundary], prompt[boundary:]]
             snapshot_tokens = tuple(cached + prompt[:boundary])
         else:
-            segments = [prompt]
+            segments = [everything[kept:]]
+            cached = everything[:kept]
         (uid,) = self._generator.insert_segments(
             [segments],
             max_tokens=[admission.max_tokens],
@@ -439,9 +469,16 @@ class _StepWorker:
             donate_prompt=admission.donate_prompt,
             snapshot_tokens=snapshot_tokens,
             warm=admission.warm,
+            tail=tail,
         )
         self._uid_of[admission.sequence_id] = uid
         return failure
+
+    def _splits(self, admission: AdmitSequence) -> bool:
+        """A prompt longer than one chunk, run in bucketed shapes: body in the batch, tail directly."""
+        return (self._bucket_starts and self._plain_kv and admission.restore is None
+                and admission.snapshot_after is None and not admission.warm
+                and len(admission.prompt_tokens) > self._settings.prefill_step_size)
 
     def _starts_directly(self, admission: AdmitSequence) -> bool:
         return (admission.snapshot_after is None and not admission.warm

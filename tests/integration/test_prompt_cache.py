@@ -9,6 +9,8 @@ import openai
 import pytest
 import trio
 
+from mlxcel.actors import device
+from mlxcel.config import SchedulerConfig
 from tests.support import evolve_cache
 
 SYSTEM = "You are a careful assistant. " + " ".join(f"rule{i} applies" for i in range(60))
@@ -66,6 +68,38 @@ async def test_cache_hit_matches_cold_run(serve_family, family) -> None:
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     assert_same_first_token_logprobs(cached, cold)
     assert cached.choices[0].message.content == cold.choices[0].message.content
+
+
+async def test_bucketed_starts_answer_as_the_plain_path_does(serve_family, monkeypatch) -> None:
+    """CUDA's shape buckets, forced on here with small buckets: a cold prompt longer than a
+    chunk (aligned body in the batch, padded tail on its own) and hits resumed from a cut
+    prefix give the replies and first-token logprobs of the unbucketed path."""
+    monkeypatch.setattr(device, "START_PREFIX_ALIGN", 16)
+    monkeypatch.setattr(device, "START_QUERY_BUCKET", 32)
+    splits = []  # whether each admission ran as body and tail (only the bucketed engine's can)
+    original = device._StepWorker._splits
+    monkeypatch.setattr(device._StepWorker, "_splits",
+                        lambda worker, admission: splits.append(original(worker, admission)) or splits[-1])
+    servers = {}
+    for buckets in ("false", "true"):
+        scheduler = SchedulerConfig(prefill_step_size=64, device_warmup=False, start_buckets=buckets)
+        servers[buckets] = await serve_family(scheduler=scheduler)
+    histories = {buckets: [{"role": "system", "content": SYSTEM}] for buckets in servers}
+    for turn in range(3):
+        replies = {}
+        for buckets, (engine, base_url) in servers.items():
+            messages = histories[buckets]
+            messages.append({"role": "user", "content": f"question {turn}: " + "and more " * (5 + 9 * turn)})
+            replies[buckets] = await create(client_for(base_url), model=engine.model_id, messages=messages,
+                                            logprobs=True, top_logprobs=5, user="bob")
+            messages.append({"role": "assistant", "content": replies[buckets].choices[0].message.content})
+        bucketed, plain = replies["true"], replies["false"]
+        assert bucketed.usage.prompt_tokens > 64  # longer than a chunk
+        assert bucketed.usage.prompt_tokens_details.cached_tokens == plain.usage.prompt_tokens_details.cached_tokens
+        assert (bucketed.usage.prompt_tokens_details.cached_tokens > 0) is (turn > 0)
+        assert bucketed.choices[0].message.content == plain.choices[0].message.content
+        assert_same_first_token_logprobs(bucketed, plain)
+    assert any(splits)
 
 
 async def test_four_turn_conversation_reuses_history(serve_family) -> None:
