@@ -216,10 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
     from mlx_lm import load
 
+    from mlxcel.model.loader import default_prefill_step_size
+
     shape = Shape(conversations=options.runs + 1, turns=2, system_tokens=options.system_tokens,
                   user_tokens=options.user_tokens, reply_tokens=options.reply_tokens)
     workload = build_workload(shape, model_path=options.model_path)
-    step = options.prefill_step_size or (256 if mx.default_device() == mx.cpu else 2048)
+    step = options.prefill_step_size or default_prefill_step_size()
     result: dict[str, Any] = {"device": str(mx.default_device()), "prefill_step_size": step}
     if not {"floor", "generator", "step"} <= set(options.skip):
         model, tokenizer = load(options.model_path)

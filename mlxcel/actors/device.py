@@ -90,13 +90,11 @@ class DeviceActor:
     # --- everything below runs on the device thread -------------------------
 
     def _thread_main(self, task_status: trio.TaskStatus[ModelInfo]) -> None:
-        from mlxcel.model.loader import load_model
+        from mlxcel.model.loader import default_prefill_step_size, load_model
 
         loaded = load_model(self._settings.model_path)
         context_size = self._settings.context_size or loaded.family.context_size or 4096
-        import mlx.core as mx
-
-        step = self._settings.prefill_step_size or (256 if mx.default_device() == mx.cpu else 2048)
+        step = self._settings.prefill_step_size or default_prefill_step_size()
         self._settings = attrs.evolve(self._settings, prefill_step_size=step, context_size=context_size)
         worker = _StepWorker(loaded.model, loaded.eos_token_ids, self._settings, loaded.family.model_type)
         if self._settings.warm_up:

@@ -7,6 +7,10 @@ turn k on the next, the order reversed on every other turn. Each server sees
 exactly the same requests in the same order, and a slow spell of the machine
 (other work on a shared host) falls on all of them rather than on whichever
 server happened to run during it.
+
+After the chat turns, ``--unseen N`` probes send each server N new prompts
+one at a time (turn 0s of new conversations, see ``Workload.unseen_messages``),
+alternating the server order per probe: the cold TTFT of a warmed-up server.
 """
 
 from __future__ import annotations
@@ -40,6 +44,16 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
     return value
 
 
@@ -84,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--concurrency", type=_concurrency, default=1,
                        help="1: one request at a time, conversations interleaved turn by turn; "
                             "all: every conversation's turn k at once (default 1)")
+    shape.add_argument("--unseen", type=_non_negative, default=3,
+                       help="after the chat turns, N new prompts (nothing to reuse) one at a time: the "
+                            "system prompt's length, user turn user-tokens + 8 x probe index (0: none; default 3)")
     output = parser.add_argument_group("output")
     output.add_argument("--out", default="bench-results", help="output folder (default ./bench-results)")
     output.add_argument("--no-floor", action="store_true", help="skip the in-process floor measurement")
@@ -180,14 +197,16 @@ def _run(namespace: argparse.Namespace, blas_library: str | None, blas: str) -> 
     progress = None if namespace.quiet else sys.stderr
     print(f"mlxcel bench: {shape.conversations} conversations x {shape.turns} turns, system prompt "
           f"{workload.system_tokens_measured or shape.system_tokens} tokens, concurrency "
-          f"{'all' if namespace.concurrency is None else 1}; {blas}", file=sys.stderr, flush=True)
+          f"{'all' if namespace.concurrency is None else 1}, {namespace.unseen} unseen probes; {blas}",
+          file=sys.stderr, flush=True)
 
     floor = None
     if namespace.model_path and not namespace.no_floor:
         print("measuring the in-process floor ...", file=sys.stderr, flush=True)
         floor = measure_floor(namespace.model_path, shape, runs=namespace.floor_runs)
         print(f"floor: warm {floor['warm_floor_s']:.3f} s ({floor['suffix_tokens_median']:.0f} new tokens), "
-              f"cold {floor['cold_floor_s']:.3f} s ({floor['cold_prompt_tokens']} tokens)", file=sys.stderr, flush=True)
+              f"cold {floor['cold_floor_s']:.3f} s ({floor['cold_prompt_tokens']} tokens in chunks of "
+              f"{floor['prefill_step_size']})", file=sys.stderr, flush=True)
 
     records: list[RequestRecord] = []
     requests_path = out / "requests.jsonl"
@@ -214,16 +233,25 @@ def _run(namespace: argparse.Namespace, blas_library: str | None, blas: str) -> 
                         for server in servers
                     ]
                     by_name = {server.name: server for server in servers}
+
+                    def alive(runner: ConversationRunner) -> bool:
+                        process = by_name[runner.server].process
+                        if process.poll() is None:
+                            return True
+                        print(f"{runner.server} exited (status {process.returncode}) during the run; "
+                              f"skipping it (see {by_name[runner.server].log_path})", file=sys.stderr, flush=True)
+                        return False
+
                     try:
                         for turn in range(shape.turns):
                             for runner in (runners if turn % 2 == 0 else runners[::-1]):
-                                process = by_name[runner.server].process
-                                if process.poll() is not None:
-                                    print(f"{runner.server} exited (status {process.returncode}) during the run; "
-                                          f"skipping it (see {by_name[runner.server].log_path})",
-                                          file=sys.stderr, flush=True)
-                                    continue
-                                runner.run_turn(turn, concurrency=namespace.concurrency)
+                                if alive(runner):
+                                    runner.run_turn(turn, concurrency=namespace.concurrency)
+                        # While the servers are still up, after every chat turn.
+                        for index in range(namespace.unseen):
+                            for runner in (runners if index % 2 == 0 else runners[::-1]):
+                                if alive(runner):
+                                    runner.run_unseen(index)
                     finally:
                         for runner in runners:
                             runner.close()
@@ -238,11 +266,14 @@ def _run(namespace: argparse.Namespace, blas_library: str | None, blas: str) -> 
             with ConversationRunner(workload, server=namespace.name, base_url=namespace.url,
                                     model=namespace.model, progress=progress, on_record=keep) as runner:
                 runner.run_all(concurrency=namespace.concurrency)
+                for index in range(namespace.unseen):
+                    runner.run_unseen(index)
                 servers_info[namespace.name] = {"url": namespace.url, "model_sent": runner.model}
 
     summary = summarize(records, peak_rss_bytes=peak_rss, floor=floor)
     summary.update({
-        "workload": {**workload.describe(), "concurrency": "all" if namespace.concurrency is None else 1},
+        "workload": {**workload.describe(), "concurrency": "all" if namespace.concurrency is None else 1,
+                     "unseen": namespace.unseen},
         "servers_info": servers_info,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "blas": blas,
                     "blas_library": blas_library, "python": platform.python_version()},

@@ -36,6 +36,8 @@ class RequestRecord:
     first_event_s: float | None = None
     finish_reason: str | None = None
     error: str | None = None
+    # An unseen probe (``conversation`` is the probe's index), not a chat turn.
+    unseen: bool = False
     reply: str = attrs.field(default="", repr=False)
 
     def to_json(self) -> dict[str, Any]:
@@ -74,6 +76,7 @@ def stream_chat(
     server: str,
     conversation: int,
     turn: int,
+    unseen: bool = False,
 ) -> RequestRecord:
     """One streaming chat request, timed from just before the request is sent."""
     body = {
@@ -128,6 +131,7 @@ def stream_chat(
         first_event_s=first_event,
         finish_reason=finish_reason,
         error=error,
+        unseen=unseen,
         reply="".join(texts),
     )
 
@@ -136,8 +140,10 @@ def format_progress(record: RequestRecord) -> str:
     def seconds(value: float | None) -> str:
         return "   -   " if value is None else f"{value:7.3f}"
 
+    where = f"unseen {record.conversation:2d}" if record.unseen else (
+        f"conversation {record.conversation:2d} turn {record.turn}")
     line = (
-        f"[{record.server}] conversation {record.conversation:2d} turn {record.turn}: "
+        f"[{record.server}] {where}: "
         f"ttft {seconds(record.ttft_s)} s  e2e {seconds(record.e2e_s)} s  "
         f"prompt {record.prompt_tokens} cached {record.cached_tokens} completion {record.completion_tokens}"
     )
@@ -149,7 +155,8 @@ class ConversationRunner:
 
     ``run_turn(k)`` sends turn k of every conversation: one at a time
     (``concurrency=1``) or all at once (``concurrency=None``), and appends
-    each actual reply to that conversation's history.
+    each actual reply to that conversation's history. ``run_unseen(i)`` sends
+    unseen probe i, outside every conversation.
     """
 
     def __init__(
@@ -196,11 +203,31 @@ class ConversationRunner:
         )
         with self._lock:
             self.replies[conversation].append(record.reply)
-            self.records.append(record)
-            if self.progress is not None:
-                print(format_progress(record), file=self.progress, flush=True)
-            if self.on_record is not None:
-                self.on_record(record)
+            self._keep(record)
+        return record
+
+    def _keep(self, record: RequestRecord) -> None:
+        self.records.append(record)
+        if self.progress is not None:
+            print(format_progress(record), file=self.progress, flush=True)
+        if self.on_record is not None:
+            self.on_record(record)
+
+    def run_unseen(self, index: int) -> RequestRecord:
+        """Unseen probe ``index``: a prompt that shares nothing with the chat turns or the other probes."""
+        record = stream_chat(
+            self.client,
+            self.base_url,
+            model=self.model,
+            messages=self.workload.unseen_messages(index),
+            max_tokens=self.workload.shape.reply_tokens,
+            server=self.server,
+            conversation=index,
+            turn=0,
+            unseen=True,
+        )
+        with self._lock:
+            self._keep(record)
         return record
 
     def run_turn(self, turn: int, *, concurrency: int | None = 1) -> list[RequestRecord]:

@@ -9,7 +9,8 @@ greedy token (as mlx-lm generates: the chunk without its last token fills
 the cache, then one step on the last token gives the logits). Median of a few runs after a warm-up, the cache trimmed back
 between runs. A server's warm-turn TTFT divided by this is its overhead over
 the model's own compute. The cold figure is the same for a whole turn-0
-prompt in ``--prefill-step-size`` chunks.
+prompt in ``--prefill-step-size`` chunks (by default the servers' own
+default chunk: 256 on the CPU, 2048 on a GPU).
 
 Run as ``python -m mlxcel.bench.floor --model-path DIR [shape flags]``
 (prints one JSON object); ``measure_floor`` runs that in a subprocess, which
@@ -117,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_shape_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--prefill-step-size", type=int, default=2048)
+    parser.add_argument("--prefill-step-size", type=int, default=None,
+                        help="chunk of the cold prefill (default: mlxcel's, 256 on the CPU, 2048 on a GPU)")
     parser.add_argument("--max-turns", type=int, default=4, help="warm turns measured (of conversation 0)")
     return parser
 
@@ -131,21 +133,31 @@ def floor_main(argv: list[str] | None = None) -> int:
         conversations=namespace.conversations, turns=namespace.turns, system_tokens=namespace.system_tokens,
         user_tokens=namespace.user_tokens, reply_tokens=namespace.reply_tokens, seed=namespace.seed,
     )
+    from mlxcel.model.loader import default_prefill_step_size
+
+    step = namespace.prefill_step_size
     result = _floor(namespace.model_path, shape, runs=namespace.runs,
-                    prefill_step_size=namespace.prefill_step_size, max_turns=namespace.max_turns)
+                    prefill_step_size=default_prefill_step_size() if step is None else step,
+                    max_turns=namespace.max_turns)
     print(json.dumps(result))
     return 0
 
 
-def measure_floor(model_path: str, shape: Shape, *, runs: int = 5, prefill_step_size: int = 2048) -> dict[str, Any]:
-    """Run the floor measurement in a fresh process (same environment, so same BLAS)."""
+def measure_floor(
+    model_path: str, shape: Shape, *, runs: int = 5, prefill_step_size: int | None = None
+) -> dict[str, Any]:
+    """Run the floor measurement in a fresh process (same environment, so same BLAS).
+
+    Without ``prefill_step_size`` the subprocess takes mlxcel's default for its device.
+    """
     command = [
         sys.executable, "-m", "mlxcel.bench.floor", "--model-path", str(model_path),
         "--conversations", str(shape.conversations), "--turns", str(shape.turns),
         "--system-tokens", str(shape.system_tokens), "--user-tokens", str(shape.user_tokens),
         "--reply-tokens", str(shape.reply_tokens), "--seed", str(shape.seed), "--runs", str(runs),
-        "--prefill-step-size", str(prefill_step_size),
     ]
+    if prefill_step_size is not None:
+        command += ["--prefill-step-size", str(prefill_step_size)]
     completed = subprocess.run(
         command, capture_output=True, text=True, timeout=FLOOR_TIMEOUT_S,
         env=dict(os.environ, HF_HUB_OFFLINE="1"),

@@ -17,7 +17,8 @@ from typing import Any
 
 import attrs
 
-__all__ = ["WORDS", "Shape", "Workload", "add_shape_arguments", "build_workload", "load_word_counter"]
+__all__ = ["UNSEEN_USER_STEP", "WORDS", "Shape", "Workload", "add_shape_arguments", "build_workload",
+           "load_word_counter"]
 
 # Single tokens in the Qwen BPE (checked against the fixture's tokenizer.json).
 WORDS = tuple(
@@ -40,6 +41,10 @@ WORDS = tuple(
     bridge cloud stone forest letter chair lamp
     """.split()
 )
+
+# Unseen probe i's user turn is ``user_tokens + UNSEEN_USER_STEP * i`` words:
+# a new prompt length per probe, so a per-length cost (a compile) shows.
+UNSEEN_USER_STEP = 8
 
 
 @attrs.frozen(kw_only=True)
@@ -73,6 +78,8 @@ class Workload:
     system_tokens_measured: int | None = None
     user_tokens_measured: int | None = None
     tokenizer_source: str = "approximate (1 word = 1 token)"
+    # The words the texts are drawn from (filtered for the model's tokenizer).
+    words: tuple[str, ...] = attrs.field(default=WORDS, repr=False)
 
     def messages(self, conversation: int, turn: int, replies: list[str]) -> list[dict[str, str]]:
         """The chat messages of ``turn``, given the replies of the turns before it."""
@@ -84,6 +91,24 @@ class Workload:
             messages.append({"role": "assistant", "content": replies[earlier]})
         messages.append({"role": "user", "content": self.user_turns[conversation][turn]})
         return messages
+
+    def unseen_messages(self, index: int) -> list[dict[str, str]]:
+        """Unseen probe ``index``: a new conversation's turn 0 that no earlier request shares a prefix with.
+
+        A system prompt of ``system_tokens`` words whose first word differs from
+        the workload's and from every other probe's (for up to ``len(words) - 1``
+        probes), and a user turn of ``user_tokens + UNSEEN_USER_STEP * index``
+        words. Drawn from the seed with RNGs of their own, so the chat texts
+        are the same with or without probes.
+        """
+        if index < 0:
+            raise ValueError(f"unseen probe index must be at least 0, got {index}")
+        openers = [word for word in self.words if word != self.system_prompt.split(" ", 1)[0]]
+        random.Random(f"unseen/{self.shape.seed}").shuffle(openers)
+        rng = random.Random(f"unseen/{self.shape.seed}/{index}")
+        system = [openers[index % len(openers)], *(rng.choice(self.words) for _ in range(self.shape.system_tokens - 1))]
+        user = _text(rng, self.words, self.shape.user_tokens + UNSEEN_USER_STEP * index)
+        return [{"role": "system", "content": " ".join(system)}, {"role": "user", "content": user}]
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -138,7 +163,8 @@ def build_workload(shape: Shape, *, model_path: str | Path | None = None) -> Wor
         for _ in range(shape.conversations)
     )
     if loaded is None:
-        return Workload(shape=shape, system_prompt=system_prompt, user_turns=user_turns, stand_in_replies=stand_in)
+        return Workload(shape=shape, system_prompt=system_prompt, user_turns=user_turns, stand_in_replies=stand_in,
+                        words=words)
     tokenizer, source = loaded
     user_counts = sorted(_count(tokenizer, text) for turns in user_turns for text in turns)
     return Workload(
@@ -149,4 +175,5 @@ def build_workload(shape: Shape, *, model_path: str | Path | None = None) -> Wor
         system_tokens_measured=_count(tokenizer, system_prompt),
         user_tokens_measured=user_counts[len(user_counts) // 2],
         tokenizer_source=source,
+        words=words,
     )

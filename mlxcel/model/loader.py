@@ -21,7 +21,18 @@ if TYPE_CHECKING:
     import mlx.nn as nn
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-__all__ = ["LoadedModel", "ModelLoadError", "load_model", "read_chat_template", "read_model_config"]
+__all__ = [
+    "LoadedModel", "ModelLoadError", "default_prefill_step_size", "load_model", "read_chat_template",
+    "read_model_config",
+]
+
+
+def default_prefill_step_size() -> int:
+    """The prefill chunk when none is configured, measured per backend (benchmarks/prefill_step.py):
+    256 on the CPU, where attention dominates prefill, 2048 on a GPU."""
+    import mlx.core as mx
+
+    return 256 if mx.default_device() == mx.cpu else 2048
 
 
 class ModelLoadError(Exception):

@@ -34,10 +34,22 @@ async def test_two_conversations_two_turns_against_mlxcel(start_engine, start_se
         with ConversationRunner(workload, server="mlxcel", base_url=base_url, progress=None,
                                 request_timeout_s=60) as runner:
             assert runner.model == "llama-v1-seed0"
-            return runner.run_all(concurrency=1)
+            runner.run_all(concurrency=1)
+            runner.run_unseen(0)
+            runner.run_unseen(1)
+            return runner.records
 
     records = await trio.to_thread.run_sync(run)
+    records, probes = records[:4], records[4:]
     assert [(r.conversation, r.turn) for r in records] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert [(r.conversation, r.turn, r.unseen) for r in probes] == [(0, 0, True), (1, 0, True)]
+    for r in probes:
+        assert r.error is None and r.reply and r.completion_tokens
+        # Only the template's first few tokens are shared with earlier prompts:
+        # less than one 16-token prefix-cache block, so nothing is reused.
+        assert r.cached_tokens is not None and r.cached_tokens < 16
+    # Probe 1's user turn is 8 single-token words longer.
+    assert probes[1].prompt_tokens == probes[0].prompt_tokens + 8
     for r in records:
         assert r.error is None
         assert r.prompt_tokens and r.prompt_tokens > 120
