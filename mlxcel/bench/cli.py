@@ -21,7 +21,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -37,24 +37,22 @@ class _Parser(argparse.ArgumentParser):
         raise BenchUsageError(message)
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
 
 
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
+_positive = _at_least(1)
 
 
 def _concurrency(text: str) -> int | None:
@@ -98,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--concurrency", type=_concurrency, default=1,
                        help="1: one request at a time, conversations interleaved turn by turn; "
                             "all: every conversation's turn k at once (default 1)")
-    shape.add_argument("--unseen", type=_non_negative, default=3,
+    shape.add_argument("--unseen", type=_at_least(0), default=3,
                        help="after the chat turns, N new prompts (nothing to reuse) one at a time: the "
                             "system prompt's length, user turn user-tokens + 8 x probe index (0: none; default 3)")
     output = parser.add_argument_group("output")
