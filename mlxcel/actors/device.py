@@ -149,6 +149,16 @@ class _DirectStart:
 
 
 @attrs.define
+class _AlonePrefill:
+    """A long prompt prefilled on its own cache, a chunk per step (see ``_advance_alone``)."""
+
+    admission: AdmitSequence
+    caches: list[Any]
+    tokens: list[int]  # cached and prompt tokens
+    done: int  # tokens in ``caches``
+
+
+@attrs.define
 class _Sequence:
     sequence_id: int
     sampling: SamplingParams
@@ -161,8 +171,6 @@ class _Sequence:
     direct: bool = False
     # Prefilled in the batch, first token not sampled yet: the batch is not held for it.
     awaiting_first: bool = False
-    # A long prompt whose body runs in the batch: its tail then starts directly (see _admit).
-    tail: AdmitSequence | None = None
 
 
 class _StepWorker:
@@ -202,6 +210,8 @@ class _StepWorker:
         self._uid_of: dict[int, int] = {}
         # Admitted one-chunk prompts left for a later step (see run_step).
         self._deferred: list[AdmitSequence] = []
+        # Long prompts prefilled outside the batch, oldest first (see _advance_alone).
+        self._alone: list[_AlonePrefill] = []
         # Steps in a row that held the batch back for direct starts.
         self._batch_holds = 0
         self._step_number = 0
@@ -240,6 +250,7 @@ class _StepWorker:
         self._by_uid.clear()
         self._uid_of.clear()
         self._deferred.clear()
+        self._alone.clear()
         self._batch_holds = 0
         self._step_number = 0
         mx.clear_cache()
@@ -253,8 +264,9 @@ class _StepWorker:
             for removal in step.remove:
                 uid = self._uid_of.pop(removal.sequence_id, None)
                 if uid is None:
-                    # A deferred start (not started yet: it has no KV to give).
+                    # A deferred start or one prefilled alone (no KV to give yet).
                     admissions = [a for a in admissions if a.sequence_id != removal.sequence_id]
+                    self._alone = [p for p in self._alone if p.admission.sequence_id != removal.sequence_id]
                     continue
                 sequence = self._by_uid.pop(uid)
                 caches = self._generator.remove([uid], return_prompt_caches=removal.donate)
@@ -278,6 +290,10 @@ class _StepWorker:
                 failure = self._admit(admission, direct)
                 if failure is not None:
                     restore_failures.append((admission.sequence_id, failure))
+            alone_prefilling, alone_tokens = (), 0
+            if self._alone:
+                sequence_id, alone_tokens = self._advance_alone()
+                alone_prefilling = (sequence_id,)
             if self._settings.fail_step == self._step_number:
                 if self._settings.fail_out_of_memory:
                     raise RuntimeError(f"[malloc] injected out of memory at step {self._step_number}")
@@ -291,9 +307,10 @@ class _StepWorker:
             if not self._by_uid and not direct:
                 return StepDone(
                     step_number=self._step_number, detached=tuple(detached),
-                    restore_failures=tuple(restore_failures),
+                    restore_failures=tuple(restore_failures), prefill_tokens=alone_tokens,
+                    prefilling=alone_prefilling,
                 )
-            prompt_responses, generation_responses, prompt_tokens = [], [], 0
+            prompt_responses, generation_responses, prompt_tokens = [], [], alone_tokens
             # While started prompts wait, first tokens go ahead of the batch's
             # decode and prefill chunk, for a bounded number of steps in a row;
             # never ahead of a first token the batch itself owes.
@@ -303,7 +320,7 @@ class _StepWorker:
             if self._by_uid and not hold_batch:
                 with self._generator.stats() as stats:
                     prompt_responses, generation_responses = self._generator.next()
-                prompt_tokens = stats.prompt_tokens
+                prompt_tokens += stats.prompt_tokens
             started = [self._start_generating(start) for start in direct]
         except Exception as error:  # noqa: BLE001 - reported to every sequence in the batch
             logger.exception("device step %d failed", self._step_number)
@@ -312,8 +329,10 @@ class _StepWorker:
             failed = tuple(
                 {sequence.sequence_id for sequence in self._by_uid.values()}
                 | {admission.sequence_id for admission in [*admissions, *self._deferred]}
+                | {prefill.admission.sequence_id for prefill in self._alone}
             )
             self._deferred = []
+            self._alone = []
             self._generator = self._make_generator()
             self._by_uid.clear()
             self._uid_of.clear()
@@ -348,21 +367,11 @@ class _StepWorker:
                     item = _detach(sequence.sequence_id, response.prompt_cache, response.all_tokens)
                     if item is not None:
                         detached.append(item)
-        prefilling = []
+        prefilling = list(alone_prefilling)
         warmed = []
         for response in prompt_responses:
             sequence = self._by_uid.get(response.uid)
             if sequence is None or sequence.direct:
-                continue
-            if response.end_of_segment and sequence.tail is not None:
-                # The body ended on a bucket boundary: the tail starts directly next step.
-                from mlxcel.model.kv import detach
-
-                tail = sequence.tail
-                cache_list, _tokens = self._generator.extract_cache([response.uid])[response.uid]
-                self._drop(response.uid)
-                self._deferred.append(attrs.evolve(tail, adopted=detach(cache_list, len(tail.cached_tokens))))
-                prefilling.append(sequence.sequence_id)
                 continue
             if response.end_of_segment and sequence.snapshot_tokens is not None:
                 # The chunk just run ended exactly at the history boundary.
@@ -415,7 +424,7 @@ class _StepWorker:
         kept = len(cached)
         failure = None
         if admission.adopted is not None:
-            if self._bucket_starts and (self._starts_directly(admission) or self._splits(admission)):
+            if self._bucket_starts and (self._starts_directly(admission) or self._prefills_alone(admission)):
                 kept -= kept % START_PREFIX_ALIGN
             caches = adopt(admission.adopted, kept) if kept else None
         elif admission.restore is not None:
@@ -428,21 +437,14 @@ class _StepWorker:
             # (A snapshot that would not restore makes the prompt longer.)
             direct.append(self._start_direct(admission, caches, cached, prompt, kept))
             return failure
-        snapshot_tokens = None
-        tail = None
         everything = cached + prompt
-        body_end = (len(everything) - 1) // START_PREFIX_ALIGN * START_PREFIX_ALIGN
-        if self._splits(admission) and body_end > kept:
-            # A long prompt in bucketed shapes: the batch prefills a body that
-            # ends on a multiple of START_PREFIX_ALIGN (every chunk then has
-            # aligned lengths), and the rest starts directly, padded like a
-            # hit's new turn (see _bucket). So a never-seen prompt length
-            # costs no new attention plan once the buckets have been met.
-            tail = attrs.evolve(admission, cached_tokens=tuple(everything[:body_end]),
-                                prompt_tokens=tuple(everything[body_end:]), adopted=None)
-            segments = [everything[kept:body_end], everything[body_end - 1:body_end]]
-            cached = everything[:kept]
-        elif admission.snapshot_after is not None and failure is None:
+        if self._prefills_alone(admission):
+            if caches is None:
+                caches = make_prompt_cache(self._model)
+            self._alone.append(_AlonePrefill(admission=admission, caches=caches, tokens=everything, done=kept))
+            return failure
+        snapshot_tokens = None
+        if admission.snapshot_after is not None and failure is None:
             boundary = admission.snapshot_after
             if admission.warm:
                 # Prefill everything, snapshot, then stop: the extra token is never run.
@@ -451,8 +453,7 @@ class _StepWorker:
                 segments = [prompt[:boundary], prompt[boundary:]]
             snapshot_tokens = tuple(cached + prompt[:boundary])
         else:
-            segments = [everything[kept:]]
-            cached = everything[:kept]
+            segments = [prompt]
         (uid,) = self._generator.insert_segments(
             [segments],
             max_tokens=[admission.max_tokens],
@@ -467,16 +468,47 @@ class _StepWorker:
             donate_prompt=admission.donate_prompt,
             snapshot_tokens=snapshot_tokens,
             warm=admission.warm,
-            tail=tail,
         )
         self._uid_of[admission.sequence_id] = uid
         return failure
 
-    def _splits(self, admission: AdmitSequence) -> bool:
-        """A prompt longer than one chunk, run in bucketed shapes: body in the batch, tail directly."""
+    def _prefills_alone(self, admission: AdmitSequence) -> bool:
+        """A prompt longer than one chunk that is prefilled outside the batch (see _advance_alone)."""
         return (self._bucket_starts and self._plain_kv and admission.restore is None
                 and admission.snapshot_after is None and not admission.warm
                 and len(admission.prompt_tokens) > self._settings.prefill_step_size)
+
+    def _advance_alone(self) -> tuple[int, int]:
+        """Run one chunk of the oldest prompt prefilled alone; returns its sequence id and tokens run.
+
+        With CUDA (where starts are bucketed), a prompt longer than one chunk
+        is not prefilled in the batch: the batch's cache hands attention a
+        mask array, which there runs 2.4x slower than a single sequence's
+        causal attention (8B, 8k-token prompts, benchmarks/start_shapes.py
+        --cold). Instead it runs on its own cache, one chunk per step, the
+        chunks ending on multiples of the chunk size (so their shapes repeat
+        and cuDNN's plans are reused), and its last chunk's worth of tokens
+        then starts directly like a hit's new turn (padded, first token in
+        that step).
+        """
+        import mlx.core as mx
+
+        from mlxcel.model.kv import detach
+
+        prefill = self._alone[0]
+        step = self._settings.prefill_step_size
+        end = (prefill.done // step + 1) * step
+        with mx.stream(self._generator.stream):
+            self._model(mx.array(prefill.tokens[prefill.done:end])[None], cache=prefill.caches)
+            mx.eval([cache.state for cache in prefill.caches])
+        ran, prefill.done = end - prefill.done, end
+        if len(prefill.tokens) - end <= step:
+            self._alone.pop(0)
+            self._deferred.append(attrs.evolve(
+                prefill.admission, cached_tokens=tuple(prefill.tokens[:end]),
+                prompt_tokens=tuple(prefill.tokens[end:]), adopted=detach(prefill.caches, end),
+            ))
+        return prefill.admission.sequence_id, ran
 
     def _starts_directly(self, admission: AdmitSequence) -> bool:
         return (admission.snapshot_after is None and not admission.warm

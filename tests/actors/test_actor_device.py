@@ -217,16 +217,16 @@ async def test_a_one_chunk_prompt_gets_its_first_token_in_its_admitting_step(
         assert (await scheduler.step()).sampled == ()  # nothing left running
 
 
-async def test_a_long_prompt_in_bucketed_shapes_prefills_an_aligned_body_then_starts_its_tail(
+async def test_a_long_prompt_in_bucketed_shapes_is_prefilled_alone_then_starts_its_last_chunk(
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With buckets (CUDA default), a prompt longer than a chunk is prefilled in the batch up to
-    a multiple of START_PREFIX_ALIGN and its tail starts directly, padded; the tokens and
-    logprobs are those of the plain batch, cold and resumed from a stored prefix."""
+    """With buckets (CUDA default), a prompt longer than a chunk is prefilled outside the batch,
+    a chunk per step ending on chunk multiples, and its rest starts directly, padded; the tokens
+    and logprobs are those of the plain batch, cold and resumed from a stored prefix."""
     monkeypatch.setattr(device, "START_PREFIX_ALIGN", 8)
     monkeypatch.setattr(device, "START_QUERY_BUCKET", 32)
     sampling = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)
-    prompt = tuple(range(4000, 4045))  # 45 tokens: body 40 (three 16-token chunks at most), tail 5
+    prompt = tuple(range(4000, 4045))  # 45 tokens: chunks of 16 and 16 alone, the last 13 start directly
     runs: dict[bool, dict[str, Any]] = {}
     for bucket in (False, True):
         async with running_device(prefill_step_size=16, bucket_starts=bucket) as scheduler:
@@ -235,7 +235,7 @@ async def test_a_long_prompt_in_bucketed_shapes_prefills_an_aligned_body_then_st
             cold = (await scheduler.run_until_finished({0}))[0]
             steps = list(scheduler.steps)
             prompt_kv = [item for step in steps for item in step.detached if not item.final]
-            # Resumed at 21 cached tokens with 24 new ones (more than a chunk): cut to 16, body to 40.
+            # Resumed at 21 cached tokens with 24 new ones (more than a chunk): cut to 16, one chunk alone.
             await scheduler.step(admit=(AdmitSequence(
                 sequence_id=1, prompt_tokens=prompt[21:], cached_tokens=prompt[:21],
                 adopted=prompt_kv[0].payload, sampling=sampling, max_tokens=4,
@@ -243,13 +243,17 @@ async def test_a_long_prompt_in_bucketed_shapes_prefills_an_aligned_body_then_st
             resumed = (await scheduler.run_until_finished({1}))[1]
             runs[bucket] = {"cold": cold, "resumed": resumed, "steps": steps, "prompt_kv": prompt_kv}
             if bucket:
-                # Removed while its tail waits for the next step: it never starts and gives nothing.
-                await scheduler.step(admit=(admit(2, prompt, 4, donate_on_finish=True),))
-                while (await scheduler.step()).prefill_tokens != 8:
-                    pass  # the body's last chunk (32 + 8 tokens)
+                # Removed while prefilled alone (2), and while its last chunk waits to start (3):
+                # neither starts nor gives anything.
+                first = await scheduler.step(admit=(admit(2, prompt, 4, donate_on_finish=True),
+                                                    admit(3, prompt[1:], 4, donate_on_finish=True)))
+                assert (first.prefill_tokens, first.prefilling) == (16, (2,))  # one chunk per step, oldest first
                 removed = await scheduler.step(remove=(RemoveSequence(sequence_id=2, donate=True),))
+                assert (removed.prefill_tokens, removed.prefilling) == (16, (3,))
+                assert (await scheduler.step()).prefill_tokens == 16  # 3's second chunk: 12 left
+                removed = await scheduler.step(remove=(RemoveSequence(sequence_id=3, donate=True),))
                 assert removed.sampled == () and removed.detached == () and removed.prompts_done == ()
-                assert (await scheduler.step()).sampled == ()
+                assert (await scheduler.step()).prefill_tokens == 0
     plain, bucketed = runs[False], runs[True]
     for name in ("cold", "resumed"):
         assert [t.token for t in bucketed[name]] == [t.token for t in plain[name]]
@@ -257,10 +261,9 @@ async def test_a_long_prompt_in_bucketed_shapes_prefills_an_aligned_body_then_st
             assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
             assert [index for index, _ in ours.top_logprobs] == [index for index, _ in theirs.top_logprobs]
     assert [t.token for t in plain["resumed"]] == [t.token for t in plain["cold"]]
-    # Body chunks of 16, 16, 8 tokens; the step after the body reports the sequence still
-    # prefilling; the next one starts the 5-token tail with its first token.
+    # Two chunks alone, then the 13 left start directly with the first token.
     prefill = [(step.prefill_tokens, step.prefilling, step.prompts_done) for step in bucketed["steps"]]
-    assert prefill[:5] == [(16, (0,), ()), (16, (0,), ()), (8, (0,), ()), (5, (), (0,)), (0, (), ())]
+    assert prefill[:4] == [(16, (0,), ()), (16, (0,), ()), (13, (), (0,)), (0, (), ())]
     assert [step.prefill_tokens for step in plain["steps"]][:3] == [16, 16, 12]
     # The prompt's KV is handed over whole, once, as without buckets.
     assert [item.tokens for item in bucketed["prompt_kv"]] == [prompt] == [item.tokens for item in plain["prompt_kv"]]

@@ -72,14 +72,14 @@ async def test_cache_hit_matches_cold_run(serve_family, family) -> None:
 
 async def test_bucketed_starts_answer_as_the_plain_path_does(serve_family, monkeypatch) -> None:
     """CUDA's shape buckets, forced on here with small buckets: a cold prompt longer than a
-    chunk (aligned body in the batch, padded tail on its own) and hits resumed from a cut
+    chunk (prefilled alone, its last chunk started directly, padded) and hits resumed from a cut
     prefix give the replies and first-token logprobs of the unbucketed path."""
     monkeypatch.setattr(device, "START_PREFIX_ALIGN", 16)
     monkeypatch.setattr(device, "START_QUERY_BUCKET", 32)
-    splits = []  # whether each admission ran as body and tail (only the bucketed engine's can)
-    original = device._StepWorker._splits
-    monkeypatch.setattr(device._StepWorker, "_splits",
-                        lambda worker, admission: splits.append(original(worker, admission)) or splits[-1])
+    alone = []  # whether each admission was prefilled alone (only the bucketed engine's can be)
+    original = device._StepWorker._prefills_alone
+    monkeypatch.setattr(device._StepWorker, "_prefills_alone",
+                        lambda worker, admission: alone.append(original(worker, admission)) or alone[-1])
     servers = {}
     for buckets in ("false", "true"):
         scheduler = SchedulerConfig(prefill_step_size=64, device_warmup=False, start_buckets=buckets)
@@ -99,7 +99,7 @@ async def test_bucketed_starts_answer_as_the_plain_path_does(serve_family, monke
         assert (bucketed.usage.prompt_tokens_details.cached_tokens > 0) is (turn > 0)
         assert bucketed.choices[0].message.content == plain.choices[0].message.content
         assert_same_first_token_logprobs(bucketed, plain)
-    assert any(splits)
+    assert any(alone)
 
 
 async def test_four_turn_conversation_reuses_history(serve_family) -> None:
