@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlxcel.model.tokenize import SegmentTokenizer
+from mlxcel.model.tokenize import SegmentTokenizer, _cut
 
 ROLES = ("system", "user", "assistant", "tool")
 TEXT = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=60)
@@ -35,3 +36,45 @@ def test_history_pieces_are_memoized_within_a_character_budget(loaded_model) -> 
     assert "system\n" + "rules " * 20 in segments._pieces
     segments.encode("<|im_start|>user\n" + "x" * 300 + "<|im_end|>\n")  # too big to keep
     assert segments._chars <= 200
+
+
+WORDS = st.sampled_from(["alpha", "beta", "x1", "42", "it's", "naïve", "日本", "a", "émigré", "done."])
+LONG_TEXT = st.lists(st.one_of(WORDS, WORDS, TEXT), min_size=1, max_size=40).map(" ".join)
+
+
+@settings(max_examples=80, deadline=None)
+@given(text=LONG_TEXT, part_chars=st.integers(min_value=1, max_value=30))
+def test_long_pieces_encoded_in_parts_give_the_whole_text_ids(loaded_model, text, part_chars) -> None:
+    tokenizer = loaded_model("llama").tokenizer
+    segments = SegmentTokenizer(tokenizer, part_chars=part_chars)
+    assert segments.encodes_in_parts
+    assert "".join(_cut(text, part_chars)) == text
+    assert segments.encode(text) == tuple(tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_a_long_system_prompt_is_cut_into_parts_at_spaces_between_words() -> None:
+    text = "word " * 1000
+    parts = _cut(text, 2000)
+    assert len(parts) == 3 and "".join(parts) == text
+    assert all(part.startswith(" word") for part in parts[1:]) and len(parts[0]) >= 2000
+
+
+@pytest.mark.parametrize("strips", [False, True])
+def test_a_tokenizer_that_changes_a_part_s_leading_space_encodes_long_pieces_whole(strips) -> None:
+    """Parts are used only where they give the whole text's ids: a normalizer that strips each
+    input's leading space (so " beta" would lose its space) turns them off."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(["alpha beta gamma words numbers 12 345 and spaces"] * 10, trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    if strips:
+        backend.normalizer = normalizers.Strip()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    segments = SegmentTokenizer(tokenizer, part_chars=4)
+    assert segments.encodes_in_parts is not strips
+    text = "alpha beta gamma words numbers and spaces alpha"
+    assert segments.encode(text) == tuple(tokenizer.encode(text, add_special_tokens=False))
