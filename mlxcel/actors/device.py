@@ -292,8 +292,15 @@ class _StepWorker:
                     restore_failures.append((admission.sequence_id, failure))
             alone_prefilling, alone_tokens = (), 0
             if self._alone:
-                sequence_id, alone_tokens = self._advance_alone()
-                alone_prefilling = (sequence_id,)
+                sequence_id, alone_tokens, rest = self._advance_alone()
+                if rest is not None and not (direct and direct_tokens + len(rest.prompt_tokens)
+                                             > self._settings.prefill_step_size):
+                    direct_tokens += len(rest.prompt_tokens)
+                    self._admit(rest, direct)  # its first token comes in this step
+                else:
+                    alone_prefilling = (sequence_id,)
+                    if rest is not None:
+                        self._deferred.append(rest)
             if self._settings.fail_step == self._step_number:
                 if self._settings.fail_out_of_memory:
                     raise RuntimeError(f"[malloc] injected out of memory at step {self._step_number}")
@@ -474,22 +481,27 @@ class _StepWorker:
 
     def _prefills_alone(self, admission: AdmitSequence) -> bool:
         """A prompt longer than one chunk that is prefilled outside the batch (see _advance_alone)."""
+        step = self._settings.prefill_step_size
         return (self._bucket_starts and self._plain_kv and admission.restore is None
                 and admission.snapshot_after is None and not admission.warm
-                and len(admission.prompt_tokens) > self._settings.prefill_step_size)
+                and len(admission.prompt_tokens) > step >= START_PREFIX_ALIGN)
 
-    def _advance_alone(self) -> tuple[int, int]:
-        """Run one chunk of the oldest prompt prefilled alone; returns its sequence id and tokens run.
+    def _advance_alone(self) -> tuple[int, int, AdmitSequence | None]:
+        """Run one chunk of the oldest prompt prefilled alone.
+
+        Returns its sequence id, the tokens run, and once the chunks are done,
+        the admission that starts the rest directly.
 
         With CUDA (where starts are bucketed), a prompt longer than one chunk
         is not prefilled in the batch: the batch's cache hands attention a
         mask array, which there runs 2.4x slower than a single sequence's
         causal attention (8B, 8k-token prompts, benchmarks/start_shapes.py
         --cold). Instead it runs on its own cache, one chunk per step, the
-        chunks ending on multiples of the chunk size (so their shapes repeat
-        and cuDNN's plans are reused), and its last chunk's worth of tokens
-        then starts directly like a hit's new turn (padded, first token in
-        that step).
+        chunks ending on multiples of the chunk size and the last one on a
+        multiple of START_PREFIX_ALIGN (so their shapes repeat and cuDNN's
+        plans are reused). The last 1-START_PREFIX_ALIGN tokens then start
+        directly like a hit's new turn: padded, logits in the same pass (few
+        positions to project to the vocabulary), first token in that step.
         """
         import mlx.core as mx
 
@@ -497,18 +509,18 @@ class _StepWorker:
 
         prefill = self._alone[0]
         step = self._settings.prefill_step_size
-        end = (prefill.done // step + 1) * step
+        body_end = (len(prefill.tokens) - 1) // START_PREFIX_ALIGN * START_PREFIX_ALIGN
+        end = min((prefill.done // step + 1) * step, body_end)
         with mx.stream(self._generator.stream):
             self._model(mx.array(prefill.tokens[prefill.done:end])[None], cache=prefill.caches)
             mx.eval([cache.state for cache in prefill.caches])
         ran, prefill.done = end - prefill.done, end
-        if len(prefill.tokens) - end <= step:
+        rest = None
+        if end == body_end:
             self._alone.pop(0)
-            self._deferred.append(attrs.evolve(
-                prefill.admission, cached_tokens=tuple(prefill.tokens[:end]),
-                prompt_tokens=tuple(prefill.tokens[end:]), adopted=detach(prefill.caches, end),
-            ))
-        return prefill.admission.sequence_id, ran
+            rest = attrs.evolve(prefill.admission, cached_tokens=tuple(prefill.tokens[:end]),
+                                prompt_tokens=tuple(prefill.tokens[end:]), adopted=detach(prefill.caches, end))
+        return prefill.admission.sequence_id, ran, rest
 
     def _starts_directly(self, admission: AdmitSequence) -> bool:
         return (admission.snapshot_after is None and not admission.warm

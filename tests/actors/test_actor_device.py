@@ -221,12 +221,13 @@ async def test_a_long_prompt_in_bucketed_shapes_is_prefilled_alone_then_starts_i
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With buckets (CUDA default), a prompt longer than a chunk is prefilled outside the batch,
-    a chunk per step ending on chunk multiples, and its rest starts directly, padded; the tokens
-    and logprobs are those of the plain batch, cold and resumed from a stored prefix."""
+    a chunk per step ending on chunk multiples (the last on an align multiple), and its last few
+    tokens start directly, padded, in the step of its last chunk; the tokens and logprobs are
+    those of the plain batch, cold and resumed from a stored prefix."""
     monkeypatch.setattr(device, "START_PREFIX_ALIGN", 8)
     monkeypatch.setattr(device, "START_QUERY_BUCKET", 32)
     sampling = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)
-    prompt = tuple(range(4000, 4045))  # 45 tokens: chunks of 16 and 16 alone, the last 13 start directly
+    prompt = tuple(range(4000, 4045))  # 45 tokens: chunks of 16, 16 and 8 alone, the last 5 start directly
     runs: dict[bool, dict[str, Any]] = {}
     for bucket in (False, True):
         async with running_device(prefill_step_size=16, bucket_starts=bucket) as scheduler:
@@ -235,7 +236,7 @@ async def test_a_long_prompt_in_bucketed_shapes_is_prefilled_alone_then_starts_i
             cold = (await scheduler.run_until_finished({0}))[0]
             steps = list(scheduler.steps)
             prompt_kv = [item for step in steps for item in step.detached if not item.final]
-            # Resumed at 21 cached tokens with 24 new ones (more than a chunk): cut to 16, one chunk alone.
+            # Resumed at 21 cached tokens with 24 new ones (more than a chunk): cut to 16, chunks of 16 and 8.
             await scheduler.step(admit=(AdmitSequence(
                 sequence_id=1, prompt_tokens=prompt[21:], cached_tokens=prompt[:21],
                 adopted=prompt_kv[0].payload, sampling=sampling, max_tokens=4,
@@ -243,17 +244,26 @@ async def test_a_long_prompt_in_bucketed_shapes_is_prefilled_alone_then_starts_i
             resumed = (await scheduler.run_until_finished({1}))[1]
             runs[bucket] = {"cold": cold, "resumed": resumed, "steps": steps, "prompt_kv": prompt_kv}
             if bucket:
-                # Removed while prefilled alone (2), and while its last chunk waits to start (3):
+                # Removed while prefilled alone, after one chunk (2) and after two (3):
                 # neither starts nor gives anything.
                 first = await scheduler.step(admit=(admit(2, prompt, 4, donate_on_finish=True),
                                                     admit(3, prompt[1:], 4, donate_on_finish=True)))
                 assert (first.prefill_tokens, first.prefilling) == (16, (2,))  # one chunk per step, oldest first
                 removed = await scheduler.step(remove=(RemoveSequence(sequence_id=2, donate=True),))
                 assert (removed.prefill_tokens, removed.prefilling) == (16, (3,))
-                assert (await scheduler.step()).prefill_tokens == 16  # 3's second chunk: 12 left
+                assert (await scheduler.step()).prefill_tokens == 16  # 3's second chunk
                 removed = await scheduler.step(remove=(RemoveSequence(sequence_id=3, donate=True),))
                 assert removed.sampled == () and removed.detached == () and removed.prompts_done == ()
                 assert (await scheduler.step()).prefill_tokens == 0
+                # A last chunk in a step whose starts already took a chunk's worth of tokens:
+                # its rest starts in the next step.
+                await scheduler.step(admit=(admit(4, prompt, 2),))
+                await scheduler.step()
+                third = await scheduler.step(admit=(admit(5, prompt[:16], 2),))
+                assert [t.sequence_id for t in third.sampled] == [5]
+                assert (third.prefill_tokens, third.prefilling, third.prompts_done) == (8 + 16, (4,), (5,))
+                fourth = await scheduler.step()
+                assert 4 in [t.sequence_id for t in fourth.sampled] and fourth.prompts_done == (4,)
     plain, bucketed = runs[False], runs[True]
     for name in ("cold", "resumed"):
         assert [t.token for t in bucketed[name]] == [t.token for t in plain[name]]
@@ -261,7 +271,7 @@ async def test_a_long_prompt_in_bucketed_shapes_is_prefilled_alone_then_starts_i
             assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
             assert [index for index, _ in ours.top_logprobs] == [index for index, _ in theirs.top_logprobs]
     assert [t.token for t in plain["resumed"]] == [t.token for t in plain["cold"]]
-    # Two chunks alone, then the 13 left start directly with the first token.
+    # Three chunks alone; the last 5 tokens start directly in the third step, with the first token.
     prefill = [(step.prefill_tokens, step.prefilling, step.prompts_done) for step in bucketed["steps"]]
     assert prefill[:4] == [(16, (0,), ()), (16, (0,), ()), (13, (), (0,)), (0, (), ())]
     assert [step.prefill_tokens for step in plain["steps"]][:3] == [16, 16, 12]
