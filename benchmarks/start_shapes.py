@@ -118,6 +118,9 @@ def main() -> int:
     parser.add_argument("--max-new", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cold", action="store_true", help="never-seen whole prompts instead of hits")
+    parser.add_argument("--modes", nargs="+", choices=("unbucketed", "bucketed"), default=["unbucketed", "bucketed"])
+    parser.add_argument("--prefix-align", type=int, default=None,
+                        help="START_PREFIX_ALIGN for the bucketed mode (default: the device actor's)")
     parser.add_argument("--min-cold", type=int, default=8000)
     parser.add_argument("--max-cold", type=int, default=8400)
     options = parser.parse_args()
@@ -132,6 +135,10 @@ def main() -> int:
     from mlxcel.actors.device import DeviceSettings, _StepWorker
     from mlxcel.model.kv import detach
 
+    from mlxcel.actors import device
+
+    if options.prefix_align is not None:
+        device.START_PREFIX_ALIGN = options.prefix_align
     model, _tokenizer = load(options.model_path)
     rng = random.Random(options.seed)
     if options.cold:
@@ -143,14 +150,15 @@ def main() -> int:
     del cache
     cases = [(rng.randint(options.min_cached, options.max_cached), rng.randint(options.min_new, options.max_new))
              for _ in range(options.requests)]
-    for bucket in (False, True):
+    for bucket in (mode == "bucketed" for mode in options.modes):
         settings = DeviceSettings(model_path=Path(options.model_path), prefill_step_size=2048, bucket_starts=bucket)
         worker = _StepWorker(model, set(), settings)
         for attempt in (1, 2):
             words = random.Random(options.seed + attempt)
             requests = [(tuple(prefix[:cached]), tuple(words.randrange(100, 30000) for _ in range(new)))
                         for cached, new in cases]
-            print(describe(run_pass(worker, stored, requests), bucketed=bucket, **{"pass": attempt}), flush=True)
+            print(describe(run_pass(worker, stored, requests), bucketed=bucket, prefix_align=device.START_PREFIX_ALIGN,
+                           **{"pass": attempt}), flush=True)
     return 0
 
 
@@ -158,7 +166,7 @@ def cold_main(model: Any, rng: random.Random, options: argparse.Namespace) -> in
     from mlxcel.actors.device import DeviceSettings, _StepWorker
 
     lengths = [rng.randint(options.min_cold, options.max_cold) for _ in range(options.requests)]
-    for bucket in (False, True):
+    for bucket in (mode == "bucketed" for mode in options.modes):
         settings = DeviceSettings(model_path=Path(options.model_path), prefill_step_size=2048, bucket_starts=bucket)
         worker = _StepWorker(model, set(), settings)
         worker.warm_up()  # as the server does at start-up
