@@ -97,3 +97,24 @@ async def test_out_of_memory_is_a_503_and_the_store_sheds(start_engine, start_se
         after = await engine.cache_stats()
         assert after["evictions"]["capacity"] >= 1  # shed under memory pressure
         assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+
+
+async def test_a_step_failing_while_a_prompt_is_prefilled_alone_fails_it_cleanly(start_engine, start_server) -> None:
+    """With buckets forced on, a long prompt is prefilled alone over several steps; a fault in
+    one of them fails that request only, leaves no cache entry, and the next one is served."""
+    from mlxcel.config import SchedulerConfig
+
+    scheduler = SchedulerConfig(prefill_step_size=128, device_warmup=False, start_buckets="true")
+    engine = await start_engine(fail_step=2, scheduler=scheduler)
+    base_url = await start_server(engine)
+    long_chat = {**CHAT, "messages": [{"role": "user", "content": "hello there " * 200}]}
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        failed = await client.post("/v1/chat/completions", json=long_chat)
+        assert failed.status_code == 500 and "injected fault" in failed.json()["error"]["message"]
+        assert (await engine.cache_stats())["entries"] == 0
+        ok = await client.post("/v1/chat/completions", json=long_chat)
+        assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] > 3 * 128
+        cold = await client.post("/v1/chat/completions", json={**long_chat, "cache_prompt": False})
+        assert cold.json()["choices"][0]["message"] == ok.json()["choices"][0]["message"]
+    stats = await engine.scheduler_stats()
+    assert stats.num_failed == 1 and stats.num_completed == 2 and stats.num_running == 0
