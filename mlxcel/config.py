@@ -64,7 +64,8 @@ class SchedulerConfig:
     client_buffer_events: int = 4096
     # Run each kind of step once at start-up (CUDA compiles kernels on first use).
     device_warmup: bool = True
-    # Cache-hit starts in bucketed shapes so cuDNN attention plans repeat ("auto": with CUDA only).
+    # Cache-hit starts in bucketed shapes and long prompts prefilled alone, so cuDNN
+    # attention plans repeat and run unmasked ("auto": with CUDA only).
     start_buckets: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "true", "false")))
 
 
@@ -248,8 +249,8 @@ SCHEDULER_SETTINGS = (
             "run throwaway steps at start-up so the first request compiles no kernels (default true)",
             optional_value=True),
     Setting("start_buckets", "--start-buckets", ("MLXCEL_START_BUCKETS",), parse_auto_bool,
-            "start cache hits in bucketed lengths so CUDA attention plans are reused: "
-            "auto (with CUDA only), true or false (default auto)"),
+            "start cache hits in bucketed lengths and prefill long prompts alone, so CUDA attention "
+            "plans are reused and unmasked: auto (with CUDA only), true or false (default auto)"),
 )
 
 

@@ -67,7 +67,8 @@ class DeviceSettings:
     warm_up: bool = False
     # A direct start's logits in one forward pass (None: on a GPU only; see _StepWorker).
     one_pass_starts: bool | None = None
-    # Direct starts run in bucketed shapes (None: with CUDA only; see _StepWorker._bucket).
+    # Direct starts run in bucketed shapes and long prompts are prefilled alone
+    # (None: with CUDA only; see _StepWorker._bucket and _advance_alone).
     bucket_starts: bool | None = None
     fail_step: int | None = None
     fail_out_of_memory: bool = False
@@ -445,11 +446,10 @@ class _StepWorker:
             # (A snapshot that would not restore makes the prompt longer.)
             direct.append(self._start_direct(admission, caches, cached, prompt, kept))
             return failure
-        everything = cached + prompt
         if self._prefills_alone(admission):
             if caches is None:
                 caches = make_prompt_cache(self._model)
-            self._alone.append(_AlonePrefill(admission=admission, caches=caches, tokens=everything, done=kept))
+            self._alone.append(_AlonePrefill(admission=admission, caches=caches, tokens=cached + prompt, done=kept))
             return failure
         snapshot_tokens = None
         if admission.snapshot_after is not None and failure is None:
@@ -495,9 +495,9 @@ class _StepWorker:
 
         With CUDA (where starts are bucketed), a prompt longer than one chunk
         is not prefilled in the batch: the batch's cache hands attention a
-        mask array, which there runs 2.4x slower than a single sequence's
-        causal attention (8B, 8k-token prompts, benchmarks/start_shapes.py
-        --cold). Instead it runs on its own cache, one chunk per step, the
+        mask array, which there makes an 8k-token prefill 2.4-2.6x (8B) and
+        4-5x (1B) slower than on a single sequence's cache with causal
+        attention (benchmarks/start_shapes.py --cold). Instead it runs on its own cache, one chunk per step, the
         chunks ending on multiples of the chunk size and the last one on a
         multiple of START_PREFIX_ALIGN (so their shapes repeat and cuDNN's
         plans are reused). The last 1-START_PREFIX_ALIGN tokens then start
