@@ -494,10 +494,11 @@ class _StepWorker:
         the admission that starts the rest directly.
 
         With CUDA (where starts are bucketed), a prompt longer than one chunk
-        is not prefilled in the batch: the batch's cache hands attention a
-        mask array, which there makes an 8k-token prefill 2.4-2.6x (8B) and
-        4-5x (1B) slower than on a single sequence's cache with causal
-        attention (benchmarks/start_shapes.py --cold). Instead it runs on its own cache, one chunk per step, the
+        is not prefilled in the batch: there an 8k-token prefill through the
+        batch took 2.4-2.6x (8B) and 4-5x (1B) the time it takes on a plain
+        cache (benchmarks/start_shapes.py --cold); the batch cache hands
+        attention a mask array where a plain one gets the causal kernel.
+        Instead it runs on its own cache, one chunk per step, the
         chunks ending on multiples of the chunk size and the last one on a
         multiple of START_PREFIX_ALIGN (so their shapes repeat and cuDNN's
         plans are reused). The last 1-START_PREFIX_ALIGN tokens then start
