@@ -191,12 +191,12 @@ class _StepWorker:
         # one-token pass, as mlx-lm does (the projection costs more there).
         one_pass = settings.one_pass_starts
         self._one_pass_starts = mx.default_device() != mx.cpu if one_pass is None else one_pass
-        bucket = settings.bucket_starts
-        self._bucket_starts = mx.cuda.is_available() if bucket is None else bucket
         from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-        # Only plain KV caches can be cut and trimmed for bucketed shapes.
-        self._plain_kv = all(type(cache) is KVCache for cache in make_prompt_cache(model))
+        bucket = settings.bucket_starts
+        # Only plain KV caches can be cut and trimmed: other layer kinds run unbucketed.
+        self._bucket_starts = ((mx.cuda.is_available() if bucket is None else bucket)
+                               and all(type(cache) is KVCache for cache in make_prompt_cache(model)))
         self._eos_token_ids = frozenset(eos_token_ids)
         self._family = family
         self._settings = settings
@@ -483,7 +483,7 @@ class _StepWorker:
     def _prefills_alone(self, admission: AdmitSequence) -> bool:
         """A prompt longer than one chunk that is prefilled outside the batch (see _advance_alone)."""
         step = self._settings.prefill_step_size
-        return (self._bucket_starts and self._plain_kv and admission.restore is None
+        return (self._bucket_starts and admission.restore is None
                 and admission.snapshot_after is None and not admission.warm
                 and len(admission.prompt_tokens) > step >= START_PREFIX_ALIGN)
 
@@ -542,7 +542,7 @@ class _StepWorker:
         if caches is None:
             caches = make_prompt_cache(self._model)
         run = cached[kept:] + prompt
-        padding = self._bucket(caches, kept, len(run))
+        padding = self._bucket(kept, len(run))
         sampler = _make_sampler(admission.sampling)
         with mx.stream(self._generator.stream):
             tokens = mx.array(run + run[-1:] * padding)[None]
@@ -564,7 +564,7 @@ class _StepWorker:
         return _DirectStart(admission=admission, caches=caches, all_tokens=all_tokens, sampler=sampler,
                             token=token, logprobs=logprobs[0], donation=donation)
 
-    def _bucket(self, caches: list[Any], kept: int, length: int) -> int:
+    def _bucket(self, kept: int, length: int) -> int:
         """How many padding tokens follow a direct start's ``length`` tokens (0: none).
 
         MLX's CUDA backend builds a cuDNN attention plan for every new pair
@@ -574,12 +574,9 @@ class _StepWorker:
         cut to a multiple of START_PREFIX_ALIGN tokens (the cut tokens run
         again) and the tokens run are padded to a multiple of
         START_QUERY_BUCKET. Causal attention keeps the padding out of the
-        real tokens' results, and the cache drops it afterwards. Only plain
-        KV caches can drop it: other layer kinds run unpadded.
+        real tokens' results, and the cache drops it afterwards.
         """
-        from mlx_lm.models.cache import KVCache
-
-        if not self._bucket_starts or not all(type(cache) is KVCache for cache in caches):
+        if not self._bucket_starts:
             return 0
         padding = -length % START_QUERY_BUCKET
         context_size = self._settings.context_size
