@@ -181,7 +181,7 @@ def _run(namespace: argparse.Namespace, blas_library: str | None, blas: str) -> 
     from mlxcel.bench.client import ConversationRunner, RequestRecord
     from mlxcel.bench.floor import measure_floor
     from mlxcel.bench.launcher import launch
-    from mlxcel.bench.plot import write_plot
+    from mlxcel.bench.plot import PLOTS_MISSING, plots_available, write_plot
     from mlxcel.bench.summary import format_table, summarize
     from mlxcel.bench.workload import Shape, build_workload
 
@@ -189,6 +189,9 @@ def _run(namespace: argparse.Namespace, blas_library: str | None, blas: str) -> 
         conversations=namespace.conversations, turns=namespace.turns, system_tokens=namespace.system_tokens,
         user_tokens=namespace.user_tokens, reply_tokens=namespace.reply_tokens, seed=namespace.seed,
     )
+    plots = plots_available()
+    if not plots:
+        print(PLOTS_MISSING, file=sys.stderr, flush=True)
     workload = build_workload(shape, model_path=namespace.model_path)
     out = Path(namespace.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -283,8 +286,10 @@ def _run(namespace: argparse.Namespace, blas_library: str | None, blas: str) -> 
     title = (f"{shape.conversations} conversations x {shape.turns} turns, system {shape.system_tokens}, "
              f"user {shape.user_tokens}, reply {shape.reply_tokens} tokens, concurrency "
              f"{'all' if namespace.concurrency is None else 1}")
-    write_plot(summary, out / "ttft.png", title=title)
+    written = [requests_path, out / "summary.json"]
+    if plots:
+        written.append(write_plot(summary, out / "ttft.png", title=title))
     print(format_table(summary))
-    print(f"wrote {requests_path}, {out / 'summary.json'}, {out / 'ttft.png'}")
+    print(f"wrote {', '.join(str(path) for path in written)}")
     errors = sum(figures["num_errors"] for figures in summary["servers"].values())
     return 1 if errors else 0

@@ -6,7 +6,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["write_plot"]
+__all__ = ["PLOTS_MISSING", "plots_available", "write_plot"]
+
+PLOTS_MISSING = "plots skipped: matplotlib is not installed (pip install 'mlxcel[bench]' for ttft.png)"
+
+
+def plots_available() -> bool:
+    """Whether matplotlib can be imported; asked before the run, so the user learns at once."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def write_plot(summary: Mapping[str, Any], path: Path, *, title: str = "") -> Path:
