@@ -89,6 +89,7 @@ async def run_server(engine_config: EngineConfig, server_config: ServerConfig) -
     """Engine plus HTTP until SIGINT/SIGTERM; then drain connections and stop."""
     from mlxcel.engine import run_engine
     from mlxcel.http import serve
+    from mlxcel.http.validation import Limits
 
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
@@ -110,6 +111,8 @@ async def run_server(engine_config: EngineConfig, server_config: ServerConfig) -
                 api_key=server_config.api_key,
                 admin_api_key=server_config.admin_api_key,
                 graceful_timeout=server_config.shutdown_grace_seconds,
+                access_log=server_config.access_log,
+                limits=Limits(user_scopes_session=server_config.session_key_scope == "user"),
                 shutdown_trigger=stop.wait,
                 task_status=task_status,
             )

@@ -97,6 +97,10 @@ class ServerConfig:
     admin_api_key: str | None = attrs.field(default=None, repr=False)
     # Seconds in-flight streams get to finish after SIGTERM before they are cancelled.
     shutdown_grace_seconds: float = 30.0
+    # One log line per request (method, path, status, time; never a prompt).
+    access_log: bool = False
+    # "user": a gateway-set `user` scopes the session; "client": the client's key picks it.
+    session_key_scope: str = "client"
 
 
 # --- value parsers ------------------------------------------------------------
@@ -176,6 +180,13 @@ def parse_hash(text: str) -> str:
     return value
 
 
+def parse_session_key_scope(text: str) -> str:
+    value = text.strip().lower()
+    if value not in ("client", "user"):
+        raise ValueError(f"expected client or user, got {text!r}")
+    return value
+
+
 @attrs.frozen
 class Setting:
     """One flag with its environment variables, in precedence order."""
@@ -234,6 +245,13 @@ SERVER_SETTINGS = (
             "largest accepted request body (default 16 MiB)"),
     Setting("shutdown_grace_seconds", "--shutdown-grace-seconds", ("MLXCEL_SHUTDOWN_GRACE_SECONDS",),
             parse_seconds, "after SIGTERM, seconds in-flight streams get to finish (default 30)"),
+    Setting("access_log", "--access-log", ("MLXCEL_ACCESS_LOG",), parse_bool,
+            "log one line per request: client, method, path, status, time (default false)",
+            optional_value=True),
+    Setting("session_key_scope", "--session-key-scope", ("MLXCEL_SESSION_KEY_SCOPE",),
+            parse_session_key_scope,
+            "client (default): the session is prompt_cache_key, else user; user: a gateway-set "
+            "`user` is the session and a client's prompt_cache_key only subdivides it"),
 )
 
 SCHEDULER_SETTINGS = (

@@ -14,10 +14,12 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from quart import Response, request
+from quart import Response, g, request
 from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
 
 from mlxcel.engine import DeltaStream, Engine
+from mlxcel.http.guards import check_browser_safety, normalized_path, single_authorization
 from mlxcel.http.validation import (
     Limits,
     decode_json_body,
@@ -36,6 +38,7 @@ from mlxcel.types import (
 )
 
 logger = logging.getLogger(__name__)
+access_logger = logging.getLogger("mlxcel.access")
 
 
 def error_response(error: InvalidRequest) -> Response:
@@ -145,7 +148,8 @@ def _legacy_logprobs(logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
     }
 
 
-ADMIN_ROUTES = frozenset({"/v1/cache/reset", "/metrics"})
+# The stats carry every tenant's counters, so they are the admin's, like the reset.
+ADMIN_ROUTES = frozenset({"/v1/cache/reset", "/v1/cache/stats", "/metrics"})
 OPEN_ROUTES = frozenset({"/health"})
 
 
@@ -162,7 +166,10 @@ def create_app(
     limits: Limits | None = None,
     api_key: str | None = None,
     admin_api_key: str | None = None,
+    trusted_hosts: frozenset[str] | None = None,
+    access_log: bool = False,
 ) -> QuartTrio:
+    """``trusted_hosts``: the Host names a keyless server answers to (None: any)."""
     app = QuartTrio(__name__)
     # Streams last as long as generation does; hypercorn's own timeouts guard idle sockets.
     app.config["RESPONSE_TIMEOUT"] = None
@@ -173,10 +180,26 @@ def create_app(
     @app.before_request
     async def authorize() -> Response | None:
         # Runs before the body is read, so a refused request never reaches the engine.
-        if request.path in OPEN_ROUTES:
+        g.started = time.perf_counter()
+        path = normalized_path(request.path)
+        try:
+            authorization = single_authorization(request.headers.getlist("Authorization"))
+            if api_key is None:
+                check_browser_safety(
+                    method=request.method, host=request.headers.get("Host"),
+                    origin=request.headers.get("Origin"), content_type=request.headers.get("Content-Type"),
+                    has_body=bool(request.content_length) or "chunked" in request.headers.get(
+                        "Transfer-Encoding", "").lower(),
+                    trusted_hosts=trusted_hosts,
+                )
+        except InvalidRequest as error:
+            response = error_response(error)
+            response.headers["Connection"] = "close"
+            return response
+        if path in OPEN_ROUTES:
             return None
-        required = admin_api_key if admin_api_key and request.path in ADMIN_ROUTES else api_key
-        if required is None or _key_matches(request.headers.get("Authorization", ""), required):
+        required = admin_api_key if admin_api_key and path in ADMIN_ROUTES else api_key
+        if required is None or _key_matches(authorization, required):
             return None
         response = error_response(InvalidRequest(
             "a valid API key is required: send `Authorization: Bearer <key>`",
@@ -185,6 +208,17 @@ def create_app(
         response.headers["WWW-Authenticate"] = "Bearer"
         # The body was never read, so this connection cannot carry another request.
         response.headers["Connection"] = "close"
+        return response
+
+    @app.after_request
+    async def log_access(response: Response) -> Response:
+        started = g.get("started")
+        if access_log and started is not None:
+            # Method, path, status and time only: never a prompt or a key.
+            access_logger.info(
+                "%s %s %s %d %.1fms", request.remote_addr, request.method, request.path,
+                response.status_code, 1000 * (time.perf_counter() - started),
+            )
         return response
 
     async def read_body() -> object:
@@ -286,6 +320,22 @@ def create_app(
     async def not_allowed(_error: Exception) -> Response:
         return error_response(InvalidRequest(
             f"{request.method} is not allowed on {request.path}", status=405, code="method_not_allowed"))
+
+    @app.errorhandler(HTTPException)
+    async def http_error(error: HTTPException) -> Response:
+        # Every other error Quart raises itself (a bad request line, a timed-out body) in the API's shape.
+        status = error.code or 500
+        response = error_response(InvalidRequest(
+            error.description or error.name, status=status, code=error.name.lower().replace(" ", "_"),
+            error_type="invalid_request_error" if status < 500 else "server_error",
+        ))
+        return response
+
+    @app.errorhandler(Exception)
+    async def internal_error(error: Exception) -> Response:
+        logger.exception("unhandled error on %s %s", request.method, request.path, exc_info=error)
+        return error_response(InvalidRequest(
+            "internal server error", status=500, code="internal_error", error_type="server_error"))
 
     return app
 

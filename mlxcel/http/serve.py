@@ -11,6 +11,8 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from mlxcel.engine import Engine
 from mlxcel.http.app import create_app
+from mlxcel.http.guards import trusted_hosts_for
+from mlxcel.http.validation import Limits
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +28,8 @@ async def serve(
     admin_api_key: str | None = None,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     graceful_timeout: float = 5.0,
+    access_log: bool = False,
+    limits: Limits | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run until ``shutdown_trigger`` returns or the task is cancelled.
@@ -42,6 +46,7 @@ async def serve(
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     app = create_app(
-        engine, max_body_bytes=max_body_bytes, metrics=metrics, api_key=api_key, admin_api_key=admin_api_key
+        engine, max_body_bytes=max_body_bytes, metrics=metrics, api_key=api_key, admin_api_key=admin_api_key,
+        trusted_hosts=trusted_hosts_for(host), access_log=access_log, limits=limits,
     )
     await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)

@@ -67,7 +67,7 @@ _JSON = "invalid_json"
 
 @attrs.frozen(kw_only=True)
 class Limits:
-    """Bounds beyond which a request is refused with a 400."""
+    """Bounds beyond which a request is refused with a 400, and the server-wide parse policies."""
 
     max_tokens_cap: int = attrs.field(default=1 << 20, validator=attrs.validators.ge(1))
     max_stop_strings: int = attrs.field(default=16, validator=attrs.validators.ge(0))
@@ -75,6 +75,9 @@ class Limits:
     max_stop_string_chars: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
     max_messages: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
     max_top_logprobs: int = attrs.field(default=20, validator=attrs.validators.ge(0))
+    # True: the session is the (gateway-set) `user`, and a client's
+    # `prompt_cache_key` only subdivides it (`--session-key-scope user`).
+    user_scopes_session: bool = False
 
 
 DEFAULT_LIMITS = Limits()
@@ -154,7 +157,7 @@ def parse_chat_request(body: object, *, limits: Limits = DEFAULT_LIMITS) -> Chat
     return ChatRequest(
         messages=messages,
         sampling=_openai_sampling(root, limits, default_max_tokens=None, legacy=False),
-        cache=_cache_options(root, extra),
+        cache=_cache_options(root, extra, user_scopes_session=limits.user_scopes_session),
         tools=tools,
         tool_choice=_tool_choice(root, tools),
         chat_template_kwargs=_chat_template_kwargs(root, extra),
@@ -177,7 +180,7 @@ def parse_completion_request(
         sampling=_openai_sampling(
             root, limits, default_max_tokens=_LEGACY_DEFAULT_MAX_TOKENS, legacy=True
         ),
-        cache=_cache_options(root, extra),
+        cache=_cache_options(root, extra, user_scopes_session=limits.user_scopes_session),
         model=_optional(root, "model", _string),
         stream=stream,
         include_usage=include_usage,
@@ -200,7 +203,7 @@ def parse_native_completion(
     return CompletionRequest(
         prompt=_prompt(root, allow_single_item_list=False),
         sampling=sampling,
-        cache=_cache_options(root, extra),
+        cache=_cache_options(root, extra, user_scopes_session=limits.user_scopes_session),
         model=_optional(root, "model", _string),
         stream=_optional(root, "stream", _bool, False),
     )
@@ -519,7 +522,9 @@ def _stream(root: Mapping[str, Any]) -> tuple[bool, bool]:
     return stream, bool(stream and include_usage)
 
 
-def _cache_options(root: Mapping[str, Any], extra: Mapping[str, Any]) -> CacheOptions:
+def _cache_options(
+    root: Mapping[str, Any], extra: Mapping[str, Any], *, user_scopes_session: bool = False
+) -> CacheOptions:
     def both(key: str, read: Callable[[object, str], _T]) -> tuple[_T | None, _T | None]:
         # Both places are checked even when the root value wins.
         return _optional(root, key, read), _optional(extra, key, read, prefix="extra_body")
@@ -536,9 +541,12 @@ def _cache_options(root: Mapping[str, Any], extra: Mapping[str, Any]) -> CacheOp
     cache_prompt = first(both("cache_prompt", _bool))
     keys = both("prompt_cache_key", _string)
     user = _optional(root, "user", _string)
-    session_key = next(
-        (key for key in (*keys, user) if key), CacheOptions().session_key
-    )
+    client_key = next((key for key in keys if key), None)
+    if user_scopes_session and user:
+        # The client may split its user's session but never leave it.
+        session_key = json.dumps([user, client_key]) if client_key else user
+    else:
+        session_key = client_key or user or CacheOptions().session_key
     return CacheOptions(
         cache_prompt=True if cache_prompt is None else cache_prompt,
         session_key=session_key,

@@ -946,3 +946,26 @@ def test_valid_sampling_round_trips(
     assert parse_completion_request(completion(**fields)).sampling == expected
     raw = json.dumps(chat(**fields)).encode()
     assert parse_chat_request(decode_json_body(raw, max_bytes=1 << 20)).sampling == expected
+
+
+SCOPED = Limits(user_scopes_session=True)
+
+
+@pytest.mark.parametrize(("fields", "session_key"), [
+    # The gateway's `user` is the session; the client's key only splits it.
+    ({"user": "ann", "prompt_cache_key": "bob"}, json.dumps(["ann", "bob"])),
+    ({"user": "ann", "extra_body": {"prompt_cache_key": "bob"}}, json.dumps(["ann", "bob"])),
+    ({"user": "ann"}, "ann"),
+    ({"user": "ann", "prompt_cache_key": ""}, "ann"),
+    # No gateway user: as without the scope.
+    ({"prompt_cache_key": "bob"}, "bob"),
+    ({}, ANON),
+])
+def test_a_user_scoped_session_cannot_be_left_by_the_client(fields: dict[str, Any], session_key: str) -> None:
+    for parsed in (parse_chat_request(chat(**fields), limits=SCOPED),
+                   parse_completion_request(completion(**fields), limits=SCOPED),
+                   parse_native_completion(completion(**fields), limits=SCOPED)):
+        assert parsed.cache.session_key == session_key
+    # A client naming another user's session as its key does not land in it.
+    alice = parse_chat_request(chat(user="mallory", prompt_cache_key="alice"), limits=SCOPED).cache.session_key
+    assert alice not in ("alice", parse_chat_request(chat(user="alice"), limits=SCOPED).cache.session_key)
