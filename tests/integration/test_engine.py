@@ -117,20 +117,25 @@ async def test_full_queue_answers_busy(start_engine) -> None:
 
 async def test_long_prefill_is_chunked_and_interleaved_with_decode(start_engine) -> None:
     engine = await start_engine(scheduler=SchedulerConfig(prefill_step_size=32))
-    done = trio.Event()
+    decoding = trio.Event()
+    decoded: list[int] = []
 
     async def decoder() -> None:
-        await engine.chat(chat("short", max_tokens=60))
-        done.set()
+        async with engine.stream(chat("short", max_tokens=60)) as deltas:
+            async for delta in deltas:
+                decoding.set()
+                if delta.usage is not None:
+                    decoded.append(delta.usage.completion_tokens)
 
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(decoder)
-            # Let the short request reach decode before the long prompt arrives.
-            await trio.sleep(0.3)
+            # The long prompt arrives once the short request is decoding (not after a guessed delay).
+            await decoding.wait()
             long_prompt = " ".join(f"word{i}" for i in range(300))
             await engine.chat(chat(long_prompt, max_tokens=2))
     stats = await engine.scheduler_stats()
+    assert decoded == [60], "the short reply ended early: nothing left to interleave with"
     assert stats.num_interleaved_steps >= 3, stats
 
 
