@@ -103,6 +103,9 @@ class TokenLogprob:
     token: str
     logprob: float
     top: tuple[tuple[str, float], ...] = ()
+    # The ids behind `token` and `top` (llama.cpp's `completion_probabilities` shows them).
+    token_id: int = -1
+    top_ids: tuple[int, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -110,6 +113,10 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    # From submission to the first token, and from there to the finish (llama.cpp's
+    # `timings`). Measurements, not identity: left out of equality.
+    prompt_seconds: float = attrs.field(default=0.0, eq=False)
+    decode_seconds: float = attrs.field(default=0.0, eq=False)
 
     @property
     def total_tokens(self) -> int:
@@ -122,8 +129,12 @@ class Delta:
 
     text: str = ""
     logprobs: tuple[TokenLogprob, ...] = ()
+    # The generated ids behind `text` (an end-of-sequence token is neither text nor an id here).
+    token_ids: tuple[int, ...] = ()
     finish_reason: str | None = None
     usage: Usage | None = None
+    # On the last delta: the stop string that ended the reply, if one did.
+    stop_string: str | None = None
 
 
 @attrs.frozen(kw_only=True)

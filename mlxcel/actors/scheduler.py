@@ -74,6 +74,8 @@ class _Running:
     completion_tokens: int = 0
     # Text decoded but held back because it may be the start of a stop string.
     held_text: str = ""
+    # Ids of tokens whose text has not gone out yet.
+    pending_ids: list[int] = attrs.Factory(list)
     prompt_done: bool = False
     finished: bool = False
     # The reply so far, for the warmer (snapshot families only).
@@ -85,14 +87,17 @@ class StopMatcher:
 
     def __init__(self, stop: tuple[str, ...]) -> None:
         self._stop = stop
+        # The stop string that ended the text, once feed found one.
+        self.matched: str | None = None
 
     def feed(self, held: str, new_text: str) -> tuple[str, str, bool]:
         """Returns (text safe to emit, text to keep holding, whether a stop string ended it)."""
         text = held + new_text
         if not self._stop:
             return text, "", False
-        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(index, stop) for stop in self._stop if (index := text.find(stop)) >= 0]
+        if found:
+            cut, self.matched = min(found, key=lambda pair: pair[0])
             return text[:cut], "", True
         keep = 0
         for stop in self._stop:
@@ -590,10 +595,12 @@ class SchedulerActor:
     def _on_token(self, running: _Running, token: SampledToken) -> None:
         if running.first_token_at is None:
             running.first_token_at = trio.current_time()
-        running.completion_tokens += 1
         is_eos = token.finish_reason == "stop" and token.token in self._eos_token_ids
+        # As OpenAI does, the end-of-sequence token is neither counted nor given a logprob.
         if not is_eos:
+            running.completion_tokens += 1
             running.detokenizer.add_token(token.token)
+            running.pending_ids.append(token.token)
         if token.finish_reason is not None:
             running.detokenizer.finalize()
         matcher = StopMatcher(running.request.sampling.stop)
@@ -601,15 +608,18 @@ class SchedulerActor:
         if token.finish_reason is not None and not hit_stop:
             # The device finished and dropped the sequence; flush what was held.
             emit, running.held_text = emit + running.held_text, ""
-        logprobs = self._logprobs(running, token)
+        logprobs = () if is_eos else self._logprobs(running, token)
         if emit or logprobs:
             if self._snapshots:
                 running.reply_parts.append(emit)
-            self._send_event(running, Delta(text=emit, logprobs=logprobs))
+            token_ids, running.pending_ids = tuple(running.pending_ids), []
+            self._send_event(running, Delta(text=emit, logprobs=logprobs, token_ids=token_ids))
             if running.finished:
                 return  # the client went away: cancelled, not completed
         if hit_stop:
-            self._finish_running(running, donate=True, reason="stop")
+            # The ids still pending spell the stop string, which is not part of the reply.
+            running.pending_ids = []
+            self._finish_running(running, donate=True, reason="stop", stop_string=matcher.matched)
         elif token.finish_reason is not None:
             self._finish_running(running, donate=True, reason=token.finish_reason, on_device=False)
 
@@ -622,10 +632,15 @@ class SchedulerActor:
                 token=decode([token.token]),
                 logprob=token.logprob,
                 top=tuple((decode([tid]), value) for tid, value in token.top_logprobs),
+                token_id=token.token,
+                top_ids=tuple(tid for tid, _ in token.top_logprobs),
             ),
         )
 
-    def _finish_running(self, running: _Running, *, donate: bool, reason: str | None, on_device: bool = True) -> None:
+    def _finish_running(
+        self, running: _Running, *, donate: bool, reason: str | None, on_device: bool = True,
+        stop_string: str | None = None,
+    ) -> None:
         """End a request. ``reason`` None means cancelled: no final event, no donation.
 
         A reply counts as a healthy completion only if its final event reaches
@@ -633,14 +648,17 @@ class SchedulerActor:
         """
         running.finished = True
         context = running.request.cache_context
+        now = trio.current_time()
+        first_token_at = now if running.first_token_at is None else running.first_token_at
         usage = Usage(
             prompt_tokens=len(running.request.prompt_tokens),
             completion_tokens=running.completion_tokens,
             cached_tokens=running.cached_tokens,
+            prompt_seconds=first_token_at - running.submitted_at,
+            decode_seconds=now - first_token_at,
         )
-        healthy = reason is not None and self._send_event_to(
-            running.request.events, Delta(finish_reason=reason, usage=usage)
-        )
+        final = Delta(finish_reason=reason, usage=usage, token_ids=tuple(running.pending_ids), stop_string=stop_string)
+        healthy = reason is not None and self._send_event_to(running.request.events, final)
         if reason is not None and not healthy:
             self._num_cancelled += 1
         donate = donate and healthy and context is not None

@@ -599,10 +599,11 @@ def _message(value: object, path: str) -> dict[str, Any]:
         )
     result: dict[str, Any] = {
         "role": role,
-        "content": None if content is None else _content(content, f"{path}.content"),
+        # Templates concatenate message['content']: null (a tool-call turn) renders as "", as in mlx_lm.server.
+        "content": "" if content is None else _content(content, f"{path}.content"),
     }
     if tool_calls:
-        result["tool_calls"] = tool_calls
+        result["tool_calls"] = [_template_tool_call(call) for call in tool_calls]
     for key in ("name", "reasoning_content") + (("tool_call_id",) if role == "tool" else ()):
         text = _optional(message, key, _string, prefix=path)
         if text is not None:
@@ -663,8 +664,25 @@ def _tool_calls(value: object, path: str) -> list[Any]:
                 f"got {_kind(arguments)}",
                 _TYPE,
             )
-    # Arguments stay as sent (string or object); the chat renderer decides.
     return _json_value(calls, path)
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A tool call as chat templates read it: `function.arguments` an object.
+
+    Clients send the JSON string the API returned; HF templates (Qwen's
+    `arguments | tojson`) expect the parsed object. A string that is not a
+    JSON object stays as sent, for templates that print strings as they are.
+    """
+    arguments = call["function"]["arguments"]
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            return call
+        if isinstance(parsed, dict):
+            return {**call, "function": {**call["function"], "arguments": parsed}}
+    return call
 
 
 # --- tools -------------------------------------------------------------------

@@ -255,9 +255,9 @@ async def test_request_streams_deltas_then_usage(start_scheduler: StartScheduler
     received, ended = available(events)
     assert ended
     assert received == [
-        Delta(text="a"),
-        Delta(text="b"),
-        Delta(text="c"),
+        Delta(text="a", token_ids=(0,)),
+        Delta(text="b", token_ids=(1,)),
+        Delta(text="c", token_ids=(2,)),
         Delta(finish_reason="length", usage=Usage(prompt_tokens=3, completion_tokens=3, cached_tokens=0)),
     ]
     stats = await harness.stats()
@@ -282,7 +282,29 @@ async def test_eos_token_is_not_emitted_as_text(start_scheduler: StartScheduler)
     received, ended = available(events)
     assert ended
     assert text_of(received) == "a"
-    assert received[-1] == Delta(finish_reason="stop", usage=Usage(prompt_tokens=3, completion_tokens=2))
+    # The end-of-sequence token is not counted, as OpenAI counts.
+    assert received[-1] == Delta(finish_reason="stop", usage=Usage(prompt_tokens=3, completion_tokens=1))
+
+
+async def test_eos_token_has_no_logprob_and_is_not_counted(start_scheduler: StartScheduler) -> None:
+    harness = await start_scheduler()
+    events = await harness.submit("r1", logprobs=True)
+    step = await harness.step()
+    await harness.reply(step, sampled=(token(0, 0),), decode_batch_size=1)
+    step = await harness.step()
+    await harness.reply(step, sampled=(token(0, 1),), decode_batch_size=1)
+    step = await harness.step()
+    await harness.reply(step, sampled=(token(0, EOS, "stop"),), decode_batch_size=1)
+    received, ended = available(events)
+    assert ended
+    logprobs = [item for event in received for item in event.logprobs]
+    assert [item.token for item in logprobs] == ["a", "b"]
+    assert [item.token_id for item in logprobs] == [0, 1]
+    assert [tid for event in received for tid in event.token_ids] == [0, 1]
+    assert received[-1].usage.completion_tokens == len(logprobs) == 2
+    assert received[-1].stop_string is None
+    usage = received[-1].usage
+    assert usage.prompt_seconds >= 0 and usage.decode_seconds >= 0
 
 
 async def test_logprobs_are_decoded_with_the_tokenizer(start_scheduler: StartScheduler) -> None:
@@ -321,7 +343,7 @@ async def test_cancel_mid_stream_removes_without_donating(start_scheduler: Start
 
     received, ended = available(events)
     assert ended
-    assert received == [Delta(text="a")]  # no final usage delta for a cancelled request
+    assert received == [Delta(text="a", token_ids=(0,))]  # no final usage delta for a cancelled request
     stats = await harness.stats()
     assert stats.num_running == 0
     assert stats.num_cancelled == 1
@@ -382,7 +404,7 @@ async def test_slow_client_with_a_full_buffer_is_dropped(start_scheduler: StartS
     assert step.remove == (RemoveSequence(sequence_id=0, donate=False),)
     await harness.reply(step)
     await harness.assert_idle()
-    assert available(events) == ([Delta(text="a")], True)
+    assert available(events) == ([Delta(text="a", token_ids=(0,))], True)
     assert (await harness.stats()).num_cancelled == 1
 
 
@@ -471,7 +493,7 @@ async def test_stop_string_split_across_tokens_is_never_emitted(start_scheduler:
     assert ended
     assert text_of(received) == "a"
     assert not any("b" in event.text or "c" in event.text for event in received if isinstance(event, Delta))
-    assert received[-1] == Delta(finish_reason="stop", usage=Usage(prompt_tokens=3, completion_tokens=3))
+    assert received[-1] == Delta(finish_reason="stop", usage=Usage(prompt_tokens=3, completion_tokens=3), stop_string="bc")
     assert drain(harness.warmer) == [ReplyFinished(
         context=CONTEXT, chat=None, reply_text="", prompt_tokens=3, completion_tokens=3
     )]

@@ -466,8 +466,10 @@ def test_messages_are_normalised() -> None:
         {"role": "system", "content": "be brief"},
         {"role": "developer", "content": ""},
         {"role": "user", "content": "ab", "name": "ann"},
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "g", "arguments": {"y": [1]}}}]},
+        # Null content renders as ""; a JSON-string arguments is parsed, as templates expect.
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "g", "arguments": {"y": [1]}}}]},
         {"role": "tool", "content": "42", "tool_call_id": "c1"},
         {"role": "assistant", "content": "done", "reasoning_content": "hm"},
         {"role": "user", "content": "ok"},
@@ -476,6 +478,13 @@ def test_messages_are_normalised() -> None:
     # Nothing mutable is shared with the caller's body.
     body["messages"][3]["tool_calls"][0]["function"]["name"] = "changed"
     assert request.messages[3]["tool_calls"][0]["function"]["name"] == "f"
+
+
+def test_tool_call_arguments_that_are_not_a_json_object_stay_as_sent() -> None:
+    for arguments in ("not json", "[1, 2]"):
+        call = {"function": {"name": "f", "arguments": arguments}}
+        request = parse_chat_request({"messages": [{"role": "assistant", "content": None, "tool_calls": [call]}]})
+        assert request.messages[0]["tool_calls"][0]["function"]["arguments"] == arguments
 
 
 GOOD_SAMPLING: list[tuple[dict[str, Any], SamplingParams]] = [
