@@ -96,6 +96,8 @@ class CompletionRequest:
     model: str | None = None
     stream: bool = False
     include_usage: bool = False
+    # llama.cpp's `return_tokens`: the reply's token ids in a whole `/completion` body.
+    return_tokens: bool = False
 
 
 @attrs.frozen(kw_only=True)

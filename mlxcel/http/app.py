@@ -19,6 +19,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from mlxcel.engine import DeltaStream, Engine
+from mlxcel.http import llamacpp
 from mlxcel.http.guards import check_browser_safety, normalized_path, single_authorization
 from mlxcel.http.validation import (
     Limits,
@@ -83,22 +84,21 @@ def sse(body: Any) -> bytes:
 class _Shapes:
     """Response bodies for one endpoint family (chat, completions, native)."""
 
-    def __init__(self, kind: str, model: str) -> None:
+    def __init__(self, kind: str, model: str, native: llamacpp.NativeReply | None = None) -> None:
         self.kind = kind
         self.model = model
+        self.native = native
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
 
     def _envelope(self, object_name: str, choices: list[Any]) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
 
-    def whole(self, text: str, finish_reason: str, usage: Usage, logprobs: tuple[TokenLogprob, ...], want_logprobs: bool) -> dict[str, Any]:
-        if self.kind == "native":
-            return {
-                "content": text, "stop": True, "model": self.model, "stop_type": "limit" if finish_reason == "length" else "eos",
-                "tokens_predicted": usage.completion_tokens, "tokens_evaluated": usage.prompt_tokens,
-                "tokens_cached": usage.cached_tokens, "usage": usage_body(usage),
-            }
+    def whole(self, text: str, finish_reason: str, usage: Usage, logprobs: tuple[TokenLogprob, ...], want_logprobs: bool,
+              token_ids: tuple[int, ...] = (), stop_string: str | None = None) -> dict[str, Any]:
+        if self.native is not None:
+            return {**self.native.whole(text, finish_reason, usage, logprobs, token_ids, stop_string),
+                    "usage": usage_body(usage)}
         if self.kind == "chat":
             choice = {
                 "index": 0,
@@ -115,11 +115,10 @@ class _Shapes:
         return body
 
     def chunk(self, delta: Delta, want_logprobs: bool, *, first: bool = False) -> dict[str, Any]:
-        if self.kind == "native":
-            body: dict[str, Any] = {"content": delta.text, "stop": delta.finish_reason is not None}
+        if self.native is not None:
+            body: dict[str, Any] = self.native.chunk(delta)
             if delta.usage is not None:
-                body.update(tokens_predicted=delta.usage.completion_tokens, tokens_evaluated=delta.usage.prompt_tokens,
-                            tokens_cached=delta.usage.cached_tokens, usage=usage_body(delta.usage))
+                body["usage"] = usage_body(delta.usage)
             return body
         if self.kind == "chat":
             content: dict[str, Any] = {"content": delta.text} if delta.text or first else {}
@@ -252,7 +251,8 @@ def create_app(
             deltas = engine.stream(parsed)
         except InvalidRequest as error:
             return error_response(error)
-        shapes = _Shapes(kind, engine.model_id)
+        shapes = _Shapes(kind, engine.model_id,
+                         llamacpp.NativeReply(parsed, engine) if isinstance(parsed, CompletionRequest) and kind == "native" else None)
         want_logprobs = parsed.sampling.logprobs
         try:
             first = await deltas.__anext__()
@@ -270,17 +270,34 @@ def create_app(
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
+    # Without /v1 too: llama.cpp's server answers there, and its clients call it so.
     @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")
     async def chat_completions() -> Response:
         return await generate("chat", parse_chat_request)
 
     @app.post("/v1/completions")
+    @app.post("/completions")
     async def completions() -> Response:
         return await generate("completions", parse_completion_request)
 
     @app.post("/completion")
     async def native_completion() -> Response:
         return await generate("native", parse_native_completion)
+
+    async def tokens_route(handler: Callable[[Engine, object], Any]) -> Response:
+        try:
+            return json_response(await handler(engine, await read_body()))
+        except InvalidRequest as error:
+            return error_response(error)
+
+    @app.post("/tokenize")
+    async def tokenize() -> Response:
+        return await tokens_route(llamacpp.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize() -> Response:
+        return await tokens_route(llamacpp.detokenize)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -343,17 +360,20 @@ def create_app(
 async def _whole_response(deltas: DeltaStream, first: Delta, shapes: _Shapes, want_logprobs: bool) -> Response:
     texts = [first.text]
     logprobs = list(first.logprobs)
+    token_ids = list(first.token_ids)
     last = first
     async with deltas:
         try:
             async for delta in deltas:
                 texts.append(delta.text)
                 logprobs.extend(delta.logprobs)
+                token_ids.extend(delta.token_ids)
                 last = delta
         except InvalidRequest as error:
             return error_response(error)
     assert last.finish_reason is not None and last.usage is not None
-    return json_response(shapes.whole("".join(texts), last.finish_reason, last.usage, tuple(logprobs), want_logprobs))
+    return json_response(shapes.whole("".join(texts), last.finish_reason, last.usage, tuple(logprobs), want_logprobs,
+                                      tuple(token_ids), last.stop_string))
 
 
 async def _event_stream(

@@ -193,12 +193,19 @@ def parse_native_completion(
     """Validate a llama.cpp-style `POST /completion` body."""
     root = _root(body)
     extra = _extra_body(root)
+    # llama.cpp's n_probs: the top N alternatives of each token (pre-sampling, as its default).
+    n_probs = _optional(root, "n_probs", lambda value, path: _int(value, path, 0, limits.max_top_logprobs), 0)
+    if _optional(root, "post_sampling_probs", _bool, False):
+        _fail("post_sampling_probs", "post_sampling_probs is not supported; n_probs gives pre-sampling "
+              "log-probabilities", _UNSUPPORTED)
     sampling = SamplingParams(
         temperature=_optional(root, "temperature", _temperature, 1.0),
         top_p=_optional(root, "top_p", _top_p, 1.0),
         max_tokens=_native_max_tokens(root, limits),
         stop=_stop(root, limits),
         seed=_optional(root, "seed", _native_seed),
+        logprobs=bool(n_probs),
+        top_logprobs=n_probs or 0,
     )
     return CompletionRequest(
         prompt=_prompt(root, allow_single_item_list=False),
@@ -206,6 +213,7 @@ def parse_native_completion(
         cache=_cache_options(root, extra, user_scopes_session=limits.user_scopes_session),
         model=_optional(root, "model", _string),
         stream=_optional(root, "stream", _bool, False),
+        return_tokens=_optional(root, "return_tokens", _bool, False),
     )
 
 

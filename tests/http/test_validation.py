@@ -681,14 +681,18 @@ def test_native_sampling(fields: dict[str, Any], expected: SamplingParams) -> No
 
 def test_native_completion_fields() -> None:
     request = parse_native_completion(
-        {"prompt": [1, 2, 3], "stream": True, "cache_prompt": False, "model": "m", "n_probs": 3}
+        {"prompt": [1, 2, 3], "stream": True, "cache_prompt": False, "model": "m", "n_probs": 3,
+         "return_tokens": True}
     )
     assert request == CompletionRequest(
         prompt=(1, 2, 3),
+        # n_probs is llama.cpp's top-N log-probabilities.
+        sampling=SamplingParams(logprobs=True, top_logprobs=3),
         cache=CacheOptions(cache_prompt=False),
         model="m",
         stream=True,
         include_usage=False,
+        return_tokens=True,
     )
 
 

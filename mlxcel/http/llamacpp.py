@@ -1,0 +1,200 @@
+"""llama.cpp's native shapes: `/completion` replies, `/tokenize` and `/detokenize`.
+
+Field names and meanings follow llama.cpp's server README (tools/server).
+The tokenizer is the engine's (`engine.model.tokenizer`, a plain tokenizers
+object: no MLX here); it runs in a worker thread, as the router runs it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import trio
+
+from mlxcel.engine import Engine
+from mlxcel.http.validation import _bool, _int, _list, _required, _root, _string
+from mlxcel.types import CompletionRequest, Delta, TokenLogprob, Usage
+
+__all__ = ["NativeReply", "detokenize", "tokenize"]
+
+
+# --- token bytes -----------------------------------------------------------------
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's byte-to-character table that byte-level BPE vocabularies are written in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    characters = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            characters.append(256 + extra)
+            extra += 1
+    return {chr(character): byte for byte, character in zip(printable, characters)}
+
+
+def _backend(tokenizer: Any) -> Any:
+    # mlx-lm's TokenizerWrapper keeps the transformers tokenizer in `_tokenizer`.
+    return getattr(tokenizer, "_tokenizer", tokenizer)
+
+
+def vocabulary_size(tokenizer: Any) -> int:
+    return len(_backend(tokenizer))
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """A token's own bytes, which may be part of a UTF-8 character."""
+    backend = _backend(tokenizer)
+    piece = backend.convert_ids_to_tokens(token_id)
+    decoder = _byte_decoder()
+    if isinstance(piece, str) and all(character in decoder for character in piece):
+        return bytes(decoder[character] for character in piece)
+    return backend.decode([token_id]).encode("utf-8")
+
+
+def _piece(raw: bytes) -> str | list[int]:
+    # llama.cpp: the piece as a string when it is valid UTF-8, else its bytes.
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
+
+
+# --- /tokenize and /detokenize ------------------------------------------------------
+
+
+def _tokenize_sync(tokenizer: Any, body: Mapping[str, Any]) -> dict[str, Any]:
+    content = _string(_required(body, "content"), "content")
+    add_special = _optional_bool(body, "add_special", False)
+    with_pieces = _optional_bool(body, "with_pieces", False)
+    parse_special = _optional_bool(body, "parse_special", True)
+    ids = _backend(tokenizer).encode(content, add_special_tokens=add_special, split_special_tokens=not parse_special)
+    if not with_pieces:
+        return {"tokens": list(ids)}
+    return {"tokens": [{"id": token_id, "piece": _piece(token_bytes(tokenizer, token_id))} for token_id in ids]}
+
+
+def _detokenize_sync(tokenizer: Any, body: Mapping[str, Any]) -> dict[str, Any]:
+    items = _list(_required(body, "tokens"), "tokens")
+    last = vocabulary_size(tokenizer) - 1
+    ids = [_int(item, f"tokens[{index}]", 0, last) for index, item in enumerate(items)]
+    return {"content": _backend(tokenizer).decode(ids)}
+
+
+def _optional_bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key)
+    return default if value is None else _bool(value, key)
+
+
+async def tokenize(engine: Engine, body: object) -> dict[str, Any]:
+    return await trio.to_thread.run_sync(_tokenize_sync, engine.model.tokenizer, _root(body))
+
+
+async def detokenize(engine: Engine, body: object) -> dict[str, Any]:
+    return await trio.to_thread.run_sync(_detokenize_sync, engine.model.tokenizer, _root(body))
+
+
+# --- /completion replies ----------------------------------------------------------
+
+
+class NativeReply:
+    """The body (or events) of one `/completion` reply."""
+
+    def __init__(self, request: CompletionRequest, engine: Engine) -> None:
+        self._request = request
+        self._model = engine.model_id
+        self._tokenizer = engine.model.tokenizer
+        self._context_size = engine.model.context_size
+        self._has_new_line = False
+
+    def whole(
+        self, text: str, finish_reason: str, usage: Usage, logprobs: tuple[TokenLogprob, ...],
+        token_ids: tuple[int, ...], stop_string: str | None,
+    ) -> dict[str, Any]:
+        self._has_new_line = "\n" in text
+        body = {"content": text, "tokens": list(token_ids) if self._request.return_tokens else [], "stop": True}
+        if self._request.sampling.logprobs:
+            body["completion_probabilities"] = self._probabilities(logprobs)
+        return {**body, **self._final(finish_reason, usage, stop_string)}
+
+    def chunk(self, delta: Delta) -> dict[str, Any]:
+        self._has_new_line = self._has_new_line or "\n" in delta.text
+        body: dict[str, Any] = {"content": delta.text, "tokens": list(delta.token_ids),
+                                "stop": delta.finish_reason is not None}
+        if self._request.sampling.logprobs and delta.logprobs:
+            body["completion_probabilities"] = self._probabilities(delta.logprobs)
+        if delta.finish_reason is not None and delta.usage is not None:
+            body.update(self._final(delta.finish_reason, delta.usage, delta.stop_string))
+        return body
+
+    def _final(self, finish_reason: str, usage: Usage, stop_string: str | None) -> dict[str, Any]:
+        if finish_reason == "length":
+            stop_type = "limit"
+        else:
+            stop_type = "word" if stop_string is not None else "eos"
+        return {
+            "model": self._model,
+            "stop_type": stop_type,
+            "stopping_word": stop_string or "",
+            "has_new_line": self._has_new_line,
+            # The context filled up before the reply ended (the router caps the reply to the room left).
+            "truncated": finish_reason == "length" and usage.total_tokens >= self._context_size,
+            "tokens_predicted": usage.completion_tokens,
+            "tokens_evaluated": usage.prompt_tokens,
+            "tokens_cached": usage.cached_tokens,
+            "generation_settings": self._generation_settings(),
+            "timings": timings(usage),
+        }
+
+    def _generation_settings(self) -> dict[str, Any]:
+        request = self._request
+        sampling = request.sampling
+        return {
+            "n_ctx": self._context_size,
+            "model": self._model,
+            "n_predict": -1 if sampling.max_tokens is None else sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "seed": -1 if sampling.seed is None else sampling.seed,
+            "stop": list(sampling.stop),
+            "n_probs": sampling.top_logprobs if sampling.logprobs else 0,
+            "stream": request.stream,
+            "cache_prompt": request.cache.cache_prompt,
+            "return_tokens": request.return_tokens,
+        }
+
+    def _probabilities(self, logprobs: tuple[TokenLogprob, ...]) -> list[dict[str, Any]]:
+        def one(token_id: int, token: str, logprob: float) -> dict[str, Any]:
+            return {"id": token_id, "token": token, "logprob": logprob,
+                    "bytes": list(token_bytes(self._tokenizer, token_id))}
+
+        return [
+            {**one(item.token_id, item.token, item.logprob),
+             "top_logprobs": [one(token_id, token, logprob)
+                              for token_id, (token, logprob) in zip(item.top_ids, item.top)]}
+            for item in logprobs
+        ]
+
+
+def timings(usage: Usage) -> dict[str, float | int]:
+    """llama.cpp's `timings`: prompt time is from submission to the first token, decode time after it."""
+    prompt_n = usage.prompt_tokens - usage.cached_tokens
+    prompt_ms = usage.prompt_seconds * 1000
+    predicted_ms = usage.decode_seconds * 1000
+    return {
+        "cache_n": usage.cached_tokens,
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+        "prompt_per_second": prompt_n / usage.prompt_seconds if usage.prompt_seconds > 0 else 0.0,
+        "predicted_n": usage.completion_tokens,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / usage.completion_tokens if usage.completion_tokens else 0.0,
+        "predicted_per_second": (
+            usage.completion_tokens / usage.decode_seconds if usage.decode_seconds > 0 else 0.0
+        ),
+    }
