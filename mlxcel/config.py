@@ -76,6 +76,8 @@ class EngineConfig:
     # None: the model's max_position_embeddings.
     ctx_size: int | None = None
     chat_template_kwargs: Mapping[str, Any] = attrs.field(factory=dict)
+    # Accept `chat_template` in a request's chat_template_kwargs (rendered in a bounded sandbox).
+    allow_request_chat_template: bool = False
     prompt_cache: PromptCacheConfig = PromptCacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     # Test-only fault hook: the device fails the step whose number is given,
@@ -271,6 +273,13 @@ SCHEDULER_SETTINGS = (
             "plans are reused and unmasked: auto (with CUDA only), true or false (default auto)"),
 )
 
+ENGINE_SETTINGS = (
+    Setting("allow_request_chat_template", "--allow-request-chat-template",
+            ("MLXCEL_ALLOW_REQUEST_CHAT_TEMPLATE",), parse_bool,
+            "accept a chat template in a request's chat_template_kwargs, rendered in a bounded "
+            "sandbox (default false: such a request gets a 400)", optional_value=True),
+)
+
 
 class _OneLineParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line and exit status 2."""
@@ -342,6 +351,7 @@ def build_serve_parser(prog: str = "mlxcel serve") -> argparse.ArgumentParser:
     add_settings(parser, PROMPT_CACHE_SETTINGS)
     add_settings(parser, SCHEDULER_SETTINGS)
     add_settings(parser, SERVER_SETTINGS)
+    add_settings(parser, ENGINE_SETTINGS)
     return parser
 
 
@@ -370,6 +380,7 @@ def build_configs(
         ctx_size=namespace.ctx_size,
         prompt_cache=prompt_cache,
         scheduler=scheduler,
+        **resolve_settings(namespace, ENGINE_SETTINGS, environ),
     )
     host = namespace.host or environ.get("MLXCEL_HOST") or "127.0.0.1"
     port = namespace.port

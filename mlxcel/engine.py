@@ -286,6 +286,8 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             default_template_kwargs=config.chat_template_kwargs,
             cache_enabled=config.prompt_cache.enabled,
             history_boundaries=snapshots is not None,
+            allow_request_template=config.allow_request_chat_template,
+            memo_per_session=not config.prompt_cache.cross_session,
         )
         await nursery.start(MetricsActor(inbox=metrics_inbox).run)
         await nursery.start(CacheStoreActor(

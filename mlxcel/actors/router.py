@@ -1,9 +1,10 @@
 """The router actor: from a validated API request to token ids and a cache context.
 
-It renders the chat template, tokenizes (in a worker thread: tokenizers are
+It renders the chat template, tokenizes (in worker threads: tokenizers are
 pure CPU work that releases the GIL, and the model's MLX state is not
 touched), checks the context size, resolves the cache context, and submits
-the request to the scheduler.
+the request to the scheduler. Up to ``MAX_CONCURRENT_ROUTES`` requests are
+rendered and tokenized at once, so one huge prompt does not hold up the rest.
 """
 
 from __future__ import annotations
@@ -17,14 +18,32 @@ import trio
 
 from mlxcel.actors.device import ModelInfo
 from mlxcel.actors.messages import RequestFailed, RouteRequest, SubmitRequest
-from mlxcel.model.tokenize import SegmentTokenizer
-from mlxcel.cache.key import CacheContext, effective_tool_choice, rope_regime_for, template_signature
+from mlxcel.cache.key import (
+    CacheContext,
+    effective_tool_choice,
+    rope_regime_for,
+    template_signature,
+)
+from mlxcel.model.chat_template import (
+    RENDER_TIMEOUT_S,
+    RenderOverrun,
+    RequestTemplates,
+    check_size,
+    render_deadline,
+)
+from mlxcel.model.tokenize import SegmentTokenizer, max_chars_per_token, vocabulary_size
 from mlxcel.types import ChatRequest, CompletionRequest, InvalidRequest, ServerBusy
 
 logger = logging.getLogger(__name__)
 
 # The template signature of raw-text prompts, which bypass the chat template.
 RAW_PROMPT_TEMPLATE = "mlxcel:raw-prompt"
+# Requests rendered and tokenized at the same time (each in its own worker thread).
+MAX_CONCURRENT_ROUTES = 4
+# Characters per token of context allowed in a rendered prompt when the
+# tokenizer gives no proven bound (see max_chars_per_token): only a size cap.
+FALLBACK_CHARS_PER_TOKEN = 1024
+REQUEST_TEMPLATE_PARAM = "chat_template_kwargs.chat_template"
 
 
 @attrs.frozen(kw_only=True)
@@ -45,9 +64,17 @@ class PromptRenderer:
         default_template_kwargs: Mapping[str, Any],
         cache_enabled: bool,
         history_boundaries: bool = False,
+        allow_request_template: bool = False,
+        memo_per_session: bool = False,
     ) -> None:
         self._model = model
         self._segments = SegmentTokenizer(model.tokenizer)
+        self._vocab_size = vocabulary_size(model.tokenizer, model.config)
+        # Rendered text longer than this cannot fit the context (or, without a proven bound, is absurd).
+        self._max_chars = model.context_size * (max_chars_per_token(model.tokenizer) or FALLBACK_CHARS_PER_TOKEN)
+        self._request_templates = RequestTemplates(max_chars=self._max_chars) if allow_request_template else None
+        # Without cross-session reuse, the tokenizer's memo is kept per session too.
+        self._memo_per_session = memo_per_session
         # Snapshot families split prefill where the conversation history ends.
         self._history_boundaries = history_boundaries
         self._default_template_kwargs = dict(default_template_kwargs)
@@ -60,13 +87,16 @@ class PromptRenderer:
         tokenizer = self._model.tokenizer
         if isinstance(request, CompletionRequest):
             if isinstance(request.prompt, str):
+                self._check_fits(request.prompt, "prompt")
                 tokens = tuple(tokenizer.encode(request.prompt))
             else:
                 tokens = request.prompt
+                self._check_token_ids(tokens)
             return RenderedPrompt(tokens=tokens, template_sig=template_signature(RAW_PROMPT_TEMPLATE, {}, "none", None))
-        kwargs = {**self._default_template_kwargs, **request.chat_template_kwargs}
+        kwargs = self._template_kwargs(request)
         tools = list(request.tools) if request.tools else None
-        tokens = self._chat_tokens(request.messages, tools, kwargs, add_generation_prompt=True)
+        namespace = self._memo_namespace(request)
+        tokens = self._chat_tokens(request.messages, tools, kwargs, add_generation_prompt=True, namespace=namespace)
         try:
             tool_choice = effective_tool_choice(request.tool_choice, tools)
         except ValueError as error:
@@ -74,35 +104,90 @@ class PromptRenderer:
         template_sig = template_signature(self._model.chat_template, kwargs, tool_choice, tools)
         boundary = None
         if self._history_boundaries and len(request.messages) > 1 and request.messages[-1].get("role") == "user":
-            history = self._chat_tokens(request.messages[:-1], tools, kwargs, add_generation_prompt=False)
+            history = self._chat_tokens(
+                request.messages[:-1], tools, kwargs, add_generation_prompt=False, namespace=namespace
+            )
             if 0 < len(history) < len(tokens) and tokens[: len(history)] == history:
                 boundary = len(history)
         return RenderedPrompt(tokens=tokens, template_sig=template_sig, history_boundary=boundary)
 
     def next_turn_history(self, request: ChatRequest, reply_text: str) -> tuple[int, ...]:
         """The tokens the next turn will start with: this conversation plus the reply."""
-        kwargs = {**self._default_template_kwargs, **request.chat_template_kwargs}
+        kwargs = self._template_kwargs(request)
         tools = list(request.tools) if request.tools else None
         messages = (*request.messages, {"role": "assistant", "content": reply_text})
-        return self._chat_tokens(messages, tools, kwargs, add_generation_prompt=False)
+        return self._chat_tokens(
+            messages, tools, kwargs, add_generation_prompt=False, namespace=self._memo_namespace(request)
+        )
+
+    def _template_kwargs(self, request: ChatRequest) -> dict[str, Any]:
+        if "chat_template" in request.chat_template_kwargs:
+            if self._request_templates is None:
+                raise InvalidRequest(
+                    "this server does not accept a chat template in the request "
+                    "(the operator can allow it with --allow-request-chat-template)",
+                    param=REQUEST_TEMPLATE_PARAM,
+                )
+            if not isinstance(request.chat_template_kwargs["chat_template"], str):
+                raise InvalidRequest("the chat template must be a string", param=REQUEST_TEMPLATE_PARAM)
+        return {**self._default_template_kwargs, **request.chat_template_kwargs}
+
+    def _memo_namespace(self, request: ChatRequest) -> tuple[str, str | None]:
+        """Whose tokenizer memo a request may use: its salt's, and its session's when sessions are isolated."""
+        return (request.cache.cache_salt, request.cache.session_key if self._memo_per_session else None)
+
+    def _check_fits(self, text: str, param: str) -> None:
+        """Refuse, before tokenizing, text the context provably cannot hold."""
+        try:
+            check_size(text, self._max_chars)
+        except RenderOverrun as error:
+            raise InvalidRequest(str(error), param=param, code="context_length_exceeded") from None
+
+    def _check_token_ids(self, tokens: tuple[int, ...]) -> None:
+        if self._vocab_size is None or not tokens or max(tokens) < self._vocab_size:
+            return
+        index = next(index for index, token in enumerate(tokens) if token >= self._vocab_size)
+        raise InvalidRequest(
+            f"token id {tokens[index]} is outside this model's vocabulary (ids 0 to {self._vocab_size - 1})",
+            param=f"prompt[{index}]",
+        )
 
     def _chat_tokens(
-        self, messages: Any, tools: list[Any] | None, kwargs: Mapping[str, Any], *, add_generation_prompt: bool
+        self,
+        messages: Any,
+        tools: list[Any] | None,
+        kwargs: Mapping[str, Any],
+        *,
+        add_generation_prompt: bool,
+        namespace: tuple[str, str | None],
     ) -> tuple[int, ...]:
+        text = self._render_text([dict(message) for message in messages], tools, kwargs, add_generation_prompt)
+        self._check_fits(text, "messages")
+        return self._segments.encode(text, namespace=namespace)
+
+    def _render_text(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None, kwargs: Mapping[str, Any],
+        add_generation_prompt: bool,
+    ) -> str:
         tokenizer = self._model.tokenizer
+        template = kwargs.get("chat_template") if self._request_templates is not None else None
         try:
-            text = tokenizer.apply_chat_template(
-                [dict(message) for message in messages],
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=False,
-                **kwargs,
-            )
+            if template is not None:
+                variables = {**getattr(tokenizer, "special_tokens_map", {}), **kwargs}
+                variables.update(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt)
+                return self._request_templates.render(template, variables)
+            with render_deadline(RENDER_TIMEOUT_S):
+                return tokenizer.apply_chat_template(
+                    messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+                )
+        except RenderOverrun as error:
+            if error.too_large and template is None:
+                raise InvalidRequest(str(error), param="messages", code="context_length_exceeded") from None
+            raise InvalidRequest(str(error), param=REQUEST_TEMPLATE_PARAM if template else "messages") from None
         except Exception as error:  # noqa: BLE001 - a template error is the request's fault
             raise InvalidRequest(
                 f"the chat template could not render these messages: {error}", param="messages"
             ) from None
-        return self._segments.encode(text)
 
 
 class RouterActor:
@@ -114,6 +199,7 @@ class RouterActor:
         cache_enabled: bool,
         inbox: trio.MemoryReceiveChannel[RouteRequest],
         to_scheduler: trio.MemorySendChannel[Any],
+        max_concurrent: int = MAX_CONCURRENT_ROUTES,
     ) -> None:
         self._model = model
         self._renderer = renderer
@@ -122,12 +208,24 @@ class RouterActor:
         self._to_scheduler = to_scheduler
         self._num_routed = 0
         self._num_rejected = 0
+        self._num_in_flight = 0
+        # Taken before a request leaves the inbox, so waiting requests stay there (a full inbox is a 503).
+        self._slots = trio.Semaphore(max_concurrent)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        with self.inbox, self._to_scheduler:
-            task_status.started()
-            async for message in self.inbox:
-                await self._route(message)
+        with self._to_scheduler:
+            # Routes still in flight when the inbox closes finish before the scheduler channel does.
+            async with trio.open_nursery() as nursery:
+                with self.inbox:
+                    task_status.started()
+                    while True:
+                        await self._slots.acquire()
+                        try:
+                            message = await self.inbox.receive()
+                        except trio.EndOfChannel:
+                            break
+                        self._num_in_flight += 1
+                        nursery.start_soon(self._route, message)
 
     def statistics(self) -> dict[str, int]:
         return {"num_routed": self._num_routed, "num_rejected": self._num_rejected}
@@ -142,6 +240,9 @@ class RouterActor:
             self._reject(message, ServerBusy("the scheduler queue is full; retry shortly"))
         except InvalidRequest as error:
             self._reject(message, error)
+        finally:
+            self._num_in_flight -= 1
+            self._slots.release()
 
     def _reject(self, message: RouteRequest, error: InvalidRequest) -> None:
         self._num_rejected += 1
@@ -183,5 +284,5 @@ class RouterActor:
             events=message.events,
             history_boundary=rendered.history_boundary if cache_context is not None else None,
             chat=request if isinstance(request, ChatRequest) else None,
-            more_pending=self.inbox.statistics().current_buffer_used > 0,
+            more_pending=self.inbox.statistics().current_buffer_used > 0 or self._num_in_flight > 1,
         )

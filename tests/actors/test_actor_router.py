@@ -11,13 +11,24 @@ import trio
 import trio.testing
 
 from mlxcel.actors.device import ModelInfo
-from mlxcel.actors.messages import RequestFailed, RouteRequest, StreamEvent, SubmitRequest
+from mlxcel.actors.messages import (
+    RequestFailed,
+    RouteRequest,
+    StreamEvent,
+    SubmitRequest,
+)
 from mlxcel.actors.router import RAW_PROMPT_TEMPLATE, PromptRenderer, RouterActor
 from mlxcel.cache.key import ANONYMOUS_SESSION, RopeRegime, template_signature
 from mlxcel.model.family import detect_family
 from mlxcel.model.fixtures import fixture_path
 from mlxcel.model.loader import load_model, read_model_config
-from mlxcel.types import CacheOptions, ChatRequest, CompletionRequest, SamplingParams, ServerBusy
+from mlxcel.types import (
+    CacheOptions,
+    ChatRequest,
+    CompletionRequest,
+    SamplingParams,
+    ServerBusy,
+)
 
 MESSAGES = ({"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there"})
 TOOL = {
@@ -86,13 +97,18 @@ async def start_router(
     cache_enabled: bool = True,
     scheduler_capacity: int = 8,
     template_kwargs: dict[str, Any] | None = None,
+    renderer: Any = None,
+    allow_request_template: bool = False,
 ) -> RouterHarness:
     model = model or llama_info()
     inbox_send, inbox = trio.open_memory_channel[RouteRequest](8)
     to_scheduler, scheduler = trio.open_memory_channel[Any](scheduler_capacity)
     actor = RouterActor(
         model=model,
-        renderer=PromptRenderer(model, default_template_kwargs=template_kwargs or {}, cache_enabled=cache_enabled),
+        renderer=renderer or PromptRenderer(
+            model, default_template_kwargs=template_kwargs or {}, cache_enabled=cache_enabled,
+            allow_request_template=allow_request_template,
+        ),
         cache_enabled=cache_enabled,
         inbox=inbox,
         to_scheduler=to_scheduler,
@@ -332,3 +348,104 @@ def test_preserve_thinking_defaults_on_with_the_cache_and_a_request_can_override
     PromptRenderer(model, default_template_kwargs={}, cache_enabled=False).render(
         ChatRequest(messages=({"role": "user", "content": "x"},)))
     assert "preserve_thinking" not in tokenizer.seen[-1]
+
+
+async def test_token_ids_outside_the_vocabulary_are_rejected_naming_the_field(nursery: trio.Nursery) -> None:
+    """An id past the embedding table crashed the device (a segfault) or read past the table."""
+    harness = await start_router(nursery)
+    for prompt, param in (((200000,), "prompt[0]"), ((5, 6, 151_646), "prompt[2]")):
+        submit, events = await harness.route(CompletionRequest(prompt=prompt))
+        assert submit is None
+        failed = failure_of(events)
+        assert (failed.error.status, failed.error.param) == (400, param)
+        assert "151645" in failed.error.message  # the largest valid id
+    submit, _ = await harness.route(CompletionRequest(prompt=(0, 151_645)))
+    assert submit is not None and submit.prompt_tokens == (0, 151_645)
+
+
+BOMB = {"chat_template": '{{ "ab " * 30000000 }}'}
+
+
+async def test_a_request_chat_template_is_refused_unless_allowed(nursery: trio.Nursery) -> None:
+    harness = await start_router(nursery)
+    submit, events = await harness.route(chat(chat_template_kwargs={"chat_template": "{{ 'hi' }}"}))
+    assert submit is None
+    failed = failure_of(events)
+    assert (failed.error.status, failed.error.param) == (400, "chat_template_kwargs.chat_template")
+
+    allowed = await start_router(nursery, allow_request_template=True)
+    submit, _ = await allowed.route(chat(chat_template_kwargs={
+        "chat_template": "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"}))
+    text = "system: You are terse.\nuser: Hello there\n"
+    assert submit.prompt_tokens == tuple(llama_info().tokenizer.encode(text, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("template", [
+    '{{ "ab " * 30000000 }}',
+    '{% set ns = namespace(s="ab") %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}',
+    '{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}',
+    '{% for i in range(100000) %}{{ "x" * 100000 }}{% endfor %}',
+])
+async def test_an_allowed_request_template_is_bounded_in_time_and_size(template: str) -> None:
+    from mlxcel.model import chat_template
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            harness = await start_router(nursery, allow_request_template=True)
+            started = trio.current_time()
+            chat_template.RENDER_TIMEOUT_S, saved = 1.0, chat_template.RENDER_TIMEOUT_S
+            try:
+                submit, events = await harness.route(chat(chat_template_kwargs={"chat_template": template}))
+            finally:
+                chat_template.RENDER_TIMEOUT_S = saved
+            assert trio.current_time() - started < 10
+            assert submit is None
+            failed = failure_of(events)
+            assert (failed.error.status, failed.error.param) == (400, "chat_template_kwargs.chat_template")
+            submit, _ = await harness.route(chat())  # the router keeps serving
+            assert submit is not None
+            nursery.cancel_scope.cancel()
+
+
+async def test_text_that_cannot_fit_is_refused_before_tokenizing(nursery: trio.Nursery) -> None:
+    model = attrs.evolve(llama_info(), context_size=64)
+    harness = await start_router(nursery, model)
+    # 128 characters per token at most (the longest vocabulary entry): 64 tokens hold 8,192.
+    _, events = await harness.route(CompletionRequest(prompt="word " * 2000))
+    failed = failure_of(events)
+    assert (failed.error.code, failed.error.param) == ("context_length_exceeded", "prompt")
+    assert "characters" in failed.error.message  # refused on its length, not after tokenizing
+    _, events = await harness.route(ChatRequest(messages=({"role": "user", "content": "word " * 2000},)))
+    failed = failure_of(events)
+    assert (failed.error.code, failed.error.param) == ("context_length_exceeded", "messages")
+    assert "characters" in failed.error.message
+
+
+class GatedRenderer:
+    """Renders like PromptRenderer, but a request whose prompt is "slow" waits for ``release``."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.inner = PromptRenderer(llama_info(), default_template_kwargs={}, cache_enabled=True)
+        self.release = threading.Event()
+
+    def render(self, request: Any) -> Any:
+        if isinstance(request, CompletionRequest) and request.prompt == "slow":
+            assert self.release.wait(10)
+        return self.inner.render(request)
+
+
+async def test_a_slow_render_does_not_hold_up_other_requests(nursery: trio.Nursery) -> None:
+    renderer = GatedRenderer()
+    harness = await start_router(nursery, renderer=renderer)
+    slow_send, _slow_events = trio.open_memory_channel[StreamEvent](4)
+    await harness.inbox.send(RouteRequest(request=CompletionRequest(prompt="slow"), request_id="slow",
+                                          events=slow_send))
+    submit, _ = await harness.route(CompletionRequest(prompt=(1, 2, 3)), "fast")
+    assert submit is not None and submit.request_id == "fast"  # while "slow" still renders
+    renderer.release.set()
+    with trio.fail_after(10):
+        submit = await harness.scheduler.receive()
+    assert submit.request_id == "slow"
+    assert harness.actor.statistics() == {"num_routed": 2, "num_rejected": 0}
