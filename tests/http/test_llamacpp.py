@@ -90,10 +90,10 @@ async def test_completion_stopped_by_a_word_says_which(server) -> None:
 
 async def test_streamed_completion_carries_tokens_and_ends_with_the_final_fields(server) -> None:
     engine, base_url = server
-    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
-        async with client.stream("POST", "/completion", json={
-                "prompt": "Tell me", "n_predict": 5, "temperature": 0, "stream": True, "n_probs": 1}) as response:
-            events = [json.loads(line[len("data: "):]) async for line in response.aiter_lines() if line.startswith("data: ")]
+    body = {"prompt": "Tell me", "n_predict": 5, "temperature": 0, "stream": True, "n_probs": 1}
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client, \
+            client.stream("POST", "/completion", json=body) as response:
+        events = [json.loads(line[len("data: "):]) async for line in response.aiter_lines() if line.startswith("data: ")]
     ids = [token for event in events for token in event["tokens"]]
     assert len(ids) == 5
     assert engine.model.tokenizer.decode(ids).removeprefix(" ") == "".join(event["content"] for event in events)
