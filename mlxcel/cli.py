@@ -8,12 +8,19 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 
 import trio
 
-from mlxcel.config import ConfigError, EngineConfig, ServerConfig, build_configs, build_serve_parser
+from mlxcel.config import (
+    ConfigError,
+    EngineConfig,
+    ServerConfig,
+    build_configs,
+    build_serve_parser,
+)
 
 logger = logging.getLogger("mlxcel")
 
@@ -68,8 +75,16 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logger.info("%s", describe_blas())
+    from mlxcel.http.serve import bind_socket, raise_open_file_limit
+
+    raise_open_file_limit()
     try:
-        trio.run(run_server, engine_config, server_config)
+        # Bound before the model loads, so a busy port fails in a second, not after loading.
+        sock = bind_socket(server_config.host, server_config.port)
+    except OSError as error:
+        return _fail(f"cannot listen on {server_config.host}:{server_config.port}: {error.strerror or error}")
+    try:
+        trio.run(run_server, engine_config, server_config, sock)
     except KeyboardInterrupt:
         pass
     return 0
@@ -85,16 +100,18 @@ def serve_entry() -> None:
     raise SystemExit(serve_main())
 
 
-async def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
-    """Engine plus HTTP until SIGINT/SIGTERM; then drain connections and stop."""
+async def run_server(
+    engine_config: EngineConfig, server_config: ServerConfig, sock: socket.socket | None = None
+) -> None:
+    """Listen at once (503 while loading), then engine plus HTTP until SIGINT/SIGTERM; drain and stop."""
     from mlxcel.engine import run_engine
     from mlxcel.http import serve
-    from mlxcel.http.validation import Limits
+    from mlxcel.http.serve import PendingEngine
 
     stop = trio.Event()
+    pending = PendingEngine()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_on_signals, stop)
-        engine = await nursery.start(run_engine, engine_config)
         if server_config.host not in ("127.0.0.1", "localhost", "::1") and server_config.api_key is None:
             logger.warning(
                 "binding %s without --api-key: anyone who can reach this port can use the API "
@@ -103,7 +120,7 @@ async def run_server(engine_config: EngineConfig, server_config: ServerConfig) -
 
         async def serve_then_stop(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
             await serve(
-                engine,
+                pending,
                 server_config.host,
                 server_config.port,
                 metrics=server_config.metrics,
@@ -111,14 +128,19 @@ async def run_server(engine_config: EngineConfig, server_config: ServerConfig) -
                 api_key=server_config.api_key,
                 admin_api_key=server_config.admin_api_key,
                 graceful_timeout=server_config.shutdown_grace_seconds,
-                access_log=server_config.access_log,
-                limits=Limits(user_scopes_session=server_config.session_key_scope == "user"),
+                max_connections=server_config.max_connections,
+                keep_alive_timeout=server_config.keep_alive_timeout,
+                body_timeout=server_config.body_timeout,
+                sock=sock,
                 shutdown_trigger=stop.wait,
                 task_status=task_status,
             )
             nursery.cancel_scope.cancel()
 
         binds = await nursery.start(serve_then_stop)
+        logger.info("listening on %s; loading the model (/health answers 503 until it is ready)", ", ".join(binds))
+        engine = await nursery.start(run_engine, engine_config)
+        pending.set(engine)
         logger.info("serving %s on %s", engine.model_id, ", ".join(binds))
 
 

@@ -81,3 +81,24 @@ def test_user_errors_exit_2_with_one_line(argv, environ, needle) -> None:
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], result.stderr
+
+
+def test_a_busy_port_fails_at_once_with_one_line() -> None:
+    import socket
+    import time
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        started = time.monotonic()
+        result = subprocess.run(
+            [sys.executable, "-m", "mlxcel", "serve", "--port", str(port), "--log-level", "warning"],
+            capture_output=True, text=True, timeout=120, check=False,
+            env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
+        )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], result.stderr
+    # Before the model loads (which alone takes seconds); generous for a loaded machine.
+    assert time.monotonic() - started < 30

@@ -1,24 +1,311 @@
-"""Serve an Engine over HTTP with hypercorn's Trio worker, inside the caller's nursery."""
+"""Serve an Engine over HTTP with hypercorn's Trio worker, inside the caller's nursery.
+
+hypercorn's own ``serve`` accepts without bound, and three of its behaviours
+let one client hang a connection or end the process (hypercorn 0.18):
+
+- the close that follows a reply sent before the request body arrived, or a
+  ``Connection: close`` exchange, runs in the app's task, which quart-trio
+  cancels at that moment: the socket stays open and the next request on it
+  is never answered;
+- a send racing that close raises ``trio.BusyResourceError``, which no one
+  catches, and the whole server nursery dies with it;
+- idle keep-alive sockets are only closed by their own timer.
+
+So this module runs the accept loop itself, with hypercorn's per-connection
+``TCPServer``, a cap on connections that closes the longest-idle one to make
+room, and an ASGI guard in front of the app that waits briefly for an unread
+body (or says ``Connection: close``), bounds the time a body may take, and
+answers 503 while the engine is still loading.
+"""
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
+import math
+import resource
+import socket
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
+from hypercorn.events import Closed, Updated
+from hypercorn.events import Event as ConnectionEvent
+from hypercorn.trio.lifespan import Lifespan
+from hypercorn.trio.statsd import StatsdLogger
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import ConnectionState
+from hypercorn.utils import repr_socket_addr, wrap_app
 
 from mlxcel.engine import Engine
 from mlxcel.http.app import create_app
-from mlxcel.http.guards import trusted_hosts_for
-from mlxcel.http.validation import Limits
+from mlxcel.types import InvalidRequest, ServerBusy
 
 logger = logging.getLogger(__name__)
 
+# File descriptors kept free of connections: model files, the listener, worker threads.
+RESERVED_FDS = 64
+# An unread body this small is waited for (up to DRAIN_SECONDS) so the connection can be reused.
+DRAIN_BYTES = 64 << 10
+DRAIN_SECONDS = 1.0
+CLOSE_SECONDS = 5.0
+_ACCEPT_ERRORS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+
+
+class PendingEngine:
+    """An engine still starting: ``serve`` answers 503 until ``set`` hands it the engine."""
+
+    def __init__(self) -> None:
+        self.engine: Engine | None = None
+        self._ready = trio.Event()
+
+    def set(self, engine: Engine) -> None:
+        self.engine = engine
+        self._ready.set()
+
+    async def wait(self) -> Engine:
+        await self._ready.wait()
+        assert self.engine is not None
+        return self.engine
+
+
+def bind_socket(host: str, port: int, backlog: int = 1024) -> socket.socket:
+    """A listening TCP socket; raises OSError (port in use, bad address) before anything is loaded."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+def raise_open_file_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit; returns the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+def connection_cap(max_connections: int) -> int:
+    """``max_connections``, lowered to what the open-file limit leaves room for."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return max_connections
+    room = max(soft - RESERVED_FDS, 1)
+    if room < max_connections:
+        logger.info("open-file limit %d allows only %d connections (asked for %d)", soft, room, max_connections)
+    return min(max_connections, room)
+
+
+class _Connections:
+    """Open connections, which of them are idle (between requests) and since when."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.idle_since: dict[_Connection, float | None] = {}
+        self.changed = trio.Event()
+
+    def add(self, connection: _Connection) -> None:
+        self.idle_since[connection] = trio.current_time()
+
+    def remove(self, connection: _Connection) -> None:
+        if self.idle_since.pop(connection, False) is not False:
+            self.changed.set()
+            self.changed = trio.Event()
+
+    def mark(self, connection: _Connection, idle: bool) -> None:
+        if connection in self.idle_since:
+            self.idle_since[connection] = trio.current_time() if idle else None
+
+    def idle(self) -> list[_Connection]:
+        pairs = [(since, id(c), c) for c, since in self.idle_since.items() if since is not None and not c.closing]
+        return [c for _, _, c in sorted(pairs)]
+
+
+def _shielded() -> trio.CancelScope:
+    """Safe from outside cancellation, but never stuck: a close takes at most a few seconds."""
+    return trio.CancelScope(shield=True, deadline=trio.current_time() + CLOSE_SECONDS)
+
+
+class _Connection(TCPServer):
+    """hypercorn's connection handler, with its close made uncancellable and race-safe."""
+
+    def __init__(self, connections: _Connections, *args: Any) -> None:
+        super().__init__(*args)
+        self.connections = connections
+        self.closing = False
+
+    async def run(self) -> None:
+        self.connections.add(self)
+        try:
+            await super().run()
+        except Exception:
+            # One connection's failure is never the server's.
+            logger.exception("connection handler failed")
+        finally:
+            self.connections.remove(self)
+
+    async def protocol_send(self, event: ConnectionEvent) -> None:
+        if isinstance(event, Updated):
+            self.connections.mark(self, event.idle)
+        if isinstance(event, Closed):
+            # Runs in the app's task, which quart-trio cancels as the reply ends.
+            with _shielded():
+                await super().protocol_send(event)
+            return
+        try:
+            await super().protocol_send(event)
+        except trio.BusyResourceError:
+            # A send raced the close of a connection the client already dropped.
+            await self.protocol.handle(Closed())
+
+    async def _close(self) -> None:
+        with _shielded():
+            await super()._close()
+        # The socket is gone; hypercorn's idle timer may keep the task alive a few seconds more.
+        self.connections.remove(self)
+
+    async def close_now(self) -> None:
+        """Close from outside (eviction, shutdown): the read loop ends and the handler returns."""
+        self.closing = True
+        await self.stream.aclose()
+        self.connections.remove(self)
+
+
+def _loading_body(path: str) -> tuple[int, dict[str, Any], list[tuple[bytes, bytes]]]:
+    if path == "/health":
+        return 503, {"status": "loading"}, [(b"retry-after", b"1")]
+    error = ServerBusy("the model is still loading; retry shortly")
+    error.code = "model_loading"
+    return 503, error.to_body(), [(b"retry-after", str(error.retry_after_seconds).encode())]
+
+
+async def _send_json(send: Callable[[dict[str, Any]], Awaitable[None]], status: int, body: dict[str, Any],
+                     headers: list[tuple[bytes, bytes]]) -> None:
+    payload = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+
+class _Guard:
+    """ASGI wrapper per request: loading replies, a body deadline, and no reply that strands a connection."""
+
+    def __init__(self, body_timeout: float) -> None:
+        self.app: Any = None  # the wrapped quart app once the engine is ready
+        self.body_timeout = body_timeout
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any, sync_spawn: Any, call_soon: Any) -> None:
+        if scope["type"] != "http":
+            return
+        body_done = trio.Event()
+        started = False
+        declared, chunked = _body_framing(scope)
+        if not chunked and not declared:
+            body_done.set()
+        deadline_scope = trio.CancelScope(deadline=trio.current_time() + self.body_timeout)
+
+        async def guarded_receive() -> dict[str, Any]:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_done.set()
+                deadline_scope.deadline = math.inf
+            return message
+
+        async def guarded_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                headers = list(message.get("headers", []))
+                closing = any(name.lower() == b"connection" and b"close" in value.lower() for name, value in headers)
+                if not body_done.is_set() and not closing:
+                    # Replied before the body arrived: wait for a small one, else end the connection.
+                    if chunked or (declared or 0) <= DRAIN_BYTES:
+                        with trio.move_on_after(DRAIN_SECONDS):
+                            await body_done.wait()
+                    if not body_done.is_set():
+                        headers.append((b"connection", b"close"))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        with deadline_scope:
+            if self.app is None:
+                await _drain(guarded_receive)
+                status, body, headers = _loading_body(scope["path"])
+                await _send_json(guarded_send, status, body, headers)
+            else:
+                await self.app(scope, guarded_receive, guarded_send, sync_spawn, call_soon)
+        if deadline_scope.cancelled_caught and not started:
+            error = InvalidRequest(f"the request body did not arrive within {self.body_timeout:g} s",
+                                   status=408, code="request_timeout")
+            await _send_json(send, 408, error.to_body(), [(b"connection", b"close")])
+
+
+def _body_framing(scope: dict[str, Any]) -> tuple[int | None, bool]:
+    """The declared Content-Length (None when absent or bad) and whether the body is chunked."""
+    declared, chunked = None, False
+    for name, value in scope["headers"]:
+        name = name.lower()
+        if name == b"content-length" and value.strip().isdigit():
+            declared = int(value)
+        elif name == b"transfer-encoding":
+            chunked = True
+    return declared, chunked
+
+
+async def _drain(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    while True:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+
+
+async def _accept_loop(
+    listener: trio.SocketListener,
+    connections: _Connections,
+    handler_nursery: trio.Nursery,
+    make_connection: Callable[[trio.SocketStream], _Connection],
+) -> None:
+    warned = False
+    while True:
+        if len(connections.idle_since) >= connections.cap:
+            changed = connections.changed
+            idle = connections.idle()
+            if idle:
+                await idle[0].close_now()  # the longest-idle connection makes room
+            await changed.wait()
+            continue
+        try:
+            stream = await listener.accept()
+        except OSError as error:
+            if error.errno not in _ACCEPT_ERRORS:
+                raise
+            if not warned:
+                logger.warning("accept failed (%s); closing idle connections to make room", errno.errorcode[error.errno])
+                warned = True
+            for connection in connections.idle()[:16]:
+                await connection.close_now()
+            await trio.sleep(0.05)
+            continue
+        handler_nursery.start_soon(make_connection(stream).run)
+
 
 async def serve(
-    engine: Engine,
+    engine: Engine | PendingEngine,
     host: str = "127.0.0.1",
     port: int = 8080,
     *,
@@ -28,25 +315,74 @@ async def serve(
     admin_api_key: str | None = None,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     graceful_timeout: float = 5.0,
-    access_log: bool = False,
-    limits: Limits | None = None,
+    max_connections: int = 2048,
+    keep_alive_timeout: float = 5.0,
+    body_timeout: float = 60.0,
+    sock: socket.socket | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run until ``shutdown_trigger`` returns or the task is cancelled.
 
-    After the trigger, hypercorn stops accepting and gives open requests
-    ``graceful_timeout`` seconds to finish before it cancels them.
+    After the trigger, the listener closes, idle connections close at once,
+    and open requests get ``graceful_timeout`` seconds to finish before they
+    are cancelled. ``engine`` may be a ``PendingEngine``: the port answers at
+    once, with 503 until the engine is set. ``sock`` is a listening socket
+    (``bind_socket``) to use instead of binding ``host:port``.
 
     ``task_status.started`` receives the bound addresses, e.g. ``["http://127.0.0.1:8080"]``
     (port 0 picks a free port).
     """
     config = HypercornConfig()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.graceful_timeout = graceful_timeout
+    config.keep_alive_timeout = keep_alive_timeout
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
-    app = create_app(
-        engine, max_body_bytes=max_body_bytes, metrics=metrics, api_key=api_key, admin_api_key=admin_api_key,
-        trusted_hosts=trusted_hosts_for(host), access_log=access_log, limits=limits,
-    )
-    await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)
+    config.set_statsd_logger_class(StatsdLogger)
+    sock = sock if sock is not None else bind_socket(host, port)
+    listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+    binds = [f"http://{repr_socket_addr(sock.family, sock.getsockname())}"]
+    pending = engine if isinstance(engine, PendingEngine) else None
+    guard = _Guard(body_timeout)
+    context = WorkerContext(None)
+    connections = _Connections(connection_cap(max_connections))
+
+    def make_connection(stream: trio.SocketStream) -> _Connection:
+        return _Connection(connections, guard, config, context, ConnectionState({}), stream)
+
+    async def open_app(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        ready = await pending.wait() if pending is not None else engine
+        assert isinstance(ready, Engine)
+        app = wrap_app(create_app(ready, max_body_bytes=max_body_bytes, metrics=metrics,
+                                  api_key=api_key, admin_api_key=admin_api_key), config.wsgi_max_body_size, None)
+        lifespan = Lifespan(app, config, {})
+        async with trio.open_nursery() as lifespan_nursery:
+            await lifespan_nursery.start(lifespan.handle_lifespan)
+            await lifespan.wait_for_startup()
+            guard.app = app
+            task_status.started()
+            await trio.sleep_forever()
+
+    try:
+        async with trio.open_nursery() as app_nursery:
+            if pending is None:
+                await app_nursery.start(open_app)
+            else:
+                app_nursery.start_soon(open_app)
+            async with trio.open_nursery() as handler_nursery:
+                async with trio.open_nursery() as accept_nursery:
+                    accept_nursery.start_soon(_accept_loop, listener, connections, handler_nursery, make_connection)
+                    task_status.started(binds)
+                    if shutdown_trigger is not None:
+                        await shutdown_trigger()
+                    else:
+                        await trio.sleep_forever()
+                    accept_nursery.cancel_scope.cancel()
+                await listener.aclose()
+                # Idle keep-alive connections close now; hypercorn closes each busy one after its reply.
+                await context.terminated.set()
+                for connection in connections.idle():
+                    await connection.close_now()
+                handler_nursery.cancel_scope.deadline = trio.current_time() + graceful_timeout
+            app_nursery.cancel_scope.cancel()
+    finally:
+        sock.close()

@@ -372,3 +372,47 @@ async def test_oversize_body_is_413_with_the_documented_code(start_engine, start
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["code"] == "request_too_large"
+
+
+# --- unread bodies then a kept-alive follow-up -----------------------------------------
+
+FUZZ_KEY = "fuzz-key"
+AUTH = b"Authorization: Bearer " + FUZZ_KEY.encode()
+# (expected status, request head for a body of n bytes); each reply comes before or without reading the body.
+UNREAD_BODY_CASES = {
+    200: lambda n: b"GET /v1/models HTTP/1.1\r\nHost: t\r\n%s\r\nContent-Length: %d\r\n\r\n" % (AUTH, n),
+    401: lambda n: b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n" % n,
+    404: lambda n: b"POST /v2/chat/completions HTTP/1.1\r\nHost: t\r\n%s\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n" % (AUTH, n),
+    405: lambda n: b"POST /health HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % n,
+    413: lambda n: b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\n%s\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n" % (AUTH, MAX_BODY_BYTES + n),
+    400: lambda n: b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\n%s\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n" % (AUTH, n),
+}
+
+
+async def test_unread_bodies_on_every_status_leave_the_connection_answering(start_engine, start_server) -> None:
+    from tests.reliability.test_rel_connections import unread_body_then_follow_up
+
+    base_url = await start_server(await start_engine(), max_body_bytes=MAX_BODY_BYTES, api_key=FUZZ_KEY)
+    outcomes: dict[tuple[int, str], int] = {}
+
+    def run() -> None:
+        @settings(FUZZ_SETTINGS, max_examples=60)
+        @given(status=st.sampled_from(sorted(UNREAD_BODY_CASES)),
+               body=st.text(max_size=2048).map(lambda text: json.dumps({"pad": text}).encode()))
+        def one(status: int, body: bytes) -> None:
+            got, headers, follow_up = unread_body_then_follow_up(base_url, UNREAD_BODY_CASES[status](len(body)), body)
+            assert got == status, (got, headers)
+            # Either the next request is answered, or the reply announced Connection: close and the
+            # server closed; a follow-up that hangs raises TimeoutError.
+            outcomes[(status, follow_up)] = outcomes.get((status, follow_up), 0) + 1
+
+        one()
+
+    await trio.to_thread.run_sync(run)
+    assert {status for status, _ in outcomes} == set(UNREAD_BODY_CASES), outcomes
+    # Bodies the server could wait for keep the connection; refusals that never read it close it.
+    assert all(follow_up == "answered" for (status, follow_up) in outcomes if status in (200, 404, 405, 400)), outcomes

@@ -171,3 +171,53 @@ async def test_sigint_when_idle_exits_0() -> None:
             assert connection_refused(base_url)
 
     await run_in_thread(scenario)
+
+
+async def test_sigterm_closes_an_idle_kept_alive_connection_at_once() -> None:
+    from tests.reliability.test_rel_connections import HEALTH, read_response
+
+    def scenario() -> None:
+        with mlxcel_serve("--shutdown-grace-seconds", "20") as (process, base_url):
+            host, port = base_url.removeprefix("http://").split(":")
+            with socket.create_connection((host, int(port)), timeout=10) as idle:
+                idle.sendall(HEALTH)
+                assert read_response(idle)[0] == 200
+                signalled = time.monotonic()
+                process.send_signal(signal.SIGTERM)
+                # The kept-alive connection is closed, not served, during the drain.
+                assert idle.recv(1) == b""
+                assert process.wait(timeout=20) == 0
+                # Before: the idle connection held the process for the whole 20 s grace.
+                assert time.monotonic() - signalled < 10
+
+    await run_in_thread(scenario)
+
+
+async def test_health_answers_while_the_model_loads_then_turns_200() -> None:
+    def scenario() -> None:
+        port = free_port()
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+        process = subprocess.Popen(
+            [sys.executable, "-m", "mlxcel", "serve", "-m", str(fixture_path("llama")), "--port", str(port)],
+            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        try:
+            statuses: list[int] = []
+            deadline = time.monotonic() + STARTUP_SECONDS
+            while 200 not in statuses:
+                assert time.monotonic() < deadline and process.poll() is None
+                try:
+                    response = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+                    if response.status_code == 503:
+                        assert response.json() == {"status": "loading"}
+                    statuses.append(response.status_code)
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.02)
+            # The port answered before the engine was ready (the model load takes over a second).
+            assert statuses[0] == 503, statuses[:3]
+        finally:
+            process.kill()
+            process.wait(timeout=10)
+
+    await run_in_thread(scenario)
