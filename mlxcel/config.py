@@ -99,6 +99,12 @@ class ServerConfig:
     admin_api_key: str | None = attrs.field(default=None, repr=False)
     # Seconds in-flight streams get to finish after SIGTERM before they are cancelled.
     shutdown_grace_seconds: float = 30.0
+    # Open connections at most (lowered to fit the open-file limit); the longest-idle one makes room.
+    max_connections: int = 2048
+    # Seconds a connection may sit without a complete request (before the first one and between them).
+    keep_alive_timeout: float = 5.0
+    # Seconds a request body may take to arrive before a 408.
+    body_timeout: float = 60.0
     # One log line per request (method, path, status, time; never a prompt).
     access_log: bool = False
     # "user": a gateway-set `user` scopes the session; "client": the client's key picks it.
@@ -247,6 +253,12 @@ SERVER_SETTINGS = (
             "largest accepted request body (default 16 MiB)"),
     Setting("shutdown_grace_seconds", "--shutdown-grace-seconds", ("MLXCEL_SHUTDOWN_GRACE_SECONDS",),
             parse_seconds, "after SIGTERM, seconds in-flight streams get to finish (default 30)"),
+    Setting("max_connections", "--max-connections", ("MLXCEL_MAX_CONNECTIONS",), parse_positive_int,
+            "open connections at most; when full, the longest-idle one is closed (default 2048)"),
+    Setting("keep_alive_timeout", "--keep-alive-timeout", ("MLXCEL_KEEP_ALIVE_TIMEOUT",), parse_seconds,
+            "seconds a connection may wait for its next complete request headers (default 5)"),
+    Setting("body_timeout", "--body-timeout", ("MLXCEL_BODY_TIMEOUT",), parse_seconds,
+            "seconds a request body may take to arrive before a 408 (default 60)"),
     Setting("access_log", "--access-log", ("MLXCEL_ACCESS_LOG",), parse_bool,
             "log one line per request: client, method, path, status, time (default false)",
             optional_value=True),
