@@ -60,7 +60,7 @@ def server(tree: Path, *flags: str, soft_nofile: int | None = None, wait: str = 
             assert process.poll() is None, "server exited"
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
-                    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
                     head = read_response(sock)
                 if head is not None:
                     timings["first_answer"] = timings["first_answer"] or time.monotonic() - started
@@ -84,7 +84,7 @@ def unread_body_pair(port: int, first: bytes, body: bytes, timeout: float) -> st
         try:
             if read_response(sock) is None:
                 return "first closed"
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             return "answered" if read_response(sock) is not None else "closed"
         except TimeoutError:
             return "hung"
@@ -95,10 +95,10 @@ def unread_body_pair(port: int, first: bytes, body: bytes, timeout: float) -> st
 def pairs(tree: Path, count: int = 40) -> None:
     body = b'{"model": "x", "messages": []}'
     kinds = [
-        b"POST /nope HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n",
-        b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n",
-        b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n",
-        b"GET /v1/models HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n",
+        b"POST /nope HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n",
+        b"POST /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n",
+        b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n",
     ]
     with server(tree) as (_, port, _timings):
         results: list[str] = []
@@ -122,7 +122,7 @@ def held(tree: Path, count: int, soft_nofile: int, *flags: str) -> None:
         for _ in range(count):
             try:
                 sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
                 sockets.append(sock)
             except OSError:
                 break
@@ -132,7 +132,7 @@ def held(tree: Path, count: int, soft_nofile: int, *flags: str) -> None:
             while not stop.is_set():
                 for sock in sockets:
                     try:
-                        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
                     except OSError:
                         pass
                 stop.wait(2)
@@ -144,7 +144,7 @@ def held(tree: Path, count: int, soft_nofile: int, *flags: str) -> None:
         started = time.monotonic()
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:
-                sock.sendall(f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode())
+                sock.sendall(f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode())
                 outcome = status_of(read_response(sock))
         except OSError as error:
             outcome = type(error).__name__
@@ -162,13 +162,13 @@ def held(tree: Path, count: int, soft_nofile: int, *flags: str) -> None:
 def sigterm(tree: Path) -> None:
     with server(tree, "--shutdown-grace-seconds", "20") as (process, port, _timings):
         idle = socket.create_connection(("127.0.0.1", port), timeout=5)
-        idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        idle.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         read_response(idle)
         signalled = time.monotonic()
         process.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         try:
-            idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            idle.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             during = status_of(read_response(idle))
         except OSError as error:
             during = type(error).__name__
@@ -194,7 +194,7 @@ def warmup(tree: Path, model: str | None) -> None:
                                "temperature": 0}).encode()
             started = time.monotonic()
             with socket.create_connection(("127.0.0.1", port), timeout=120) as sock:
-                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                              b"Content-Length: %d\r\n\r\n" % len(body) + body)
                 status = status_of(read_response(sock))
             first = time.monotonic() - started

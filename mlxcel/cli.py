@@ -107,6 +107,7 @@ async def run_server(
     from mlxcel.engine import run_engine
     from mlxcel.http import serve
     from mlxcel.http.serve import PendingEngine
+    from mlxcel.http.validation import Limits
 
     stop = trio.Event()
     pending = PendingEngine()
@@ -128,6 +129,8 @@ async def run_server(
                 api_key=server_config.api_key,
                 admin_api_key=server_config.admin_api_key,
                 graceful_timeout=server_config.shutdown_grace_seconds,
+                access_log=server_config.access_log,
+                limits=Limits(user_scopes_session=server_config.session_key_scope == "user"),
                 max_connections=server_config.max_connections,
                 keep_alive_timeout=server_config.keep_alive_timeout,
                 body_timeout=server_config.body_timeout,

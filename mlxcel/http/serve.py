@@ -42,6 +42,8 @@ from hypercorn.utils import repr_socket_addr, wrap_app
 
 from mlxcel.engine import Engine
 from mlxcel.http.app import create_app
+from mlxcel.http.guards import trusted_hosts_for
+from mlxcel.http.validation import Limits
 from mlxcel.types import InvalidRequest, ServerBusy
 
 logger = logging.getLogger(__name__)
@@ -315,6 +317,8 @@ async def serve(
     admin_api_key: str | None = None,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     graceful_timeout: float = 5.0,
+    access_log: bool = False,
+    limits: Limits | None = None,
     max_connections: int = 2048,
     keep_alive_timeout: float = 5.0,
     body_timeout: float = 60.0,
@@ -352,8 +356,10 @@ async def serve(
     async def open_app(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         ready = await pending.wait() if pending is not None else engine
         assert isinstance(ready, Engine)
-        app = wrap_app(create_app(ready, max_body_bytes=max_body_bytes, metrics=metrics,
-                                  api_key=api_key, admin_api_key=admin_api_key), config.wsgi_max_body_size, None)
+        app = wrap_app(create_app(
+            ready, max_body_bytes=max_body_bytes, metrics=metrics, api_key=api_key, admin_api_key=admin_api_key,
+            trusted_hosts=trusted_hosts_for(host), access_log=access_log, limits=limits,
+        ), config.wsgi_max_body_size, None)
         lifespan = Lifespan(app, config, {})
         async with trio.open_nursery() as lifespan_nursery:
             await lifespan_nursery.start(lifespan.handle_lifespan)

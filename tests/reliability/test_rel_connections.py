@@ -53,7 +53,7 @@ def closed_by_server(sock: socket.socket) -> bool:
         return True
 
 
-HEALTH = b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n"
+HEALTH = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 
 
 def unread_body_then_follow_up(base_url: str, head: bytes, body: bytes) -> tuple[int, dict[str, str], str]:
@@ -83,7 +83,7 @@ def unread_body_then_follow_up(base_url: str, head: bytes, body: bytes) -> tuple
 
 
 def post(path: str, body: bytes, *extra: bytes) -> bytes:
-    return b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n" % (
+    return b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n" % (
         path, len(body), b"".join(line + b"\r\n" for line in extra))
 
 
@@ -95,8 +95,8 @@ async def base_url(start_engine, start_server) -> str:
 @pytest.mark.parametrize(("head", "status"), [
     (post(b"/nope", b'{"model": "x"}'), 404),
     (post(b"/health", b'{"model": "x"}'), 405),
-    (b"GET /health HTTP/1.1\r\nHost: t\r\nContent-Length: 14\r\n\r\n", 200),
-    (b"GET /v1/models HTTP/1.1\r\nHost: t\r\nContent-Length: 14\r\n\r\n", 200),
+    (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 14\r\n\r\n", 200),
+    (b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 14\r\n\r\n", 200),
 ])
 async def test_a_reply_before_the_body_arrived_keeps_the_connection_usable(base_url, head, status) -> None:
     result = await trio.to_thread.run_sync(unread_body_then_follow_up, base_url, head, b'{"model": "x"}')
@@ -107,7 +107,7 @@ async def test_a_reply_before_the_body_arrived_keeps_the_connection_usable(base_
 async def test_connection_close_from_the_client_is_honoured(base_url: str) -> None:
     def exchange() -> bool:
         with socket.create_connection(address(base_url), timeout=TIMEOUT) as sock:
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
             assert read_response(sock)[0] == 200
             return closed_by_server(sock)
 
@@ -120,7 +120,7 @@ async def test_a_never_finished_chunked_body_then_close_does_not_end_the_server(
             sockets = []
             for _ in range(4):
                 sock = socket.create_connection(address(base_url), timeout=TIMEOUT)
-                sock.sendall(b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                sock.sendall(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                              b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n" % path)
                 sockets.append(sock)
             time.sleep(0.3)
@@ -158,7 +158,7 @@ async def test_at_the_connection_cap_the_longest_idle_connection_makes_room(star
                 sock.sendall(HEALTH)
                 assert read_response(sock)[0] == 200
             with socket.create_connection(address(base_url), timeout=TIMEOUT) as sock:
-                sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: t\r\n\r\n")
+                sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
                 status = read_response(sock)[0]
             return status, closed_by_server(held[0])
         finally:

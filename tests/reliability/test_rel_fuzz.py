@@ -380,15 +380,15 @@ FUZZ_KEY = "fuzz-key"
 AUTH = b"Authorization: Bearer " + FUZZ_KEY.encode()
 # (expected status, request head for a body of n bytes); each reply comes before or without reading the body.
 UNREAD_BODY_CASES = {
-    200: lambda n: b"GET /v1/models HTTP/1.1\r\nHost: t\r\n%s\r\nContent-Length: %d\r\n\r\n" % (AUTH, n),
-    401: lambda n: b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+    200: lambda n: b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n%s\r\nContent-Length: %d\r\n\r\n" % (AUTH, n),
+    401: lambda n: b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                    b"Content-Length: %d\r\n\r\n" % n,
-    404: lambda n: b"POST /v2/chat/completions HTTP/1.1\r\nHost: t\r\n%s\r\nContent-Type: application/json\r\n"
+    404: lambda n: b"POST /v2/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n%s\r\nContent-Type: application/json\r\n"
                    b"Content-Length: %d\r\n\r\n" % (AUTH, n),
-    405: lambda n: b"POST /health HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % n,
-    413: lambda n: b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\n%s\r\nContent-Type: application/json\r\n"
+    405: lambda n: b"POST /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % n,
+    413: lambda n: b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n%s\r\nContent-Type: application/json\r\n"
                    b"Content-Length: %d\r\n\r\n" % (AUTH, MAX_BODY_BYTES + n),
-    400: lambda n: b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\n%s\r\nContent-Type: application/json\r\n"
+    400: lambda n: b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n%s\r\nContent-Type: application/json\r\n"
                    b"Content-Length: %d\r\n\r\n" % (AUTH, n),
 }
 
