@@ -75,7 +75,7 @@ async def test_a_chunked_body_is_refused_once_it_passes_the_limit(start_engine, 
     def send_without_ending() -> bytes:
         # Twice the limit in chunks, then silence: the end of the body never comes.
         with socket.create_connection((parts.hostname, parts.port), timeout=3) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                          b"Transfer-Encoding: chunked\r\n\r\n")
             chunk = b"x" * 8192
             for _ in range(2 * MAX_BODY_BYTES // len(chunk)):
