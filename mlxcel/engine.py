@@ -260,7 +260,7 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
                 max_batch_size=config.scheduler.max_batch_size,
                 prefill_batch_size=config.scheduler.prefill_batch_size,
                 prefill_step_size=config.scheduler.prefill_step_size,
-                warm_up=config.scheduler.device_warmup,
+                warm_up=auto_bool(config.scheduler.device_warmup),
                 bucket_starts=auto_bool(config.scheduler.start_buckets),
                 fail_step=config.fail_step,
                 fail_out_of_memory=config.fail_out_of_memory,

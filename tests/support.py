@@ -16,7 +16,7 @@ TEST_CACHE = PromptCacheConfig(capacity_bytes=512 << 20)
 def make_engine_config(family: str = "llama", **changes: Any) -> EngineConfig:
     prompt_cache = changes.pop("prompt_cache", TEST_CACHE)
     # The start-up warm-up is skipped (0.2 s per engine); test_engine covers it.
-    scheduler = changes.pop("scheduler", SchedulerConfig(prefill_step_size=512, device_warmup=False))
+    scheduler = changes.pop("scheduler", SchedulerConfig(prefill_step_size=512, device_warmup="false"))
     return EngineConfig(
         model_path=fixture_path(family), prompt_cache=prompt_cache, scheduler=scheduler, **changes
     )

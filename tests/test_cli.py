@@ -102,3 +102,14 @@ def test_a_busy_port_fails_at_once_with_one_line() -> None:
     assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], result.stderr
     # Before the model loads (which alone takes seconds); generous for a loaded machine.
     assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize(("argv", "environ", "warm_up"), [
+    ([], {}, None),
+    (["--device-warmup", "auto"], {"MLXCEL_DEVICE_WARMUP": "false"}, None),
+    ([], {"MLXCEL_DEVICE_WARMUP": "false"}, False),
+    (["--device-warmup=true"], {}, True),
+])
+def test_device_warmup_is_auto_true_or_false(argv, environ, warm_up) -> None:
+    engine, _ = configs(argv, environ)
+    assert auto_bool(engine.scheduler.device_warmup) is warm_up

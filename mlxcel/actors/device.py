@@ -64,7 +64,8 @@ class DeviceSettings:
     max_batch_size: int = 32
     prefill_batch_size: int = 8
     prefill_step_size: int | None = None
-    warm_up: bool = False
+    # None: warm up on a GPU only.
+    warm_up: bool | None = False
     # A direct start's logits in one forward pass (None: on a GPU only; see _StepWorker).
     one_pass_starts: bool | None = None
     # Direct starts run in bucketed shapes and long prompts are prefilled alone
@@ -92,6 +93,8 @@ class DeviceActor:
     # --- everything below runs on the device thread -------------------------
 
     def _thread_main(self, task_status: trio.TaskStatus[ModelInfo]) -> None:
+        import mlx.core as mx
+
         from mlxcel.model.loader import default_prefill_step_size, load_model
 
         loaded = load_model(self._settings.model_path)
@@ -99,7 +102,8 @@ class DeviceActor:
         step = self._settings.prefill_step_size or default_prefill_step_size()
         self._settings = attrs.evolve(self._settings, prefill_step_size=step, context_size=context_size)
         worker = _StepWorker(loaded.model, loaded.eos_token_ids, self._settings, loaded.family.model_type)
-        if self._settings.warm_up:
+        warm_up = self._settings.warm_up
+        if mx.default_device() != mx.cpu if warm_up is None else warm_up:
             logger.info("device warm-up took %.2f s", worker.warm_up())
         info = ModelInfo(
             model_id=loaded.model_id,

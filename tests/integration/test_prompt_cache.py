@@ -82,7 +82,7 @@ async def test_bucketed_starts_answer_as_the_plain_path_does(serve_family, monke
                         lambda worker, admission: alone.append(original(worker, admission)) or alone[-1])
     servers = {}
     for buckets in ("false", "true"):
-        scheduler = SchedulerConfig(prefill_step_size=64, device_warmup=False, start_buckets=buckets)
+        scheduler = SchedulerConfig(prefill_step_size=64, device_warmup="false", start_buckets=buckets)
         servers[buckets] = await serve_family(scheduler=scheduler)
     histories = {buckets: [{"role": "system", "content": SYSTEM}] for buckets in servers}
     for turn in range(3):
