@@ -100,7 +100,7 @@ class PromptRenderer:
         try:
             tool_choice = effective_tool_choice(request.tool_choice, tools)
         except ValueError as error:
-            raise InvalidRequest(str(error), param="tool_choice") from None
+            raise InvalidRequest(str(error), param="tool_choice", code="invalid_value") from None
         template_sig = template_signature(self._model.chat_template, kwargs, tool_choice, tools)
         boundary = None
         if self._history_boundaries and len(request.messages) > 1 and request.messages[-1].get("role") == "user":
@@ -126,10 +126,10 @@ class PromptRenderer:
                 raise InvalidRequest(
                     "this server does not accept a chat template in the request "
                     "(the operator can allow it with --allow-request-chat-template)",
-                    param=REQUEST_TEMPLATE_PARAM,
+                    param=REQUEST_TEMPLATE_PARAM, code="unsupported_parameter",
                 )
             if not isinstance(request.chat_template_kwargs["chat_template"], str):
-                raise InvalidRequest("the chat template must be a string", param=REQUEST_TEMPLATE_PARAM)
+                raise InvalidRequest("the chat template must be a string", param=REQUEST_TEMPLATE_PARAM, code="invalid_type")
         return {**self._default_template_kwargs, **request.chat_template_kwargs}
 
     def _memo_namespace(self, request: ChatRequest) -> tuple[str, str | None]:
@@ -149,7 +149,7 @@ class PromptRenderer:
         index = next(index for index, token in enumerate(tokens) if token >= self._vocab_size)
         raise InvalidRequest(
             f"token id {tokens[index]} is outside this model's vocabulary (ids 0 to {self._vocab_size - 1})",
-            param=f"prompt[{index}]",
+            param=f"prompt[{index}]", code="invalid_value",
         )
 
     def _chat_tokens(
@@ -183,10 +183,13 @@ class PromptRenderer:
         except RenderOverrun as error:
             if error.too_large and template is None:
                 raise InvalidRequest(str(error), param="messages", code="context_length_exceeded") from None
-            raise InvalidRequest(str(error), param=REQUEST_TEMPLATE_PARAM if template else "messages") from None
+            raise InvalidRequest(
+                str(error), param=REQUEST_TEMPLATE_PARAM if template else "messages", code="invalid_value"
+            ) from None
         except Exception as error:  # noqa: BLE001 - a template error is the request's fault
             raise InvalidRequest(
-                f"the chat template could not render these messages: {error}", param="messages"
+                f"the chat template could not render these messages: {error}", param="messages",
+                code="invalid_value",
             ) from None
 
 
@@ -257,7 +260,7 @@ class RouterActor:
         context_size = self._model.context_size
         num_prompt = len(rendered.tokens)
         if num_prompt == 0:
-            raise InvalidRequest("the prompt is empty after tokenization", param="prompt")
+            raise InvalidRequest("the prompt is empty after tokenization", param="prompt", code="invalid_value")
         if num_prompt >= context_size:
             raise InvalidRequest(
                 f"the prompt is {num_prompt} tokens, but this model's context size is {context_size}",

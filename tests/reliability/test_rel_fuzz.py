@@ -66,6 +66,22 @@ out_of_range_sampling = st.one_of(
 )
 words = st.text(alphabet="abcdefgh xyz.,!?éü你", min_size=1, max_size=24)
 roles = st.sampled_from(["system", "user", "assistant", "developer"])
+VOCAB_SIZE = 151_646
+# Ids inside the vocabulary, at its edge and far past it.
+token_ids = st.one_of(
+    st.integers(min_value=0, max_value=5000),
+    st.integers(min_value=151_640, max_value=151_700),
+    st.integers(min_value=151_700, max_value=2**31 - 1),
+)
+# What callers put in chat_template_kwargs, a caller-supplied template (bomb or not) included.
+template_kwargs = st.one_of(
+    st.fixed_dictionaries({"enable_thinking": st.booleans()}),
+    st.dictionaries(st.text(alphabet="abcxyz_", min_size=1, max_size=8), words, max_size=3),
+    st.fixed_dictionaries({"chat_template": st.sampled_from([
+        '{{ "ab " * 30000000 }}', "{% for m in messages %}{{ m.content }}{% endfor %}", "{{ raise }}",
+        "{% for i in range(10**9) %}x{% endfor %}",
+    ])}),
+)
 unknown_roles = st.one_of(
     st.sampled_from(["wizard", "USER", "System", "function", "", " user", "root"]),
     st.text(max_size=8).filter(lambda r: r not in ("system", "developer", "user", "assistant", "tool")),
@@ -95,6 +111,7 @@ def chat_bodies(draw: st.DrawFn) -> dict[str, Any]:
         "n": st.just(1),
         "presence_penalty": st.floats(min_value=-2, max_value=2),
         "model": st.just("llama-v1-seed0"),
+        "chat_template_kwargs": template_kwargs,
     }
     for key in draw(st.lists(st.sampled_from(sorted(optional)), unique=True, max_size=5)):
         body[key] = draw(optional[key])
@@ -105,7 +122,7 @@ def chat_bodies(draw: st.DrawFn) -> dict[str, Any]:
 
 @st.composite
 def completion_bodies(draw: st.DrawFn, native: bool) -> dict[str, Any]:
-    prompt: Any = draw(st.one_of(words, st.lists(st.integers(min_value=0, max_value=5000), min_size=1, max_size=8)))
+    prompt: Any = draw(st.one_of(words, st.lists(token_ids, min_size=1, max_size=8)))
     if not native and draw(st.booleans()):
         prompt = [prompt]
     body: dict[str, Any] = {"prompt": prompt}
@@ -241,9 +258,26 @@ def mutated(draw: st.DrawFn, base: st.SearchStrategy[dict[str, Any]], kind: str)
 # --- checking one response -----------------------------------------------------------
 
 
+def _has_out_of_vocabulary_id(raw: bytes) -> bool:
+    """A body that parses and whose token-id prompt holds an id the model has no embedding for."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return False
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if not isinstance(prompt, list) or not all(type(item) is int for item in prompt):
+        return False
+    return any(item >= VOCAB_SIZE for item in prompt)
+
+
 def check_response(response: httpx.Response, label: str, raw: bytes, kind: str) -> None:
     context = f"{label}: {raw[:300]!r} -> {response.status_code} {response.text[:300]!r}"
     assert response.status_code < 500, context
+    if _has_out_of_vocabulary_id(raw):
+        # Refused: for the id, or for something checked before it (size, another field).
+        assert response.status_code in (400, 413), context
     if response.status_code >= 400:
         body = response.json()
         assert set(body) == {"error"}, context
