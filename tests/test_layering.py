@@ -1,40 +1,160 @@
-"""mlxcel.cache is pure logic: it must import neither trio nor mlx, nor the rest of mlxcel."""
+"""Layering: the pure modules import neither trio nor MLX, and only the device actor touches MLX.
+
+Imports are read from the source (the whole AST, so imports inside functions
+and under `if TYPE_CHECKING:` count too), not by importing anything. A pure
+module may import other mlxcel modules only if they are pure in the same
+sense, so the check follows mlxcel imports transitively. Package
+`__init__` files that Python runs on the way (`mlxcel/__init__.py` starts
+the whole engine) are not followed: the rule is about what a module itself
+depends on.
+"""
 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
+
+import pytest
 
 import mlxcel
 
-CACHE = Path(mlxcel.__file__).parent / "cache"
+PACKAGE = Path(mlxcel.__file__).parent
+CACHE = PACKAGE / "cache"
 FORBIDDEN_ROOTS = {"trio", "mlx", "mlx_lm"}
+MLX_ROOTS = {"mlx", "mlx_lm"}
+
+# Plain synchronous logic: no Trio, no MLX, however deep the mlxcel imports go.
+PURE_MODULES = (
+    "mlxcel.cache",
+    "mlxcel.core",
+    "mlxcel.http.validation",
+    "mlxcel.http.guards",
+    "mlxcel.model.family",
+)
 
 
-def _imported_modules(path: Path) -> list[str]:
-    modules = []
+def _module_file(module: str) -> Path | None:
+    """The source of an mlxcel module (or package), or None for anything else."""
+    parts = module.split(".")
+    if parts[0] != "mlxcel":
+        return None
+    base = PACKAGE.joinpath(*parts[1:])
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _module_name(path: Path) -> str:
+    relative = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = relative.parts[:-1] if relative.name == "__init__" else relative.parts
+    return ".".join(parts)
+
+
+def _package_of(path: Path) -> str:
+    name = _module_name(path)
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+@functools.cache
+def _imported_modules(path: Path) -> tuple[str, ...]:
+    """Every module `path` imports anywhere in its source, relative imports resolved."""
+    modules: list[str] = []
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             modules.extend(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                modules.append("mlxcel.cache." + (node.module or ""))
+                package = _package_of(path).split(".")
+                base = ".".join(package[: len(package) - node.level + 1])
+                module = f"{base}.{node.module}" if node.module else base
             else:
-                modules.append(node.module or "")
-    return modules
+                module = node.module or ""
+            modules.append(module)
+            # `from mlxcel.cache import key` imports the submodule.
+            modules.extend(
+                f"{module}.{alias.name}" for alias in node.names if _module_file(f"{module}.{alias.name}") is not None
+            )
+    return tuple(modules)
+
+
+def _sources(package_or_module: str) -> list[Path]:
+    path = _module_file(package_or_module)
+    assert path is not None, f"{package_or_module} has no source"
+    return sorted(path.parent.glob("*.py")) if path.name == "__init__.py" else [path]
+
+
+def _import_chains(path: Path) -> dict[str, list[str]]:
+    """Each module reachable from `path` through mlxcel imports -> the chain of modules that leads there."""
+    chains = {_module_name(path): [_module_name(path)]}
+    todo = [path]
+    while todo:
+        current = todo.pop()
+        chain = chains[_module_name(current)]
+        for module in _imported_modules(current):
+            if module in chains:
+                continue
+            chains[module] = [*chain, module]
+            target = _module_file(module)
+            if target is not None and target.name != "__init__.py":
+                todo.append(target)
+    return chains
+
+
+def _forbidden_imports(path: Path, roots: set[str]) -> list[str]:
+    return [
+        " -> ".join(chain)
+        for module, chain in _import_chains(path).items()
+        if module.split(".")[0] in roots
+    ]
 
 
 def test_cache_package_has_modules() -> None:
     assert {"key.py", "store.py", "trie.py", "apc.py", "capacity.py"} <= {p.name for p in CACHE.glob("*.py")}
 
 
-def test_cache_imports_neither_trio_nor_mlx() -> None:
-    offenders = []
-    for path in sorted(CACHE.glob("*.py")):
-        for module in _imported_modules(path):
-            root = module.split(".")[0]
-            if root in FORBIDDEN_ROOTS:
-                offenders.append(f"{path.name}: {module}")
-            elif root == "mlxcel" and not module.startswith("mlxcel.cache"):
-                offenders.append(f"{path.name}: {module} (outside mlxcel.cache)")
-    assert not offenders, "pure cache modules import: " + ", ".join(offenders)
+def test_cache_imports_nothing_of_mlxcel_beyond_itself() -> None:
+    offenders = [
+        f"{path.name}: {module}"
+        for path in sorted(CACHE.glob("*.py"))
+        for module in _imported_modules(path)
+        if module.split(".")[0] == "mlxcel" and not module.startswith("mlxcel.cache")
+    ]
+    assert not offenders, "mlxcel.cache modules import: " + ", ".join(offenders)
+
+
+@pytest.mark.parametrize("package_or_module", PURE_MODULES)
+def test_pure_modules_import_neither_trio_nor_mlx(package_or_module: str) -> None:
+    offenders = [chain for path in _sources(package_or_module) for chain in _forbidden_imports(path, FORBIDDEN_ROOTS)]
+    assert not offenders, "pure modules reach: " + "; ".join(offenders)
+
+
+def test_core_imports_neither_actors_nor_http() -> None:
+    offenders = [
+        " -> ".join(chain)
+        for path in _sources("mlxcel.core")
+        for module, chain in _import_chains(path).items()
+        if module.startswith(("mlxcel.actors", "mlxcel.http"))
+    ]
+    assert not offenders, "mlxcel.core reaches: " + "; ".join(offenders)
+
+
+def test_only_the_device_actor_imports_mlx() -> None:
+    offenders = [
+        f"{path.name}: {module}"
+        for path in _sources("mlxcel.actors")
+        if path.name != "device.py"
+        for module in _imported_modules(path)
+        if module.split(".")[0] in MLX_ROOTS
+    ]
+    assert not offenders, "actors other than the device import MLX: " + ", ".join(offenders)
+
+
+def test_the_import_walk_sees_what_it_must() -> None:
+    # The checks above are only as good as this walk: function-level, relative and submodule imports.
+    source = PACKAGE / "engine.py"
+    imported = _imported_modules(source)
+    assert "trio" in imported
+    assert "mlxcel.model.fixtures" in imported  # imported inside run_engine
+    assert any(chain[-1] == "mlx.core" for chain in _import_chains(source).values())
