@@ -22,6 +22,7 @@ import trio
 
 from mlxcel.actors.device import ModelInfo
 from mlxcel.actors.messages import SchedulerStats
+from mlxcel.engine import DeltaStream, Engine
 from mlxcel.http.llamacpp import _byte_decoder
 from mlxcel.model.family import detect_family
 from mlxcel.types import ChatRequest, CompletionRequest, Delta, Usage
@@ -70,7 +71,7 @@ class StreamRecord:
     closed_before_finish: bool = False
 
 
-class FakeDeltaStream:
+class FakeDeltaStream(DeltaStream):
     """The `DeltaStream` surface over a scripted list of deltas and exceptions."""
 
     def __init__(self, script: Sequence[Script], record: StreamRecord) -> None:
@@ -110,8 +111,12 @@ class FakeDeltaStream:
         await self.aclose()
 
 
-class FakeEngine:
-    """Scripted stand-in for `mlxcel.engine.Engine` as `create_app` uses it."""
+class FakeEngine(Engine):
+    """Scripted stand-in for `mlxcel.engine.Engine` as `create_app` and `serve` use it.
+
+    A subclass only so that it passes where an Engine is checked for; it starts no
+    actors, and every method the app calls is overridden here.
+    """
 
     def __init__(
         self,
