@@ -33,7 +33,7 @@ USAGE = {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9, "prompt_
 
 
 def client_for(engine: FakeEngine, **options: Any) -> Client:
-    return create_app(engine, **options).test_client()  # type: ignore[arg-type]
+    return create_app(engine, **options).test_client()
 
 
 async def send(client: Client, path: str, body: Any, headers: dict[str, str] | None = None) -> Any:
