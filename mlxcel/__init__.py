@@ -2,15 +2,14 @@
 
 from mlxcel.config import EngineConfig, PromptCacheConfig, SchedulerConfig
 from mlxcel.engine import DeltaStream, Engine, open_engine, run_engine
+from mlxcel.errors import GenerationFailed, InternalError, InvalidRequest, MlxcelError, ServerBusy
 from mlxcel.types import (
     CacheOptions,
     ChatRequest,
     Completion,
     CompletionRequest,
     Delta,
-    InvalidRequest,
     SamplingParams,
-    ServerBusy,
     Usage,
 )
 
@@ -23,7 +22,10 @@ __all__ = [
     "DeltaStream",
     "Engine",
     "EngineConfig",
+    "GenerationFailed",
+    "InternalError",
     "InvalidRequest",
+    "MlxcelError",
     "PromptCacheConfig",
     "SamplingParams",
     "SchedulerConfig",

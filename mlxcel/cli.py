@@ -6,6 +6,7 @@ one line and exits with status 2.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import socket
@@ -83,10 +84,8 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         sock = bind_socket(server_config.host, server_config.port)
     except OSError as error:
         return _fail(f"cannot listen on {server_config.host}:{server_config.port}: {error.strerror or error}")
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         trio.run(run_server, engine_config, server_config, sock)
-    except KeyboardInterrupt:
-        pass
     return 0
 
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import attrs
 
+from mlxcel.cache.apc import ALGORITHMS, HashAlgorithm
+
 GIB = 1 << 30
 
 
@@ -35,7 +37,7 @@ class PromptCacheConfig:
     apc_enabled: bool = True
     apc_block_size: int = 16
     apc_num_blocks: int | None = None
-    apc_hash: str = "sha256"
+    apc_hash: HashAlgorithm = "sha256"
     snapshot_capacity_bytes: int | None = None
     snapshot_max_entries: int = 4096
     snapshot_ttl_seconds: float = 7200.0
@@ -182,11 +184,12 @@ def parse_seconds(text: str) -> float:
     return value
 
 
-def parse_hash(text: str) -> str:
+def parse_hash(text: str) -> HashAlgorithm:
     value = text.strip().lower()
-    if value not in ("sha256", "blake3"):
-        raise ValueError(f"expected sha256 or blake3, got {text!r}")
-    return value
+    for algorithm in ALGORITHMS:
+        if value == algorithm:
+            return algorithm
+    raise ValueError(f"expected sha256 or blake3, got {text!r}")
 
 
 def parse_session_key_scope(text: str) -> str:

@@ -16,12 +16,12 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-import attrs
 import trio
 
 from mlxcel.actors.cache_store import CacheStoreActor
 from mlxcel.actors.device import DeviceActor, DeviceSettings, ModelInfo
 from mlxcel.actors.messages import (
+    CacheStoreStats,
     CancelRequest,
     GetCacheStats,
     GetSchedulerStats,
@@ -36,12 +36,19 @@ from mlxcel.actors.metrics import MetricsActor
 from mlxcel.actors.router import PromptRenderer, RouterActor
 from mlxcel.actors.scheduler import SchedulerActor
 from mlxcel.actors.warmer import WarmerActor
-from mlxcel.cache.capacity import KV_STORE_FLOOR_BYTES, CapacityDecision, plan_kv_store_capacity, plan_snapshot_store_capacity
+from mlxcel.cache.capacity import (
+    KV_STORE_FLOOR_BYTES,
+    CapacityDecision,
+    plan_kv_store_capacity,
+    plan_snapshot_store_capacity,
+)
 from mlxcel.cache.snapshots import SnapshotLimits, SnapshotStore
 from mlxcel.cache.store import ApcSettings, PromptCacheStore, StoreLimits
 from mlxcel.config import EngineConfig, auto_bool
+from mlxcel.core.plan import Capabilities
+from mlxcel.errors import ServerBusy
 from mlxcel.model.family import FamilyKind
-from mlxcel.types import ChatRequest, Completion, CompletionRequest, Delta, ServerBusy, TokenLogprob
+from mlxcel.types import ChatRequest, Completion, CompletionRequest, Delta, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -147,9 +154,11 @@ class Engine:
         raise RuntimeError("the request ended without a finish reason")
 
     async def cache_stats(self) -> dict[str, Any]:
-        stats = await self._ask(self._to_cache_store, GetCacheStats)
-        stats["apc_enabled"] = stats.get("apc_enabled", False) and self.apc_enabled
-        return stats
+        """The cache store's statistics as the JSON body of ``/v1/cache/stats``."""
+        stats: CacheStoreStats = await self._ask(self._to_cache_store, GetCacheStats)
+        body = stats.to_json()
+        body["apc_enabled"] = body["apc_enabled"] and self.apc_enabled
+        return body
 
     async def reset_cache(self) -> dict[str, int]:
         return await self._ask(self._to_cache_store, ResetCache)
@@ -158,19 +167,20 @@ class Engine:
         return await self._ask(self._to_scheduler, GetSchedulerStats)
 
     async def metrics_text(self) -> bytes:
-        return await self._ask(self._to_metrics, RenderMetrics)
+        # The store's gauges are pulled now rather than pushed after every lookup.
+        stats: CacheStoreStats = await self._ask(self._to_cache_store, GetCacheStats)
+        return await self._ask(self._to_metrics, RenderMetrics, store=stats.store)
 
-    async def _ask(self, channel: trio.MemorySendChannel[Any], message_type: Any) -> Any:
+    async def _ask(self, channel: trio.MemorySendChannel[Any], message_type: Any, **fields: Any) -> Any:
         reply_to, replies = trio.open_memory_channel[Any](1)
-        await channel.send(message_type(reply_to=reply_to))
+        await channel.send(message_type(reply_to=reply_to, **fields))
         with replies:
             return await replies.receive()
 
     def _cancel(self, request_id: str) -> None:
-        try:
+        # When it cannot be sent, the closed event channel still frees the sequence at its next token.
+        with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
             self._to_scheduler.send_nowait(CancelRequest(request_id=request_id))
-        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # the closed event channel still frees the sequence at its next token
 
 
 def _uses_snapshots(model: ModelInfo) -> bool:
@@ -225,7 +235,9 @@ def _build_snapshot_store(config: EngineConfig, model: ModelInfo) -> SnapshotSto
     if not _uses_snapshots(model):
         return None
     cache = config.prompt_cache
-    plan = plan_snapshot_store_capacity(model.config, ctx_size=config.ctx_size, configured=cache.snapshot_capacity_bytes)
+    plan = plan_snapshot_store_capacity(
+        model.config, ctx_size=config.ctx_size, configured=cache.snapshot_capacity_bytes
+    )
     _log_capacity(plan, "snapshot", "--prompt-cache-snapshot-capacity-bytes")
     return SnapshotStore(SnapshotLimits(
         capacity_bytes=plan.recommended,
@@ -302,8 +314,13 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             to_scheduler=to_scheduler.clone() if warm else None,
         ).run)
         await nursery.start(SchedulerActor(
-            # The device resolved the per-backend default prefill step.
-            config=attrs.evolve(config.scheduler, prefill_step_size=model.prefill_step_size),
+            config=config.scheduler,
+            # The device resolved the per-backend default prefill step and whether starts are bucketed.
+            capabilities=Capabilities(
+                prefill_step_size=model.prefill_step_size, context_size=model.context_size,
+                max_batch_size=config.scheduler.max_batch_size, bucket_starts=model.bucket_starts,
+                snapshots=snapshots is not None,
+            ),
             inbox=scheduler_inbox,
             to_device=to_device,
             to_cache_store=to_cache_store.clone(),
@@ -314,7 +331,6 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             cache_config=config.prompt_cache if store is not None else None,
             # Only plain KV tables can be detached mid-flight and adopted by others.
             prompt_donation=store is not None and not _uses_snapshots(model),
-            snapshots=snapshots is not None,
         ).run)
         await nursery.start(RouterActor(
             model=model,

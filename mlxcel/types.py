@@ -11,45 +11,23 @@ from typing import Any
 
 import attrs
 
+from mlxcel.cache.key import ANONYMOUS_SESSION
 
-class InvalidRequest(Exception):
-    """A request a user can fix: reported as a 4xx with an OpenAI-style body."""
+# The errors live in mlxcel.errors; they are re-exported here, where they used to be defined.
+from mlxcel.errors import InvalidRequest, ServerBusy
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        status: int = 400,
-        error_type: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
-        self.status = status
-        self.error_type = error_type
-
-    def to_body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.error_type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-class ServerBusy(InvalidRequest):
-    """The server cannot take the request now; the client may retry (HTTP 503)."""
-
-    def __init__(self, message: str, *, retry_after_seconds: int = 1) -> None:
-        super().__init__(
-            message, status=503, code="server_busy", error_type="server_error"
-        )
-        self.retry_after_seconds = retry_after_seconds
+__all__ = [
+    "CacheOptions",
+    "ChatRequest",
+    "Completion",
+    "CompletionRequest",
+    "Delta",
+    "InvalidRequest",
+    "SamplingParams",
+    "ServerBusy",
+    "TokenLogprob",
+    "Usage",
+]
 
 
 @attrs.frozen(kw_only=True)
@@ -69,7 +47,7 @@ class CacheOptions:
     """Per-request cache controls resolved at the edge."""
 
     cache_prompt: bool = True
-    session_key: str = "__mlxcel_anon__"
+    session_key: str = ANONYMOUS_SESSION
     cache_salt: str = ""
 
 

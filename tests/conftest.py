@@ -15,14 +15,13 @@ blas.load_optimized_blas_in_process()
 
 from collections.abc import Callable  # noqa: E402
 from functools import partial  # noqa: E402
-from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 import trio  # noqa: E402
 
-from tests.support import make_engine_config  # noqa: E402
 from mlxcel.engine import Engine, run_engine  # noqa: E402
+from tests.support import make_engine_config  # noqa: E402
 
 
 @pytest.fixture

@@ -25,3 +25,41 @@ def make_engine_config(family: str = "llama", **changes: Any) -> EngineConfig:
 
 def evolve_cache(**changes: Any) -> PromptCacheConfig:
     return attrs.evolve(TEST_CACHE, **changes)
+
+
+def letter(token: int) -> str:
+    return chr(ord("a") + token % 26)
+
+
+class LetterDetokenizer:
+    """Streams one letter per token; ``last_segment`` is the text added since the last read."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.tokens: list[int] = []
+        self._offset = 0
+        self.finalized = False
+
+    def add_token(self, token: int) -> None:
+        self.tokens.append(token)
+        self.text += letter(token)
+
+    def finalize(self) -> None:
+        self.finalized = True
+
+    @property
+    def last_segment(self) -> str:
+        segment = self.text[self._offset :]
+        self._offset = len(self.text)
+        return segment
+
+
+class LetterTokenizer:
+    """One letter per token id, for the scheduling core's output without a real tokenizer."""
+
+    @property
+    def detokenizer(self) -> LetterDetokenizer:
+        return LetterDetokenizer()
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(letter(token) for token in ids)

@@ -16,14 +16,17 @@ def configs(argv: list[str], environ: dict[str, str] | None = None):
 
 def test_flags_win_over_environment_and_defaults_hold() -> None:
     engine, server = configs([], {})
-    assert engine.prompt_cache.enabled and engine.prompt_cache.max_entries == 1024
+    assert engine.prompt_cache.enabled
+    assert engine.prompt_cache.max_entries == 1024
     assert engine.prompt_cache.capacity_bytes is None  # model-aware at startup
-    assert server.host == "127.0.0.1" and server.port == 8080
+    assert server.host == "127.0.0.1"
+    assert server.port == 8080
     engine, _ = configs(["--prompt-cache-max-entries", "7"], {"MLXCEL_PROMPT_CACHE_MAX_ENTRIES": "9"})
     assert engine.prompt_cache.max_entries == 7
     engine, _ = configs([], {"MLXCEL_PROMPT_CACHE_MAX_ENTRIES": "9", "APC_HASH": "blake3", "APC_BLOCK_SIZE": "32"})
     assert engine.prompt_cache.max_entries == 9
-    assert engine.prompt_cache.apc_hash == "blake3" and engine.prompt_cache.apc_block_size == 32
+    assert engine.prompt_cache.apc_hash == "blake3"
+    assert engine.prompt_cache.apc_block_size == 32
 
 
 @pytest.mark.parametrize(("argv", "environ", "enabled"), [
@@ -41,9 +44,11 @@ def test_enabled_precedence_and_the_llama_cpp_alias(argv, environ, enabled) -> N
 
 def test_apc_and_cross_session_switches() -> None:
     engine, _ = configs(["--apc-enabled=false", "--prompt-cache-cross-session=false"])
-    assert not engine.prompt_cache.apc_enabled and not engine.prompt_cache.cross_session
+    assert not engine.prompt_cache.apc_enabled
+    assert not engine.prompt_cache.cross_session
     engine, _ = configs([], {"MLXCEL_DISABLE_BOUNDARY_SNAPSHOT": "1", "MLXCEL_APC_TRACE": "1"})
-    assert not engine.prompt_cache.boundary_snapshots and engine.prompt_cache.trace
+    assert not engine.prompt_cache.boundary_snapshots
+    assert engine.prompt_cache.trace
 
 
 @pytest.mark.parametrize(("argv", "environ", "buckets"), [
@@ -80,7 +85,8 @@ def test_user_errors_exit_2_with_one_line(argv, environ, needle) -> None:
     )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and needle in lines[0], result.stderr
+    assert len(lines) == 1, result.stderr
+    assert needle in lines[0], result.stderr
 
 
 def test_a_busy_port_fails_at_once_with_one_line() -> None:
@@ -99,7 +105,8 @@ def test_a_busy_port_fails_at_once_with_one_line() -> None:
         )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], result.stderr
+    assert len(lines) == 1, result.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in lines[0], result.stderr
     # Before the model loads (which alone takes seconds); generous for a loaded machine.
     assert time.monotonic() - started < 30
 

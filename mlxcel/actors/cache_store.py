@@ -1,28 +1,34 @@
 """The cache-store actor: owns the prompt-prefix store and answers for it.
 
 The store itself is pure logic (``mlxcel.cache.store``); this actor gives it a
-clock, serialises access through one inbox, and reports metric events. The
-payloads it holds are opaque handles that only the device actor opens.
+clock, serialises access through one inbox, and reports lookups to metrics.
+The store's size and evictions are not pushed: ``statistics()`` is pulled when
+metrics are rendered. The payloads it holds are opaque handles that only the
+device actor opens.
+
+Which stores exist is decided once, at start-up: a store that is off is a
+stand-in (``_PrefixStoreOff``, ``_SnapshotStoreOff``) that keeps nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Sequence
 from typing import Any
 
-import attrs
 import trio
 
 from mlxcel.actors.messages import (
     CacheLookedUp,
-    CacheStoreChanged,
     CacheStoreMsg,
+    CacheStoreStats,
     DonateSequence,
+    DonateSnapshot,
     GetCacheStats,
     LookupPrefix,
-    MetricsMsg,
-    DonateSnapshot,
     LookupSnapshot,
+    MetricsMsg,
     PrefixFound,
     PrefixMissing,
     ReleasePayloads,
@@ -32,10 +38,67 @@ from mlxcel.actors.messages import (
     SnapshotMissing,
     SnapshotRestoreFailed,
 )
-from mlxcel.cache.snapshots import SnapshotHit, SnapshotRefused, SnapshotStore
-from mlxcel.cache.store import PromptCacheStore
+from mlxcel.cache.key import CacheContext
+from mlxcel.cache.snapshots import SnapshotHit, SnapshotRefused, SnapshotStats, SnapshotStore
+from mlxcel.cache.store import InsertOutcome, Match, PromptCacheStore, ResetOutcome, StoreStats
 
 logger = logging.getLogger(__name__)
+
+
+class _PrefixStoreOff:
+    """The prompt cache is off: every lookup misses, and a donation is let go at once."""
+
+    def lookup(self, context: CacheContext, tokens: Sequence[int], now: float, max_len: int | None = None, *,
+               record: bool = True, cross_session: bool = True) -> Match | None:
+        return None
+
+    def insert(self, context: CacheContext, tokens: Sequence[int], payload: object, nbytes: int, now: float,
+               prompt_len: int | None = None) -> InsertOutcome:
+        return InsertOutcome(stored=False, reason="the prompt cache is off")
+
+    def shed_half(self, now: float) -> tuple[int, int]:
+        return 0, 0
+
+    def reset(self) -> ResetOutcome:
+        return ResetOutcome(entries_freed=0, bytes_freed=0)
+
+    def take_released(self) -> list[object]:
+        return []
+
+    def stats(self, now: float) -> StoreStats | None:
+        return None
+
+
+class _SnapshotStoreOff:
+    """No session snapshots (the cache is off, or the family resumes from KV prefixes)."""
+
+    def __init__(self) -> None:
+        self._released: list[Any] = []
+
+    def lookup(self, context: CacheContext, tokens: Sequence[int], now: float, *,
+               record: bool = True) -> SnapshotHit | SnapshotRefused | None:
+        return None
+
+    def insert(self, context: CacheContext, tokens: Sequence[int], payload: Any, nbytes: int, now: float) -> bool:
+        # Taken and let go at once, so it is freed on the device thread like any other.
+        self._released.append(payload)
+        return True
+
+    def record_incompatible(self) -> None:
+        pass
+
+    def shed_half(self, now: float) -> tuple[int, int]:
+        return 0, 0
+
+    def reset(self) -> tuple[int, int] | None:
+        return None
+
+    def take_released(self) -> list[Any]:
+        released, self._released = self._released, []
+        return released
+
+    def stats(self, now: float) -> SnapshotStats | None:
+        return None
 
 
 class CacheStoreActor:
@@ -54,10 +117,13 @@ class CacheStoreActor:
         self._unstored: list[Any] = []
         # False: lookups never reach another session's entries (tenant isolation).
         self._cross_session = cross_session
-        # None: the prompt cache is disabled; every lookup misses and donations are dropped.
-        self._store = store
+        # None: the prompt cache is disabled; every lookup misses and donations are let go.
+        self._store: PromptCacheStore | _PrefixStoreOff = store if store is not None else _PrefixStoreOff()
         # The session snapshot store, for snapshot-only model families.
-        self._snapshots = snapshots
+        self._snapshots: SnapshotStore | _SnapshotStoreOff = (
+            snapshots if snapshots is not None else _SnapshotStoreOff()
+        )
+        self._snapshot_capacity_bytes = snapshots.limits.capacity_bytes if snapshots is not None else 0
         self.inbox = inbox
         self._to_metrics = to_metrics
 
@@ -69,27 +135,18 @@ class CacheStoreActor:
                 del message
                 self._pass_on_released()
 
-    def statistics(self) -> dict[str, Any]:
-        if self._store is None:
-            return {"enabled": False, "entries": 0, "bytes": 0, "apc_enabled": False}
+    def statistics(self) -> CacheStoreStats:
         now = trio.current_time()
-        stats = attrs.asdict(self._store.stats(now))
-        stats["enabled"] = True
-        if self._snapshots is not None:
-            stats["snapshots"] = attrs.asdict(self._snapshots.stats(now))
-        return stats
+        return CacheStoreStats(store=self._store.stats(now), snapshots=self._snapshots.stats(now))
 
     def _handle(self, message: CacheStoreMsg) -> None:
         now = trio.current_time()
         match message:
             case LookupPrefix():
-                found = None
-                if self._store is not None:
-                    found = self._store.lookup(
-                        message.context, message.tokens, now, max_len=message.max_len,
-                        record=message.record, cross_session=self._cross_session,
-                    )
-                    self._report_store_state()
+                found = self._store.lookup(
+                    message.context, message.tokens, now, max_len=message.max_len,
+                    record=message.record, cross_session=self._cross_session,
+                )
                 reply: PrefixFound | PrefixMissing = PrefixMissing()
                 if found is not None:
                     reply = PrefixFound(
@@ -102,95 +159,67 @@ class CacheStoreActor:
                     self._metric(CacheLookedUp(hit=found is not None, tokens_reused=found.matched_len if found else 0))
                 _reply(message.reply_to, reply)
             case DonateSequence():
-                if self._store is None:
-                    return
                 outcome = self._store.insert(message.context, message.tokens, message.payload, message.nbytes, now,
                                              prompt_len=message.prompt_len)
                 if not outcome.stored:
                     logger.debug("prompt-cache donation not stored (%s)", outcome.reason)
                     self._unstored.append(message.payload)
-                self._report_store_state()
             case LookupSnapshot():
                 snapshot_reply: SnapshotFound | SnapshotMissing = SnapshotMissing()
-                if self._snapshots is not None:
-                    result = self._snapshots.lookup(message.context, message.tokens, now, record=message.record)
-                    if isinstance(result, SnapshotHit):
-                        snapshot_reply = SnapshotFound(num_tokens=result.num_tokens, payload=result.payload)
-                    elif isinstance(result, SnapshotRefused):
-                        snapshot_reply = SnapshotMissing(refusal=result.cause.value)
-                    if message.record:
-                        self._metric(CacheLookedUp(
-                            hit=isinstance(result, SnapshotHit),
-                            tokens_reused=result.num_tokens if isinstance(result, SnapshotHit) else 0,
-                        ))
+                result = self._snapshots.lookup(message.context, message.tokens, now, record=message.record)
+                if isinstance(result, SnapshotHit):
+                    snapshot_reply = SnapshotFound(num_tokens=result.num_tokens, payload=result.payload)
+                elif isinstance(result, SnapshotRefused):
+                    snapshot_reply = SnapshotMissing(refusal=result.cause.value)
+                if message.record:
+                    self._metric(CacheLookedUp(
+                        hit=isinstance(result, SnapshotHit),
+                        tokens_reused=result.num_tokens if isinstance(result, SnapshotHit) else 0,
+                    ))
                 _reply(message.reply_to, snapshot_reply)
             case DonateSnapshot():
-                if self._snapshots is not None and not self._snapshots.insert(
-                    message.context, message.tokens, message.payload, message.nbytes, now
-                ):
+                if not self._snapshots.insert(message.context, message.tokens, message.payload, message.nbytes, now):
                     self._unstored.append(message.payload)
                     logger.warning(
                         "a %d-byte session snapshot is larger than the whole snapshot store (%d bytes); "
                         "raise --prompt-cache-snapshot-capacity-bytes",
-                        message.nbytes, self._snapshots.limits.capacity_bytes,
+                        message.nbytes, self._snapshot_capacity_bytes,
                     )
             case ShedCache():
-                if self._store is not None:
-                    freed_before = self._store.stats(now).bytes
-                    self._store.shed(freed_before // 2)
-                    logger.warning("out of device memory: shed the prompt cache from %d to %d bytes",
-                                   freed_before, self._store.stats(now).bytes)
-                    self._report_store_state()
-                if self._snapshots is not None:
-                    self._snapshots.shed(self._snapshots.stats(now).bytes // 2)
+                before, after = self._store.shed_half(now)
+                if before:
+                    logger.warning("out of device memory: shed the prompt cache from %d to %d bytes", before, after)
+                self._snapshots.shed_half(now)
             case SnapshotRestoreFailed():
-                if self._snapshots is not None:
-                    self._snapshots.record_incompatible()
+                self._snapshots.record_incompatible()
             case GetCacheStats():
                 _reply(message.reply_to, self.statistics())
             case ResetCache():
-                freed = {"entries_freed": 0, "bytes_freed": 0}
-                if self._store is not None:
-                    outcome = self._store.reset()
-                    freed = {"entries_freed": outcome.entries_freed, "bytes_freed": outcome.bytes_freed}
-                    self._report_store_state()
-                if self._snapshots is not None:
-                    entries, nbytes = self._snapshots.reset()
-                    freed["snapshots_freed"] = entries
-                    freed["snapshot_bytes_freed"] = nbytes
+                reset = self._store.reset()
+                freed = {"entries_freed": reset.entries_freed, "bytes_freed": reset.bytes_freed}
+                snapshots_freed = self._snapshots.reset()
+                if snapshots_freed is not None:
+                    freed["snapshots_freed"], freed["snapshot_bytes_freed"] = snapshots_freed
                 _reply(message.reply_to, freed)
 
     def _pass_on_released(self) -> None:
         released = self._unstored
         self._unstored = []
-        for store in (self._store, self._snapshots):
-            if store is not None:
-                released.extend(store.take_released())
+        released.extend(self._store.take_released())
+        released.extend(self._snapshots.take_released())
         if not released or self._to_scheduler is None:
             return
-        try:
+        with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            # When it cannot be sent it is freed here instead: correct, only off the device thread.
             self._to_scheduler.send_nowait(ReleasePayloads(payloads=tuple(released)))
-        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # freed here instead: correct, only off the device thread
-
-    def _report_store_state(self) -> None:
-        if self._store is None:
-            return
-        stats = self._store.stats(trio.current_time())
-        self._metric(CacheStoreChanged(nbytes=stats.bytes, entries=stats.entries, evictions=dict(stats.evictions)))
 
     def _metric(self, event: MetricsMsg) -> None:
         if self._to_metrics is None:
             return
-        try:
+        with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
             self._to_metrics.send_nowait(event)
-        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
 
 
 def _reply(reply_to: trio.MemorySendChannel[Any], value: Any) -> None:
-    with reply_to:
-        try:
-            reply_to.send_nowait(value)
-        except trio.BrokenResourceError:
-            pass  # the asker went away
+    with reply_to, contextlib.suppress(trio.BrokenResourceError):  # the asker went away
+        reply_to.send_nowait(value)

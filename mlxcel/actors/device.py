@@ -1,14 +1,17 @@
-"""The device actor: the only code that runs MLX.
+"""The device actor: the only code that runs MLX, an executor of step plans.
 
 Every MLX call happens on one long-lived worker thread (MLX ties streams to
 the thread that made them). The thread loads the model, then loops on
 ``trio.from_thread.run(inbox.receive)``; the Trio side never blocks on it.
-Batching, chunked prefill and per-sequence caches come from mlx-lm's
-``BatchGenerator``.
+Each ``RunStep`` carries a ``StepPlan`` decided by the scheduling core
+(``mlxcel/core/scheduler.py``); the device carries it out in order and
+reports a ``StepResult``. Batching, chunked prefill and per-sequence caches
+come from mlx-lm's ``BatchGenerator``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -18,28 +21,23 @@ from typing import Any
 import attrs
 import trio
 
-from mlxcel.actors.messages import (
-    AdmitSequence,
+from mlxcel.actors.messages import DeviceMsg, RunStep
+from mlxcel.core.plan import (
+    AloneChunk,
+    Capabilities,
     DetachedSequence,
-    DeviceMsg,
-    RunStep,
+    InsertBatch,
+    Removal,
     SampledToken,
-    StepDone,
+    StartAlone,
+    StartDirect,
+    StepPlan,
+    StepResult,
 )
 from mlxcel.model.family import ModelFamily
 from mlxcel.types import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-# Steps in a row in which direct starts may hold back the batch's decode step.
-MAX_BATCH_HOLDS = 4
-# Shape buckets of direct starts (see _StepWorker._bucket): the adopted prefix is
-# cut to a multiple of START_PREFIX_ALIGN tokens and the tokens run are padded to
-# a multiple of START_QUERY_BUCKET, so key lengths are multiples of 128 too. A
-# 256-token cut gave the same shapes with twice the tokens run again: 8B hits of
-# random lengths, median 31.2 vs 23.0 ms once planned (benchmarks/start_shapes.py).
-START_PREFIX_ALIGN = 128
-START_QUERY_BUCKET = 128
 
 
 @attrs.frozen(kw_only=True)
@@ -55,6 +53,8 @@ class ModelInfo:
     eos_token_ids: frozenset[int]
     context_size: int
     prefill_step_size: int = 2048
+    # Starts in bucketed shapes and long prompts prefilled alone (CUDA with plain KV caches).
+    bucket_starts: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -68,8 +68,8 @@ class DeviceSettings:
     warm_up: bool | None = False
     # A direct start's logits in one forward pass (None: on a GPU only; see _StepWorker).
     one_pass_starts: bool | None = None
-    # Direct starts run in bucketed shapes and long prompts are prefilled alone
-    # (None: with CUDA only; see _StepWorker._bucket and _advance_alone).
+    # Starts run in bucketed shapes and long prompts are prefilled alone
+    # (None: with CUDA only; the core decides the shapes, see mlxcel/core/scheduler.py).
     bucket_starts: bool | None = None
     fail_step: int | None = None
     fail_out_of_memory: bool = False
@@ -102,9 +102,6 @@ class DeviceActor:
         step = self._settings.prefill_step_size or default_prefill_step_size()
         self._settings = attrs.evolve(self._settings, prefill_step_size=step, context_size=context_size)
         worker = _StepWorker(loaded.model, loaded.eos_token_ids, self._settings, loaded.family.model_type)
-        warm_up = self._settings.warm_up
-        if mx.default_device() != mx.cpu if warm_up is None else warm_up:
-            logger.info("device warm-up took %.2f s", worker.warm_up())
         info = ModelInfo(
             model_id=loaded.model_id,
             path=loaded.path,
@@ -115,7 +112,11 @@ class DeviceActor:
             eos_token_ids=frozenset(loaded.eos_token_ids),
             context_size=context_size,
             prefill_step_size=step,
+            bucket_starts=worker.bucket_starts,
         )
+        warm_up = self._settings.warm_up
+        if mx.default_device() != mx.cpu if warm_up is None else warm_up:
+            logger.info("device warm-up took %.2f s", worker.warm_up(info))
         trio.from_thread.run_sync(task_status.started, info)
         while True:
             try:
@@ -124,7 +125,7 @@ class DeviceActor:
                 return
             match message:
                 case RunStep():
-                    done = worker.run_step(message)
+                    done = worker.run_step(message.plan)
                     self._num_steps = done.step_number
                     trio.from_thread.run_sync(_reply, message.reply_to, done)
                     # Drops the released payloads here, so MLX frees them on this thread.
@@ -133,19 +134,17 @@ class DeviceActor:
                     raise AssertionError(f"unexpected device message {message!r}")
 
 
-def _reply(reply_to: trio.MemorySendChannel[StepDone], done: StepDone) -> None:
-    with reply_to:
-        try:
-            reply_to.send_nowait(done)
-        except (trio.BrokenResourceError, trio.WouldBlock):
-            pass  # the scheduler went away (shutdown)
+def _reply(reply_to: trio.MemorySendChannel[StepResult], done: StepResult) -> None:
+    # The scheduler may have gone away (shutdown).
+    with reply_to, contextlib.suppress(trio.BrokenResourceError, trio.WouldBlock):
+        reply_to.send_nowait(done)
 
 
 @attrs.define
 class _DirectStart:
-    """An admission whose first token is computed outside the batch (see ``_admit``)."""
+    """A start whose first token is computed outside the batch (see ``_start_direct``)."""
 
-    admission: AdmitSequence
+    start: StartDirect
     caches: list[Any]
     all_tokens: list[int]
     sampler: Callable[[Any], Any] | None
@@ -156,12 +155,10 @@ class _DirectStart:
 
 @attrs.define
 class _AlonePrefill:
-    """A long prompt prefilled on its own cache, a chunk per step (see ``_advance_alone``)."""
+    """A long prompt prefilled on its own cache, a chunk per step."""
 
-    admission: AdmitSequence
     caches: list[Any]
-    tokens: list[int]  # cached and prompt tokens
-    done: int  # tokens in ``caches``
+    tokens: tuple[int, ...]  # cached and prompt tokens
 
 
 @attrs.define
@@ -175,8 +172,19 @@ class _Sequence:
     warm: bool = False
     # Started outside the batch: its prompt was reported done then.
     direct: bool = False
-    # Prefilled in the batch, first token not sampled yet: the batch is not held for it.
-    awaiting_first: bool = False
+
+
+class _NoClients:
+    """The warm-up's requests go nowhere."""
+
+    def send(self, request_id: str, delta: Any) -> bool:
+        return True
+
+    def fail(self, request_id: str, error: Any) -> None:
+        raise RuntimeError(f"the device warm-up failed: {error.message}")
+
+    def close(self, request_id: str) -> None:
+        pass
 
 
 class _StepWorker:
@@ -187,6 +195,7 @@ class _StepWorker:
     ) -> None:
         import mlx.core as mx
         from mlx_lm.generate import BatchGenerator
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
 
         self._model = model
         # How a direct start gets its last token's logits: on a GPU in the same
@@ -195,118 +204,92 @@ class _StepWorker:
         # one-token pass, as mlx-lm does (the projection costs more there).
         one_pass = settings.one_pass_starts
         self._one_pass_starts = mx.default_device() != mx.cpu if one_pass is None else one_pass
-        from mlx_lm.models.cache import KVCache, make_prompt_cache
-
         bucket = settings.bucket_starts
         # Only plain KV caches can be cut and trimmed: other layer kinds run unbucketed.
-        self._bucket_starts = ((mx.cuda.is_available() if bucket is None else bucket)
-                               and all(type(cache) is KVCache for cache in make_prompt_cache(model)))
+        self.bucket_starts = ((mx.cuda.is_available() if bucket is None else bucket)
+                              and all(type(cache) is KVCache for cache in make_prompt_cache(model)))
         self._eos_token_ids = frozenset(eos_token_ids)
         self._family = family
         self._settings = settings
+        assert settings.prefill_step_size is not None, "resolved before the worker is made"
+        self._step = settings.prefill_step_size
         self._make_generator: Callable[[], Any] = lambda: BatchGenerator(
             model,
             stop_tokens=[[token] for token in sorted(eos_token_ids)],
             completion_batch_size=settings.max_batch_size,
             prefill_batch_size=settings.prefill_batch_size,
-            prefill_step_size=settings.prefill_step_size,
+            prefill_step_size=self._step,
         )
         self._generator = self._make_generator()
         self._by_uid: dict[int, _Sequence] = {}
         self._uid_of: dict[int, int] = {}
-        # Admitted one-chunk prompts left for a later step (see run_step).
-        self._deferred: list[AdmitSequence] = []
-        # Long prompts prefilled outside the batch, oldest first (see _advance_alone).
-        self._alone: list[_AlonePrefill] = []
-        # Steps in a row that held the batch back for direct starts.
-        self._batch_holds = 0
+        # Long prompts prefilled outside the batch, and the KV of those whose last chunk ran.
+        self._alone: dict[int, _AlonePrefill] = {}
+        self._alone_done: dict[int, Any] = {}
         self._step_number = 0
 
-    def warm_up(self) -> float:
-        """Run a direct start, a chunked prefill and decoding once on throwaway prompts.
+    def warm_up(self, info: ModelInfo) -> float:
+        """Run a direct start, a chunked prefill and decoding once, on throwaway prompts.
 
-        The CUDA backend compiles its kernels on first use (seconds for the
-        first request otherwise); on the CPU this costs a fraction of a second.
+        A GPU backend compiles its kernels on first use (seconds for the first
+        request otherwise). The plans come from a scheduling core of the real
+        capabilities, so the warm-up runs the shapes real requests will.
         Returns the seconds it took. The generator is fresh afterwards.
         """
         import mlx.core as mx
 
+        from mlxcel.core.scheduler import NewRequest, SchedulerCore
+
         start = time.perf_counter()
         settings = self._settings
+        assert settings.prefill_step_size is not None
+        assert settings.context_size is not None
         self._settings = attrs.evolve(settings, fail_step=None)
-        greedy = SamplingParams(temperature=0.0)
-        prompts = {-1: 8, -2: settings.prefill_step_size + 8}  # one chunk; two chunks
-        admissions = tuple(
-            AdmitSequence(sequence_id=sequence_id, prompt_tokens=tuple(10 + i % 1000 for i in range(length)),
-                          cached_tokens=(), sampling=greedy, max_tokens=3)
-            for sequence_id, length in prompts.items()
+        core = SchedulerCore(
+            Capabilities(prefill_step_size=settings.prefill_step_size, context_size=settings.context_size,
+                         max_batch_size=settings.max_batch_size, bucket_starts=self.bucket_starts),
+            tokenizer=info.tokenizer, eos_token_ids=info.eos_token_ids,
         )
-        unfinished = set(prompts)
-        step = RunStep(admit=admissions, reply_to=None)  # type: ignore[arg-type]
+        clients = _NoClients()
+        for index, length in enumerate((8, settings.prefill_step_size + 8)):  # one chunk; two chunks
+            prompt = tuple(10 + i % 1000 for i in range(length))
+            core.add(NewRequest(request_id=f"warm-up-{index}", prompt_tokens=prompt, max_tokens=3,
+                                sampling=SamplingParams(temperature=0.0), cache_context=None), clients)
         for _ in range(32):
-            done = self.run_step(step)
-            if done.error is not None:
-                raise RuntimeError(f"the device warm-up failed: {done.error}")
-            unfinished -= {token.sequence_id for token in done.sampled if token.finish_reason is not None}
-            if not unfinished:
+            if not core.has_work():
                 break
-            step = RunStep(reply_to=None)  # type: ignore[arg-type]
+            assert core.next_lookup(0.0) is None
+            plan = core.schedule()
+            core.update(plan, self.run_step(plan), clients, 0.0)
         self._settings = settings
         self._generator = self._make_generator()
         self._by_uid.clear()
         self._uid_of.clear()
-        self._deferred.clear()
         self._alone.clear()
-        self._batch_holds = 0
+        self._alone_done.clear()
         self._step_number = 0
         mx.clear_cache()
         return time.perf_counter() - start
 
-    def run_step(self, step: RunStep) -> StepDone:
+    def run_step(self, plan: StepPlan) -> StepResult:
         self._step_number += 1
         detached: list[DetachedSequence] = []
-        admissions, self._deferred = [*self._deferred, *step.admit], []
+        restore_failures: list[tuple[int, str]] = []
+        direct: list[_DirectStart] = []
         try:
-            for removal in step.remove:
-                uid = self._uid_of.pop(removal.sequence_id, None)
-                if uid is None:
-                    # A deferred start or one prefilled alone (no KV to give yet).
-                    admissions = [a for a in admissions if a.sequence_id != removal.sequence_id]
-                    self._alone = [p for p in self._alone if p.admission.sequence_id != removal.sequence_id]
-                    continue
-                sequence = self._by_uid.pop(uid)
-                caches = self._generator.remove([uid], return_prompt_caches=removal.donate)
-                if removal.donate and uid in caches:
-                    cache_list, tokens = caches[uid]
-                    item = _detach(sequence.sequence_id, cache_list, tokens)
-                    if item is not None:
-                        detached.append(item)
-            restore_failures = []
-            direct: list[_DirectStart] = []
-            # Direct starts take at most one prefill chunk's worth of tokens per
-            # step (at least one start): the first tokens of prompts admitted
-            # together come out step by step instead of all after the last.
-            direct_tokens = 0
-            for admission in admissions:
-                if self._starts_directly(admission):
-                    direct_tokens += len(admission.prompt_tokens)
-                    if direct and direct_tokens > self._settings.prefill_step_size:
-                        self._deferred.append(admission)
-                        continue
-                failure = self._admit(admission, direct)
+            for removal in plan.removals:
+                self._remove(removal, detached)
+            for start in plan.starts:
+                failure = self._start(start, direct)
                 if failure is not None:
-                    restore_failures.append((admission.sequence_id, failure))
-            alone_prefilling, alone_tokens = (), 0
-            if self._alone:
-                sequence_id, alone_tokens, rest = self._advance_alone()
-                if rest is not None and not (direct and direct_tokens + len(rest.prompt_tokens)
-                                             > self._settings.prefill_step_size):
-                    direct_tokens += len(rest.prompt_tokens)
-                    self._admit(rest, direct)  # its first token comes in this step
-                else:
-                    alone_prefilling = (sequence_id,)
-                    if rest is not None:
-                        self._deferred.append(rest)
+                    restore_failures.append((start.sequence_id, failure))
+            prompt_tokens, alone_prefilling = 0, tuple[int, ...]()
+            if plan.alone_chunk is not None:
+                prompt_tokens = self._run_alone_chunk(plan.alone_chunk)
+                if plan.alone_rest is None:
+                    alone_prefilling = (plan.alone_chunk.sequence_id,)
+            if plan.alone_rest is not None:
+                direct.append(self._start_direct(plan.alone_rest))
             if self._settings.fail_step == self._step_number:
                 if self._settings.fail_out_of_memory:
                     raise RuntimeError(f"[malloc] injected out of memory at step {self._step_number}")
@@ -317,62 +300,49 @@ class _StepWorker:
 
                 mx.eval([(start.token, start.logprobs) for start in direct],
                         [start.donation.payload.arrays() for start in direct if start.donation is not None])
-            if not self._by_uid and not direct:
-                return StepDone(
-                    step_number=self._step_number, detached=tuple(detached),
-                    restore_failures=tuple(restore_failures), prefill_tokens=alone_tokens,
-                    prefilling=alone_prefilling,
-                )
-            prompt_responses, generation_responses, prompt_tokens = [], [], alone_tokens
-            # While started prompts wait, first tokens go ahead of the batch's
-            # decode and prefill chunk, for a bounded number of steps in a row;
-            # never ahead of a first token the batch itself owes.
-            hold_batch = (bool(self._deferred) and self._batch_holds < MAX_BATCH_HOLDS
-                          and not any(sequence.awaiting_first for sequence in self._by_uid.values()))
-            self._batch_holds = self._batch_holds + 1 if hold_batch else 0
-            if self._by_uid and not hold_batch:
+            prompt_responses, generation_responses = [], []
+            if plan.run_batch and self._by_uid:
                 with self._generator.stats() as stats:
                     prompt_responses, generation_responses = self._generator.next()
                 prompt_tokens += stats.prompt_tokens
             started = [self._start_generating(start) for start in direct]
-        except Exception as error:  # noqa: BLE001 - reported to every sequence in the batch
+        except Exception as error:  # noqa: BLE001 - reported to every sequence on the device
             logger.exception("device step %d failed", self._step_number)
-            out_of_memory = _is_out_of_memory(error)
-            # Admissions that raised never reached the generator: they fail too.
+            # Starts that raised never reached the generator: they fail too.
             failed = tuple(
                 {sequence.sequence_id for sequence in self._by_uid.values()}
-                | {admission.sequence_id for admission in [*admissions, *self._deferred]}
-                | {prefill.admission.sequence_id for prefill in self._alone}
+                | {start.sequence_id for start in plan.starts}
+                | {start.sequence_id for start in plan.direct_starts}
+                | set(self._alone) | set(self._alone_done)
             )
-            self._deferred = []
-            self._alone = []
+            self._alone.clear()
+            self._alone_done.clear()
             self._generator = self._make_generator()
             self._by_uid.clear()
             self._uid_of.clear()
-            return StepDone(
+            return StepResult(
                 step_number=self._step_number,
                 error=f"{type(error).__name__}: {error}",
-                out_of_memory=out_of_memory,
+                out_of_memory=_is_out_of_memory(error),
                 failed_sequences=failed,
                 detached=tuple(detached),
             )
 
         sampled = []
         prompts_done = []
-        for start, (token, done) in zip(direct, started):
+        for begun, (token, done) in zip(direct, started, strict=True):
             sampled.append(token)
-            prompts_done.append(start.admission.sequence_id)
-            prompt_tokens += len(start.admission.prompt_tokens)
+            prompts_done.append(begun.start.sequence_id)
+            prompt_tokens += len(begun.start.prompt_tokens)
             if done is not None:
                 detached.append(done)
-            elif start.donation is not None:
-                detached.append(start.donation)
+            elif begun.donation is not None:
+                detached.append(begun.donation)
         for response in generation_responses:
             sequence = self._by_uid.get(response.uid)
             if sequence is None:
                 continue
             sampled.append(_sampled_token(sequence, response))
-            sequence.awaiting_first = False
             if response.finish_reason is not None:
                 del self._by_uid[response.uid]
                 del self._uid_of[sequence.sequence_id]
@@ -397,13 +367,12 @@ class _StepWorker:
                 prefilling.append(sequence.sequence_id)
                 continue
             prompts_done.append(sequence.sequence_id)
-            sequence.awaiting_first = True
             if sequence.donate_prompt:
                 cache_list, tokens = self._generator.extract_cache([response.uid])[response.uid]
                 item = _detach(sequence.sequence_id, cache_list, tokens, final=False)
                 if item is not None:
                     detached.append(item)
-        return StepDone(
+        return StepResult(
             step_number=self._step_number,
             sampled=tuple(sampled),
             detached=tuple(detached),
@@ -415,139 +384,127 @@ class _StepWorker:
             warmed=tuple(warmed),
         )
 
-    def _admit(self, admission: AdmitSequence, direct: list[_DirectStart]) -> str | None:
-        """Insert a sequence; returns why a snapshot could not be restored (it then runs cold).
+    def _remove(self, removal: Removal, detached: list[DetachedSequence]) -> None:
+        uid = self._uid_of.pop(removal.sequence_id, None)
+        if uid is None:
+            # Prefilled alone, or finished already: no KV to give.
+            self._alone.pop(removal.sequence_id, None)
+            self._alone_done.pop(removal.sequence_id, None)
+            return
+        sequence = self._by_uid.pop(uid)
+        caches = self._generator.remove([uid], return_prompt_caches=removal.donate)
+        if removal.donate and uid in caches:
+            cache_list, tokens = caches[uid]
+            item = _detach(sequence.sequence_id, cache_list, tokens)
+            if item is not None:
+                detached.append(item)
 
-        A prompt that needs at most one prefill chunk (a cache hit's new turn,
-        or a short prompt) starts directly: it is prefilled on its own cache
-        and its first token sampled in this step, in one evaluation, as
-        mlx-lm's own ``generate`` does; it joins the decode batch afterwards.
-        Through the batch, the same first token would take three steps (the
-        chunk, the move to decoding, the first decode) and a copy of the whole
-        cache into the batch before the prefill.
-        """
+    def _start(self, start: StartDirect | InsertBatch | StartAlone, direct: list[_DirectStart]) -> str | None:
+        """Carry out one start; returns why a snapshot could not be restored (it then runs cold)."""
         from mlx_lm.models.cache import make_prompt_cache
 
-        from mlxcel.model.kv import adopt
-        from mlxcel.model.snapshot import SnapshotMismatch, restore
 
-        caches = None
-        prompt = list(admission.prompt_tokens)
-        cached = list(admission.cached_tokens)
-        kept = len(cached)
-        failure = None
-        if admission.adopted is not None:
-            if self._bucket_starts and (self._starts_directly(admission) or self._prefills_alone(admission)):
-                kept -= kept % START_PREFIX_ALIGN
-            caches = adopt(admission.adopted, kept) if kept else None
-        elif admission.restore is not None:
-            try:
-                caches = restore(admission.restore, self._family, make_prompt_cache(self._model))
-            except SnapshotMismatch as error:
-                failure = str(error)
-                prompt, cached, kept = cached + prompt, [], 0
-        if self._starts_directly(admission) and len(prompt) <= self._settings.prefill_step_size:
-            # (A snapshot that would not restore makes the prompt longer.)
-            direct.append(self._start_direct(admission, caches, cached, prompt, kept))
+        if isinstance(start, StartAlone):
+            own = _adopt(start.adopted, start.kept) if start.adopted is not None else make_prompt_cache(self._model)
+            self._alone[start.sequence_id] = _AlonePrefill(caches=own, tokens=start.tokens)
+            return None
+        if isinstance(start, StartDirect) and start.restore is None:
+            direct.append(self._start_direct(start))
+            return None
+        caches, prompt, cached, failure = self._resume(start)
+        if isinstance(start, StartDirect) and failure is None:
+            direct.append(self._start_direct(start, caches))
+            return None
+        if isinstance(start, StartDirect) and len(prompt) <= self._step:
+            # The snapshot would not restore: the whole prompt still fits one chunk.
+            direct.append(self._start_direct(attrs.evolve(start, prompt_tokens=tuple(prompt), cached_tokens=(),
+                                                          kept=0, restore=None)))
             return failure
-        if self._prefills_alone(admission):
-            if caches is None:
-                caches = make_prompt_cache(self._model)
-            self._alone.append(_AlonePrefill(admission=admission, caches=caches, tokens=cached + prompt, done=kept))
-            return failure
-        snapshot_tokens = None
-        if admission.snapshot_after is not None and failure is None:
-            boundary = admission.snapshot_after
-            if admission.warm:
-                # Prefill everything, snapshot, then stop: the extra token is never run.
-                segments = [prompt, prompt[-1:]]
-            else:
-                segments = [prompt[:boundary], prompt[boundary:]]
-            snapshot_tokens = tuple(cached + prompt[:boundary])
-        else:
-            segments = [prompt]
-        (uid,) = self._generator.insert_segments(
-            [segments],
-            max_tokens=[admission.max_tokens],
-            caches=[caches],
-            all_tokens=[cached],
-            samplers=[_make_sampler(admission.sampling)],
-        )
-        self._by_uid[uid] = _Sequence(
-            sequence_id=admission.sequence_id,
-            sampling=admission.sampling,
-            donate_on_finish=admission.donate_on_finish,
-            donate_prompt=admission.donate_prompt,
-            snapshot_tokens=snapshot_tokens,
-            warm=admission.warm,
-        )
-        self._uid_of[admission.sequence_id] = uid
+        self._insert(start, caches, prompt, cached, failure)
         return failure
 
-    def _prefills_alone(self, admission: AdmitSequence) -> bool:
-        """A prompt longer than one chunk that is prefilled outside the batch (see _advance_alone)."""
-        step = self._settings.prefill_step_size
-        return (self._bucket_starts and admission.restore is None
-                and admission.snapshot_after is None and not admission.warm
-                and len(admission.prompt_tokens) > step >= START_PREFIX_ALIGN)
+    def _resume(self, start: StartDirect | InsertBatch) -> tuple[list[Any] | None, list[int], list[int], str | None]:
+        """The caches a start resumes from, its prompt and cached tokens (all cold if a snapshot fails)."""
+        from mlx_lm.models.cache import make_prompt_cache
 
-    def _advance_alone(self) -> tuple[int, int, AdmitSequence | None]:
-        """Run one chunk of the oldest prompt prefilled alone.
+        from mlxcel.model.snapshot import SnapshotMismatch, restore
 
-        Returns its sequence id, the tokens run, and once the chunks are done,
-        the admission that starts the rest directly.
+        prompt, cached = list(start.prompt_tokens), list(start.cached_tokens)
+        if start.restore is not None:
+            try:
+                return restore(start.restore, self._family, make_prompt_cache(self._model)), prompt, cached, None
+            except SnapshotMismatch as error:
+                return None, cached + prompt, [], str(error)
+        if start.adopted is not None and cached:
+            return _adopt(start.adopted, len(cached)), prompt, cached, None
+        return None, prompt, cached, None
 
-        With CUDA (where starts are bucketed), a prompt longer than one chunk
-        is not prefilled in the batch: there an 8k-token prefill through the
-        batch took 2.4-2.6x (8B) and 4-5x (1B) the time it takes on a plain
-        cache (benchmarks/start_shapes.py --cold); the batch cache hands
-        attention a mask array where a plain one gets the causal kernel.
-        Instead it runs on its own cache, one chunk per step, the
-        chunks ending on multiples of the chunk size and the last one on a
-        multiple of START_PREFIX_ALIGN (so their shapes repeat and cuDNN's
-        plans are reused). The last 1-START_PREFIX_ALIGN tokens then start
-        directly like a hit's new turn: padded, logits in the same pass (few
-        positions to project to the vocabulary), first token in that step.
-        """
+    def _insert(self, start: StartDirect | InsertBatch, caches: list[Any] | None, prompt: list[int],
+                cached: list[int], failure: str | None) -> None:
+        snapshot_tokens = None
+        segments = [prompt]
+        if isinstance(start, InsertBatch) and start.snapshot_after is not None and failure is None:
+            boundary = start.snapshot_after
+            # A warm-up prefills everything, snapshots, then stops: the extra token is never run.
+            segments = [prompt, prompt[-1:]] if start.warm else [prompt[:boundary], prompt[boundary:]]
+            snapshot_tokens = tuple(cached + prompt[:boundary])
+        (uid,) = self._generator.insert_segments(
+            [segments],
+            max_tokens=[start.max_tokens],
+            # mlx-lm takes None for both (a fresh cache; the batch's shared sampler) but annotates neither.
+            caches=[caches],  # type: ignore[list-item]
+            all_tokens=[cached],
+            samplers=[_make_sampler(start.sampling)],  # type: ignore[list-item]
+        )
+        self._by_uid[uid] = _Sequence(
+            sequence_id=start.sequence_id,
+            sampling=start.sampling,
+            donate_on_finish=start.donate_on_finish,
+            donate_prompt=start.donate_prompt,
+            snapshot_tokens=snapshot_tokens,
+            warm=isinstance(start, InsertBatch) and start.warm,
+        )
+        self._uid_of[start.sequence_id] = uid
+
+    def _run_alone_chunk(self, chunk: AloneChunk) -> int:
+        """Run one chunk of a prompt prefilled alone; after its last, keep its KV for the direct start."""
         import mlx.core as mx
 
         from mlxcel.model.kv import detach
 
-        prefill = self._alone[0]
-        step = self._settings.prefill_step_size
-        body_end = (len(prefill.tokens) - 1) // START_PREFIX_ALIGN * START_PREFIX_ALIGN
-        end = min((prefill.done // step + 1) * step, body_end)
+        prefill = self._alone[chunk.sequence_id]
         with mx.stream(self._generator.stream):
-            self._model(mx.array(prefill.tokens[prefill.done:end])[None], cache=prefill.caches)
+            self._model(mx.array(prefill.tokens[chunk.start:chunk.end])[None], cache=prefill.caches)
             mx.eval([cache.state for cache in prefill.caches])
-        ran, prefill.done = end - prefill.done, end
-        rest = None
-        if end == body_end:
-            self._alone.pop(0)
-            rest = attrs.evolve(prefill.admission, cached_tokens=tuple(prefill.tokens[:end]),
-                                prompt_tokens=tuple(prefill.tokens[end:]), adopted=detach(prefill.caches, end))
-        return prefill.admission.sequence_id, ran, rest
+        if chunk.last:
+            del self._alone[chunk.sequence_id]
+            self._alone_done[chunk.sequence_id] = detach(prefill.caches, chunk.end)
+        return chunk.end - chunk.start
 
-    def _starts_directly(self, admission: AdmitSequence) -> bool:
-        return (admission.snapshot_after is None and not admission.warm
-                and len(admission.prompt_tokens) <= self._settings.prefill_step_size)
-
-    def _start_direct(
-        self, admission: AdmitSequence, caches: list[Any] | None, cached: list[int], prompt: list[int], kept: int
-    ) -> _DirectStart:
+    def _start_direct(self, start: StartDirect, caches: list[Any] | None = None) -> _DirectStart:
         """Build (not evaluate) the prompt's forward pass and its first token.
 
-        ``caches`` hold the first ``kept`` of the ``cached`` tokens; the rest
-        run again with the prompt (a bucketed start, see ``_bucket``).
+        A prompt that needs at most one prefill chunk (a cache hit's new turn,
+        or a short prompt) is prefilled on its own cache and its first token
+        sampled in this step, in one evaluation, as mlx-lm's own ``generate``
+        does; it joins the decode batch afterwards. The first ``kept`` cached
+        tokens come from the adopted KV; the rest run again with the prompt,
+        followed by the plan's padding (bucketed shapes, see the core).
         """
         import mlx.core as mx
         from mlx_lm.models.cache import make_prompt_cache
 
+
+        if start.from_alone:
+            caches = _adopt(self._alone_done.pop(start.sequence_id), start.kept)
+        elif start.adopted is not None and start.kept:
+            caches = _adopt(start.adopted, start.kept)
         if caches is None:
             caches = make_prompt_cache(self._model)
-        run = cached[kept:] + prompt
-        padding = self._bucket(kept, len(run))
-        sampler = _make_sampler(admission.sampling)
+        cached, prompt = list(start.cached_tokens), list(start.prompt_tokens)
+        run = cached[start.kept:] + prompt
+        padding = start.padding
+        sampler = _make_sampler(start.sampling)
         with mx.stream(self._generator.stream):
             tokens = mx.array(run + run[-1:] * padding)[None]
             if len(run) > 1 and not (self._one_pass_starts or padding):
@@ -563,63 +520,43 @@ class _StepWorker:
             token = mx.argmax(logprobs, axis=-1) if sampler is None else sampler(logprobs)
         all_tokens = cached + prompt
         donation = None
-        if admission.donate_prompt:
-            donation = _detach(admission.sequence_id, caches, all_tokens, final=False, evaluate=False)
-        return _DirectStart(admission=admission, caches=caches, all_tokens=all_tokens, sampler=sampler,
+        if start.donate_prompt:
+            donation = _detach(start.sequence_id, caches, all_tokens, final=False, evaluate=False)
+        return _DirectStart(start=start, caches=caches, all_tokens=all_tokens, sampler=sampler,
                             token=token, logprobs=logprobs[0], donation=donation)
 
-    def _bucket(self, kept: int, length: int) -> int:
-        """How many padding tokens follow a direct start's ``length`` tokens (0: none).
-
-        MLX's CUDA backend builds a cuDNN attention plan for every new pair
-        of query and key lengths it meets, 0.06-0.16 s each on the H200
-        (docs/benchmarks.md), and a hit's lengths are nearly always new. So
-        there a start runs in bucketed shapes: the prefix it resumes from is
-        cut to a multiple of START_PREFIX_ALIGN tokens (the cut tokens run
-        again) and the tokens run are padded to a multiple of
-        START_QUERY_BUCKET. Causal attention keeps the padding out of the
-        real tokens' results, and the cache drops it afterwards.
-        """
-        if not self._bucket_starts:
-            return 0
-        padding = -length % START_QUERY_BUCKET
-        context_size = self._settings.context_size
-        if context_size is not None and kept + length + padding > context_size:
-            return 0
-        return padding
-
-    def _start_generating(self, start: _DirectStart) -> tuple[SampledToken, DetachedSequence | None]:
+    def _start_generating(self, direct: _DirectStart) -> tuple[SampledToken, DetachedSequence | None]:
         """Report a direct start's first token; it decodes on in the batch unless that ends it.
 
         Returns the token and, when it finished the sequence, the final donation.
         """
-        admission = start.admission
-        token = int(start.token.item())
+        start = direct.start
+        token = int(direct.token.item())
         finish_reason = None
         if token in self._eos_token_ids:
             finish_reason = "stop"
-        elif admission.max_tokens <= 1:
+        elif start.max_tokens <= 1:
             finish_reason = "length"
         sequence = _Sequence(
-            sequence_id=admission.sequence_id, sampling=admission.sampling,
-            donate_on_finish=admission.donate_on_finish, donate_prompt=False, direct=True,
+            sequence_id=start.sequence_id, sampling=start.sampling,
+            donate_on_finish=start.donate_on_finish, donate_prompt=False, direct=True,
         )
-        sampled = _sampled_token(sequence, _FirstToken(token, start.logprobs, finish_reason))
+        sampled = _sampled_token(sequence, _FirstToken(token, direct.logprobs, finish_reason))
         if finish_reason is not None:
             done = None
-            if admission.donate_on_finish:
-                done = _detach(admission.sequence_id, start.caches, start.all_tokens)
+            if start.donate_on_finish:
+                done = _detach(start.sequence_id, direct.caches, direct.all_tokens)
             return sampled, done
         # The first token goes in as the prompt's last: its forward pass gives the second.
         (uid,) = self._generator.insert(
             [[token]],
-            max_tokens=[admission.max_tokens - 1],
-            caches=[start.caches],
-            all_tokens=[start.all_tokens],
-            samplers=[start.sampler],
+            max_tokens=[start.max_tokens - 1],
+            caches=[direct.caches],
+            all_tokens=[direct.all_tokens],
+            samplers=[direct.sampler],  # type: ignore[list-item]  # None: the batch's shared sampler
         )
         self._by_uid[uid] = sequence
-        self._uid_of[admission.sequence_id] = uid
+        self._uid_of[start.sequence_id] = uid
         return sampled, None
 
     def _snapshot(self, uid: int, sequence: _Sequence) -> DetachedSequence:
@@ -716,3 +653,12 @@ def _make_sampler(sampling: SamplingParams) -> Callable[[Any], Any] | None:
         return mx.random.categorical(logits, key=subkey)
 
     return sample
+
+
+def _adopt(handle: Any, num_tokens: int) -> list[Any]:
+    """Fresh caches holding a stored prefix's first ``num_tokens`` rows (the core's handle is a DetachedKV)."""
+    from mlxcel.model.kv import DetachedKV, adopt
+
+    if not isinstance(handle, DetachedKV):
+        raise TypeError(f"not a stored KV prefix: {type(handle).__name__}")
+    return adopt(handle, num_tokens)

@@ -1,21 +1,20 @@
 """The metrics actor: turns metric events into Prometheus series.
 
 It owns its own ``CollectorRegistry`` (no process globals), so two engines in
-one process, or one per test, never collide.
+one process, or one per test, never collide. The prompt cache's size and
+evictions are not pushed: the asker of ``RenderMetrics`` brings the store's
+statistics, and they are applied just before rendering.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from mlxcel.actors.messages import (
-    CacheLookedUp,
-    CacheStoreChanged,
-    MetricsMsg,
-    RenderMetrics,
-    RequestFinished,
-)
+from mlxcel.actors.messages import CacheLookedUp, MetricsMsg, MetricsStats, RenderMetrics, RequestFinished
+from mlxcel.cache.store import StoreStats
 
 EVICTION_REASONS = ("lru", "ttl", "capacity")
 
@@ -25,7 +24,9 @@ class MetricsActor:
         self.inbox = inbox
         self.registry = CollectorRegistry()
         self._hits = Counter("mlxcel_prompt_cache_hits", "Successful prompt-cache adoptions", registry=self.registry)
-        self._misses = Counter("mlxcel_prompt_cache_misses", "Prompt-cache lookups with no match", registry=self.registry)
+        self._misses = Counter(
+            "mlxcel_prompt_cache_misses", "Prompt-cache lookups with no match", registry=self.registry
+        )
         self._tokens_reused = Counter(
             "mlxcel_prompt_cache_prefix_tokens_reused", "Prefix tokens reused across all hits", registry=self.registry
         )
@@ -34,7 +35,9 @@ class MetricsActor:
         )
         for reason in EVICTION_REASONS:
             self._evictions.labels(reason=reason)
-        self._bytes = Gauge("mlxcel_prompt_cache_bytes", "Bytes held by live prompt-cache entries", registry=self.registry)
+        self._bytes = Gauge(
+            "mlxcel_prompt_cache_bytes", "Bytes held by live prompt-cache entries", registry=self.registry
+        )
         self._entries = Gauge("mlxcel_prompt_cache_entries", "Live prompt-cache entries", registry=self.registry)
         self._requests = Counter(
             "mlxcel_requests", "Finished requests by finish reason", ["finish_reason"], registry=self.registry
@@ -51,8 +54,8 @@ class MetricsActor:
             async for message in self.inbox:
                 self._handle(message)
 
-    def statistics(self) -> dict[str, int]:
-        return {"num_events": self._num_events}
+    def statistics(self) -> MetricsStats:
+        return MetricsStats(num_events=self._num_events)
 
     def _handle(self, message: MetricsMsg) -> None:
         self._num_events += 1
@@ -62,24 +65,23 @@ class MetricsActor:
                 self._tokens_reused.inc(tokens)
             case CacheLookedUp(hit=False):
                 self._misses.inc()
-            case CacheStoreChanged():
-                self._bytes.set(message.nbytes)
-                self._entries.set(message.entries)
-                for reason, total in message.evictions.items():
-                    grown = total - self._seen_evictions.get(reason, 0)
-                    if grown > 0:
-                        # "superseded" entries became aliases; they were not pushed out.
-                        label = reason if reason in EVICTION_REASONS else None
-                        if label is not None:
-                            self._evictions.labels(reason=label).inc(grown)
-                    self._seen_evictions[reason] = total
             case RequestFinished():
                 self._requests.labels(finish_reason=message.finish_reason).inc()
                 if message.seconds_to_first_token is not None:
                     self._ttft.observe(message.seconds_to_first_token)
             case RenderMetrics():
-                with message.reply_to:
-                    try:
-                        message.reply_to.send_nowait(generate_latest(self.registry))
-                    except trio.BrokenResourceError:
-                        pass
+                if message.store is not None:
+                    self._apply_store(message.store)
+                with message.reply_to, contextlib.suppress(trio.BrokenResourceError):
+                    message.reply_to.send_nowait(generate_latest(self.registry))
+
+    def _apply_store(self, stats: StoreStats) -> None:
+        self._bytes.set(stats.bytes)
+        self._entries.set(stats.entries)
+        # The store's evictions are cumulative since start; the counters grow by the difference.
+        for reason, total in stats.evictions.items():
+            grown = total - self._seen_evictions.get(reason, 0)
+            # "superseded" entries became aliases; they were not pushed out.
+            if grown > 0 and reason in EVICTION_REASONS:
+                self._evictions.labels(reason=reason).inc(grown)
+            self._seen_evictions[reason] = total

@@ -9,6 +9,7 @@ rendered and tokenized at once, so one huge prompt does not hold up the rest.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -17,13 +18,15 @@ import attrs
 import trio
 
 from mlxcel.actors.device import ModelInfo
-from mlxcel.actors.messages import RequestFailed, RouteRequest, SubmitRequest
+from mlxcel.actors.messages import RequestFailed, RouteRequest, RouterStats, SubmitRequest
 from mlxcel.cache.key import (
     CacheContext,
     effective_tool_choice,
     rope_regime_for,
     template_signature,
 )
+from mlxcel.core.scheduler import NewRequest
+from mlxcel.errors import InvalidRequest, ServerBusy
 from mlxcel.model.chat_template import (
     RENDER_TIMEOUT_S,
     RenderOverrun,
@@ -32,7 +35,7 @@ from mlxcel.model.chat_template import (
     render_deadline,
 )
 from mlxcel.model.tokenize import SegmentTokenizer, max_chars_per_token, vocabulary_size
-from mlxcel.types import ChatRequest, CompletionRequest, InvalidRequest, ServerBusy
+from mlxcel.types import ChatRequest, CompletionRequest
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +132,9 @@ class PromptRenderer:
                     param=REQUEST_TEMPLATE_PARAM, code="unsupported_parameter",
                 )
             if not isinstance(request.chat_template_kwargs["chat_template"], str):
-                raise InvalidRequest("the chat template must be a string", param=REQUEST_TEMPLATE_PARAM, code="invalid_type")
+                raise InvalidRequest(
+                    "the chat template must be a string", param=REQUEST_TEMPLATE_PARAM, code="invalid_type"
+                )
         return {**self._default_template_kwargs, **request.chat_template_kwargs}
 
     def _memo_namespace(self, request: ChatRequest) -> tuple[str, str | None]:
@@ -170,12 +175,13 @@ class PromptRenderer:
         add_generation_prompt: bool,
     ) -> str:
         tokenizer = self._model.tokenizer
-        template = kwargs.get("chat_template") if self._request_templates is not None else None
+        request_templates = self._request_templates
+        template = kwargs.get("chat_template") if request_templates is not None else None
         try:
-            if template is not None:
+            if request_templates is not None and template is not None:
                 variables = {**getattr(tokenizer, "special_tokens_map", {}), **kwargs}
                 variables.update(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt)
-                return self._request_templates.render(template, variables)
+                return request_templates.render(template, variables)
             with render_deadline(RENDER_TIMEOUT_S):
                 return tokenizer.apply_chat_template(
                     messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
@@ -230,8 +236,8 @@ class RouterActor:
                         self._num_in_flight += 1
                         nursery.start_soon(self._route, message)
 
-    def statistics(self) -> dict[str, int]:
-        return {"num_routed": self._num_routed, "num_rejected": self._num_rejected}
+    def statistics(self) -> RouterStats:
+        return RouterStats(num_routed=self._num_routed, num_rejected=self._num_rejected)
 
     async def _route(self, message: RouteRequest) -> None:
         try:
@@ -249,11 +255,8 @@ class RouterActor:
 
     def _reject(self, message: RouteRequest, error: InvalidRequest) -> None:
         self._num_rejected += 1
-        with message.events:
-            try:
-                message.events.send_nowait(RequestFailed(error=error))
-            except (trio.BrokenResourceError, trio.WouldBlock):
-                pass
+        with message.events, contextlib.suppress(trio.BrokenResourceError, trio.WouldBlock):
+            message.events.send_nowait(RequestFailed(error=error))
 
     def _submission(self, message: RouteRequest, rendered: RenderedPrompt) -> SubmitRequest:
         request = message.request
@@ -278,14 +281,13 @@ class RouterActor:
                 rope_regime=rope_regime_for(num_prompt, self._model.family.longrope_original_max_positions),
                 cache_salt=request.cache.cache_salt,
             )
-        return SubmitRequest(
+        return SubmitRequest(request=NewRequest(
             request_id=message.request_id,
             prompt_tokens=rendered.tokens,
             sampling=request.sampling,
             max_tokens=max_tokens,
             cache_context=cache_context,
-            events=message.events,
             history_boundary=rendered.history_boundary if cache_context is not None else None,
             chat=request if isinstance(request, ChatRequest) else None,
             more_pending=self.inbox.statistics().current_buffer_used > 0 or self._num_in_flight > 1,
-        )
+        ), events=message.events)

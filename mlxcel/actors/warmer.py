@@ -13,9 +13,9 @@ import logging
 
 import trio
 
-from mlxcel.actors.messages import ReplyFinished, WarmerMsg, WarmSession
+from mlxcel.actors.messages import ReplyFinished, WarmerMsg, WarmerStats, WarmSession
 from mlxcel.actors.router import PromptRenderer
-from mlxcel.types import InvalidRequest
+from mlxcel.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
 
@@ -61,5 +61,5 @@ class WarmerActor:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
 
-    def statistics(self) -> dict[str, int]:
-        return {"num_replies_seen": self._num_replies_seen, "num_warmups_requested": self._num_warmups_requested}
+    def statistics(self) -> WarmerStats:
+        return WarmerStats(num_replies_seen=self._num_replies_seen, num_warmups_requested=self._num_warmups_requested)

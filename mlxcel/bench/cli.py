@@ -235,7 +235,7 @@ def _run(namespace: argparse.Namespace, blas_library: str | None, blas: str) -> 
                     ]
                     by_name = {server.name: server for server in servers}
 
-                    def alive(runner: ConversationRunner) -> bool:
+                    def alive(runner: ConversationRunner, by_name: dict[str, Any] = by_name) -> bool:
                         process = by_name[runner.server].process
                         if process.poll() is None:
                             return True

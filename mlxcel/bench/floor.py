@@ -6,11 +6,12 @@ is prefilled into a fresh ``make_prompt_cache`` cache, and then the timed
 part: prefilling only the rest of this turn's prompt (the previous reply,
 the new user turn, the template's tokens) in one chunk and taking the first
 greedy token (as mlx-lm generates: the chunk without its last token fills
-the cache, then one step on the last token gives the logits). Median of a few runs after a warm-up, the cache trimmed back
-between runs. A server's warm-turn TTFT divided by this is its overhead over
-the model's own compute. The cold figure is the same for a whole turn-0
-prompt in ``--prefill-step-size`` chunks (by default the servers' own
-default chunk: 256 on the CPU, 2048 on a GPU).
+the cache, then one step on the last token gives the logits). Median of a
+few runs after a warm-up, the cache trimmed back between runs. A server's
+warm-turn TTFT divided by this is its overhead over the model's own compute.
+The cold figure is the same for a whole turn-0 prompt in
+``--prefill-step-size`` chunks (by default the servers' own default chunk:
+256 on the CPU, 2048 on a GPU).
 
 Run as ``python -m mlxcel.bench.floor --model-path DIR [shape flags]``
 (prints one JSON object); ``measure_floor`` runs that in a subprocess, which
@@ -20,6 +21,7 @@ inherits the caller's ``LD_PRELOAD`` and so the servers' BLAS.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -47,7 +49,7 @@ def _floor(model_path: str, shape: Shape, *, runs: int, prefill_step_size: int, 
 
     from mlxcel.blas import describe_blas
 
-    model, tokenizer = load(model_path)
+    model, tokenizer = load(model_path)[:2]
     workload = build_workload(shape, model_path=model_path)
 
     def prefill(cache: list[Any], tokens: list[int], step: int) -> int:
@@ -64,7 +66,9 @@ def _floor(model_path: str, shape: Shape, *, runs: int, prefill_step_size: int, 
         logits = model(mx.array(tokens[-1:])[None], cache=cache)
         token = mx.argmax(logits[:, -1, :], axis=-1)
         mx.eval(token)
-        return int(token.item())
+        first = token.item()
+        assert isinstance(first, int)
+        return first
 
     def timed(function: Any) -> float:
         start = time.perf_counter()
@@ -84,7 +88,7 @@ def _floor(model_path: str, shape: Shape, *, runs: int, prefill_step_size: int, 
         prefill(cache, previous, prefill_step_size)
         times = []
         for run in range(runs + 1):
-            elapsed = timed(lambda: prefill(cache, suffix, len(suffix)))
+            elapsed = timed(functools.partial(prefill, cache, suffix, len(suffix)))
             for layer_cache in cache:
                 layer_cache.trim(len(suffix))
             if run:
@@ -96,7 +100,7 @@ def _floor(model_path: str, shape: Shape, *, runs: int, prefill_step_size: int, 
     cold_times = []
     for run in range(min(runs, 3) + 1):
         cache = make_prompt_cache(model)
-        elapsed = timed(lambda: prefill(cache, cold_prompt, prefill_step_size))
+        elapsed = timed(functools.partial(prefill, cache, cold_prompt, prefill_step_size))
         if run:
             cold_times.append(elapsed)
     return {

@@ -9,6 +9,7 @@ every server and the floor measurement run on the same BLAS.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -208,11 +209,9 @@ class RunningServer:
                 self.process.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 pass
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             # Anything of this server's own process group still alive (its children).
             os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
         try:
             return self.process.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
@@ -246,7 +245,9 @@ def _wait_ready(server: RunningServer, timeout_s: float) -> None:
             time.sleep(0.3)
 
 
-def start_server(spec: ServerSpec, model_path: str, log_dir: Path, *, ready_timeout_s: float = READY_TIMEOUT_S) -> RunningServer:
+def start_server(
+    spec: ServerSpec, model_path: str, log_dir: Path, *, ready_timeout_s: float = READY_TIMEOUT_S
+) -> RunningServer:
     """Start one server on a free loopback port and return once it answers."""
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -272,7 +273,9 @@ def start_server(spec: ServerSpec, model_path: str, log_dir: Path, *, ready_time
 
 
 @contextmanager
-def launch(specs: Sequence[ServerSpec], model_path: str, log_dir: Path, *, ready_timeout_s: float = READY_TIMEOUT_S) -> Iterator[list[RunningServer]]:
+def launch(
+    specs: Sequence[ServerSpec], model_path: str, log_dir: Path, *, ready_timeout_s: float = READY_TIMEOUT_S
+) -> Iterator[list[RunningServer]]:
     """Start every server (one after another, so loads do not compete); always stop them all."""
     running: list[RunningServer] = []
     try:

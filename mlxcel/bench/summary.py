@@ -127,7 +127,7 @@ def summarize(
     return {"servers": servers, "ratios": ratios(servers, reference), "floor": dict(floor) if floor else None}
 
 
-def _cell(value: Any, kind: str) -> str:
+def _cell(value: Any, kind: str | None) -> str:
     if value is None:
         return "-"
     if kind == "s":
@@ -163,8 +163,13 @@ def format_table(summary: Mapping[str, Any]) -> str:
                      _cell(values["warm_ttft"], "x"), "", _cell(values["unseen_ttft"], "x"), "",
                      _cell(values["e2e"], "x"), "", _cell(values["peak_rss"], "x"), ""])
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
-    lines = ["  ".join(cell.ljust(width) if i == 0 else cell.rjust(width) for i, (cell, width) in enumerate(zip(row, widths)))
-             for row in rows]
+    lines = [
+        "  ".join(
+            cell.ljust(width) if i == 0 else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=False))
+        )
+        for row in rows
+    ]
     lines.insert(1, "  ".join("-" * width for width in widths))
     floor = summary.get("floor")
     if floor and floor.get("warm_floor_s") is not None:

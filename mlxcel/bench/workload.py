@@ -39,7 +39,7 @@ WORDS = tuple(
     worker news test movie north love support technology step baby computer type attention
     film tree source organization hair window population truth song river summer winter
     bridge cloud stone forest letter chair lamp
-    """.split()
+    """.split()  # noqa: SIM905 (a block of words reads better than a list of strings)
 )
 
 # Unseen probe i's user turn is ``user_tokens + UNSEEN_USER_STEP * i`` words:

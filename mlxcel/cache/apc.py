@@ -16,9 +16,8 @@ import blake3
 from mlxcel.cache.key import pack_tokens
 
 ROOT_SEED = b"mlxcel:apc:root:v1"
-ALGORITHMS = ("sha256", "blake3")
-
 HashAlgorithm = Literal["sha256", "blake3"]
+ALGORITHMS: tuple[HashAlgorithm, ...] = ("sha256", "blake3")
 
 
 class BlockHasher:
@@ -111,7 +110,7 @@ def agreeing_blocks(chain_a: Sequence[bytes], chain_b: Sequence[bytes]) -> int:
     if list(chain_a[:shared]) == list(chain_b[:shared]):
         return shared
     count = 0
-    for hash_a, hash_b in zip(chain_a, chain_b):
+    for hash_a, hash_b in zip(chain_a, chain_b, strict=False):
         if hash_a != hash_b:
             break
         count += 1

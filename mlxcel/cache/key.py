@@ -98,10 +98,7 @@ class CacheContext:
 
 def context_header(context: CacheContext) -> bytes:
     """The digest input that precedes prefix_len and the tokens."""
-    if context.rope_regime is None:
-        rope = b"\x00\x00"
-    else:
-        rope = bytes((1, int(context.rope_regime)))
+    rope = b"\x00\x00" if context.rope_regime is None else bytes((1, int(context.rope_regime)))
     return b"".join(
         (
             DOMAIN_SEPARATOR,
@@ -192,18 +189,3 @@ def effective_tool_choice(tool_choice: str | Mapping | None, tools: Sequence[Map
         if tool_choice.get("type") == "function" and isinstance(name, str) and name:
             return name
     raise ValueError(f"unsupported tool_choice {tool_choice!r}")
-
-
-def _non_empty_str(value: object) -> str | None:
-    return value if isinstance(value, str) and value else None
-
-
-def resolve_session_key(body: Mapping) -> str:
-    """prompt_cache_key (root, then nested extra_body), then user, then anonymous."""
-    extra_body = body.get("extra_body")
-    nested = extra_body.get("prompt_cache_key") if isinstance(extra_body, Mapping) else None
-    for candidate in (body.get("prompt_cache_key"), nested, body.get("user")):
-        key = _non_empty_str(candidate)
-        if key is not None:
-            return key
-    return ANONYMOUS_SESSION

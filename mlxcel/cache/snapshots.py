@@ -178,6 +178,13 @@ class SnapshotStore:
         while self._entries and self._bytes > target_bytes:
             self._evict_oldest("capacity")
 
+    def shed_half(self, now: float) -> tuple[int, int]:
+        """Expire, then shed down to half the bytes left (out of device memory); bytes before and after."""
+        self._expire(now)
+        before = self._bytes
+        self.shed(before // 2)
+        return before, self._bytes
+
     def take_released(self) -> list[Any]:
         """Payloads let go of since the last call, for the owner to release on the device thread."""
         released, self._released = self._released, []

@@ -14,7 +14,7 @@ from typing import Literal
 
 import attrs
 
-from mlxcel.cache.apc import ALGORITHMS, BlockHasher, agreeing_blocks
+from mlxcel.cache.apc import ALGORITHMS, BlockHasher, HashAlgorithm, agreeing_blocks
 from mlxcel.cache.key import CacheContext, digest_packed, pack_tokens
 from mlxcel.cache.trie import PackedPrefix, RadixTrie, TrieWalk
 
@@ -31,7 +31,7 @@ _non_negative = attrs.validators.ge(0)
 class StoreLimits:
     capacity_bytes: int = attrs.field(validator=_non_negative)
     max_entries: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
-    ttl_seconds: float = attrs.field(default=3600.0, validator=_non_negative)
+    ttl_seconds: float = attrs.field(default=3600.0, validator=attrs.validators.ge(0.0))
     min_prefix: int = attrs.field(default=32, validator=_non_negative)
 
 
@@ -42,7 +42,7 @@ class ApcSettings:
     num_blocks: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(_non_negative)
     )
-    algorithm: str = attrs.field(default="sha256", validator=attrs.validators.in_(ALGORITHMS))
+    algorithm: HashAlgorithm = attrs.field(default="sha256", validator=attrs.validators.in_(ALGORITHMS))
 
     def block_cap(self, max_entries: int) -> int:
         if self.num_blocks is not None:
@@ -84,7 +84,7 @@ class StoreStats:
     hits: int
     misses: int
     tokens_reused: int
-    evictions: Mapping[str, int]
+    evictions: Mapping[EvictionReason, int]
     inserts: int
     refusals: int
     duplicates: int
@@ -181,7 +181,7 @@ class PromptCacheStore:
         self._recency: OrderedDict[bytes, None] = OrderedDict()
         self._owner_recency: OrderedDict[bytes, None] = OrderedDict()
         self._released: list[object] = []
-        self._tries: dict[tuple, RadixTrie] = {}
+        self._tries: dict[tuple, RadixTrie[bytes]] = {}
         self._block_refs: dict[bytes, int] = {}
         self._bytes = 0
         self._total_blocks = 0
@@ -401,7 +401,7 @@ class PromptCacheStore:
 
     def _best(
         self,
-        walk: TrieWalk,
+        walk: TrieWalk[bytes],
         context: CacheContext,
         num_tokens: int,
         cap: int,
@@ -438,13 +438,10 @@ class PromptCacheStore:
             needed = min(common // block_size + 1, num_blocks, cap_blocks, request_blocks)
             request_hashes = request_chain.up_to(needed, chain, common // block_size)
             agreeing = agreeing_blocks(request_hashes[:needed], chain[:needed])
-            if agreeing >= bound // block_size:
-                # The chains confirm every whole block of the shared tokens, and the
-                # trie knows the exact token where the entry parts from the request:
-                # the KV is reused up to there, not rounded down to a block.
-                matched = bound
-            else:
-                matched = min(agreeing, cap_blocks) * block_size
+            # When the chains confirm every whole block of the shared tokens, the trie
+            # knows the exact token where the entry parts from the request: the KV is
+            # reused up to there, not rounded down to a block.
+            matched = bound if agreeing >= bound // block_size else min(agreeing, cap_blocks) * block_size
             if matched > best_len:
                 best = _Candidate(entry_id, matched, True)
                 best_len = matched
@@ -483,6 +480,13 @@ class PromptCacheStore:
         while self._bytes > target_bytes and self._owner_recency:
             self._evict(self._entries[next(iter(self._owner_recency))], "capacity", evictions)
         return tuple(evictions)
+
+    def shed_half(self, now: float) -> tuple[int, int]:
+        """Expire, then shed down to half the bytes left (out of device memory); bytes before and after."""
+        self._expire(now, [])
+        before = self._bytes
+        self.shed(before // 2)
+        return before, self._bytes
 
     def reset(self) -> ResetOutcome:
         """Forget every entry and chain; the counters keep running."""

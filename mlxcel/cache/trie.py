@@ -13,10 +13,13 @@ All lengths in the public interface are in tokens.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Generic, TypeVar
 
 from mlxcel.cache.key import pack_tokens
 
-EntryFilter = Callable[[Hashable], bool]
+# Whatever the owner identifies its entries by (the store uses entry digests).
+EntryId = TypeVar("EntryId", bound=Hashable)
+EntryFilter = Callable[[EntryId], bool]
 TokenInput = Sequence[int] | bytes
 
 _TOKEN = 4  # bytes per packed token
@@ -68,15 +71,15 @@ def _common_tokens(data: bytes, start: int, label: bytes) -> int:
     return low
 
 
-class _Node:
+class _Node(Generic[EntryId]):
     __slots__ = ("label", "children", "entries", "tag_counts", "parent", "depth")
 
-    def __init__(self, label: bytes, parent: _Node | None, depth: int) -> None:
+    def __init__(self, label: bytes, parent: _Node[EntryId] | None, depth: int) -> None:
         self.label = label
         # Keyed by the first packed token of the child's label.
-        self.children: dict[bytes, _Node] = {}
+        self.children: dict[bytes, _Node[EntryId]] = {}
         # Entries whose sequence ends exactly here: entry id -> tag.
-        self.entries: dict[Hashable, str] = {}
+        self.entries: dict[EntryId, str] = {}
         # Entries in this subtree, this node included, per tag.
         self.tag_counts: dict[str, int] = {}
         self.parent = parent
@@ -84,12 +87,12 @@ class _Node:
         self.depth = depth
 
 
-class TrieWalk:
+class TrieWalk(Generic[EntryId]):
     """A request walked down the trie; query it once per lookup tier."""
 
     __slots__ = ("_path", "_partial", "_partial_depth")
 
-    def __init__(self, path: list[_Node], partial: _Node | None, partial_depth: int) -> None:
+    def __init__(self, path: list[_Node[EntryId]], partial: _Node[EntryId] | None, partial_depth: int) -> None:
         # Nodes whose whole label matches, root first.
         self._path = path
         # The child the request leaves or ends inside, when it matched part of it.
@@ -97,8 +100,8 @@ class TrieWalk:
         self._partial_depth = partial_depth
 
     def prefix_matches(
-        self, tag: str | None = None, accept: EntryFilter | None = None
-    ) -> Iterator[tuple[Hashable, int]]:
+        self, tag: str | None = None, accept: EntryFilter[EntryId] | None = None
+    ) -> Iterator[tuple[EntryId, int]]:
         """Entries that are whole prefixes of the request, longest first: (id, length)."""
         for node in reversed(self._path):
             if not node.entries or (tag is not None and not node.tag_counts.get(tag)):
@@ -108,8 +111,8 @@ class TrieWalk:
                     yield entry_id, node.depth
 
     def diverging_matches(
-        self, tag: str | None = None, accept: EntryFilter | None = None, min_common: int = 0
-    ) -> Iterator[tuple[Hashable, int]]:
+        self, tag: str | None = None, accept: EntryFilter[EntryId] | None = None, min_common: int = 0
+    ) -> Iterator[tuple[EntryId, int]]:
         """Entries that are not prefixes of the request: (id, common length).
 
         Common lengths never increase along the iteration, so a caller can
@@ -128,7 +131,7 @@ class TrieWalk:
                         yield from _subtree_entries(child, tag, accept, node.depth)
             next_node = node
 
-    def longest_common(self) -> tuple[Hashable, int] | None:
+    def longest_common(self) -> tuple[EntryId, int] | None:
         """Any entry sharing the longest prefix with the request: (id, common length)."""
         if self._partial is not None:
             return next(_subtree_entries(self._partial, None, None, self._partial_depth))
@@ -137,7 +140,7 @@ class TrieWalk:
         return next(_subtree_entries(deepest, None, None, deepest.depth), None)
 
 
-def _tag_in_siblings(node: _Node, skipped: _Node | None, tag: str) -> bool:
+def _tag_in_siblings(node: _Node[EntryId], skipped: _Node[EntryId] | None, tag: str) -> bool:
     """Whether node's children other than skipped hold an entry with tag."""
     count = node.tag_counts.get(tag, 0)
     if skipped is not None:
@@ -148,10 +151,10 @@ def _tag_in_siblings(node: _Node, skipped: _Node | None, tag: str) -> bool:
 
 
 def _subtree_entries(
-    top: _Node, tag: str | None, accept: EntryFilter | None, common_length: int
-) -> Iterator[tuple[Hashable, int]]:
+    top: _Node[EntryId], tag: str | None, accept: EntryFilter[EntryId] | None, common_length: int
+) -> Iterator[tuple[EntryId, int]]:
     # Depth-first with iterators, so the first entry costs O(depth), not O(children).
-    pending: list[Iterator[_Node]] = [iter((top,))]
+    pending: list[Iterator[_Node[EntryId]]] = [iter((top,))]
     while pending:
         node = next(pending[-1], None)
         if node is None:
@@ -166,17 +169,17 @@ def _subtree_entries(
             pending.append(iter(node.children.values()))
 
 
-class RadixTrie:
+class RadixTrie(Generic[EntryId]):
     """Token sequences of one bucket; each entry id sits where its sequence ends."""
 
     def __init__(self) -> None:
-        self._root = _Node(b"", None, 0)
+        self._root: _Node[EntryId] = _Node(b"", None, 0)
         self._num_entries = 0
 
     def __len__(self) -> int:
         return self._num_entries
 
-    def walk(self, tokens: TokenInput | PackedPrefix) -> TrieWalk:
+    def walk(self, tokens: TokenInput | PackedPrefix) -> TrieWalk[EntryId]:
         request = tokens if isinstance(tokens, PackedPrefix) else PackedPrefix(tokens)
         total = request.num_tokens * _TOKEN
         node = self._root
@@ -196,7 +199,7 @@ class RadixTrie:
             path.append(node)
         return TrieWalk(path, None, 0)
 
-    def insert(self, tokens: TokenInput, entry_id: Hashable, tag: str = "") -> None:
+    def insert(self, tokens: TokenInput, entry_id: EntryId, tag: str = "") -> None:
         data = _packed(tokens)
         node = self._root
         path = [node]
@@ -223,7 +226,7 @@ class RadixTrie:
             visited.tag_counts[tag] = visited.tag_counts.get(tag, 0) + 1
         self._num_entries += 1
 
-    def remove(self, tokens: TokenInput, entry_id: Hashable) -> None:
+    def remove(self, tokens: TokenInput, entry_id: EntryId) -> None:
         data = _packed(tokens)
         node = self._root
         position = 0
@@ -237,7 +240,7 @@ class RadixTrie:
             raise KeyError(f"entry {entry_id!r} is not in the trie")
         tag = node.entries.pop(entry_id)
         self._num_entries -= 1
-        visited: _Node | None = node
+        visited: _Node[EntryId] | None = node
         while visited is not None:
             remaining = visited.tag_counts[tag] - 1
             if remaining:
@@ -247,7 +250,7 @@ class RadixTrie:
             visited = visited.parent
         self._prune(node)
 
-    def _split(self, child: _Node, at: int) -> _Node:
+    def _split(self, child: _Node[EntryId], at: int) -> _Node[EntryId]:
         """Put a new node `at` bytes down child's edge and return it."""
         parent = child.parent
         assert parent is not None
@@ -260,7 +263,7 @@ class RadixTrie:
         middle.children[child.label[:_TOKEN]] = child
         return middle
 
-    def _prune(self, node: _Node) -> None:
+    def _prune(self, node: _Node[EntryId]) -> None:
         """Drop empty leaves and fold pass-through nodes into their only child."""
         while node.parent is not None and not node.entries:
             parent = node.parent

@@ -19,6 +19,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from mlxcel.engine import DeltaStream, Engine
+from mlxcel.errors import InternalError, InvalidRequest, MlxcelError, ServerBusy
 from mlxcel.http import llamacpp
 from mlxcel.http.guards import check_browser_safety, normalized_path, single_authorization
 from mlxcel.http.validation import (
@@ -32,8 +33,6 @@ from mlxcel.types import (
     ChatRequest,
     CompletionRequest,
     Delta,
-    InvalidRequest,
-    ServerBusy,
     TokenLogprob,
     Usage,
 )
@@ -42,7 +41,7 @@ logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("mlxcel.access")
 
 
-def error_response(error: InvalidRequest) -> Response:
+def error_response(error: MlxcelError) -> Response:
     response = Response(json.dumps(error.to_body()), status=error.status, mimetype="application/json")
     if isinstance(error, ServerBusy):
         response.headers["Retry-After"] = str(error.retry_after_seconds)
@@ -94,8 +93,8 @@ class _Shapes:
     def _envelope(self, object_name: str, choices: list[Any]) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
 
-    def whole(self, text: str, finish_reason: str, usage: Usage, logprobs: tuple[TokenLogprob, ...], want_logprobs: bool,
-              token_ids: tuple[int, ...] = (), stop_string: str | None = None) -> dict[str, Any]:
+    def whole(self, text: str, finish_reason: str, usage: Usage, logprobs: tuple[TokenLogprob, ...],
+              want_logprobs: bool, token_ids: tuple[int, ...] = (), stop_string: str | None = None) -> dict[str, Any]:
         if self.native is not None:
             return {**self.native.whole(text, finish_reason, usage, logprobs, token_ids, stop_string),
                     "usage": usage_body(usage)}
@@ -191,7 +190,7 @@ def create_app(
                         "Transfer-Encoding", "").lower(),
                     trusted_hosts=trusted_hosts,
                 )
-        except InvalidRequest as error:
+        except MlxcelError as error:
             response = error_response(error)
             response.headers["Connection"] = "close"
             return response
@@ -249,14 +248,16 @@ def create_app(
                     param="model", code="model_not_found", status=404,
                 )
             deltas = engine.stream(parsed)
-        except InvalidRequest as error:
+        except MlxcelError as error:
             return error_response(error)
-        shapes = _Shapes(kind, engine.model_id,
-                         llamacpp.NativeReply(parsed, engine) if isinstance(parsed, CompletionRequest) and kind == "native" else None)
+        native = None
+        if isinstance(parsed, CompletionRequest) and kind == "native":
+            native = llamacpp.NativeReply(parsed, engine)
+        shapes = _Shapes(kind, engine.model_id, native)
         want_logprobs = parsed.sampling.logprobs
         try:
             first = await deltas.__anext__()
-        except InvalidRequest as error:
+        except MlxcelError as error:
             await deltas.aclose()
             return error_response(error)
         except BaseException:
@@ -288,7 +289,7 @@ def create_app(
     async def tokens_route(handler: Callable[[Engine, object], Any]) -> Response:
         try:
             return json_response(await handler(engine, await read_body()))
-        except InvalidRequest as error:
+        except MlxcelError as error:
             return error_response(error)
 
     @app.post("/tokenize")
@@ -342,7 +343,7 @@ def create_app(
     async def http_error(error: HTTPException) -> Response:
         # Every other error Quart raises itself (a bad request line, a timed-out body) in the API's shape.
         status = error.code or 500
-        response = error_response(InvalidRequest(
+        response = error_response(MlxcelError(
             error.description or error.name, status=status, code=error.name.lower().replace(" ", "_"),
             error_type="invalid_request_error" if status < 500 else "server_error",
         ))
@@ -351,8 +352,7 @@ def create_app(
     @app.errorhandler(Exception)
     async def internal_error(error: Exception) -> Response:
         logger.exception("unhandled error on %s %s", request.method, request.path, exc_info=error)
-        return error_response(InvalidRequest(
-            "internal server error", status=500, code="internal_error", error_type="server_error"))
+        return error_response(InternalError("internal server error"))
 
     return app
 
@@ -369,9 +369,10 @@ async def _whole_response(deltas: DeltaStream, first: Delta, shapes: _Shapes, wa
                 logprobs.extend(delta.logprobs)
                 token_ids.extend(delta.token_ids)
                 last = delta
-        except InvalidRequest as error:
+        except MlxcelError as error:
             return error_response(error)
-    assert last.finish_reason is not None and last.usage is not None
+    assert last.finish_reason is not None
+    assert last.usage is not None
     return json_response(shapes.whole("".join(texts), last.finish_reason, last.usage, tuple(logprobs), want_logprobs,
                                       tuple(token_ids), last.stop_string))
 
@@ -394,7 +395,7 @@ async def _event_stream(
                 delta = await deltas.__anext__()
         except StopAsyncIteration:
             pass
-        except InvalidRequest as error:
+        except MlxcelError as error:
             yield sse(error.to_body())
     if shapes.kind != "native":
         yield b"data: [DONE]\n\n"

@@ -9,7 +9,7 @@ import ipaddress
 import posixpath
 from urllib.parse import urlsplit
 
-from mlxcel.types import InvalidRequest
+from mlxcel.errors import InvalidRequest
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 

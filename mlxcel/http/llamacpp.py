@@ -34,7 +34,7 @@ def _byte_decoder() -> dict[str, int]:
             printable.append(byte)
             characters.append(256 + extra)
             extra += 1
-    return {chr(character): byte for byte, character in zip(printable, characters)}
+    return {chr(character): byte for byte, character in zip(printable, characters, strict=True)}
 
 
 def _backend(tokenizer: Any) -> Any:
@@ -132,10 +132,7 @@ class NativeReply:
         return body
 
     def _final(self, finish_reason: str, usage: Usage, stop_string: str | None) -> dict[str, Any]:
-        if finish_reason == "length":
-            stop_type = "limit"
-        else:
-            stop_type = "word" if stop_string is not None else "eos"
+        stop_type = "limit" if finish_reason == "length" else "word" if stop_string is not None else "eos"
         return {
             "model": self._model,
             "stop_type": stop_type,
@@ -175,7 +172,7 @@ class NativeReply:
         return [
             {**one(item.token_id, item.token, item.logprob),
              "top_logprobs": [one(token_id, token, logprob)
-                              for token_id, (token, logprob) in zip(item.top_ids, item.top)]}
+                              for token_id, (token, logprob) in zip(item.top_ids, item.top, strict=False)]}
             for item in logprobs
         ]
 

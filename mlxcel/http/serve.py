@@ -31,8 +31,7 @@ from typing import Any
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.events import Closed, Updated
-from hypercorn.events import Event as ConnectionEvent
+from hypercorn.events import Closed, Event as ConnectionEvent, Updated
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.statsd import StatsdLogger
 from hypercorn.trio.tcp_server import TCPServer
@@ -41,10 +40,10 @@ from hypercorn.typing import ConnectionState
 from hypercorn.utils import repr_socket_addr, wrap_app
 
 from mlxcel.engine import Engine
+from mlxcel.errors import InvalidRequest, ServerBusy
 from mlxcel.http.app import create_app
 from mlxcel.http.guards import trusted_hosts_for
 from mlxcel.http.validation import Limits
-from mlxcel.types import InvalidRequest, ServerBusy
 
 logger = logging.getLogger(__name__)
 
@@ -297,7 +296,9 @@ async def _accept_loop(
             if error.errno not in _ACCEPT_ERRORS:
                 raise
             if not warned:
-                logger.warning("accept failed (%s); closing idle connections to make room", errno.errorcode[error.errno])
+                logger.warning(
+                    "accept failed (%s); closing idle connections to make room", errno.errorcode[error.errno]
+                )
                 warned = True
             for connection in connections.idle()[:16]:
                 await connection.close_now()

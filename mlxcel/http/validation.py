@@ -19,17 +19,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeGuard, TypeVar, overload
 
 import attrs
 
-from mlxcel.types import (
-    CacheOptions,
-    ChatRequest,
-    CompletionRequest,
-    InvalidRequest,
-    SamplingParams,
-)
+from mlxcel.errors import InvalidRequest
+from mlxcel.types import CacheOptions, ChatRequest, CompletionRequest, SamplingParams
 
 __all__ = [
     "Limits",
@@ -319,14 +314,14 @@ def _object(value: object, path: str) -> Mapping[str, Any]:
     return value
 
 
-def _is_list(value: object) -> bool:
+def _is_list(value: object) -> TypeGuard[list[Any] | tuple[Any, ...]]:
     return isinstance(value, (list, tuple))
 
 
 def _list(value: object, path: str) -> list[Any] | tuple[Any, ...]:
     if not _is_list(value):
         _fail(path, f"{path} must be a list, got {_kind(value)}", _TYPE)
-    return value  # type: ignore[return-value]
+    return value
 
 
 def _json_value(value: object, path: str, depth: int = 0) -> Any:
@@ -346,7 +341,7 @@ def _json_value(value: object, path: str, depth: int = 0) -> Any:
     if _is_list(value):
         return [
             _json_value(item, f"{path}[{index}]", depth + 1)
-            for index, item in enumerate(value)  # type: ignore[arg-type]
+            for index, item in enumerate(value)
         ]
     if isinstance(value, Mapping):
         copied = {}
@@ -358,6 +353,18 @@ def _json_value(value: object, path: str, depth: int = 0) -> Any:
             copied[key] = _json_value(item, _join(path, key), depth + 1)
         return copied
     _fail(path, f"{path} must be a JSON value, got {_kind(value)}", _TYPE)
+
+
+@overload
+def _optional(
+    fields: Mapping[str, Any], key: str, read: Callable[[object, str], _T], default: _T, *, prefix: str = ""
+) -> _T: ...
+
+
+@overload
+def _optional(
+    fields: Mapping[str, Any], key: str, read: Callable[[object, str], _T], default: None = None, *, prefix: str = ""
+) -> _T | None: ...
 
 
 def _optional(
@@ -629,7 +636,7 @@ def _content(value: object, path: str) -> str:
             _TYPE,
         )
     pieces = []
-    for index, item in enumerate(value):  # type: ignore[arg-type]
+    for index, item in enumerate(value):
         part_path = f"{path}[{index}]"
         part = _object(item, part_path)
         part_type = _required(part, "type", part_path)
@@ -780,9 +787,9 @@ def _prompt_value(value: object, path: str, allow_single_item_list: bool) -> str
         _fail(path, f"{path} must be a string or a list of token ids, got {_kind(value)}", _TYPE)
     if not value:
         _fail(path, f"{path} must not be empty")
-    first = value[0]  # type: ignore[index]
+    first = value[0]
     if allow_single_item_list and (isinstance(first, str) or _is_list(first)):
-        if len(value) != 1:  # type: ignore[arg-type]
+        if len(value) != 1:
             _fail(
                 path,
                 "batched prompts are not supported; send one prompt per request",
@@ -791,5 +798,5 @@ def _prompt_value(value: object, path: str, allow_single_item_list: bool) -> str
         return _prompt_value(first, f"{path}[0]", False)
     return tuple(
         _int(token, f"{path}[{index}]", 0, MAX_TOKEN_ID)
-        for index, token in enumerate(value)  # type: ignore[arg-type]
+        for index, token in enumerate(value)
     )

@@ -142,7 +142,8 @@ class RequestTemplates:
     def render(self, source: str, variables: dict[str, Any], *, timeout_s: float = RENDER_TIMEOUT_S) -> str:
         with render_deadline(timeout_s, max_chars=self._max_chars):
             template = self._template(source)
-            parts, num_chars = [], 0
+            parts: list[str] = []
+            num_chars = 0
             for part in template.generate(**variables):
                 num_chars += len(part)
                 if num_chars > self._max_chars:
@@ -167,7 +168,7 @@ class RequestTemplates:
 class _GenerationTag(jinja2.ext.Extension):
     """``{% generation %}...{% endgeneration %}`` (assistant-mask markers) renders its body."""
 
-    tags = frozenset({"generation"})
+    tags = {"generation"}
 
     def parse(self, parser: Any) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno

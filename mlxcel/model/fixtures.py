@@ -289,7 +289,7 @@ def write_fixture(family: str, out_dir: Path, *, seed: int = 0) -> Path:
     return out_dir
 
 
-def _cached_folder(name: str, write: Callable[[Path], None]) -> Path:
+def _cached_folder(name: str, write: Callable[[Path], object]) -> Path:
     final = cache_dir() / "models" / name
     if final.is_dir():
         return final

@@ -8,7 +8,6 @@ module without pulling MLX in.
 from __future__ import annotations
 
 import functools
-
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any

@@ -51,6 +51,8 @@ def capture(family: str, caches: Sequence[Any], length: int) -> SessionSnapshot:
     for index, cache in enumerate(caches):
         if not isinstance(cache, SUPPORTED_LAYER_KINDS):
             raise SnapshotMismatch(f"layer {index}: cache kind {type(cache).__name__} cannot be snapshotted")
+        # Any: mlx-lm's cache classes type their state lists loosely ([None] * size).
+        copy: Any
         if isinstance(cache, ArraysCache):
             copy = ArraysCache(len(cache.cache))
             copy.cache = [_own_copy(array) for array in cache.cache]
@@ -63,12 +65,14 @@ def capture(family: str, caches: Sequence[Any], length: int) -> SessionSnapshot:
 
 def _arrays(cache: Any) -> list[mx.array]:
     if isinstance(cache, ArraysCache):
-        return [array for array in cache.cache if array is not None]
+        states: list[Any] = cache.cache
+        return [array for array in states if array is not None]
     return [array for array in (cache.keys, cache.values) if array is not None]
 
 
 def _clone(cache: Any) -> Any:
     """A new cache object over the same (immutable) arrays."""
+    copy: Any  # mlx-lm's cache classes type their state loosely
     if isinstance(cache, ArraysCache):
         copy = ArraysCache(len(cache.cache))
         copy.cache = list(cache.cache)
@@ -103,7 +107,9 @@ def restore(snapshot: SessionSnapshot, family: str, fresh: Sequence[Any]) -> lis
                 f"layer {index}: window {stored.max_size} in the snapshot, {expected.max_size} in the model"
             )
         if isinstance(stored, ArraysCache) and len(stored.cache) != len(expected.cache):
-            raise SnapshotMismatch(f"layer {index}: {len(stored.cache)} state arrays, the model has {len(expected.cache)}")
+            raise SnapshotMismatch(
+                f"layer {index}: {len(stored.cache)} state arrays, the model has {len(expected.cache)}"
+            )
         restored.append(_clone(stored))
     return restored
 

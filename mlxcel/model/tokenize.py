@@ -249,7 +249,7 @@ def vocabulary_size(tokenizer: Any, config: dict[str, Any]) -> int | None:
             break
     for candidate in (tokenizer, getattr(tokenizer, "_tokenizer", None)):
         try:
-            sizes.append(len(candidate))
+            sizes.append(len(candidate))  # type: ignore[arg-type]  # None raises TypeError too
             break
         except TypeError:
             continue

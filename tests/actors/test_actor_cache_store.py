@@ -13,7 +13,7 @@ import trio.testing
 from mlxcel.actors.cache_store import CacheStoreActor
 from mlxcel.actors.messages import (
     CacheLookedUp,
-    CacheStoreChanged,
+    CacheStoreStats,
     DonateSequence,
     GetCacheStats,
     LookupPrefix,
@@ -86,9 +86,12 @@ async def test_lookup_in_an_empty_store_misses(start_store: StartStore) -> None:
 async def test_donation_is_found_by_a_longer_prompt(start_store: StartStore) -> None:
     harness = await start_store()
     await harness.donate(PROMPT, "kv-1", 400)
-    assert harness.metric_events() == [CacheStoreChanged(nbytes=400, entries=1, evictions={
-        "lru": 0, "ttl": 0, "capacity": 0, "superseded": 0,
-    })]
+    # The store's size is pulled with statistics(), never pushed to metrics.
+    assert harness.metric_events() == []
+    store = harness.actor.statistics().store
+    assert store is not None
+    assert (store.bytes, store.entries) == (400, 1)
+    assert store.evictions == {"lru": 0, "ttl": 0, "capacity": 0, "superseded": 0}
 
     found = await harness.lookup(PROMPT + (7, 8, 9))
     assert isinstance(found, PrefixFound)
@@ -127,13 +130,18 @@ async def test_stats_count_hits_misses_and_bytes(start_store: StartStore) -> Non
     await harness.lookup(PROMPT + (1,))
     await harness.lookup(tuple(range(500, 540)))
     stats = await harness.ask(GetCacheStats)
-    assert stats["enabled"] is True
-    assert stats["entries"] == 1
-    assert stats["bytes"] == 400
-    assert stats["capacity_bytes"] == 10_000
-    assert (stats["hits"], stats["misses"]) == (1, 1)
-    assert stats["tokens_reused"] == len(PROMPT)
-    assert stats["apc_enabled"] is True
+    assert isinstance(stats, CacheStoreStats)
+    assert stats.enabled
+    assert stats.snapshots is None
+    body = stats.to_json()
+    assert body["enabled"] is True
+    assert body["entries"] == 1
+    assert body["bytes"] == 400
+    assert body["capacity_bytes"] == 10_000
+    assert (body["hits"], body["misses"]) == (1, 1)
+    assert body["tokens_reused"] == len(PROMPT)
+    assert body["apc_enabled"] is True
+    assert "snapshots" not in body
     assert harness.actor.statistics() == stats
 
 
@@ -141,12 +149,9 @@ async def test_reset_frees_everything(start_store: StartStore) -> None:
     harness = await start_store()
     await harness.donate(PROMPT, "kv-1", 400)
     await harness.donate(tuple(range(300, 340)), "kv-2", 250)
-    harness.metric_events()
     assert await harness.ask(ResetCache) == {"entries_freed": 2, "bytes_freed": 650}
-    (changed,) = harness.metric_events()
-    assert (changed.nbytes, changed.entries) == (0, 0)
-    stats = await harness.ask(GetCacheStats)
-    assert (stats["entries"], stats["bytes"]) == (0, 0)
+    stats = (await harness.ask(GetCacheStats)).store
+    assert (stats.entries, stats.bytes) == (0, 0)
     assert await harness.lookup(PROMPT + (1,)) == PrefixMissing()
 
 
@@ -155,10 +160,10 @@ async def test_capacity_eviction_is_reported_cumulatively(start_store: StartStor
     await harness.donate(PROMPT, "kv-1", 400)
     await harness.donate(tuple(range(300, 340)), "kv-2", 400)
     await harness.donate(tuple(range(600, 640)), "kv-3", 400)  # pushes out kv-1
-    changed = harness.metric_events()[-1]
-    assert isinstance(changed, CacheStoreChanged)
-    assert (changed.nbytes, changed.entries) == (800, 2)
-    assert changed.evictions["lru"] == 1
+    stats = harness.actor.statistics().store
+    assert stats is not None
+    assert (stats.bytes, stats.entries) == (800, 2)
+    assert stats.evictions["lru"] == 1
     assert await harness.lookup(PROMPT + (1,)) == PrefixMissing()
 
 
@@ -167,15 +172,16 @@ async def test_entries_expire_after_their_ttl(start_store: StartStore, mock_cloc
     await harness.donate(PROMPT, "kv-1", 400)
     mock_clock.jump(11)
     assert await harness.lookup(PROMPT + (1,)) == PrefixMissing()
-    changed = [event for event in harness.metric_events() if isinstance(event, CacheStoreChanged)][-1]
-    assert changed.entries == 0
-    assert changed.evictions["ttl"] == 1
+    stats = harness.actor.statistics().store
+    assert stats is not None
+    assert stats.entries == 0
+    assert stats.evictions["ttl"] == 1
 
 
 async def test_short_donation_is_not_stored(start_store: StartStore) -> None:
     harness = await start_store()
     await harness.donate((1, 2, 3), "kv-short", 10)  # under min_prefix
-    assert (await harness.ask(GetCacheStats))["entries"] == 0
+    assert (await harness.ask(GetCacheStats)).store.entries == 0
 
 
 async def test_disabled_store_always_misses(start_store: StartStore) -> None:
@@ -183,7 +189,9 @@ async def test_disabled_store_always_misses(start_store: StartStore) -> None:
     await harness.donate(PROMPT, "kv-1", 400)
     assert await harness.lookup(PROMPT + (1,)) == PrefixMissing()
     assert harness.metric_events() == [CacheLookedUp(hit=False, tokens_reused=0)]
-    assert await harness.ask(GetCacheStats) == {"enabled": False, "entries": 0, "bytes": 0, "apc_enabled": False}
+    stats = await harness.ask(GetCacheStats)
+    assert stats == CacheStoreStats(store=None)
+    assert stats.to_json() == {"enabled": False, "entries": 0, "bytes": 0, "apc_enabled": False}
     assert await harness.ask(ResetCache) == {"entries_freed": 0, "bytes_freed": 0}
 
 
@@ -195,7 +203,7 @@ async def test_asker_that_went_away_does_not_break_the_actor(start_store: StartS
     await harness.inbox.send(GetCacheStats(reply_to=reply_to))
     await harness.inbox.send(LookupPrefix(context=CONTEXT, tokens=PROMPT, max_len=39, reply_to=other_reply_to))
     await trio.testing.wait_all_tasks_blocked()
-    assert (await harness.ask(GetCacheStats))["misses"] == 1
+    assert (await harness.ask(GetCacheStats)).store.misses == 1
 
 
 async def test_without_a_metrics_channel(nursery: trio.Nursery) -> None:

@@ -17,6 +17,8 @@ from mlxcel.actors.scheduler import SchedulerActor
 from mlxcel.actors.warmer import WarmerActor
 from mlxcel.cache.store import PromptCacheStore, StoreLimits
 from mlxcel.config import SchedulerConfig
+from mlxcel.core.plan import Capabilities, StepResult
+from mlxcel.core.scheduler import NewRequest
 from mlxcel.model.family import FamilyKind, ModelFamily
 from mlxcel.model.fixtures import fixture_path
 from mlxcel.types import SamplingParams
@@ -42,7 +44,7 @@ def build_scheduler() -> Built:
     send, inbox = trio.open_memory_channel[Any](4)
     to_device, device = trio.open_memory_channel[Any](1)
     actor = SchedulerActor(
-        config=SchedulerConfig(), inbox=inbox, to_device=to_device, to_cache_store=None, to_metrics=None,
+        config=SchedulerConfig(), capabilities=Capabilities(prefill_step_size=256, context_size=64), inbox=inbox, to_device=to_device, to_cache_store=None, to_metrics=None,
         to_warmer=None, tokenizer=NoTokenizer(), eos_token_ids=frozenset(),
     )
     return actor, send, {"to_device": device}
@@ -93,25 +95,27 @@ async def test_actor_starts_and_returns_when_its_inbox_closes(build: Callable[[]
             # nursery.start raises if run() returns without calling started().
             await nursery.start(actor.run)
             send.close()
-    for name, receive in outgoing.items():
+    for _name, receive in outgoing.items():
         # The actor closed the channel it owns, so its peer sees the end.
         with pytest.raises(trio.EndOfChannel):
             receive.receive_nowait()
 
 
-async def test_scheduler_stops_with_a_step_in_flight() -> None:
+async def test_scheduler_stops_after_the_step_in_flight_when_its_inbox_closes() -> None:
     actor, send, outgoing = build_scheduler()
     events_send, events = trio.open_memory_channel[Any](4)
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
             await nursery.start(actor.run)
-            await send.send(SubmitRequest(
+            await send.send(SubmitRequest(request=NewRequest(
                 request_id="r1", prompt_tokens=(1, 2), sampling=SamplingParams(), max_tokens=4,
-                cache_context=None, events=events_send,
+                cache_context=None), events=events_send,
             ))
-            step = await outgoing["to_device"].receive()  # never answered
-            assert len(step.admit) == 1
+            step = await outgoing["to_device"].receive()
+            assert len(step.plan.starts) == 1
             send.close()
+            # The one task notices the closed inbox once the device answers; it plans no other step.
+            step.reply_to.send_nowait(StepResult(step_number=1))
     with pytest.raises(trio.EndOfChannel):
         outgoing["to_device"].receive_nowait()
 

@@ -8,8 +8,9 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from mlxcel.actors.messages import CacheLookedUp, CacheStoreChanged, RenderMetrics, RequestFinished
+from mlxcel.actors.messages import CacheLookedUp, RenderMetrics, RequestFinished
 from mlxcel.actors.metrics import MetricsActor
+from mlxcel.cache.store import StoreStats
 
 
 async def start_metrics(nursery: trio.Nursery) -> tuple[MetricsActor, trio.MemorySendChannel[Any]]:
@@ -19,11 +20,19 @@ async def start_metrics(nursery: trio.Nursery) -> tuple[MetricsActor, trio.Memor
     return actor, send
 
 
-async def render(to_metrics: trio.MemorySendChannel[Any]) -> str:
+async def render(to_metrics: trio.MemorySendChannel[Any], store: StoreStats | None = None) -> str:
     reply_to, replies = trio.open_memory_channel[bytes](1)
-    await to_metrics.send(RenderMetrics(reply_to=reply_to))
+    await to_metrics.send(RenderMetrics(store=store, reply_to=reply_to))
     with trio.fail_after(2), replies:
         return (await replies.receive()).decode()
+
+
+def store_stats(*, nbytes: int, entries: int, evictions: dict[str, int]) -> StoreStats:
+    return StoreStats(
+        entries=entries, bytes=nbytes, capacity_bytes=1 << 20, max_entries=0, hits=0, misses=0, tokens_reused=0,
+        evictions=evictions, inserts=0, refusals=0, duplicates=0, aliases=0, apc_enabled=False, apc_block_cap=0,
+        total_blocks_stored=0, unique_block_hashes=0, apc_active_entries=0,
+    )
 
 
 def sample(text: str, name: str, **labels: str) -> float:
@@ -48,18 +57,21 @@ async def test_lookups_count_hits_misses_and_reused_tokens(nursery: trio.Nursery
     assert sample(text, "mlxcel_prompt_cache_prefix_tokens_reused_total") == 128
 
 
-async def test_store_changes_set_gauges_and_grow_eviction_counters(nursery: trio.Nursery) -> None:
+async def test_store_stats_set_gauges_and_grow_eviction_counters(nursery: trio.Nursery) -> None:
     _, to_metrics = await start_metrics(nursery)
     text = await render(to_metrics)
     # Every reason is exported from the start, at zero.
     for reason in ("lru", "ttl", "capacity"):
         assert sample(text, "mlxcel_prompt_cache_evictions_total", reason=reason) == 0
 
-    await to_metrics.send(CacheStoreChanged(nbytes=4096, entries=3, evictions={"lru": 2, "ttl": 0, "superseded": 5}))
-    await to_metrics.send(CacheStoreChanged(nbytes=1024, entries=1, evictions={"lru": 3, "ttl": 4, "superseded": 6}))
+    first = store_stats(nbytes=4096, entries=3, evictions={"lru": 2, "ttl": 0, "superseded": 5})
+    text = await render(to_metrics, first)
+    assert sample(text, "mlxcel_prompt_cache_bytes") == 4096
+    assert sample(text, "mlxcel_prompt_cache_evictions_total", reason="lru") == 2
+    second = store_stats(nbytes=1024, entries=1, evictions={"lru": 3, "ttl": 4, "superseded": 6})
+    await render(to_metrics, second)
     # The same cumulative totals again add nothing.
-    await to_metrics.send(CacheStoreChanged(nbytes=1024, entries=1, evictions={"lru": 3, "ttl": 4, "superseded": 6}))
-    text = await render(to_metrics)
+    text = await render(to_metrics, second)
     assert sample(text, "mlxcel_prompt_cache_bytes") == 1024
     assert sample(text, "mlxcel_prompt_cache_entries") == 1
     assert sample(text, "mlxcel_prompt_cache_evictions_total", reason="lru") == 3
@@ -67,6 +79,8 @@ async def test_store_changes_set_gauges_and_grow_eviction_counters(nursery: trio
     assert sample(text, "mlxcel_prompt_cache_evictions_total", reason="capacity") == 0
     # Superseded entries became aliases; they are not evictions.
     assert 'reason="superseded"' not in text
+    # Without the store's statistics (the cache is off) the gauges keep their values.
+    assert sample(await render(to_metrics), "mlxcel_prompt_cache_bytes") == 1024
 
 
 async def test_finished_requests_and_time_to_first_token(nursery: trio.Nursery) -> None:

@@ -14,11 +14,13 @@ from mlxcel.actors.device import ModelInfo
 from mlxcel.actors.messages import (
     RequestFailed,
     RouteRequest,
+    RouterStats,
     StreamEvent,
     SubmitRequest,
 )
 from mlxcel.actors.router import RAW_PROMPT_TEMPLATE, PromptRenderer, RouterActor
 from mlxcel.cache.key import ANONYMOUS_SESSION, RopeRegime, template_signature
+from mlxcel.core.scheduler import NewRequest
 from mlxcel.model.family import detect_family
 from mlxcel.model.fixtures import fixture_path
 from mlxcel.model.loader import load_model, read_model_config
@@ -74,20 +76,23 @@ class RouterHarness:
         await self.inbox.send(message)
         with trio.fail_after(10):
             # Rendering runs in a worker thread, which wait_all_tasks_blocked cannot see.
-            while sum(self.actor.statistics().values()) < self.num_sent:
+            while (stats := self.actor.statistics()).num_routed + stats.num_rejected < self.num_sent:
                 await trio.sleep(0.002)
         await trio.testing.wait_all_tasks_blocked()
 
     async def route(
         self, request: ChatRequest | CompletionRequest, request_id: str = "req-1"
     ) -> tuple[Any, trio.MemoryReceiveChannel[StreamEvent]]:
-        """What reached the scheduler (None if nothing did), and the request's events."""
+        """The routed request that reached the scheduler (None if nothing did), and the request's events."""
         events_send, events = trio.open_memory_channel[StreamEvent](4)
         await self.send(RouteRequest(request=request, request_id=request_id, events=events_send))
         try:
-            return self.scheduler.receive_nowait(), events
+            submit = self.scheduler.receive_nowait()
         except trio.WouldBlock:
             return None, events
+        assert isinstance(submit, SubmitRequest)
+        assert submit.events is events_send
+        return submit.request, events
 
 
 async def start_router(
@@ -137,7 +142,7 @@ async def test_chat_request_is_rendered_tokenized_and_submitted(nursery: trio.Nu
         cache=CacheOptions(session_key="alice", cache_salt="tenant-a"),
     )
     submit, events = await harness.route(request, "req-42")
-    assert isinstance(submit, SubmitRequest)
+    assert isinstance(submit, NewRequest)
 
     expected_text = (
         "<|im_start|>system\nYou are terse.<|im_end|>\n"
@@ -149,7 +154,6 @@ async def test_chat_request_is_rendered_tokenized_and_submitted(nursery: trio.Nu
     assert submit.request_id == "req-42"
     assert submit.sampling == request.sampling
     assert submit.max_tokens == 7
-    assert submit.events is not None
     context = submit.cache_context
     assert context is not None
     assert context.model_id == model.model_id
@@ -157,7 +161,7 @@ async def test_chat_request_is_rendered_tokenized_and_submitted(nursery: trio.Nu
     assert context.cache_salt == "tenant-a"
     assert context.rope_regime is None  # llama's rotation does not depend on the length
     assert context.template_sig == template_signature(model.chat_template, {}, "none", None)
-    assert harness.actor.statistics() == {"num_routed": 1, "num_rejected": 0}
+    assert harness.actor.statistics() == RouterStats(num_routed=1, num_rejected=0)
     # The router hands the stream to the scheduler; it sends nothing itself.
     with pytest.raises(trio.WouldBlock):
         events.receive_nowait()
@@ -168,7 +172,8 @@ async def test_template_signature_tracks_what_shapes_the_rendering(nursery: trio
 
     async def signature(request: ChatRequest) -> str:
         submit, _ = await harness.route(request)
-        assert submit is not None and submit.cache_context is not None
+        assert submit is not None
+        assert submit.cache_context is not None
         return submit.cache_context.template_sig
 
     plain = await signature(chat())
@@ -200,13 +205,15 @@ async def test_anonymous_session_by_default(nursery: trio.Nursery) -> None:
 async def test_cache_prompt_false_gives_no_cache_context(nursery: trio.Nursery) -> None:
     harness = await start_router(nursery)
     submit, _ = await harness.route(chat(cache=CacheOptions(cache_prompt=False)))
-    assert submit is not None and submit.cache_context is None
+    assert submit is not None
+    assert submit.cache_context is None
 
 
 async def test_disabled_cache_gives_no_cache_context(nursery: trio.Nursery) -> None:
     harness = await start_router(nursery, cache_enabled=False)
     submit, _ = await harness.route(chat())
-    assert submit is not None and submit.cache_context is None
+    assert submit is not None
+    assert submit.cache_context is None
 
 
 async def test_completion_prompt_bypasses_the_template(nursery: trio.Nursery) -> None:
@@ -241,7 +248,7 @@ async def test_prompt_over_the_context_size_is_rejected(nursery: trio.Nursery) -
     assert failed.error.status == 400
     assert failed.error.param == "messages"
     assert "16" in failed.error.message
-    assert harness.actor.statistics() == {"num_routed": 0, "num_rejected": 1}
+    assert harness.actor.statistics() == RouterStats(num_routed=0, num_rejected=1)
 
     submit, events = await harness.route(CompletionRequest(prompt=tuple(range(16))))
     assert submit is None
@@ -272,7 +279,8 @@ async def test_client_gone_before_rejection_does_not_break_the_router(nursery: t
     events.close()
     await harness.send(RouteRequest(request=chat(), request_id="gone", events=events_send))
     submit, _ = await harness.route(CompletionRequest(prompt=(1, 2)))
-    assert submit is not None and submit.prompt_tokens == (1, 2)
+    assert submit is not None
+    assert submit.prompt_tokens == (1, 2)
 
 
 @pytest.mark.parametrize(("prompt_len", "regime"), [
@@ -360,7 +368,8 @@ async def test_token_ids_outside_the_vocabulary_are_rejected_naming_the_field(nu
         assert (failed.error.status, failed.error.param) == (400, param)
         assert "151645" in failed.error.message  # the largest valid id
     submit, _ = await harness.route(CompletionRequest(prompt=(0, 151_645)))
-    assert submit is not None and submit.prompt_tokens == (0, 151_645)
+    assert submit is not None
+    assert submit.prompt_tokens == (0, 151_645)
 
 
 BOMB = {"chat_template": '{{ "ab " * 30000000 }}'}
@@ -443,9 +452,10 @@ async def test_a_slow_render_does_not_hold_up_other_requests(nursery: trio.Nurse
     await harness.inbox.send(RouteRequest(request=CompletionRequest(prompt="slow"), request_id="slow",
                                           events=slow_send))
     submit, _ = await harness.route(CompletionRequest(prompt=(1, 2, 3)), "fast")
-    assert submit is not None and submit.request_id == "fast"  # while "slow" still renders
+    assert submit is not None
+    assert submit.request_id == "fast"
     renderer.release.set()
     with trio.fail_after(10):
         submit = await harness.scheduler.receive()
-    assert submit.request_id == "slow"
-    assert harness.actor.statistics() == {"num_routed": 2, "num_rejected": 0}
+    assert submit.request.request_id == "slow"
+    assert harness.actor.statistics() == RouterStats(num_routed=2, num_rejected=0)

@@ -12,66 +12,30 @@ import trio.testing
 
 from mlxcel.actors.messages import (
     CancelRequest,
-    DetachedSequence,
     DonateSequence,
     GetSchedulerStats,
     LookupPrefix,
     PrefixFound,
     PrefixMissing,
     ReplyFinished,
-    RemoveSequence,
     RequestFailed,
     RequestFinished,
     RunStep,
-    SampledToken,
     SchedulerStats,
-    StepDone,
     StreamEvent,
     SubmitRequest,
 )
-from mlxcel.actors.scheduler import SchedulerActor, StopMatcher
+from mlxcel.actors.scheduler import SchedulerActor
 from mlxcel.cache.key import CacheContext
 from mlxcel.config import PromptCacheConfig, SchedulerConfig
+from mlxcel.core.output import StopMatcher
+from mlxcel.core.plan import Capabilities, DetachedSequence, Removal, SampledToken, StepResult
+from mlxcel.core.scheduler import NewRequest
 from mlxcel.types import Delta, SamplingParams, ServerBusy, Usage
+from tests.support import LetterTokenizer as FakeTokenizer
 
 EOS = 999
 CONTEXT = CacheContext(model_id="fake-model", template_sig="sig", session_key="session-1")
-
-
-def letter(token: int) -> str:
-    return chr(ord("a") + token % 26)
-
-
-class FakeDetokenizer:
-    """Streams one letter per token; ``last_segment`` is the text added since the last read."""
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.tokens: list[int] = []
-        self._offset = 0
-        self.finalized = False
-
-    def add_token(self, token: int) -> None:
-        self.tokens.append(token)
-        self.text += letter(token)
-
-    def finalize(self) -> None:
-        self.finalized = True
-
-    @property
-    def last_segment(self) -> str:
-        segment = self.text[self._offset :]
-        self._offset = len(self.text)
-        return segment
-
-
-class FakeTokenizer:
-    @property
-    def detokenizer(self) -> FakeDetokenizer:
-        return FakeDetokenizer()
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(letter(token) for token in ids)
 
 
 @attrs.define
@@ -109,15 +73,14 @@ class Harness:
         more_pending: bool = False,
     ) -> trio.MemoryReceiveChannel[StreamEvent]:
         events_send, events = trio.open_memory_channel[StreamEvent](buffer)
-        await self.inbox.send(SubmitRequest(
+        await self.inbox.send(SubmitRequest(request=NewRequest(
             request_id=request_id,
             prompt_tokens=prompt,
             sampling=SamplingParams(temperature=0.0, stop=stop, logprobs=logprobs),
             max_tokens=max_tokens,
             cache_context=context,
-            events=events_send,
             more_pending=more_pending,
-        ))
+        ), events=events_send))
         await trio.testing.wait_all_tasks_blocked()
         return events
 
@@ -128,7 +91,7 @@ class Harness:
     async def reply(self, step: RunStep, **fields: Any) -> None:
         """Answer a step as the device would, and let the scheduler take it in."""
         self.step_number += 1
-        step.reply_to.send_nowait(StepDone(step_number=self.step_number, **fields))
+        step.reply_to.send_nowait(StepResult(step_number=self.step_number, **fields))
         await trio.testing.wait_all_tasks_blocked()
 
     async def settle(self) -> None:
@@ -189,8 +152,11 @@ def start_scheduler(nursery: trio.Nursery) -> StartScheduler:
         to_store, store = trio.open_memory_channel[Any](64)
         to_metrics, metrics = trio.open_memory_channel[Any](64)
         to_warmer, warmer = trio.open_memory_channel[Any](64)
+        scheduler_config = SchedulerConfig(**config)
         actor = SchedulerActor(
-            config=SchedulerConfig(**config),
+            config=scheduler_config,
+            capabilities=Capabilities(prefill_step_size=scheduler_config.prefill_step_size or 2048,
+                                      context_size=4096, max_batch_size=scheduler_config.max_batch_size),
             inbox=inbox,
             to_device=to_device,
             to_cache_store=to_store if with_store else None,
@@ -234,8 +200,8 @@ async def test_request_streams_deltas_then_usage(start_scheduler: StartScheduler
     events = await harness.submit("r1", (5, 6, 7), max_tokens=3)
 
     step = await harness.step()
-    assert step.remove == ()
-    (admission,) = step.admit
+    assert step.plan.removals == ()
+    (admission,) = step.plan.starts
     assert admission.sequence_id == 0
     assert admission.prompt_tokens == (5, 6, 7)
     assert admission.cached_tokens == ()
@@ -245,7 +211,8 @@ async def test_request_streams_deltas_then_usage(start_scheduler: StartScheduler
     await harness.reply(step, sampled=(token(0, 0),), decode_batch_size=1)
 
     step = await harness.step()
-    assert step.admit == () and step.remove == ()
+    assert step.plan.starts == ()
+    assert step.plan.removals == ()
     await harness.reply(step, sampled=(token(0, 1),), decode_batch_size=1)
     step = await harness.step()
     await harness.reply(step, sampled=(token(0, 2, "length"),), decode_batch_size=1)
@@ -267,7 +234,8 @@ async def test_request_streams_deltas_then_usage(start_scheduler: StartScheduler
     (finished,) = drain(harness.metrics)
     assert isinstance(finished, RequestFinished)
     assert (finished.finish_reason, finished.prompt_tokens, finished.completion_tokens) == ("length", 3, 3)
-    assert finished.seconds_to_first_token is not None and finished.seconds_to_first_token >= 0
+    assert finished.seconds_to_first_token is not None
+    assert finished.seconds_to_first_token >= 0
     # No cache context, so no session for the warmer.
     assert drain(harness.warmer) == []
 
@@ -304,14 +272,15 @@ async def test_eos_token_has_no_logprob_and_is_not_counted(start_scheduler: Star
     assert received[-1].usage.completion_tokens == len(logprobs) == 2
     assert received[-1].stop_string is None
     usage = received[-1].usage
-    assert usage.prompt_seconds >= 0 and usage.decode_seconds >= 0
+    assert usage.prompt_seconds >= 0
+    assert usage.decode_seconds >= 0
 
 
 async def test_logprobs_are_decoded_with_the_tokenizer(start_scheduler: StartScheduler) -> None:
     harness = await start_scheduler()
     events = await harness.submit("r1", logprobs=True)
     step = await harness.step()
-    step.reply_to.send_nowait(StepDone(step_number=1, sampled=(SampledToken(
+    step.reply_to.send_nowait(StepResult(step_number=1, sampled=(SampledToken(
         sequence_id=0, token=2, logprob=-0.25, top_logprobs=((2, -0.25), (3, -1.5)), finish_reason="length",
     ),)))
     await harness.settle()
@@ -336,14 +305,15 @@ async def test_cancel_mid_stream_removes_without_donating(start_scheduler: Start
     await harness.reply(step, sampled=(token(0, 1),), decode_batch_size=1)
 
     step = await harness.step()
-    assert step.remove == (RemoveSequence(sequence_id=0, donate=False),)
-    assert step.admit == ()
+    assert step.plan.removals == (Removal(sequence_id=0, donate=False),)
+    assert step.plan.starts == ()
     await harness.reply(step)
     await harness.assert_idle()
 
     received, ended = available(events)
     assert ended
-    assert received == [Delta(text="a", token_ids=(0,))]  # no final usage delta for a cancelled request
+    # Messages are taken between steps: the token in flight still went out; no final usage delta.
+    assert received == [Delta(text="a", token_ids=(0,)), Delta(text="b", token_ids=(1,))]
     stats = await harness.stats()
     assert stats.num_running == 0
     assert stats.num_cancelled == 1
@@ -358,13 +328,14 @@ async def test_cancel_of_a_queued_request_closes_its_stream(start_scheduler: Sta
     await harness.submit("r1")
     step = await harness.step()  # r1 admitted; r2 must wait for a slot
     events = await harness.submit("r2")
-    assert (await harness.stats()).num_waiting == 1
+    await harness.reply(step, sampled=(token(0, 0),), decode_batch_size=1)
+    step = await harness.step()  # r2 was taken in between the steps, and waits
+    assert step.plan.starts == ()
     await harness.inbox.send(CancelRequest(request_id="r2"))
-    await harness.settle()
+    await harness.reply(step, sampled=(token(0, 1, "length"),), decode_batch_size=1)
     assert available(events) == ([], True)
     stats = await harness.stats()
     assert (stats.num_waiting, stats.num_cancelled) == (0, 1)
-    await harness.reply(step, sampled=(token(0, 0, "length"),), decode_batch_size=1)
     await harness.assert_idle()
 
 
@@ -386,7 +357,7 @@ async def test_departed_client_gets_its_sequence_removed(start_scheduler: StartS
     await harness.reply(step, sampled=(token(0, 1),), decode_batch_size=1)
 
     step = await harness.step()
-    assert step.remove == (RemoveSequence(sequence_id=0, donate=False),)
+    assert step.plan.removals == (Removal(sequence_id=0, donate=False),)
     await harness.reply(step)
     await harness.assert_idle()
     stats = await harness.stats()
@@ -401,7 +372,7 @@ async def test_slow_client_with_a_full_buffer_is_dropped(start_scheduler: StartS
     step = await harness.step()
     await harness.reply(step, sampled=(token(0, 1),), decode_batch_size=1)  # buffer full: dropped
     step = await harness.step()
-    assert step.remove == (RemoveSequence(sequence_id=0, donate=False),)
+    assert step.plan.removals == (Removal(sequence_id=0, donate=False),)
     await harness.reply(step)
     await harness.assert_idle()
     assert available(events) == ([Delta(text="a", token_ids=(0,))], True)
@@ -418,7 +389,7 @@ async def test_departed_client_at_a_stop_string_is_only_cancelled(start_schedule
     step = await harness.step()
     await harness.reply(step)
     await harness.assert_idle()
-    assert step.remove == (RemoveSequence(sequence_id=0, donate=False),)
+    assert step.plan.removals == (Removal(sequence_id=0, donate=False),)
     stats = await harness.stats()
     assert (stats.num_cancelled, stats.num_completed) == (1, 0)
     assert drain(harness.warmer) == []
@@ -444,29 +415,29 @@ async def test_departed_client_at_a_natural_finish_is_not_donated(start_schedule
 
 
 async def test_cancel_during_cache_lookup_is_honoured(start_scheduler: StartScheduler) -> None:
+    """A cancel that lands while the request's lookup is awaited applies before the step is planned:
+    the request never reaches the device, its stream ends with no final delta, and it counts as cancelled."""
     harness = await start_scheduler(with_store=True)
     assert harness.store is not None
     events = await harness.submit("r1", context=CONTEXT)
     with trio.fail_after(2):
         lookup = await harness.store.receive()  # the scheduler now awaits the reply
+    assert isinstance(lookup, LookupPrefix)
     await harness.inbox.send(CancelRequest(request_id="r1"))
     await harness.settle()
     lookup.reply_to.send_nowait(PrefixMissing())
     await harness.settle()
-
-    try:
-        step = harness.device.receive_nowait()
-    except trio.WouldBlock:
-        step = None
-    if step is not None:
-        # Admitting it is acceptable only if the same step (or the next) removes it.
-        await harness.reply(step, sampled=tuple(token(a.sequence_id, 0) for a in step.admit), decode_batch_size=1)
-        await harness.settle()
-    received, ended = available(events)
-    assert ended and text_of(received) == ""
+    # The one step planned removes what was admitted; nothing starts.
+    step = await harness.step()
+    assert step.plan.starts == ()
+    assert step.plan.removals == (Removal(sequence_id=0, donate=False),)
+    await harness.reply(step)
+    await harness.assert_idle()
+    assert available(events) == ([], True)
     stats = await harness.stats()
-    assert stats.num_cancelled == 1
+    assert (stats.num_cancelled, stats.num_completed) == (1, 0)
     assert stats.running_request_ids == ()
+    assert drain(harness.store) == []  # no donation
 
 
 # --- stop strings ------------------------------------------------------------------
@@ -485,7 +456,7 @@ async def test_stop_string_split_across_tokens_is_never_emitted(start_scheduler:
     await harness.reply(step, sampled=(token(0, 2),), decode_batch_size=1)  # "c" completes "bc"
 
     step = await harness.step()
-    assert step.remove == (RemoveSequence(sequence_id=0, donate=True),)
+    assert step.plan.removals == (Removal(sequence_id=0, donate=True),)
     await harness.reply(step)
     await harness.assert_idle()
     more, ended = available(events)
@@ -508,7 +479,8 @@ async def test_held_text_that_is_not_a_stop_string_is_flushed(start_scheduler: S
     step = await harness.step()
     await harness.reply(step, sampled=(token(0, 3, "length"),), decode_batch_size=1)  # "d": "bd" is safe
     received, ended = available(events)
-    assert ended and text_of(received) == "bd"
+    assert ended
+    assert text_of(received) == "bd"
 
 
 @pytest.mark.parametrize(
@@ -532,9 +504,10 @@ def test_stop_matcher(stop: tuple[str, ...], held: str, new: str, expected: tupl
 async def test_full_queue_answers_server_busy(start_scheduler: StartScheduler) -> None:
     harness = await start_scheduler(max_batch_size=1, max_queued_requests=1)
     await harness.submit("r1")
-    await harness.step()  # r1 runs; its step is held open
+    step = await harness.step()  # r1 runs; its step is held open
     await harness.submit("r2")  # waits for the slot
     events = await harness.submit("r3")
+    await harness.reply(step, sampled=(token(0, 0),), decode_batch_size=1)  # both are taken in now
     received, ended = available(events)
     assert ended
     (failed,) = received
@@ -542,8 +515,12 @@ async def test_full_queue_answers_server_busy(start_scheduler: StartScheduler) -
     assert isinstance(failed.error, ServerBusy)
     assert failed.error.status == 503
     assert failed.error.code == "server_busy"
-    stats = await harness.stats()
-    assert (stats.num_running, stats.num_waiting) == (1, 1)
+    # r2 still waits, and runs once r1's slot frees.
+    step = await harness.step()
+    assert step.plan.starts == ()
+    await harness.reply(step, sampled=(token(0, 1, "length"),), decode_batch_size=1)
+    step = await harness.step()
+    assert [start.sequence_id for start in step.plan.starts] == [1]
 
 
 async def test_waiting_request_is_admitted_when_a_slot_frees(start_scheduler: StartScheduler) -> None:
@@ -553,10 +530,11 @@ async def test_waiting_request_is_admitted_when_a_slot_frees(start_scheduler: St
     events = await harness.submit("r2")
     await harness.reply(step, sampled=(token(0, 0, "length"),), decode_batch_size=1)
     step = await harness.step()
-    assert [admission.sequence_id for admission in step.admit] == [1]
+    assert [admission.sequence_id for admission in step.plan.starts] == [1]
     await harness.reply(step, sampled=(token(1, 4, "length"),), decode_batch_size=1)
     received, ended = available(events)
-    assert ended and text_of(received) == "e"
+    assert ended
+    assert text_of(received) == "e"
 
 
 # --- the prompt cache ---------------------------------------------------------------
@@ -581,7 +559,7 @@ async def test_prefix_hit_splits_admission_and_usage(start_scheduler: StartSched
     assert lookup.tokens == prompt
     assert lookup.max_len == len(prompt) - 1  # at least one token is always prefilled
     assert payload.asked == [6]
-    (admission,) = step.admit
+    (admission,) = step.plan.starts
     assert admission.cached_tokens == prompt[:6]
     assert admission.prompt_tokens == prompt[6:]
     assert admission.adopted is payload
@@ -605,7 +583,7 @@ async def test_unadoptable_payload_falls_back_to_cold_prefill(start_scheduler: S
         events = await harness.submit("r1", prompt, context=CONTEXT)
         step = await harness.step()
         nursery.cancel_scope.cancel()
-    (admission,) = step.admit
+    (admission,) = step.plan.starts
     assert (admission.cached_tokens, admission.prompt_tokens, admission.adopted) == ((), prompt, None)
     await harness.reply(step, sampled=(token(0, 0, "length"),), decode_batch_size=1)
     received, _ = available(events)
@@ -617,7 +595,7 @@ async def test_no_lookup_without_a_cache_context(start_scheduler: StartScheduler
     assert harness.store is not None
     await harness.submit("r1", tuple(range(10)))
     step = await harness.step()
-    assert step.admit[0].donate_on_finish is False
+    assert step.plan.starts[0].donate_on_finish is False
     assert drain(harness.store) == []
 
 
@@ -629,7 +607,7 @@ async def test_natural_finish_donates_the_detached_sequence(start_scheduler: Sta
         nursery.start_soon(answer_lookups, harness.store, lambda _: PrefixMissing(), [], donations)
         await harness.submit("r1", (1, 2, 3), context=CONTEXT)
         step = await harness.step()
-        assert step.admit[0].donate_on_finish is True
+        assert step.plan.starts[0].donate_on_finish is True
         await harness.reply(step, sampled=(token(0, 4, "length"),), decode_batch_size=1, detached=(
             DetachedSequence(sequence_id=0, tokens=(1, 2, 3, 4), payload="kv-0", nbytes=123),
         ))
@@ -648,7 +626,7 @@ async def test_stop_string_finish_donates_what_the_removal_detaches(start_schedu
         step = await harness.step()
         await harness.reply(step, sampled=(token(0, 1),), decode_batch_size=1)
         step = await harness.step()
-        assert step.remove == (RemoveSequence(sequence_id=0, donate=True),)
+        assert step.plan.removals == (Removal(sequence_id=0, donate=True),)
         await harness.reply(step, detached=(DetachedSequence(sequence_id=0, tokens=(1, 2, 3, 1), payload="kv", nbytes=7),))
         await harness.assert_idle()
         nursery.cancel_scope.cancel()
@@ -669,7 +647,7 @@ async def test_cancelled_request_never_donates(start_scheduler: StartScheduler) 
         await harness.settle()
         await harness.reply(step, sampled=(token(0, 1),), decode_batch_size=1)
         step = await harness.step()
-        assert step.remove == (RemoveSequence(sequence_id=0, donate=False),)
+        assert step.plan.removals == (Removal(sequence_id=0, donate=False),)
         # Even a device that detached it anyway gets no donation out of it.
         await harness.reply(step, detached=(DetachedSequence(sequence_id=0, tokens=(1, 2, 3, 0), payload="kv", nbytes=7),))
         await harness.assert_idle()
@@ -687,7 +665,7 @@ async def test_failed_step_fails_its_requests_and_serving_continues(start_schedu
     second = await harness.submit("r2")  # admitted in the next step
     await harness.reply(step, sampled=(token(0, 0),), decode_batch_size=1)
     step = await harness.step()
-    assert [admission.sequence_id for admission in step.admit] == [1]
+    assert [admission.sequence_id for admission in step.plan.starts] == [1]
     await harness.reply(step, error="RuntimeError: injected", failed_sequences=(0, 1))
     await harness.assert_idle()
 
@@ -705,11 +683,12 @@ async def test_failed_step_fails_its_requests_and_serving_continues(start_schedu
 
     events = await harness.submit("r3")
     step = await harness.step()
-    assert step.remove == ()  # the device already dropped the failed sequences
-    (admission,) = step.admit
+    assert step.plan.removals == ()  # the device already dropped the failed sequences
+    (admission,) = step.plan.starts
     await harness.reply(step, sampled=(token(admission.sequence_id, 0, "length"),), decode_batch_size=1)
     received, ended = available(events)
-    assert ended and received[-1].finish_reason == "length"
+    assert ended
+    assert received[-1].finish_reason == "length"
     assert (await harness.stats()).num_completed == 1
 
 
@@ -725,7 +704,7 @@ async def test_decode_batch_sizes_are_reported(start_scheduler: StartScheduler) 
     await harness.submit("r2")  # arrives while step 2 is in flight
     await harness.reply(step, sampled=(token(0, 0),), decode_batch_size=1)
     step = await harness.step()
-    assert [admission.sequence_id for admission in step.admit] == [1]
+    assert [admission.sequence_id for admission in step.plan.starts] == [1]
     # r1 decodes while r2 prefills: an interleaved step.
     await harness.reply(step, sampled=(token(0, 1),), decode_batch_size=1, prefilling=(1,))
     step = await harness.step()
@@ -754,14 +733,14 @@ async def test_requests_queued_behind_the_first_join_its_step(start_scheduler: S
         raise AssertionError("the scheduler did not wait for the queued arrivals")
     await harness.submit("r2", more_pending=False)
     step = await harness.step()
-    assert [admission.sequence_id for admission in step.admit] == [0, 1]
+    assert [admission.sequence_id for admission in step.plan.starts] == [0, 1]
 
 
 async def test_the_arrival_window_is_bounded(start_scheduler: StartScheduler) -> None:
     harness = await start_scheduler()
     await harness.submit("r1", more_pending=True)  # the promised request never comes
     step = await harness.step()
-    assert [admission.sequence_id for admission in step.admit] == [0]
+    assert [admission.sequence_id for admission in step.plan.starts] == [0]
 
 
 async def test_a_one_chunk_prompt_donates_its_prompt_kv_only_to_requests_parked_on_it(
@@ -779,7 +758,7 @@ async def test_a_one_chunk_prompt_donates_its_prompt_kv_only_to_requests_parked_
         await harness.submit("short", short, context=CONTEXT, more_pending=True)
         await harness.submit("long", long, context=CONTEXT)
         step = await harness.step()
-        assert [(a.sequence_id, a.donate_prompt) for a in step.admit] == [(0, False), (1, True)]
+        assert [(a.sequence_id, a.donate_prompt) for a in step.plan.starts] == [(0, False), (1, True)]
         await harness.reply(step, sampled=(token(0, 0, "length"),), prefilling=(1,))
         await harness.reply(await harness.step(), prompts_done=(1,), sampled=(token(1, 0, "length"),))
         await harness.assert_idle()
@@ -788,7 +767,12 @@ async def test_a_one_chunk_prompt_donates_its_prompt_kv_only_to_requests_parked_
         await harness.submit("leader", short + (1, 2), context=CONTEXT, more_pending=True)
         await harness.submit("follower", short + (3, 4), context=CONTEXT)
         step = await harness.step()
-        (leader,) = step.admit
+        (leader,) = step.plan.starts  # the follower parked on it
         assert leader.donate_prompt is True
-        assert (await harness.stats()).num_parked == 1
+        await harness.reply(step, prompts_done=(leader.sequence_id,), sampled=(token(leader.sequence_id, 0),))
+        # Released when the leader's prompt is done: its lookup comes after the donation.
+        step = await harness.step()
+        assert [start.sequence_id for start in step.plan.starts] == [3]
+        await harness.reply(step, sampled=(token(2, 0, "length"), token(3, 0, "length")))
+        assert (await harness.stats()).num_shared_prefills == 1
         nursery.cancel_scope.cancel()

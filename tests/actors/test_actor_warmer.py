@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import trio
 
-from mlxcel.actors.messages import ReplyFinished, WarmerMsg, WarmSession
+from mlxcel.actors.messages import ReplyFinished, WarmerMsg, WarmerStats, WarmSession
 from mlxcel.actors.warmer import WarmerActor
 from mlxcel.cache.key import CacheContext
 from mlxcel.types import ChatRequest
@@ -33,7 +33,7 @@ async def test_asks_the_scheduler_to_warm_the_next_turn_and_exits_when_its_inbox
                 await send.send(finished(chat, "four"))
                 await send.send(finished(None))  # a raw completion: nothing to render
     assert warmups.receive_nowait() == WarmSession(context=CONTEXT, tokens=(5, 4))
-    assert actor.statistics() == {"num_replies_seen": 2, "num_warmups_requested": 1}
+    assert actor.statistics() == WarmerStats(num_replies_seen=2, num_warmups_requested=1)
 
 
 async def test_without_a_renderer_it_only_counts() -> None:
@@ -44,4 +44,4 @@ async def test_without_a_renderer_it_only_counts() -> None:
             await nursery.start(actor.run)
             with send:
                 await send.send(finished(ChatRequest(messages=({"role": "user", "content": "x"},))))
-    assert actor.statistics() == {"num_replies_seen": 1, "num_warmups_requested": 0}
+    assert actor.statistics() == WarmerStats(num_replies_seen=1, num_warmups_requested=0)

@@ -44,17 +44,24 @@ async def test_two_conversations_two_turns_against_mlxcel(start_engine, start_se
     assert [(r.conversation, r.turn) for r in records] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     assert [(r.conversation, r.turn, r.unseen) for r in probes] == [(0, 0, True), (1, 0, True)]
     for r in probes:
-        assert r.error is None and r.reply and r.completion_tokens
+        assert r.error is None
+        assert r.reply
+        assert r.completion_tokens
         # Only the template's first few tokens are shared with earlier prompts:
         # less than one 16-token prefix-cache block, so nothing is reused.
-        assert r.cached_tokens is not None and r.cached_tokens < 16
+        assert r.cached_tokens is not None
+        assert r.cached_tokens < 16
     # Probe 1's user turn is 8 single-token words longer.
     assert probes[1].prompt_tokens == probes[0].prompt_tokens + 8
     for r in records:
         assert r.error is None
-        assert r.prompt_tokens and r.prompt_tokens > 120
-        assert r.cached_tokens is not None and r.completion_tokens is not None and r.completion_tokens >= 1
-        assert 0 < r.e2e_s and (r.ttft_s is None or r.ttft_s <= r.e2e_s)
+        assert r.prompt_tokens
+        assert r.prompt_tokens > 120
+        assert r.cached_tokens is not None
+        assert r.completion_tokens is not None
+        assert r.completion_tokens >= 1
+        assert r.e2e_s > 0
+        assert (r.ttft_s is None or r.ttft_s <= r.e2e_s)
     assert all(r.cached_tokens > 0 for r in records if r.turn == 1)
     # Turn 1 resends turn 0 with the reply actually received.
     assert records[2].prompt_tokens > records[0].prompt_tokens
@@ -83,7 +90,8 @@ def test_launcher_starts_samples_and_stops(tmp_path: Path) -> None:
         assert process_tree_rss(server.pid) > 0
     finally:
         status = server.stop(grace_s=5)
-    assert server.process.poll() is not None and status is not None
+    assert server.process.poll() is not None
+    assert status is not None
     assert server.sampler.peak_bytes > 0
     assert (tmp_path / "server-tiny.log").read_text().startswith("$ ")
     assert process_tree_rss(os.getpid()) > 0

@@ -32,7 +32,8 @@ async def test_bench_without_matplotlib_skips_the_plot_with_one_line_up_front(
     assert lines.count(PLOTS_MISSING) == 1
     # Before the benchmark's own first line, not after the run.
     assert lines.index(PLOTS_MISSING) < next(i for i, line in enumerate(lines) if line.startswith("mlxcel bench:"))
-    assert (out / "summary.json").is_file() and (out / "requests.jsonl").is_file()
+    assert (out / "summary.json").is_file()
+    assert (out / "requests.jsonl").is_file()
     assert not (out / "ttft.png").exists()
     assert "ttft.png" not in captured.out
 

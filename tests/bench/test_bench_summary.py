@@ -39,7 +39,8 @@ def test_summary_figures_and_ratios() -> None:
     assert mine["warm_cached_share"] == pytest.approx(1000 / 1200)
     assert mine["warm_over_floor"] == pytest.approx(2.0)
     assert mine["peak_rss_mib"] == pytest.approx(400)
-    assert theirs["warm_cached_share"] is None and theirs["reports_cached_tokens"] is False
+    assert theirs["warm_cached_share"] is None
+    assert theirs["reports_cached_tokens"] is False
     assert [row["turn"] for row in mine["by_turn"]] == [0, 1]
     assert mine["by_turn"][0]["cached_share"] == 0.0
     ratios = summary["ratios"]["peer"]
@@ -47,7 +48,9 @@ def test_summary_figures_and_ratios() -> None:
     assert ratios["warm_ttft"] == pytest.approx(0.25)
     assert ratios["peak_rss"] == pytest.approx(0.5)
     table = format_table(summary)
-    assert "mlxcel / peer" in table and "0.25x" in table and "83.3%" in table
+    assert "mlxcel / peer" in table
+    assert "0.25x" in table
+    assert "83.3%" in table
     json.dumps(summary)
 
 
@@ -73,14 +76,20 @@ def test_unseen_probes_stay_out_of_the_chat_figures() -> None:
             assert summary["servers"][name][field] == without["servers"][name][field], (name, field)
     assert [row["turn"] for row in mine["by_turn"]] == [0, 1]
     assert mine["by_turn"][0]["ttft_median_s"] == pytest.approx(2.5)
-    assert mine["num_requests"] == 7 and mine["num_unseen"] == 3 and mine["num_errors"] == 0
+    assert mine["num_requests"] == 7
+    assert mine["num_unseen"] == 3
+    assert mine["num_errors"] == 0
     assert theirs["num_errors"] == 1
     assert mine["unseen_ttft_median_s"] == pytest.approx(1.2)
-    assert mine["unseen_cached_share"] == 0.0 and theirs["unseen_cached_share"] is None
+    assert mine["unseen_cached_share"] == 0.0
+    assert theirs["unseen_cached_share"] is None
     assert mine["unseen_over_floor"] == pytest.approx(1.2 / 0.5)
     assert summary["ratios"]["peer"]["unseen_ttft"] == pytest.approx(0.5)
     table = format_table(summary)
-    assert "unseen TTFT" in table and "unseen/floor" in table and "2.40x" in table and "chunks of 256" in table
+    assert "unseen TTFT" in table
+    assert "unseen/floor" in table
+    assert "2.40x" in table
+    assert "chunks of 256" in table
     ratio_row = next(line for line in table.splitlines() if line.startswith("mlxcel / peer"))
     assert "0.50x" in ratio_row
     # No probes, or no cold floor: no unseen figures.
@@ -92,7 +101,8 @@ def test_unseen_probes_stay_out_of_the_chat_figures() -> None:
 
 def test_unseen_records_are_marked_in_json_and_progress() -> None:
     probe = unseen("mlxcel", 1, 1.0, 0)
-    assert probe.to_json()["unseen"] is True and "reply" not in probe.to_json()
+    assert probe.to_json()["unseen"] is True
+    assert "reply" not in probe.to_json()
     assert record("mlxcel", 0, 0, 1.0, 10, 0).to_json()["unseen"] is False
     assert "] unseen  1: ttft" in format_progress(probe)
     assert "conversation  0 turn 0" in format_progress(record("mlxcel", 0, 0, 1.0, 10, 0))
@@ -142,4 +152,5 @@ def test_sse_parsing_stops_at_done() -> None:
 def test_bad_flags_one_line_and_status_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("mlxcel bench: error:") and err.count("\n") == 1
+    assert err.startswith("mlxcel bench: error:")
+    assert err.count("\n") == 1

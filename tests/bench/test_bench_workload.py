@@ -24,7 +24,8 @@ def test_same_seed_same_texts_other_seed_other_texts() -> None:
 def test_shape_and_word_counts() -> None:
     workload = build_workload(SHAPE)
     assert len(workload.system_prompt.split()) == 300
-    assert len(workload.user_turns) == 3 and all(len(turns) == 4 for turns in workload.user_turns)
+    assert len(workload.user_turns) == 3
+    assert all(len(turns) == 4 for turns in workload.user_turns)
     assert all(len(text.split()) == 40 for turns in workload.user_turns for text in turns)
     assert all(len(text.split()) == 8 for turns in workload.stand_in_replies for text in turns)
     # Conversations differ after the shared system prompt.
@@ -43,7 +44,8 @@ def test_messages_resend_history_with_the_replies_given() -> None:
     messages = workload.messages(1, 2, ["first reply", "second reply"])
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant", "user"]
     assert messages[0]["content"] == workload.system_prompt
-    assert messages[2]["content"] == "first reply" and messages[4]["content"] == "second reply"
+    assert messages[2]["content"] == "first reply"
+    assert messages[4]["content"] == "second reply"
     assert messages[5]["content"] == workload.user_turns[1][2]
     with pytest.raises(ValueError):
         workload.messages(0, 2, ["only one"])
@@ -68,7 +70,8 @@ def test_unseen_probes_are_deterministic_and_differ_by_index_and_seed() -> None:
     probes = [workload.unseen_messages(index) for index in range(4)]
     assert probes == [build_workload(SHAPE).unseen_messages(index) for index in range(4)]
     assert [[m["role"] for m in probe] for probe in probes] == [["system", "user"]] * 4
-    assert len({probe[0]["content"] for probe in probes}) == 4 and len({probe[1]["content"] for probe in probes}) == 4
+    assert len({probe[0]["content"] for probe in probes}) == 4
+    assert len({probe[1]["content"] for probe in probes}) == 4
     assert build_workload(attrs.evolve(SHAPE, seed=6)).unseen_messages(0) != probes[0]
     with pytest.raises(ValueError):
         workload.unseen_messages(-1)

@@ -96,7 +96,8 @@ def test_plan_llama_8b_becomes_6_gib() -> None:
     )
     assert plan.ceiling == (64 * GIB - estimate_model_bytes(LLAMA_8B)) // 4
     short = plan_kv_store_capacity(LLAMA_8B, ctx_size=2048, memory_bytes=64 * GIB)
-    assert short.entry_nbytes == GIB // 4 and short.recommended == 2 * GIB
+    assert short.entry_nbytes == GIB // 4
+    assert short.recommended == 2 * GIB
 
 
 def test_explicit_capacity_is_kept_and_warned_about() -> None:
@@ -111,7 +112,8 @@ def test_explicit_capacity_is_kept_and_warned_about() -> None:
 
 def test_entry_that_never_fits_a_small_machine() -> None:
     plan = plan_store_capacity(configured=None, entry_nbytes=4 * GIB, memory_left=6 * GIB, floor=2 * GIB)
-    assert plan.recommended == 2 * GIB and plan.entry_never_fits
+    assert plan.recommended == 2 * GIB
+    assert plan.entry_never_fits
 
 
 def test_plan_without_explicit_memory_uses_the_machine() -> None:

@@ -17,7 +17,6 @@ from mlxcel.cache.key import (
     effective_tool_choice,
     pack_tokens,
     prefix_digest,
-    resolve_session_key,
     rope_regime_for,
     template_signature,
 )
@@ -40,10 +39,7 @@ def _field(text: str) -> bytes:
 
 def _hand_assembled(context: CacheContext, tokens: list[int], prefix_len: int) -> bytes:
     """The digest input written out byte by byte, independent of key.py."""
-    if context.rope_regime is None:
-        rope = b"\x00\x00"
-    else:
-        rope = b"\x01" + int(context.rope_regime).to_bytes(1, "little")
+    rope = b"\x00\x00" if context.rope_regime is None else b"\x01" + int(context.rope_regime).to_bytes(1, "little")
     data = (
         b"mlxcel:prompt-cache:v3"
         + _field(context.model_id)
@@ -64,7 +60,7 @@ def test_constants() -> None:
     assert DOMAIN_SEPARATOR == b"mlxcel:prompt-cache:v3"
     assert ANONYMOUS_SESSION == "__mlxcel_anon__"
     expected = blake3.blake3(b"mlxcel:prompt-cache:multimodal:v1" + bytes(16)).digest()
-    assert TEXT_ONLY_MM_DIGEST == expected
+    assert expected == TEXT_ONLY_MM_DIGEST
     assert TEXT_ONLY_MM_DIGEST.hex() == "ef7a54571ae5a2a85fff7d834976109cec3359eaf80864632ea0830345495ef5"
 
 
@@ -171,25 +167,6 @@ def test_rope_regime_for() -> None:
     assert rope_regime_for(4097, 4096) is RopeRegime.LONG
 
 
-@pytest.mark.parametrize(
-    ("body", "expected"),
-    [
-        ({}, ANONYMOUS_SESSION),
-        ({"user": "alice"}, "alice"),
-        ({"user": ""}, ANONYMOUS_SESSION),
-        ({"user": 7}, ANONYMOUS_SESSION),
-        ({"prompt_cache_key": "conv-1", "user": "alice"}, "conv-1"),
-        ({"extra_body": {"prompt_cache_key": "conv-2"}, "user": "alice"}, "conv-2"),
-        ({"prompt_cache_key": "root", "extra_body": {"prompt_cache_key": "nested"}}, "root"),
-        ({"prompt_cache_key": "", "extra_body": {"prompt_cache_key": "nested"}}, "nested"),
-        ({"prompt_cache_key": None, "extra_body": {"prompt_cache_key": ""}, "user": "bob"}, "bob"),
-        ({"extra_body": "not a mapping", "user": "bob"}, "bob"),
-    ],
-)
-def test_session_key_precedence(body: dict, expected: str) -> None:
-    assert resolve_session_key(body) == expected
-
-
 def _tool(name: str, parameters: dict | None = None) -> dict:
     return {
         "type": "function",
@@ -205,7 +182,8 @@ def test_template_signature_shape_and_golden() -> None:
         [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}],
     )
     assert signature == "b0339004cbbe016a8d76901ee17f75adf573dc0f008f18062007100317e51d21"
-    assert len(signature) == 64 and signature == signature.lower()
+    assert len(signature) == 64
+    assert signature == signature.lower()
 
 
 def test_template_signature_canonical_kwargs() -> None:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import settings
-from hypothesis import strategies as st
+from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from mlxcel.cache.key import CacheContext
@@ -37,7 +36,8 @@ def test_divergent_requests_are_refused_by_cause() -> None:
     assert snapshots.lookup(context(mm_digest=b"\x01" * 32), [1, 2, 3, 4, 5], now=1.0).cause is RefusalCause.MULTIMODAL
     stats = snapshots.stats(now=1.0)
     assert stats.refusals == {"history_rewritten": 1, "too_short": 2, "template_changed": 1, "multimodal": 1}
-    assert stats.hits == 0 and stats.misses == 0
+    assert stats.hits == 0
+    assert stats.misses == 0
 
 
 def test_a_newer_snapshot_supersedes_the_session_chain() -> None:
@@ -45,7 +45,9 @@ def test_a_newer_snapshot_supersedes_the_session_chain() -> None:
     snapshots.insert(context(), [1, 2], "turn1", 100, now=0.0)
     snapshots.insert(context(), [1, 2, 3, 4], "turn2", 150, now=1.0)
     stats = snapshots.stats(now=1.0)
-    assert stats.entries == 1 and stats.bytes == 150 and stats.remaining_bytes == 850
+    assert stats.entries == 1
+    assert stats.bytes == 150
+    assert stats.remaining_bytes == 850
     assert snapshots.lookup(context(), [1, 2, 3, 4, 5], now=2.0).payload == "turn2"
 
 
@@ -76,7 +78,8 @@ class SnapshotMachine(RuleBasedStateMachine):
     def lookup(self, session: str, length: int) -> None:
         result = self.store.lookup(context(session), list(range(length)), self.now)
         if isinstance(result, SnapshotHit):
-            assert result.payload == session and result.num_tokens < length
+            assert result.payload == session
+            assert result.num_tokens < length
 
     @rule(seconds=st.floats(0, 40))
     def wait(self, seconds: float) -> None:
@@ -85,7 +88,8 @@ class SnapshotMachine(RuleBasedStateMachine):
     @invariant()
     def budgets_hold(self) -> None:
         stats = self.store.stats(self.now)
-        assert stats.bytes <= 500 and stats.entries <= 3
+        assert stats.bytes <= 500
+        assert stats.entries <= 3
         assert stats.remaining_bytes == 500 - stats.bytes
         # One live snapshot per session: the entries' payloads name distinct sessions.
         payloads = [entry.payload for entry in self.store._entries.values()]

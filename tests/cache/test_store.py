@@ -42,7 +42,8 @@ def test_max_len_caps_a_whole_prefix_match() -> None:
     store = _store()
     store.insert(TEXT, _tokens(0, 40), "kv", 100, now=0)
     match = store.lookup(TEXT, _tokens(0, 40), now=1, max_len=39)
-    assert match is not None and (match.matched_len, match.partial) == (39, False)
+    assert match is not None
+    assert (match.matched_len, match.partial) == (39, False)
     assert store.lookup(TEXT, _tokens(0, 40), now=1, max_len=7) is None  # below min_prefix
 
 
@@ -60,10 +61,12 @@ def test_partial_match_is_capped_exactly() -> None:
     store = _store()
     store.insert(TEXT, SHARED + _tokens(1, 20), "kv", 100, now=0)
     match = store.lookup(TEXT, SHARED + _tokens(500, 20), now=1, max_len=90)
-    assert match is not None and match.matched_len == 90
+    assert match is not None
+    assert match.matched_len == 90
     # A request that is a strict prefix of a longer entry is a partial match too.
     match = store.lookup(TEXT, SHARED[:50], now=1, max_len=49)
-    assert match is not None and (match.matched_len, match.partial) == (49, True)
+    assert match is not None
+    assert (match.matched_len, match.partial) == (49, True)
 
 
 def test_partial_match_without_a_block_chain_rounds_down_to_agreeing_blocks() -> None:
@@ -71,7 +74,8 @@ def test_partial_match_without_a_block_chain_rounds_down_to_agreeing_blocks() ->
     store = _store(apc=ApcSettings(num_blocks=3))
     store.insert(TEXT, SHARED + _tokens(1, 20), "kv", 100, now=0)
     match = store.lookup(TEXT, SHARED + _tokens(500, 20), now=1)
-    assert match is not None and (match.matched_len, match.partial) == (48, True)
+    assert match is not None
+    assert (match.matched_len, match.partial) == (48, True)
 
 
 def test_apc_off_diverging_entry_is_a_miss() -> None:
@@ -90,7 +94,8 @@ def test_multimodal_needs_a_whole_entry() -> None:
     # The whole entry plus new text: adopted.
     extended = SHARED + _tokens(1, 20) + [7, 7, 7]
     match = store.lookup(IMAGE, extended, now=1, max_len=len(extended) - 1)
-    assert match is not None and match.matched_len == 120
+    assert match is not None
+    assert match.matched_len == 120
     # The same prompt again: a capped match would not cover the entry.
     same = SHARED + _tokens(1, 20)
     assert store.lookup(IMAGE, same, now=1, max_len=len(same) - 1) is None
@@ -103,7 +108,8 @@ def test_multimodal_falls_back_to_a_shorter_whole_entry() -> None:
     store.insert(IMAGE, SHARED[:60], "short", 10, now=0)
     store.insert(attrs.evolve(IMAGE, session_key="carol"), SHARED, "long", 10, now=0)
     match = store.lookup(IMAGE, SHARED, now=1, max_len=99)
-    assert match is not None and (match.payload, match.matched_len) == ("short", 60)
+    assert match is not None
+    assert (match.payload, match.matched_len) == ("short", 60)
 
 
 def test_rope_regimes_do_not_share() -> None:
@@ -124,7 +130,9 @@ def test_buckets_and_salts_do_not_share() -> None:
     salted = attrs.evolve(TEXT, cache_salt="t1")
     store.insert(salted, SHARED, "salted", 10, now=2)
     match = store.lookup(attrs.evolve(salted, session_key="bob"), SHARED + [1], now=3)
-    assert match is not None and match.payload == "salted" and match.cross_session
+    assert match is not None
+    assert match.payload == "salted"
+    assert match.cross_session
 
 
 def test_two_tiers_cross_session_only_when_strictly_longer() -> None:
@@ -134,13 +142,17 @@ def test_two_tiers_cross_session_only_when_strictly_longer() -> None:
     store.insert(BOB, SHARED[:80], "bob-80", 10, now=0)
     # Bob's 80 is strictly longer than Alice's own 50: cross-session wins.
     match = store.lookup(TEXT, SHARED, now=1, max_len=99)
-    assert match is not None and (match.payload, match.cross_session) == ("bob-80", True)
+    assert match is not None
+    assert (match.payload, match.cross_session) == ("bob-80", True)
     # Capped at 50, both tie: Alice keeps her own entry.
     match = store.lookup(TEXT, SHARED, now=1, max_len=50)
-    assert match is not None and (match.payload, match.cross_session) == ("alice-50", False)
+    assert match is not None
+    assert (match.payload, match.cross_session) == ("alice-50", False)
     # A session with nothing of its own takes the best of the others.
     match = store.lookup(attrs.evolve(TEXT, session_key="dave"), SHARED, now=1, max_len=99)
-    assert match is not None and match.matched_len == 80 and match.cross_session
+    assert match is not None
+    assert match.matched_len == 80
+    assert match.cross_session
 
 
 def test_in_session_partial_beats_shorter_cross_session_whole() -> None:
@@ -148,7 +160,8 @@ def test_in_session_partial_beats_shorter_cross_session_whole() -> None:
     store.insert(TEXT, SHARED + _tokens(1, 20), "alice", 10, now=0)
     store.insert(BOB, SHARED[:40], "bob", 10, now=0)
     match = store.lookup(TEXT, SHARED + _tokens(500, 20), now=1)
-    assert match is not None and (match.payload, match.matched_len, match.partial) == ("alice", 100, True)
+    assert match is not None
+    assert (match.payload, match.matched_len, match.partial) == ("alice", 100, True)
 
 
 def test_whole_prefix_preferred_over_equal_partial() -> None:
@@ -157,10 +170,12 @@ def test_whole_prefix_preferred_over_equal_partial() -> None:
     store.insert(TEXT, SHARED + [1], "diverging", 10, now=0)
     store.insert(TEXT, SHARED[:96], "whole", 10, now=0)
     match = store.lookup(TEXT, SHARED[:96] + [5, 6], now=1)
-    assert match is not None and (match.payload, match.matched_len, match.partial) == ("whole", 96, False)
+    assert match is not None
+    assert (match.payload, match.matched_len, match.partial) == ("whole", 96, False)
     # One shared token more and the diverging entry is the longer match.
     match = store.lookup(TEXT, SHARED[:97] + [5, 6], now=1)
-    assert match is not None and (match.payload, match.matched_len, match.partial) == ("diverging", 97, True)
+    assert match is not None
+    assert (match.payload, match.matched_len, match.partial) == ("diverging", 97, True)
 
 
 def test_refusals_and_duplicates() -> None:
@@ -214,14 +229,16 @@ def test_an_entry_whose_whole_prompt_a_newer_entry_covers_is_dropped() -> None:
     unknown = store.insert(TEXT, system + _tokens(6000, 18), "unknown", 580, now=2)
     new_prompt = old_prompt + rerendered + _tokens(7000, 20)
     outcome = store.insert(TEXT, new_prompt + _tokens(8000, 5), "new", 830, now=3, prompt_len=len(new_prompt))
-    assert outcome.stored and outcome.evictions == (("superseded", 580),)
+    assert outcome.stored
+    assert outcome.evictions == (("superseded", 580),)
     assert store.take_released() == ["old"]
     live = {info.entry_id for info in store.entries_by_recency()}
     assert live == {other.entry_id, unknown.entry_id, outcome.entry_id}
     assert old.entry_id not in live
     # The old conversation's next turn finds its previous prompt in the newer entry.
     match = store.lookup(TEXT, new_prompt + [1, 2], now=4)
-    assert match is not None and (match.payload, match.matched_len) == ("new", len(new_prompt))
+    assert match is not None
+    assert (match.payload, match.matched_len) == ("new", len(new_prompt))
 
 
 def test_other_sessions_are_not_superseded() -> None:
@@ -300,7 +317,8 @@ def test_reset_clears_everything_but_counters() -> None:
     assert (outcome.entries_freed, outcome.bytes_freed) == (3, 50)
     stats = store.stats(now=3)
     assert (stats.entries, stats.bytes, stats.total_blocks_stored, stats.unique_block_hashes) == (0, 0, 0, 0)
-    assert stats.hits == 1 and stats.inserts == 3
+    assert stats.hits == 1
+    assert stats.inserts == 3
     assert store.lookup(TEXT, SHARED, now=3) is None
     assert store.insert(TEXT, SHARED, "again", 20, now=4).stored
 
@@ -312,7 +330,9 @@ def test_lookup_does_not_touch_payload_and_refreshes_owner() -> None:
     store.insert(TEXT, SHARED[:60], payload, 10, now=1)  # 40 becomes an alias
     store.insert(BOB, _tokens(0, 30), "bob", 10, now=2)
     match = store.lookup(TEXT, SHARED[:40] + [1], now=3)
-    assert match is not None and match.payload is payload and payload == ["kv"]
+    assert match is not None
+    assert match.payload is payload
+    assert payload == ["kv"]
     order = [info.entry_id for info in store.entries_by_recency()]
     assert order[-1] != match.entry_id  # the owner follows its alias to the end
     assert store.entries_by_recency()[-1].alias_of is None

@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import attrs
-from hypothesis import settings
-from hypothesis import strategies as st
+from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from mlxcel.cache.key import CacheContext, RopeRegime, prefix_digest
@@ -29,7 +28,7 @@ stored_lists = st.lists(st.integers(0, 2), min_size=4, max_size=26)
 
 def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     count = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         count += 1
@@ -321,7 +320,7 @@ class StoreMachine(RuleBasedStateMachine):
         )
         infos = self.store.entries_by_recency()
         assert [info.entry_id for info in infos] == [entry.entry_id for entry in reference.entries]
-        for info, entry in zip(infos, reference.entries):
+        for info, entry in zip(infos, reference.entries, strict=False):
             assert info.tokens == entry.tokens
             assert info.alias_of == entry.owner
             assert info.last_used == entry.last_used

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from mlxcel.cache.key import pack_tokens
 from mlxcel.cache.trie import RadixTrie
@@ -13,7 +12,7 @@ sequences = st.lists(st.integers(0, 3), min_size=0, max_size=12)
 
 def _common(a: list[int], b: list[int]) -> int:
     count = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         count += 1
@@ -63,7 +62,8 @@ def test_queries_match_brute_force(stored, removed, request, tag) -> None:
     longest = walk.longest_common()
     if live:
         best = max(_common(t, request) for t, _ in live.values())
-        assert longest is not None and longest[1] == best
+        assert longest is not None
+        assert longest[1] == best
         assert _common(live[longest[0]][0], request) == best
     else:
         assert longest is None
@@ -82,7 +82,9 @@ def test_removing_everything_leaves_an_empty_root(stored) -> None:
         trie.remove(tokens, entry_id)
     assert len(trie) == 0
     root = trie._root
-    assert not root.children and not root.entries and not root.tag_counts
+    assert not root.children
+    assert not root.entries
+    assert not root.tag_counts
 
 
 def test_long_edges_split_and_merge() -> None:

@@ -31,9 +31,11 @@ async def post(base_url: str, path: str, body: dict[str, Any]) -> httpx.Response
 async def test_openai_routes_answer_without_v1(server) -> None:
     _engine, base_url = server
     chat = await post(base_url, "/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+    assert chat.status_code == 200
+    assert chat.json()["object"] == "chat.completion"
     legacy = await post(base_url, "/completions", {"prompt": "hi", "max_tokens": 2})
-    assert legacy.status_code == 200 and legacy.json()["object"] == "text_completion"
+    assert legacy.status_code == 200
+    assert legacy.json()["object"] == "text_completion"
 
 
 async def test_completion_carries_llamacpp_fields(server) -> None:
@@ -42,7 +44,9 @@ async def test_completion_carries_llamacpp_fields(server) -> None:
     body = {"prompt": "The quick brown fox jumps over the lazy dog. " * 8, "n_predict": 4, "temperature": 0, "return_tokens": True, "n_probs": 3}
     first = (await post(base_url, "/completion", body)).json()
     reply = (await post(base_url, "/completion", body)).json()
-    assert reply["stop"] is True and reply["stop_type"] == "limit" and reply["stopping_word"] == ""
+    assert reply["stop"] is True
+    assert reply["stop_type"] == "limit"
+    assert reply["stopping_word"] == ""
     assert reply["truncated"] is False
     assert reply["has_new_line"] == ("\n" in reply["content"])
     assert len(reply["tokens"]) == 4 == reply["tokens_predicted"]
@@ -54,7 +58,9 @@ async def test_completion_carries_llamacpp_fields(server) -> None:
     assert timings["cache_n"] == reply["tokens_cached"] > 0
     assert timings["prompt_n"] == reply["tokens_evaluated"] - reply["tokens_cached"]
     assert timings["predicted_n"] == 4
-    assert timings["prompt_ms"] > 0 and timings["predicted_ms"] > 0 and timings["predicted_per_second"] > 0
+    assert timings["prompt_ms"] > 0
+    assert timings["predicted_ms"] > 0
+    assert timings["predicted_per_second"] > 0
     assert timings["predicted_per_token_ms"] == pytest.approx(timings["predicted_ms"] / 4)
     settings = reply["generation_settings"]
     assert (settings["n_predict"], settings["n_probs"], settings["model"]) == (4, 3, MODEL_ID)
@@ -66,14 +72,16 @@ async def test_completion_carries_llamacpp_fields(server) -> None:
         assert len(entry["top_logprobs"]) == 3
         # Greedy: the chosen token is the most likely one.
         assert entry["top_logprobs"][0]["id"] == entry["id"]
-        assert entry["logprob"] <= 0 and entry["bytes"] == list(token_bytes(engine.model.tokenizer, entry["id"]))
+        assert entry["logprob"] <= 0
+        assert entry["bytes"] == list(token_bytes(engine.model.tokenizer, entry["id"]))
         assert set(entry["top_logprobs"][0]) == {"id", "token", "logprob", "bytes"}
 
 
 async def test_completion_without_return_tokens_has_empty_tokens_and_no_probabilities(server) -> None:
     _engine, base_url = server
     reply = (await post(base_url, "/completion", {"prompt": "hello", "n_predict": 2})).json()
-    assert reply["tokens"] == [] and "completion_probabilities" not in reply
+    assert reply["tokens"] == []
+    assert "completion_probabilities" not in reply
     assert reply["generation_settings"]["n_probs"] == 0
 
 
@@ -84,7 +92,8 @@ async def test_completion_stopped_by_a_word_says_which(server) -> None:
     assert word
     reply = (await post(base_url, "/completion", {
         "prompt": "Count", "n_predict": 6, "temperature": 0, "stop": [word]})).json()
-    assert reply["stop_type"] == "word" and reply["stopping_word"] == word
+    assert reply["stop_type"] == "word"
+    assert reply["stopping_word"] == word
     assert reply["content"] == plain["content"][: plain["content"].index(word)]
 
 
@@ -99,7 +108,9 @@ async def test_streamed_completion_carries_tokens_and_ends_with_the_final_fields
     assert engine.model.tokenizer.decode(ids).removeprefix(" ") == "".join(event["content"] for event in events)
     assert [entry["id"] for event in events for entry in event.get("completion_probabilities", [])] == ids
     final = events[-1]
-    assert final["stop"] is True and final["stop_type"] == "limit" and set(final["timings"]) == TIMING_KEYS
+    assert final["stop"] is True
+    assert final["stop_type"] == "limit"
+    assert set(final["timings"]) == TIMING_KEYS
     assert all(event["stop"] is False for event in events[:-1])
 
 
@@ -141,7 +152,8 @@ async def test_tokenize_pieces_that_split_a_character_are_bytes(server) -> None:
     _engine, base_url = server
     # A rare CJK character: byte-level BPE spells it in more than one token.
     pieces = (await post(base_url, "/tokenize", {"content": "\U00020000", "with_pieces": True})).json()["tokens"]
-    assert len(pieces) > 1 and all(isinstance(piece["piece"], list) for piece in pieces)
+    assert len(pieces) > 1
+    assert all(isinstance(piece["piece"], list) for piece in pieces)
     assert bytes(byte for piece in pieces for byte in piece["piece"]) == "\U00020000".encode()
 
 

@@ -66,7 +66,8 @@ async def test_openai_client_chat_streaming_with_usage(base_url: str) -> None:
     texts, chunks = await in_thread(run)
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes in (["length"], ["stop"])
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens in range(1, 7)
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens in range(1, 7)
     whole = await in_thread(
         openai_client(base_url).chat.completions.create,
         model=MODEL_ID, messages=[{"role": "user", "content": "Stream to me"}], max_tokens=6, temperature=0,
@@ -77,9 +78,11 @@ async def test_openai_client_chat_streaming_with_usage(base_url: str) -> None:
 async def test_models_and_health(base_url: str) -> None:
     async with httpx.AsyncClient(base_url=base_url) as client:
         health = await client.get("/health")
-        assert health.status_code == 200 and health.json()["status"] == "ok"
+        assert health.status_code == 200
+        assert health.json()["status"] == "ok"
         models = (await client.get("/v1/models")).json()
-    assert models["object"] == "list" and models["data"][0]["id"] == MODEL_ID
+    assert models["object"] == "list"
+    assert models["data"][0]["id"] == MODEL_ID
     listed = await in_thread(lambda: [m.id for m in openai_client(base_url).models.list()])
     assert listed == [models["data"][0]["id"]]
 
@@ -141,32 +144,38 @@ async def test_text_completions_and_native_completion(base_url: str) -> None:
                                                               "temperature": 0, "stream": True}) as stream:
             events = [json.loads(line[6:]) async for line in stream.aiter_lines() if line.startswith("data: ")]
     assert "".join(event["content"] for event in events) == native["content"]
-    assert events[-1]["stop"] is True and events[-1]["tokens_predicted"] == native["tokens_predicted"]
+    assert events[-1]["stop"] is True
+    assert events[-1]["tokens_predicted"] == native["tokens_predicted"]
 
 
 async def test_unknown_route_and_model(base_url: str) -> None:
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
         missing = await client.get("/v2/nothing")
-        assert missing.status_code == 404 and "error" in missing.json()
+        assert missing.status_code == 404
+        assert "error" in missing.json()
         wrong_model = await client.post("/v1/chat/completions", json={**GOOD_CHAT, "model": "gpt-5"})
-        assert wrong_model.status_code == 404 and wrong_model.json()["error"]["param"] == "model"
+        assert wrong_model.status_code == 404
+        assert wrong_model.json()["error"]["param"] == "model"
 
 
 async def test_client_disconnect_mid_stream_frees_the_sequence(start_engine, start_server) -> None:
     engine = await start_engine()
     base_url = await start_server(engine)
     body = {"messages": [{"role": "user", "content": "go on"}], "max_tokens": 3000, "temperature": 0, "stream": True}
-    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as stream:
-            received = 0
-            async for line in stream.aiter_lines():
-                received += line.startswith("data: ")
-                if received == 3:
-                    break  # leaving the block closes the connection mid-stream
+    async with (
+        httpx.AsyncClient(base_url=base_url, timeout=60) as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as stream,
+    ):
+        received = 0
+        async for line in stream.aiter_lines():
+            received += line.startswith("data: ")
+            if received == 3:
+                break  # leaving the block closes the connection mid-stream
     with trio.fail_after(30):
         while (stats := await engine.scheduler_stats()).num_running:
             await trio.sleep(0.05)
-    assert stats.num_cancelled == 1 and stats.num_completed == 0
+    assert stats.num_cancelled == 1
+    assert stats.num_completed == 0
     assert (await engine.cache_stats())["entries"] <= 1  # at most the prompt, never the partial reply
 
 
@@ -183,12 +192,14 @@ async def test_full_queue_answers_503_with_retry_after(start_engine, start_serve
                 "messages": [{"role": "user", "content": f"q{index}"}], "max_tokens": 30, "temperature": 0})
             statuses.append(response.status_code)
             if response.status_code == 503:
-                assert response.headers["retry-after"] and response.json()["error"]["code"] == "server_busy"
+                assert response.headers["retry-after"]
+                assert response.json()["error"]["code"] == "server_busy"
 
     async with trio.open_nursery() as nursery:
         for index in range(5):
             nursery.start_soon(one, index)
-    assert 503 in statuses and 200 in statuses
+    assert 503 in statuses
+    assert 200 in statuses
 
 
 async def test_seed_makes_sampling_repeatable(base_url: str) -> None:

@@ -10,8 +10,7 @@ from typing import Any
 
 import attrs
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from mlxcel.http import validation
 from mlxcel.http.validation import (
@@ -384,7 +383,8 @@ def test_error_messages_name_the_field_and_the_problem() -> None:
     error = expect_invalid(
         parse_chat_request, message(role="robot", content="x"), "messages[0].role", VALUE
     )
-    assert "robot" in error.message and "assistant" in error.message
+    assert "robot" in error.message
+    assert "assistant" in error.message
     error = expect_invalid(
         parse_chat_request,
         message(role="user", content=[{"type": "image_url", "image_url": {}}]),
@@ -393,7 +393,8 @@ def test_error_messages_name_the_field_and_the_problem() -> None:
     )
     assert error.message == "multimodal input is not supported by this model"
     error = expect_invalid(parse_chat_request, chat(temperature=3), "temperature", VALUE)
-    assert "temperature" in error.message and "[0, 2]" in error.message
+    assert "temperature" in error.message
+    assert "[0, 2]" in error.message
     error = expect_invalid(parse_chat_request, chat(max_tokens=5.0), "max_tokens", TYPE)
     assert "integer" in error.message
     # Large values are described, not echoed.
@@ -438,7 +439,8 @@ def test_minimal_chat_request_gets_defaults() -> None:
         sampling=SamplingParams(),
         cache=CacheOptions(),
     )
-    assert request.tools is None and request.tool_choice is None
+    assert request.tools is None
+    assert request.tool_choice is None
     assert request.chat_template_kwargs == {}
     assert (request.stream, request.include_usage, request.model) == (False, False, None)
 
@@ -474,7 +476,8 @@ def test_messages_are_normalised() -> None:
         {"role": "assistant", "content": "done", "reasoning_content": "hm"},
         {"role": "user", "content": "ok"},
     )
-    assert type(request.messages) is tuple and all(type(m) is dict for m in request.messages)
+    assert type(request.messages) is tuple
+    assert all(type(m) is dict for m in request.messages)
     # Nothing mutable is shared with the caller's body.
     body["messages"][3]["tool_calls"][0]["function"]["name"] = "changed"
     assert request.messages[3]["tool_calls"][0]["function"]["name"] == "f"

@@ -17,8 +17,8 @@ def chat(text: str, max_tokens: int = 8, **sampling: object) -> ChatRequest:
     )
 
 
-async def wait_until(predicate, timeout: float = 30.0) -> None:
-    with trio.fail_after(timeout):
+async def wait_until(predicate, seconds: float = 30.0) -> None:
+    with trio.fail_after(seconds):
         while not await predicate():
             await trio.sleep(0.02)
 
@@ -36,16 +36,19 @@ async def test_open_engine_chat_and_stream_agree() -> None:
                 last = delta
         # Greedy decoding: the stream gives the same text as the whole reply.
         assert "".join(texts) == completion.text
-        assert last.usage is not None and last.usage.completion_tokens == completion.usage.completion_tokens
+        assert last.usage is not None
+        assert last.usage.completion_tokens == completion.usage.completion_tokens
 
 
 async def test_engine_cancelled_from_outside_stops_cleanly() -> None:
     with trio.fail_after(60):
         with trio.CancelScope() as scope:
-            async with open_engine(make_engine_config()) as engine:
-                async with engine.stream(chat("a long answer please", max_tokens=2000)) as deltas:
-                    async for _delta in deltas:
-                        scope.cancel()
+            async with (
+                open_engine(make_engine_config()) as engine,
+                engine.stream(chat("a long answer please", max_tokens=2000)) as deltas,
+            ):
+                async for _delta in deltas:
+                    scope.cancel()
         assert scope.cancelled_caught
 
 
@@ -68,7 +71,8 @@ async def test_sixteen_concurrent_streams_decode_in_batches(start_engine) -> Non
     stats = await engine.scheduler_stats()
     # Decode steps ran with many sequences in one forward.
     assert stats.max_decode_batch_size >= 8, stats.decode_batch_sizes
-    assert stats.num_running == 0 and stats.num_completed == 16
+    assert stats.num_running == 0
+    assert stats.num_completed == 16
 
 
 async def test_disconnect_mid_stream_frees_the_sequence(start_engine) -> None:
@@ -89,7 +93,8 @@ async def test_disconnect_mid_stream_frees_the_sequence(start_engine) -> None:
 
     await wait_until(gone)
     stats = await engine.scheduler_stats()
-    assert stats.num_cancelled == 1 and stats.num_completed == 0
+    assert stats.num_cancelled == 1
+    assert stats.num_completed == 0
     # A cancelled request is not a healthy completion: nothing was donated.
     cache = await engine.cache_stats()
     assert cache["entries"] == 0
@@ -104,7 +109,8 @@ async def test_full_queue_answers_busy(start_engine) -> None:
             completion = await engine.chat(chat(f"question {index}", max_tokens=40))
             outcomes.append(completion.finish_reason)
         except ServerBusy as error:
-            assert error.status == 503 and "capacity" in error.message
+            assert error.status == 503
+            assert "capacity" in error.message
             outcomes.append("busy")
 
     with trio.fail_after(120):

@@ -28,6 +28,7 @@ async def test_regimes_are_kept_apart_and_each_hits_within_itself(start_engine) 
     assert crossing.usage.cached_tokens == 0
     # Within each regime, the stored prefix is reused.
     short_again = await engine.chat(request(SHORT_SYSTEM, "second"))
-    assert short_again.usage.prompt_tokens < original and short_again.usage.cached_tokens >= 200
+    assert short_again.usage.prompt_tokens < original
+    assert short_again.usage.cached_tokens >= 200
     long_again = await engine.chat(request(SHORT_SYSTEM, long_user + " more"))
     assert long_again.usage.cached_tokens >= crossing.usage.prompt_tokens - 32

@@ -9,8 +9,8 @@ import openai
 import pytest
 import trio
 
-from mlxcel.actors import device
 from mlxcel.config import SchedulerConfig
+from mlxcel.core import scheduler as core_scheduler
 from tests.support import evolve_cache
 
 SYSTEM = "You are a careful assistant. " + " ".join(f"rule{i} applies" for i in range(60))
@@ -74,12 +74,12 @@ async def test_bucketed_starts_answer_as_the_plain_path_does(serve_family, monke
     """CUDA's shape buckets, forced on here with small buckets: a cold prompt longer than a
     chunk (prefilled alone, its last chunk started directly, padded) and hits resumed from a cut
     prefix give the replies and first-token logprobs of the unbucketed path."""
-    monkeypatch.setattr(device, "START_PREFIX_ALIGN", 16)
-    monkeypatch.setattr(device, "START_QUERY_BUCKET", 32)
+    monkeypatch.setattr(core_scheduler, "START_PREFIX_ALIGN", 16)
+    monkeypatch.setattr(core_scheduler, "START_QUERY_BUCKET", 32)
     alone = []  # whether each admission was prefilled alone (only the bucketed engine's can be)
-    original = device._StepWorker._prefills_alone
-    monkeypatch.setattr(device._StepWorker, "_prefills_alone",
-                        lambda worker, admission: alone.append(original(worker, admission)) or alone[-1])
+    original = core_scheduler.SchedulerCore._prefills_alone
+    monkeypatch.setattr(core_scheduler.SchedulerCore, "_prefills_alone",
+                        lambda core, pending: alone.append(original(core, pending)) or alone[-1])
     servers = {}
     for buckets in ("false", "true"):
         scheduler = SchedulerConfig(prefill_step_size=64, device_warmup="false", start_buckets=buckets)
@@ -119,7 +119,8 @@ async def test_four_turn_conversation_reuses_history(serve_family) -> None:
         previous_prompt = reply.usage.prompt_tokens
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})
     stats = await engine.cache_stats()
-    assert stats["hits"] >= 3 and stats["apc_enabled"] is True
+    assert stats["hits"] >= 3
+    assert stats["apc_enabled"] is True
 
 
 async def test_cross_session_reuse_of_a_shared_system_prompt(serve_family) -> None:
@@ -171,7 +172,8 @@ async def test_apc_reuses_the_common_prefix_exactly(serve_family) -> None:
     second = await create(client, messages=second_messages, logprobs=True, top_logprobs=5)
     # Up to the very token where the prompts part, not rounded down to an APC block.
     expected = common_prefix(tokens_a, tokens_b)
-    assert expected >= 100 and expected % BLOCK != 0
+    assert expected >= 100
+    assert expected % BLOCK != 0
     assert second.usage.prompt_tokens_details.cached_tokens == expected
     cold = await create(client, messages=second_messages, logprobs=True, top_logprobs=5,
                         extra_body={"cache_prompt": False})
@@ -195,7 +197,9 @@ async def test_cache_prompt_false_neither_reads_nor_donates(serve_family) -> Non
         reply = await create(client, messages=messages, extra_body=placement)
         assert reply.usage.prompt_tokens_details.cached_tokens == 0
     stats = await engine.cache_stats()
-    assert stats["entries"] == 0 and stats["hits"] == 0 and stats["misses"] == 0
+    assert stats["entries"] == 0
+    assert stats["hits"] == 0
+    assert stats["misses"] == 0
 
 
 async def test_stats_reset_and_metrics(start_engine, start_server) -> None:
@@ -207,7 +211,9 @@ async def test_stats_reset_and_metrics(start_engine, start_server) -> None:
     await create(client, messages=messages + [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}])
     async with httpx.AsyncClient(base_url=base_url) as http:
         stats = (await http.get("/v1/cache/stats")).json()
-        assert stats["entries"] >= 1 and stats["hits"] == 1 and stats["bytes"] > 0
+        assert stats["entries"] >= 1
+        assert stats["hits"] == 1
+        assert stats["bytes"] > 0
         for field in ("apc_enabled", "total_blocks_stored", "unique_block_hashes", "apc_active_entries"):
             assert field in stats
         assert stats["total_blocks_stored"] >= stats["unique_block_hashes"] > 0
@@ -219,6 +225,9 @@ async def test_stats_reset_and_metrics(start_engine, start_server) -> None:
         for reason in ("lru", "ttl", "capacity"):
             assert f'mlxcel_prompt_cache_evictions_total{{reason="{reason}"}}' in metrics
         reset = (await http.post("/v1/cache/reset")).json()
-        assert reset["entries_freed"] == stats["entries"] and reset["bytes_freed"] == stats["bytes"]
+        assert reset["entries_freed"] == stats["entries"]
+        assert reset["bytes_freed"] == stats["bytes"]
         after = (await http.get("/v1/cache/stats")).json()
-        assert after["entries"] == 0 and after["bytes"] == 0 and after["total_blocks_stored"] == 0
+        assert after["entries"] == 0
+        assert after["bytes"] == 0
+        assert after["total_blocks_stored"] == 0

@@ -181,7 +181,8 @@ def test_spec_apc_exclusion_list(model_type: str) -> None:
     assert family.kind is FamilyKind.RECURRENT
     assert not family.apc_supported
     assert family.snapshot_only
-    assert family.apc_disabled_reason is not None and model_type in family.apc_disabled_reason
+    assert family.apc_disabled_reason is not None
+    assert model_type in family.apc_disabled_reason
 
 
 @pytest.mark.parametrize(

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from mlxcel.model.tokenize import (
     SegmentTokenizer,
@@ -60,8 +59,10 @@ def test_long_pieces_encoded_in_parts_give_the_whole_text_ids(loaded_model, text
 def test_a_long_system_prompt_is_cut_into_parts_at_spaces_between_words() -> None:
     text = "word " * 1000
     parts = _cut(text, 2000)
-    assert len(parts) == 3 and "".join(parts) == text
-    assert all(part.startswith(" word") for part in parts[1:]) and len(parts[0]) >= 2000
+    assert len(parts) == 3
+    assert "".join(parts) == text
+    assert all(part.startswith(" word") for part in parts[1:])
+    assert len(parts[0]) >= 2000
 
 
 @pytest.mark.parametrize("strips", [False, True])

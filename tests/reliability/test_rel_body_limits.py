@@ -12,7 +12,6 @@ import socket
 from urllib.parse import urlsplit
 
 import httpx
-import pytest
 import trio
 
 MAX_BODY_BYTES = 64 << 10

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from functools import partial
 from urllib.parse import urlsplit
 
@@ -84,6 +85,32 @@ def closed_by_server(sock: socket.socket) -> bool:
 
 
 HEALTH = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+
+
+def unread_body_then_follow_up(base_url: str, head: bytes, body: bytes) -> tuple[int, dict[str, str], str]:
+    """Headers, a pause, the body; then GET /health on the same connection (the fuzz suite's probe).
+
+    Returns the first status and headers, and what became of the follow-up:
+    "answered", or "closed" (allowed only after a reply that said Connection: close).
+    A hang raises TimeoutError.
+    """
+    with socket.create_connection(address(base_url), timeout=TIMEOUT) as sock:
+        sock.sendall(head)
+        time.sleep(0.05)  # the server sees the headers before the body, as with most clients
+        sock.sendall(body)
+        first = read_response(sock)
+        assert first is not None, "closed before the first reply"
+        status, headers, _ = first
+        try:
+            sock.sendall(HEALTH)
+            follow_up = read_response(sock)
+        except (BrokenPipeError, ConnectionResetError):
+            follow_up = None
+        if follow_up is None:
+            assert headers.get("connection", "").lower() == "close", (status, headers)
+            return status, headers, "closed"
+        assert follow_up[0] == 200, follow_up
+        return status, headers, "answered"
 
 
 def post(path: str, body: bytes, *extra: bytes) -> bytes:
@@ -236,8 +263,11 @@ async def test_while_the_engine_loads_routes_answer_503_then_200(nursery, start_
     assert (status, body) == (503, {"status": "loading"})
     chat = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
     status, headers, body = await trio.to_thread.run_sync(ask, post(b"/v1/chat/completions", chat) + chat)
-    assert status == 503 and headers["retry-after"] == "1"
-    assert body["error"]["code"] == "model_loading" and body["error"]["type"] == "server_error"
+    assert status == 503
+    assert headers["retry-after"] == "1"
+    assert body["error"]["code"] == "model_loading"
+    assert body["error"]["type"] == "server_error"
     pending.set(await start_engine())
     status, _, body = await trio.to_thread.run_sync(ask, HEALTH)
-    assert status == 200 and body["status"] == "ok"
+    assert status == 200
+    assert body["status"] == "ok"

@@ -20,8 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 # A small body limit so the oversize mutation is cheap to send.
 MAX_BODY_BYTES = 64 << 10
@@ -283,8 +282,10 @@ def check_response(response: httpx.Response, label: str, raw: bytes, kind: str) 
         assert set(body) == {"error"}, context
         error = body["error"]
         assert set(error) == {"message", "type", "param", "code"}, context
-        assert isinstance(error["message"], str) and error["message"], context
-        assert isinstance(error["type"], str) and isinstance(error["code"], str), context
+        assert isinstance(error["message"], str), context
+        assert error["message"], context
+        assert isinstance(error["type"], str), context
+        assert isinstance(error["code"], str), context
         assert error["param"] is None or isinstance(error["param"], str), context
         return
     assert response.status_code == 200, context
@@ -300,11 +301,13 @@ def check_response(response: httpx.Response, label: str, raw: bytes, kind: str) 
             assert decoded[-1]["stop"] is True, context
         else:
             finishes = [c["finish_reason"] for e in decoded for c in e["choices"] if c.get("finish_reason")]
-            assert len(finishes) == 1 and finishes[0] in ("stop", "length"), context
+            assert len(finishes) == 1, context
+            assert finishes[0] in ("stop", "length"), context
         return
     body = response.json()
     if kind == "native":
-        assert isinstance(body["content"], str) and body["stop"] is True, context
+        assert isinstance(body["content"], str), context
+        assert body["stop"] is True, context
         assert body["tokens_predicted"] <= 3, context
     else:
         choice = body["choices"][0]
@@ -316,7 +319,8 @@ def check_response(response: httpx.Response, label: str, raw: bytes, kind: str) 
 def check_cache_stats(stats: dict[str, Any]) -> None:
     for key in ("entries", "bytes", "capacity_bytes", "max_entries", "hits", "misses",
                 "total_blocks_stored", "unique_block_hashes"):
-        assert isinstance(stats[key], int) and not isinstance(stats[key], bool), (key, stats)
+        assert isinstance(stats[key], int), (key, stats)
+        assert not isinstance(stats[key], bool), (key, stats)
         assert stats[key] >= 0, (key, stats)
     assert stats["bytes"] <= stats["capacity_bytes"], stats
     assert stats["entries"] <= stats["max_entries"], stats
@@ -368,7 +372,8 @@ async def test_fuzzed_bodies_never_get_a_5xx(start_engine, start_server, kind: s
             await trio.to_thread.run_sync(fuzz)
 
         # The loop exercised both sides of the edge.
-        assert seen.get("200", 0) >= 5 and seen.get("400", 0) >= 5, seen
+        assert seen.get("200", 0) >= 5, seen
+        assert seen.get("400", 0) >= 5, seen
 
         def after() -> dict[str, Any]:
             assert client.get("/health").status_code == 200
@@ -382,7 +387,8 @@ async def test_fuzzed_bodies_never_get_a_5xx(start_engine, start_server, kind: s
         stats = await trio.to_thread.run_sync(after)
     check_cache_stats(stats)
     scheduler = await engine.scheduler_stats()
-    assert scheduler.num_running == 0 and scheduler.num_waiting == 0
+    assert scheduler.num_running == 0
+    assert scheduler.num_waiting == 0
 
 
 OVERSIZE_CASES = [pytest.param(True, id="chunked"), pytest.param(False, id="content-length")]

@@ -20,12 +20,19 @@ BOMB = '{{ "ab " * 30000000 }}'
 
 
 @pytest.fixture
-def serve(start_engine, start_server):
+async def serve(start_engine, start_server):
+    clients: list[httpx.AsyncClient] = []
+
     async def start(**engine_changes: Any) -> httpx.AsyncClient:
         engine = await start_engine(**engine_changes)
-        return httpx.AsyncClient(base_url=await start_server(engine), timeout=60)
+        client = httpx.AsyncClient(base_url=await start_server(engine), timeout=60)
+        clients.append(client)
+        return client
 
-    return start
+    yield start
+    # Closed while the server still runs, so no pooled connection is left to the collector.
+    for client in clients:
+        await client.aclose()
 
 
 async def assert_still_serves(client: httpx.AsyncClient) -> None:

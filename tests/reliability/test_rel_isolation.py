@@ -51,13 +51,19 @@ async def cached_tokens_at_once(client: httpx.AsyncClient, bodies: list[dict[str
 
 
 @pytest.fixture
-def serve(start_engine, start_server):
+async def serve(start_engine, start_server):
+    clients: list[httpx.AsyncClient] = []
+
     async def start(**engine_changes: Any) -> tuple[Any, httpx.AsyncClient]:
         engine = await start_engine(**engine_changes)
-        base_url = await start_server(engine)
-        return engine, httpx.AsyncClient(base_url=base_url, timeout=60)
+        client = httpx.AsyncClient(base_url=await start_server(engine), timeout=60)
+        clients.append(client)
+        return engine, client
 
-    return start
+    yield start
+    # Closed while the server still runs, so no pooled connection is left to the collector.
+    for client in clients:
+        await client.aclose()
 
 
 # --- cache_salt -------------------------------------------------------------------

@@ -68,7 +68,8 @@ async def stream_one(client: httpx.AsyncClient, body: dict[str, Any], tally: Tal
                 if not events:
                     tally.ttfts.append(time.monotonic() - started)
                 events.append(line[len("data: "):])
-    assert events and events[-1] == "[DONE]", events[-3:]
+    assert events, events
+    assert events[-1] == "[DONE]", events[-3:]
     chunks = [json.loads(event) for event in events[:-1]]
     assert not any("error" in chunk for chunk in chunks), chunks
     finishes = [c["finish_reason"] for chunk in chunks for c in chunk["choices"] if c["finish_reason"]]
@@ -153,7 +154,9 @@ async def test_streaming_load_completes_or_refuses_and_stays_in_budget() -> None
     assert tally.cached_tokens > 0  # history and shared system prompts were reused
     assert final["bytes"] <= final["capacity_bytes"]
     assert final["evictions"]["capacity"] + final["evictions"]["lru"] > 0, final  # the budget bit
-    assert scheduler.num_running == 0 and scheduler.num_waiting == 0
+    assert scheduler.num_running == 0
+    assert scheduler.num_waiting == 0
     assert scheduler.num_completed == tally.completed
-    assert scheduler.num_failed == 0 and scheduler.num_cancelled == 0
+    assert scheduler.num_failed == 0
+    assert scheduler.num_cancelled == 0
     assert final["scheduler"] == {"num_waiting": 0, "num_running": 0}

@@ -114,7 +114,8 @@ async def test_sigterm_lets_the_in_flight_stream_finish_then_exits_0() -> None:
             reader = StreamReader(base_url, max_tokens=300)
             reader.start()
             assert reader.first_chunk.wait(60)
-            assert reader.error is None and reader.status == 200
+            assert reader.error is None
+            assert reader.status == 200
             signalled = time.monotonic()
             process.send_signal(signal.SIGTERM)
             # New connections are refused while the stream is still going.
@@ -157,7 +158,8 @@ async def test_a_short_grace_cancels_a_long_generation_and_exits_promptly() -> N
             assert exited_after < 10, exited_after
             # The stream was cut off mid-generation: the connection closed with no [DONE].
             assert not reader.is_alive()
-            assert reader.events and "[DONE]" not in reader.events
+            assert reader.events
+            assert "[DONE]" not in reader.events
             assert len(reader.events) < 4000
 
     await run_in_thread(scenario)
@@ -205,7 +207,8 @@ async def test_health_answers_while_the_model_loads_then_turns_200() -> None:
             statuses: list[int] = []
             deadline = time.monotonic() + STARTUP_SECONDS
             while 200 not in statuses:
-                assert time.monotonic() < deadline and process.poll() is None
+                assert time.monotonic() < deadline
+                assert process.poll() is None
                 try:
                     response = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
                     if response.status_code == 503:

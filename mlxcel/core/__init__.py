@@ -1,0 +1,1 @@
+"""The scheduling core: pure, synchronous policy (no Trio, no MLX)."""

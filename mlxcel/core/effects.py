@@ -1,0 +1,93 @@
+"""What the scheduling core asks of the other actors, and the values it reports: plain data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from mlxcel.cache.key import CacheContext
+from mlxcel.types import ChatRequest
+
+# --- to the cache store ----------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class DonateSequence:
+    context: CacheContext
+    tokens: tuple[int, ...] = attrs.field(repr=False)
+    payload: Any = attrs.field(repr=False)
+    nbytes: int
+    # Leading tokens that were the request's prompt (the rest it generated).
+    prompt_len: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class DonateSnapshot:
+    context: CacheContext
+    tokens: tuple[int, ...] = attrs.field(repr=False)
+    payload: Any = attrs.field(repr=False)
+    nbytes: int
+
+
+@attrs.frozen(kw_only=True)
+class SnapshotRestoreFailed:
+    """The device could not restore a found snapshot; counted as an incompatible refusal."""
+
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class ShedCache:
+    """The device ran out of memory: drop the least recently used half of both stores."""
+
+
+# --- to the metrics actor and the warmer ---------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class RequestFinished:
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    seconds_to_first_token: float | None
+
+
+@attrs.frozen(kw_only=True)
+class ReplyFinished:
+    """A healthy reply finished: the warmer may prepare the session's next turn."""
+
+    context: CacheContext
+    chat: ChatRequest | None = attrs.field(repr=False)
+    reply_text: str = attrs.field(repr=False)
+    prompt_tokens: int
+    completion_tokens: int
+
+
+CacheEffect = DonateSequence | DonateSnapshot | SnapshotRestoreFailed | ShedCache
+Effect = CacheEffect | RequestFinished | ReplyFinished
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerStats:
+    num_waiting: int
+    num_running: int
+    num_steps: int
+    num_completed: int
+    num_cancelled: int
+    num_failed: int
+    max_decode_batch_size: int
+    # How many decode steps ran at each batch size.
+    decode_batch_sizes: dict[int, int]
+    # Steps that prefilled one sequence's chunk while others decoded.
+    num_interleaved_steps: int
+    # Requests waiting for another request's prompt prefill to share its prefix.
+    num_parked: int
+    num_shared_prefills: int
+    num_warm_started: int = 0
+    num_warm_completed: int = 0
+    num_warm_preempted: int = 0
+    # Steps in which a warm-up ran while foreground requests waited or ran: must stay 0.
+    num_warm_steps_with_foreground: int = 0
+    running_request_ids: tuple[str, ...]

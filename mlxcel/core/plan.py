@@ -1,0 +1,181 @@
+"""The values that cross between the scheduling core and the device: plans, results, handles.
+
+A ``StepPlan`` says exactly what the device runs in one step, in order; a
+``StepResult`` says what came of it. Both are plain values: the core decides
+everything the plan holds, and the device only carries it out.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import attrs
+
+from mlxcel.types import SamplingParams
+
+
+class KVHandle(Protocol):
+    """A stored prefix's KV as the core sees it: sizes, never arrays (model/kv.py's DetachedKV)."""
+
+    @property
+    def length(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def can_adopt(self, num_tokens: int) -> bool: ...
+
+
+@attrs.frozen(kw_only=True)
+class Capabilities:
+    """What the core must know of the model and the device, given once at start-up."""
+
+    prefill_step_size: int
+    context_size: int
+    max_batch_size: int = 32
+    # Starts run in bucketed shapes and long prompts are prefilled alone (CUDA, plain KV caches).
+    bucket_starts: bool = False
+    # Snapshot families resume from session snapshots instead of the prefix store.
+    snapshots: bool = False
+
+
+# --- what a step runs ----------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Admission:
+    """What every start of a sequence carries: its tokens, where its cached part comes from, how to sample."""
+
+    sequence_id: int
+    # Tokens not yet in any cache; never empty.
+    prompt_tokens: tuple[int, ...] = attrs.field(repr=False)
+    # Tokens covered by ``adopted`` (or ``restore``).
+    cached_tokens: tuple[int, ...] = attrs.field(repr=False)
+    adopted: KVHandle | None = attrs.field(default=None, repr=False)
+    # A session snapshot to resume from (snapshot families), instead of ``adopted``.
+    restore: Any = attrs.field(default=None, repr=False)
+    sampling: SamplingParams
+    max_tokens: int
+    # Detach the KV at a natural finish so it can be donated.
+    donate_on_finish: bool = False
+    # Also detach the prompt's KV as soon as its prefill ends, for requests waiting on the same prefix.
+    donate_prompt: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class StartDirect(Admission):
+    """Prefill on the sequence's own cache and sample its first token in this step.
+
+    The first ``kept`` of ``cached_tokens`` come from ``adopted`` (or, with
+    ``from_alone``, from the sequence's own prefill alone); the rest run again
+    with ``prompt_tokens``, followed by ``padding`` throwaway tokens.
+    """
+
+    kept: int = 0
+    padding: int = 0
+    from_alone: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class InsertBatch(Admission):
+    """Prefill in the batch, a chunk per step, then decode there."""
+
+    # Take a whole-state snapshot after this many of ``prompt_tokens`` (the history boundary).
+    snapshot_after: int | None = None
+    # A background warm-up: prefill, snapshot at the end, never generate.
+    warm: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class StartAlone:
+    """Begin a prompt prefilled outside the batch: its cache holds the first ``kept`` tokens of ``adopted``."""
+
+    sequence_id: int
+    tokens: tuple[int, ...] = attrs.field(repr=False)
+    adopted: KVHandle | None = attrs.field(default=None, repr=False)
+    kept: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class AloneChunk:
+    """Run tokens ``[start, end)`` of a prompt prefilled alone; ``last``: detach them for its direct start."""
+
+    sequence_id: int
+    start: int
+    end: int
+    last: bool
+
+
+@attrs.frozen(kw_only=True)
+class Removal:
+    sequence_id: int
+    # Detach its KV for donation (a healthy finish the device did not see, e.g. a stop string).
+    donate: bool
+
+
+Start = StartDirect | InsertBatch | StartAlone
+
+
+@attrs.frozen(kw_only=True)
+class StepPlan:
+    """One device step, carried out in this order."""
+
+    removals: tuple[Removal, ...] = ()
+    starts: tuple[Start, ...] = ()
+    alone_chunk: AloneChunk | None = None
+    # The direct start of the prompt whose last chunk alone just ran.
+    alone_rest: StartDirect | None = None
+    # Run the batch's prefill chunk and decode step (False: held back for waiting starts, or empty).
+    run_batch: bool = False
+
+    @property
+    def direct_starts(self) -> tuple[StartDirect, ...]:
+        started = tuple(start for start in self.starts if isinstance(start, StartDirect))
+        return started + ((self.alone_rest,) if self.alone_rest is not None else ())
+
+
+# --- what came of it -------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class SampledToken:
+    sequence_id: int
+    token: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    finish_reason: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class DetachedSequence:
+    """A sequence's KV, detached from the device's caches, ready to donate."""
+
+    sequence_id: int
+    tokens: tuple[int, ...] = attrs.field(repr=False)
+    payload: Any = attrs.field(repr=False)
+    nbytes: int
+    # False: the prompt's KV, detached when its prefill ended; the sequence runs on.
+    final: bool = True
+    # A whole-state session snapshot (snapshot families) rather than a prefix KV set.
+    snapshot: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class StepResult:
+    step_number: int
+    sampled: tuple[SampledToken, ...] = ()
+    detached: tuple[DetachedSequence, ...] = ()
+    decode_batch_size: int = 0
+    prefill_tokens: int = 0
+    # Sequences that were prefilling (not decoding) during this step.
+    prefilling: tuple[int, ...] = ()
+    # Sequences whose prompt prefill ended in this step.
+    prompts_done: tuple[int, ...] = ()
+    # A step that raised: every sequence on the device is lost and must be failed.
+    error: str | None = None
+    out_of_memory: bool = False
+    failed_sequences: tuple[int, ...] = ()
+    # Starts whose snapshot would not restore: (sequence id, reason); they ran cold.
+    restore_failures: tuple[tuple[int, str], ...] = ()
+    # Warm-up sequences that finished (their snapshot is in ``detached``).
+    warmed: tuple[int, ...] = ()

@@ -1,0 +1,807 @@
+"""The scheduling core: every decision about what the device runs, synchronous and pure.
+
+The scheduler actor feeds it (``add``, ``abort``, ``warm``, cache lookups it
+asks for), calls ``schedule(now)`` for a ``StepPlan``, has the device carry
+the plan out, and hands the ``StepResult`` to ``update``. The policy lives
+here and only here:
+
+- admission: free batch slots, the waiting queue, its bound (503 beyond it);
+- in-flight prefix sharing: a request whose prompt shares more with a prompt
+  being prefilled than the store can give it waits (parks) for that prefill;
+- where each start runs: directly (its whole uncached part fits one prefill
+  chunk: prefilled on its own cache, first token in this step), alone
+  (longer than a chunk, with buckets: chunks on its own cache, then its rest
+  starts directly) or in the batch (chunked prefill, then decode);
+- the token budget of direct starts (a chunk's worth per step; the rest wait)
+  and the batch hold (decode waits for them at most MAX_BATCH_HOLDS steps);
+- bucketing: the prefix cut of a start and the padding of its tokens;
+- donation of prompt KV (early, for parked requests) and of finished replies;
+- background warm-ups of session snapshots, only while idle.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any, Literal, Protocol
+
+import attrs
+
+from mlxcel.cache.key import CacheContext
+from mlxcel.cache.snapshots import common_prefix_length
+from mlxcel.core.effects import (
+    DonateSequence,
+    DonateSnapshot,
+    Effect,
+    ReplyFinished,
+    RequestFinished,
+    SchedulerStats,
+    ShedCache,
+    SnapshotRestoreFailed,
+)
+from mlxcel.core.output import RequestOutput
+from mlxcel.core.plan import (
+    Admission,
+    AloneChunk,
+    Capabilities,
+    DetachedSequence,
+    InsertBatch,
+    Removal,
+    SampledToken,
+    Start,
+    StartAlone,
+    StartDirect,
+    StepPlan,
+    StepResult,
+)
+from mlxcel.types import ChatRequest, Delta, InvalidRequest, SamplingParams, ServerBusy
+
+# Steps in a row in which direct starts may hold back the batch's decode step.
+MAX_BATCH_HOLDS = 4
+# Shape buckets of starts with ``bucket_starts`` (CUDA): the adopted prefix is
+# cut to a multiple of START_PREFIX_ALIGN tokens and the tokens run are padded
+# to a multiple of START_QUERY_BUCKET, so key lengths are multiples of 128 too.
+# A 256-token cut gave the same shapes with twice the tokens run again: 8B hits
+# of random lengths, median 31.2 vs 23.0 ms once planned (benchmarks/start_shapes.py).
+START_PREFIX_ALIGN = 128
+START_QUERY_BUCKET = 128
+# Warm-ups waiting for an idle device, newest per session; older ones are dropped.
+MAX_PENDING_WARMUPS = 64
+# Cancels remembered for requests not yet submitted (the cancel overtook them).
+MAX_EARLY_CANCELS = 1024
+
+
+@attrs.frozen(kw_only=True)
+class NewRequest:
+    """A routed request: its prompt tokens and how to run and cache it."""
+
+    request_id: str
+    prompt_tokens: tuple[int, ...] = attrs.field(repr=False)
+    sampling: SamplingParams
+    max_tokens: int
+    # None: this request neither reads nor donates cache entries.
+    cache_context: CacheContext | None
+    # Tokens of the rendered conversation history before the newest user message.
+    history_boundary: int | None = None
+    # The chat request itself, so the warmer can render the next turn's history.
+    chat: ChatRequest | None = attrs.field(default=None, repr=False)
+    # More requests were already queued at the router behind this one.
+    more_pending: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class WarmSession:
+    """Extend the session's snapshot to cover ``tokens`` (the next turn's history), when idle."""
+
+    context: CacheContext
+    tokens: tuple[int, ...] = attrs.field(repr=False)
+
+
+# --- cache lookups the core asks for ---------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Lookup:
+    """A question for the cache store, answered with ``resolve``.
+
+    ``peek``: how much the prefix store holds, counting nothing (in-flight
+    sharing compares it with a running prefill); ``prefix`` / ``snapshot``:
+    the real lookup of an admission; ``warm``: a warm-up's snapshot, counting nothing.
+    """
+
+    kind: Literal["peek", "prefix", "snapshot", "warm"]
+    context: CacheContext
+    tokens: tuple[int, ...] = attrs.field(repr=False)
+
+    @property
+    def record(self) -> bool:
+        return self.kind in ("prefix", "snapshot")
+
+
+@attrs.frozen(kw_only=True)
+class Hit:
+    length: int
+    payload: Any = attrs.field(repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class Miss:
+    # None: nothing stored; else why the stored snapshot was refused.
+    refusal: str | None = None
+
+
+LookupResult = Hit | Miss
+
+
+class Clients(Protocol):
+    """Where a request's events go; the core never sees a channel."""
+
+    def send(self, request_id: str, delta: Delta) -> bool:
+        """Deliver a delta now; False: the client is gone or too slow (the request is then cancelled)."""
+
+    def fail(self, request_id: str, error: InvalidRequest) -> None: ...
+
+    def close(self, request_id: str) -> None: ...
+
+
+# --- the core's own state ---------------------------------------------------------------
+
+
+@attrs.define(kw_only=True)
+class _Running:
+    request: NewRequest
+    sequence_id: int
+    output: RequestOutput
+    prompt_done: bool = False
+    finished: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class _Pending(Admission):
+    """A start decided but not yet placed; a direct start over a step's budget waits as this."""
+
+    snapshot_after: int | None = None
+    warm: bool = False
+    from_alone: bool = False
+
+
+def _admission_fields(pending: _Pending) -> dict[str, Any]:
+    return {field.name: getattr(pending, field.name) for field in attrs.fields(Admission)}
+
+
+@attrs.define(kw_only=True)
+class _Alone:
+    pending: _Pending
+    tokens: tuple[int, ...]
+    done: int
+
+
+@attrs.define(kw_only=True)
+class _Candidate:
+    """The head of the queue while its lookups are answered."""
+
+    request: NewRequest
+    leader: int | None = None
+    shared: int = 0
+    leader_checked: bool = False
+    peeked: LookupResult | None = None
+    found: LookupResult | None = None
+
+
+class SchedulerCore:
+    def __init__(
+        self,
+        capabilities: Capabilities,
+        *,
+        tokenizer: Any,
+        eos_token_ids: frozenset[int],
+        max_queued_requests: int = 256,
+        cache_enabled: bool = False,
+        cross_session: bool = False,
+        prompt_donation: bool = False,
+        boundary_snapshots: bool = False,
+        share_threshold: int = 0,
+        keep_reply_text: bool = False,
+        on_trace: Callable[[str], None] | None = None,
+    ) -> None:
+        self.capabilities = capabilities
+        self._tokenizer = tokenizer
+        self._eos_token_ids = eos_token_ids
+        self._max_queued = max_queued_requests
+        self._cache_enabled = cache_enabled
+        self._cross_session = cross_session
+        self._prompt_donation = prompt_donation and cache_enabled
+        self._snapshots = capabilities.snapshots and cache_enabled
+        self._boundary_snapshots = boundary_snapshots
+        # Requests that share at least this many more tokens with a prompt being
+        # prefilled than the store can give them wait for it instead of duplicating it.
+        self._share_threshold = share_threshold
+        self._keep_reply_text = keep_reply_text
+        self._trace = on_trace
+        self._waiting: collections.deque[NewRequest] = collections.deque()
+        self._candidate: _Candidate | None = None
+        self._running: dict[int, _Running] = {}
+        self._sequence_of: dict[str, int] = {}
+        self._cancelled_early: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # Requests waiting for a prefilling sequence's prompt KV, by that sequence's id.
+        self._parked: dict[int, list[NewRequest]] = {}
+        self._next_sequence_id = 0
+        # Starts decided since the last plan, and direct starts over a step's budget.
+        self._admitted: list[_Pending] = []
+        self._deferred: list[_Pending] = []
+        # Long prompts prefilled alone, oldest first.
+        self._alone: list[_Alone] = []
+        # What the device holds: sequences in its batch, prefilling there, owing a first token.
+        self._in_batch: set[int] = set()
+        self._batch_prefilling: set[int] = set()
+        self._awaiting_first: set[int] = set()
+        self._batch_holds = 0
+        self._removals: list[Removal] = []
+        self._release: list[Any] = []
+        # Finished sequences whose KV is still on its way back: (context, prompt length).
+        self._pending_donations: dict[int, tuple[CacheContext, int]] = {}
+        self._pending_warmups: collections.OrderedDict[tuple[str, ...], WarmSession] = collections.OrderedDict()
+        self._warming: dict[int, WarmSession] = {}
+        self._warm_lookup: WarmSession | None = None
+        self._effects: list[Effect] = []
+        self._num_steps = 0
+        self._num_completed = 0
+        self._num_cancelled = 0
+        self._num_failed = 0
+        self._num_interleaved_steps = 0
+        self._num_shared_prefills = 0
+        self._num_warm_started = 0
+        self._num_warm_completed = 0
+        self._num_warm_preempted = 0
+        self._num_warm_steps_with_foreground = 0
+        self._decode_batch_sizes: collections.Counter[int] = collections.Counter()
+
+    # --- input ----------------------------------------------------------------------------
+
+    def add(self, request: NewRequest, clients: Clients) -> None:
+        if request.request_id in self._cancelled_early:
+            del self._cancelled_early[request.request_id]
+            clients.close(request.request_id)
+            return
+        num_parked = sum(len(parked) for parked in self._parked.values())
+        if len(self._waiting) + num_parked >= self._max_queued:
+            clients.fail(request.request_id, ServerBusy(
+                f"the server is at capacity ({len(self._waiting)} requests waiting); retry shortly"))
+            clients.close(request.request_id)
+            return
+        self._waiting.append(request)
+
+    def abort(self, request_id: str, clients: Clients, now: float) -> None:
+        """The client went away: free the sequence, donate nothing."""
+        sequence_id = self._sequence_of.get(request_id)
+        if sequence_id is not None:
+            running = self._running.get(sequence_id)
+            if running is not None and not running.finished:
+                self._num_cancelled += 1
+                self._finish(running, clients, now, donate=False, reason=None)
+            return
+        queues = [self._waiting, *self._parked.values()]
+        for queue in queues:
+            for queued in queue:
+                if queued.request_id == request_id:
+                    queue.remove(queued)
+                    if self._candidate is not None and self._candidate.request is queued:
+                        self._candidate = None
+                    clients.close(request_id)
+                    self._num_cancelled += 1
+                    return
+        # The cancel overtook its submission (still in the router).
+        self._cancelled_early[request_id] = None
+        while len(self._cancelled_early) > MAX_EARLY_CANCELS:
+            self._cancelled_early.popitem(last=False)
+
+    def warm(self, job: WarmSession) -> None:
+        if not self._snapshots:
+            return
+        key = (job.context.model_id, job.context.cache_salt, job.context.session_key)
+        self._pending_warmups.pop(key, None)
+        self._pending_warmups[key] = job
+        while len(self._pending_warmups) > MAX_PENDING_WARMUPS:
+            self._pending_warmups.popitem(last=False)
+
+    def release(self, payloads: tuple[Any, ...]) -> None:
+        """Payloads the stores let go of, to be dropped on the device thread with the next step."""
+        self._release.extend(payloads)
+
+    def take_release(self) -> tuple[Any, ...]:
+        """The released payloads, for the next step's message (the core keeps no reference)."""
+        release, self._release = tuple(self._release), []
+        return release
+
+    def has_work(self) -> bool:
+        if self._waiting or self._running or self._removals or self._warming or self._release:
+            return True
+        return bool(self._pending_warmups) and self._idle()
+
+    def starting_from_idle(self) -> bool:
+        """Nothing runs and more requests are right behind the newest: worth gathering them."""
+        return not self._running and bool(self._waiting) and self._waiting[-1].more_pending
+
+    def take_effects(self) -> list[Effect]:
+        effects, self._effects = self._effects, []
+        return effects
+
+    # --- admission: the lookups it needs ----------------------------------------------------
+
+    def next_lookup(self, now: float) -> Lookup | None:
+        """The cache lookup the next admission waits for, or None when the step can be planned."""
+        if self._waiting and self._warming:
+            # Foreground work arrived: warm-ups give way at once and store nothing.
+            for sequence_id in self._warming:
+                self._remove(sequence_id, donate=False)
+            self._num_warm_preempted += len(self._warming)
+            self._warming.clear()
+        while self._waiting and len(self._running) < self.capabilities.max_batch_size:
+            lookup = self._admit_head(now)
+            if lookup is not None:
+                return lookup
+        if (not self._admitted and self._idle() and not self._warming and self._pending_warmups
+                and self._warm_lookup is None):
+            _key, job = self._pending_warmups.popitem(last=False)
+            self._warm_lookup = job
+            return Lookup(kind="warm", context=job.context, tokens=job.tokens)
+        return None
+
+    def resolve(self, lookup: Lookup, result: LookupResult) -> None:
+        if lookup.kind == "warm":
+            job, self._warm_lookup = self._warm_lookup, None
+            assert job is not None
+            self._start_warmup(job, result)
+            return
+        candidate = self._candidate
+        assert candidate is not None
+        if lookup.kind == "peek":
+            candidate.peeked = result
+        else:
+            candidate.found = result
+
+    def _admit_head(self, now: float) -> Lookup | None:
+        request = self._waiting[0]
+        candidate = self._candidate
+        if candidate is None or candidate.request is not request:
+            candidate = self._candidate = _Candidate(request=request)
+        context = request.cache_context
+        if not candidate.leader_checked:
+            candidate.leader, candidate.shared = self._prefix_leader(request)
+            candidate.leader_checked = True
+        if candidate.leader is not None and context is not None:
+            if candidate.peeked is None:
+                return Lookup(kind="peek", context=context, tokens=request.prompt_tokens)
+            matched = candidate.peeked.length if isinstance(candidate.peeked, Hit) else 0
+            if candidate.shared - matched >= self._share_threshold:
+                self._waiting.popleft()
+                self._candidate = None
+                self._parked.setdefault(candidate.leader, []).append(request)
+                return None
+            candidate.leader = None
+        if context is not None and self._cache_enabled and len(request.prompt_tokens) > 1 and candidate.found is None:
+            return Lookup(kind="snapshot" if self._snapshots else "prefix", context=context,
+                          tokens=request.prompt_tokens)
+        self._waiting.popleft()
+        self._candidate = None
+        self._admit(request, candidate.found, now)
+        return None
+
+    def _prefix_leader(self, request: NewRequest) -> tuple[int | None, int]:
+        """A prefilling sequence whose prompt KV may serve this request better than the store."""
+        context = request.cache_context
+        if not self._prompt_donation or context is None or len(request.prompt_tokens) < 2:
+            return None, 0
+        best_sequence, best_shared = None, 0
+        for running in self._running.values():
+            other = running.request.cache_context
+            if running.prompt_done or running.finished or other is None:
+                continue
+            if (other.bucket, other.rope_regime, other.mm_digest) != (
+                context.bucket, context.rope_regime, context.mm_digest
+            ):
+                continue
+            if not self._cross_session and other.session_key != context.session_key:
+                continue
+            shared = common_prefix_length(running.request.prompt_tokens, request.prompt_tokens)
+            if shared > best_shared:
+                best_sequence, best_shared = running.sequence_id, shared
+        if best_sequence is None or best_shared < self._share_threshold:
+            return None, 0
+        return best_sequence, best_shared
+
+    def _admit(self, request: NewRequest, found: LookupResult | None, now: float) -> None:
+        prompt = request.prompt_tokens
+        matched, adopted, restore = 0, None, None
+        if isinstance(found, Hit):
+            if self._snapshots:
+                matched, restore = found.length, found.payload
+            elif found.payload.can_adopt(found.length):
+                matched, adopted = found.length, found.payload
+        if self._trace is not None and self._snapshots and request.cache_context is not None:
+            self._trace_snapshot(request, found)
+        sequence_id = self._new_sequence_id()
+        snapshot_after = None
+        boundary = request.history_boundary
+        if self._snapshots and self._boundary_snapshots and boundary is not None and matched < boundary < len(prompt):
+            snapshot_after = boundary - matched
+        output = RequestOutput(tokenizer=self._tokenizer, sampling=request.sampling,
+                               eos_token_ids=self._eos_token_ids, prompt_tokens=len(prompt),
+                               submitted_at=now, keep_text=self._keep_reply_text)
+        output.cached_tokens = matched
+        self._running[sequence_id] = _Running(request=request, sequence_id=sequence_id, output=output)
+        self._sequence_of[request.request_id] = sequence_id
+        self._admitted.append(_Pending(
+            sequence_id=sequence_id,
+            prompt_tokens=prompt[matched:],
+            cached_tokens=prompt[:matched],
+            adopted=adopted,
+            restore=restore,
+            snapshot_after=snapshot_after,
+            sampling=request.sampling,
+            max_tokens=request.max_tokens,
+            donate_on_finish=request.cache_context is not None and self._cache_enabled,
+            donate_prompt=self._prompt_donation and request.cache_context is not None,
+        ))
+
+    def _start_warmup(self, job: WarmSession, found: LookupResult) -> None:
+        tokens = job.tokens
+        matched, payload = (found.length, found.payload) if isinstance(found, Hit) else (0, None)
+        if len(tokens) - matched < 1:
+            return
+        sequence_id = self._new_sequence_id()
+        self._warming[sequence_id] = job
+        self._num_warm_started += 1
+        if self._trace is not None:
+            self._trace(f"warm-up session={job.context.session_key} extends snapshot {matched} -> {len(tokens)} tokens")
+        self._admitted.append(_Pending(
+            sequence_id=sequence_id, prompt_tokens=tokens[matched:], cached_tokens=tokens[:matched],
+            restore=payload, snapshot_after=len(tokens) - matched, warm=True,
+            sampling=SamplingParams(temperature=0.0), max_tokens=1,
+        ))
+
+    def _trace_snapshot(self, request: NewRequest, found: LookupResult | None) -> None:
+        assert self._trace is not None
+        assert request.cache_context is not None
+        session = request.cache_context.session_key
+        if isinstance(found, Hit):
+            self._trace(f"request {request.request_id} session={session} restores its {found.length}-token "
+                        f"snapshot (prompt {len(request.prompt_tokens)})")
+        elif isinstance(found, Miss) and found.refusal is not None:
+            self._trace(f"request {request.request_id} session={session} refused the stored snapshot: "
+                        f"{found.refusal}")
+        else:
+            self._trace(f"request {request.request_id} session={session} has no snapshot")
+
+    # --- the step -------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """The next step. Call once ``next_lookup`` returns None."""
+        step = self.capabilities.prefill_step_size
+        admitted = [self._trim_prompt_donation(pending) for pending in self._admitted]
+        candidates, self._admitted, self._deferred = [*self._deferred, *admitted], [], []
+        starts: list[Start] = []
+        direct_tokens, has_direct = 0, False
+        for pending in candidates:
+            if self._starts_directly(pending):
+                direct_tokens += len(pending.prompt_tokens)
+                if has_direct and direct_tokens > step:
+                    self._deferred.append(pending)
+                    continue
+                has_direct = True
+                starts.append(self._direct(pending))
+            elif self._prefills_alone(pending):
+                kept = self._cut(len(pending.cached_tokens)) if pending.adopted is not None else 0
+                tokens = pending.cached_tokens + pending.prompt_tokens
+                self._alone.append(_Alone(pending=pending, tokens=tokens, done=kept))
+                starts.append(StartAlone(sequence_id=pending.sequence_id, tokens=tokens,
+                                         adopted=pending.adopted if kept else None, kept=kept))
+            else:
+                starts.append(self._insert(pending))
+        alone_chunk, alone_rest = None, None
+        if self._alone:
+            prefill = self._alone[0]
+            body_end = (len(prefill.tokens) - 1) // START_PREFIX_ALIGN * START_PREFIX_ALIGN
+            end = min((prefill.done // step + 1) * step, body_end)
+            alone_chunk = AloneChunk(sequence_id=prefill.pending.sequence_id, start=prefill.done, end=end,
+                                     last=end == body_end)
+            prefill.done = end
+            if end == body_end:
+                self._alone.pop(0)
+                rest = attrs.evolve(prefill.pending, cached_tokens=prefill.tokens[:end],
+                                    prompt_tokens=prefill.tokens[end:], adopted=None, from_alone=True)
+                if has_direct and direct_tokens + len(rest.prompt_tokens) > step:
+                    self._deferred.append(rest)
+                else:
+                    direct_tokens += len(rest.prompt_tokens)
+                    alone_rest = self._direct(rest)
+        run_batch = False
+        if self._in_batch or has_direct or alone_rest is not None:
+            # While started prompts wait, first tokens go ahead of the batch's decode
+            # and prefill chunk, for a bounded number of steps in a row; never ahead
+            # of a first token the batch itself owes.
+            hold = bool(self._deferred) and self._batch_holds < MAX_BATCH_HOLDS and not self._awaiting_first
+            self._batch_holds = self._batch_holds + 1 if hold else 0
+            run_batch = bool(self._in_batch) and not hold
+        removals, self._removals = tuple(self._removals), []
+        if self._warming and self._running:
+            self._num_warm_steps_with_foreground += 1
+        return StepPlan(removals=removals, starts=tuple(starts), alone_chunk=alone_chunk, alone_rest=alone_rest,
+                        run_batch=run_batch)
+
+    def _starts_directly(self, pending: _Pending) -> bool:
+        return (pending.snapshot_after is None and not pending.warm
+                and len(pending.prompt_tokens) <= self.capabilities.prefill_step_size)
+
+    def _prefills_alone(self, pending: _Pending) -> bool:
+        """Longer than one chunk, with buckets: prefilled outside the batch, a chunk per step.
+
+        With CUDA (where starts are bucketed), an 8k-token prefill through the
+        batch took 2.4-2.6x (8B) and 4-5x (1B) the time it takes on a plain
+        cache (benchmarks/start_shapes.py --cold): the batch cache hands
+        attention a mask array where a plain one gets the causal kernel. The
+        chunks end on multiples of the chunk size and the last one on a
+        multiple of START_PREFIX_ALIGN, so their shapes repeat; the last
+        1-START_PREFIX_ALIGN tokens then start directly like a hit's new turn.
+        """
+        step = self.capabilities.prefill_step_size
+        return (self.capabilities.bucket_starts and pending.restore is None
+                and pending.snapshot_after is None and not pending.warm
+                and len(pending.prompt_tokens) > step >= START_PREFIX_ALIGN)
+
+    def _cut(self, cached: int) -> int:
+        """The adopted prefix a bucketed start keeps (the cut tokens run again)."""
+        return cached - cached % START_PREFIX_ALIGN if self.capabilities.bucket_starts else cached
+
+    def _direct(self, pending: _Pending) -> StartDirect:
+        cached = len(pending.cached_tokens)
+        # A restored snapshot covers every cached token; an adopted prefix may be cut.
+        kept = self._cut(cached) if (pending.adopted is not None or pending.from_alone) else cached
+        return StartDirect(
+            **{**_admission_fields(pending), "adopted": pending.adopted if kept else None},
+            kept=kept, padding=self._padding(kept, cached - kept + len(pending.prompt_tokens)),
+            from_alone=pending.from_alone,
+        )
+
+    def _padding(self, kept: int, length: int) -> int:
+        """Throwaway tokens after a bucketed start's ``length`` tokens (0: none).
+
+        MLX's CUDA backend builds a cuDNN attention plan for every new pair of
+        query and key lengths, 0.06-0.16 s each on the H200 (docs/benchmarks.md),
+        and a hit's lengths are nearly always new. Causal attention keeps the
+        padding out of the real tokens' results, and the cache drops it after.
+        """
+        if not self.capabilities.bucket_starts:
+            return 0
+        padding = -length % START_QUERY_BUCKET
+        if kept + length + padding > self.capabilities.context_size:
+            return 0
+        return padding
+
+    def _insert(self, pending: _Pending) -> InsertBatch:
+        self._in_batch.add(pending.sequence_id)
+        self._batch_prefilling.add(pending.sequence_id)
+        return InsertBatch(**_admission_fields(pending), snapshot_after=pending.snapshot_after, warm=pending.warm)
+
+    def _trim_prompt_donation(self, pending: _Pending) -> _Pending:
+        """Drop a prompt donation no request can use before the final one.
+
+        A prompt of one prefill chunk is done within the step that admits it,
+        so only requests that parked on it while this step was built can use
+        its KV early; without them the copy would only delay the first token.
+        """
+        if (not pending.donate_prompt or len(pending.prompt_tokens) > self.capabilities.prefill_step_size
+                or pending.sequence_id in self._parked):
+            return pending
+        return attrs.evolve(pending, donate_prompt=False)
+
+    # --- what came of it ------------------------------------------------------------------
+
+    def update(self, plan: StepPlan, result: StepResult, clients: Clients, now: float) -> None:
+        self._num_steps += 1
+        if result.decode_batch_size:
+            self._decode_batch_sizes[result.decode_batch_size] += 1
+            if result.prefilling:
+                self._num_interleaved_steps += 1
+        if result.error is None:
+            self._track_device(plan, result)
+        for token in result.sampled:
+            running = self._running.get(token.sequence_id)
+            if running is not None and not running.finished:
+                self._on_token(running, token, clients, now)
+        for item in result.detached:
+            self._donate(item)
+        for sequence_id in result.warmed:
+            if self._warming.pop(sequence_id, None) is not None:
+                self._num_warm_completed += 1
+        for sequence_id, reason in result.restore_failures:
+            running = self._running.get(sequence_id)
+            if running is not None:
+                running.output.cached_tokens = 0
+            self._effects.append(SnapshotRestoreFailed(reason=reason))
+        for sequence_id in result.prompts_done:
+            running = self._running.get(sequence_id)
+            if running is not None:
+                running.prompt_done = True
+            # After the donation above: the parked requests' lookups will find it.
+            self._release_parked(sequence_id)
+        if result.error is not None:
+            self._fail_step(result, clients)
+
+    def _track_device(self, plan: StepPlan, result: StepResult) -> None:
+        """Which sequences the device's batch holds now, and which owe a first token."""
+        finished = {token.sequence_id for token in result.sampled if token.finish_reason is not None}
+        for start in plan.direct_starts:
+            if start.sequence_id not in finished:
+                self._in_batch.add(start.sequence_id)  # it decodes on in the batch
+        for sequence_id in result.prompts_done:
+            if sequence_id in self._batch_prefilling:
+                self._batch_prefilling.discard(sequence_id)
+                self._awaiting_first.add(sequence_id)
+        for token in result.sampled:
+            self._awaiting_first.discard(token.sequence_id)
+        for sequence_id in (*finished, *result.warmed):
+            self._forget_on_device(sequence_id)
+
+    def _forget_on_device(self, sequence_id: int) -> None:
+        self._in_batch.discard(sequence_id)
+        self._batch_prefilling.discard(sequence_id)
+        self._awaiting_first.discard(sequence_id)
+
+    def _donate(self, item: DetachedSequence) -> None:
+        if item.snapshot:
+            warm = self._warming.get(item.sequence_id)
+            running = self._running.get(item.sequence_id)
+            context = warm.context if warm is not None else (
+                running.request.cache_context if running is not None else None)
+            if context is not None:
+                self._effects.append(DonateSnapshot(context=context, tokens=item.tokens, payload=item.payload,
+                                                    nbytes=item.nbytes))
+            return
+        if item.final:
+            context, prompt_len = self._pending_donations.pop(item.sequence_id, (None, None))
+        else:
+            running = self._running.get(item.sequence_id)
+            context = None if running is None else running.request.cache_context
+            prompt_len = len(item.tokens)
+        if context is not None:
+            self._effects.append(DonateSequence(context=context, tokens=item.tokens, payload=item.payload,
+                                                nbytes=item.nbytes, prompt_len=prompt_len))
+
+    def _fail_step(self, result: StepResult, clients: Clients) -> None:
+        if result.out_of_memory:
+            # Queued before any later lookup, so the store sheds before the next admission.
+            self._effects.append(ShedCache())
+        # The device dropped everything it held, and starts waiting on it are lost with it.
+        failed = set(result.failed_sequences) | {pending.sequence_id for pending in self._deferred}
+        self._deferred = []
+        self._alone = []
+        self._in_batch.clear()
+        self._batch_prefilling.clear()
+        self._awaiting_first.clear()
+        self._batch_holds = 0
+        for sequence_id in sorted(failed):
+            self._warming.pop(sequence_id, None)
+            running = self._running.get(sequence_id)
+            if running is None or running.finished:
+                continue
+            self._num_failed += 1
+            error: InvalidRequest = InvalidRequest(
+                f"the model failed while generating: {result.error}",
+                status=500, error_type="server_error", code="generation_failed",
+            )
+            if result.out_of_memory:
+                error = ServerBusy("the device ran out of memory for this request; retry shortly")
+            # A client that is gone misses nothing.
+            clients.fail(running.request.request_id, error)
+            self._forget(running, clients)
+
+    def _on_token(self, running: _Running, token: SampledToken, clients: Clients, now: float) -> None:
+        out = running.output.add(token.token, token.logprob, token.top_logprobs, token.finish_reason, now)
+        if out.delta is not None:
+            # A sequence the device finished with this token is no longer there to remove.
+            self._send(running, out.delta, clients, now, on_device=token.finish_reason is None)
+            if running.finished:
+                return  # the client went away: cancelled, not completed
+        if out.finish_reason is not None:
+            # A stop string ends the reply while the device still holds the sequence.
+            self._finish(running, clients, now, donate=True, reason=out.finish_reason,
+                         on_device=out.stopped_by_text)
+
+    def _send(self, running: _Running, delta: Delta, clients: Clients, now: float, *, on_device: bool = True) -> None:
+        if not clients.send(running.request.request_id, delta) and not running.finished:
+            # The client is gone or too slow: free its sequence.
+            self._num_cancelled += 1
+            self._finish(running, clients, now, donate=False, reason=None, on_device=on_device)
+
+    def _finish(
+        self, running: _Running, clients: Clients, now: float, *, donate: bool, reason: str | None,
+        on_device: bool = True,
+    ) -> None:
+        """End a request. ``reason`` None means cancelled: no final event, no donation.
+
+        A reply counts as a healthy completion only if its final event reaches
+        the client; one whose client has gone is cancelled instead.
+        """
+        running.finished = True
+        context = running.request.cache_context
+        final = running.output.final(reason, now) if reason is not None else None
+        healthy = final is not None and clients.send(running.request.request_id, final)
+        if reason is not None and not healthy:
+            self._num_cancelled += 1
+        donate = donate and healthy and context is not None
+        if on_device:
+            self._remove(running.sequence_id, donate=donate)
+        if donate:
+            assert context is not None
+            self._pending_donations[running.sequence_id] = (context, len(running.request.prompt_tokens))
+        if healthy:
+            assert final is not None
+            assert final.usage is not None
+            assert reason is not None
+            usage, output = final.usage, running.output
+            self._num_completed += 1
+            self._effects.append(RequestFinished(
+                finish_reason=reason, prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
+                completion_tokens=usage.completion_tokens,
+                seconds_to_first_token=(None if output.first_token_at is None
+                                        else output.first_token_at - output.submitted_at),
+            ))
+            if context is not None:
+                self._effects.append(ReplyFinished(
+                    context=context, chat=running.request.chat, reply_text=output.text,
+                    prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                ))
+        self._forget(running, clients)
+
+    def _remove(self, sequence_id: int, *, donate: bool) -> None:
+        """Take a sequence off the device; one never sent there is just dropped."""
+        self._admitted = [p for p in self._admitted if p.sequence_id != sequence_id]
+        self._deferred = [p for p in self._deferred if p.sequence_id != sequence_id]
+        self._alone = [a for a in self._alone if a.pending.sequence_id != sequence_id]
+        self._forget_on_device(sequence_id)
+        self._removals.append(Removal(sequence_id=sequence_id, donate=donate))
+
+    def _forget(self, running: _Running, clients: Clients) -> None:
+        running.finished = True
+        self._release_parked(running.sequence_id)
+        clients.close(running.request.request_id)
+        self._running.pop(running.sequence_id, None)
+        self._sequence_of.pop(running.request.request_id, None)
+
+    def _release_parked(self, sequence_id: int) -> None:
+        parked = self._parked.pop(sequence_id, None)
+        if parked:
+            self._num_shared_prefills += len(parked)
+            # Ahead of later arrivals: they were admitted-in-waiting already.
+            self._waiting.extendleft(reversed(parked))
+
+    def _idle(self) -> bool:
+        return not (self._waiting or self._running or self._parked)
+
+    def _new_sequence_id(self) -> int:
+        sequence_id = self._next_sequence_id
+        self._next_sequence_id += 1
+        return sequence_id
+
+    # --- statistics -----------------------------------------------------------------------
+
+    def statistics(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_waiting=len(self._waiting),
+            num_running=len(self._running),
+            num_steps=self._num_steps,
+            num_completed=self._num_completed,
+            num_cancelled=self._num_cancelled,
+            num_failed=self._num_failed,
+            max_decode_batch_size=max(self._decode_batch_sizes, default=0),
+            decode_batch_sizes=dict(self._decode_batch_sizes),
+            num_interleaved_steps=self._num_interleaved_steps,
+            num_parked=sum(len(parked) for parked in self._parked.values()),
+            num_shared_prefills=self._num_shared_prefills,
+            num_warm_started=self._num_warm_started,
+            num_warm_completed=self._num_warm_completed,
+            num_warm_preempted=self._num_warm_preempted,
+            num_warm_steps_with_foreground=self._num_warm_steps_with_foreground,
+            running_request_ids=tuple(r.request.request_id for r in self._running.values()),
+        )

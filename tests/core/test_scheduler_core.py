@@ -1,0 +1,293 @@
+"""The scheduling policy alone: SchedulerCore with no model, no Trio, no device.
+
+A small simulated device carries plans out (a batch that prefills a chunk
+per step and then decodes, direct starts that give their first token at
+once), so each test reads as: these requests arrive, these plans come out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import pytest
+
+from mlxcel.cache.key import CacheContext
+from mlxcel.core import scheduler as core_scheduler
+from mlxcel.core.plan import (
+    Capabilities,
+    InsertBatch,
+    SampledToken,
+    StartAlone,
+    StartDirect,
+    StepPlan,
+    StepResult,
+)
+from mlxcel.core.scheduler import MAX_BATCH_HOLDS, Hit, Miss, NewRequest, SchedulerCore, WarmSession
+from mlxcel.types import Delta, InvalidRequest, SamplingParams
+from tests.support import LetterTokenizer
+
+GREEDY = SamplingParams(temperature=0.0)
+CONTEXT = CacheContext(model_id="m", template_sig="sig", session_key="s")
+
+
+class Clients:
+    def __init__(self) -> None:
+        self.deltas: dict[str, list[Delta]] = {}
+        self.failed: dict[str, InvalidRequest] = {}
+        self.closed: list[str] = []
+
+    def send(self, request_id: str, delta: Delta) -> bool:
+        self.deltas.setdefault(request_id, []).append(delta)
+        return True
+
+    def fail(self, request_id: str, error: InvalidRequest) -> None:
+        self.failed[request_id] = error
+
+    def close(self, request_id: str) -> None:
+        self.closed.append(request_id)
+
+
+@attrs.define
+class _Simulated:
+    prefill_left: int
+    tokens_left: int
+    awaiting_first: bool = False
+
+
+class SimulatedDevice:
+    """Carries out plans the way the real device does, with counts instead of arrays."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.batch: dict[int, _Simulated] = {}
+        self.steps = 0
+
+    def run(self, plan: StepPlan) -> StepResult:
+        self.steps += 1
+        sampled, prompts_done, prefilling, prefill_tokens = [], [], [], 0
+        for removal in plan.removals:
+            self.batch.pop(removal.sequence_id, None)
+        for start in plan.starts:
+            if isinstance(start, InsertBatch):
+                self.batch[start.sequence_id] = _Simulated(prefill_left=len(start.prompt_tokens),
+                                                           tokens_left=start.max_tokens)
+        if plan.alone_chunk is not None:
+            prefill_tokens += plan.alone_chunk.end - plan.alone_chunk.start
+            if plan.alone_rest is None:
+                prefilling.append(plan.alone_chunk.sequence_id)
+        decode_batch = 0
+        if plan.run_batch:
+            for sequence_id, sequence in list(self.batch.items()):
+                if sequence.prefill_left == 0:
+                    decode_batch += 1
+                    sequence.awaiting_first = False
+                    sequence.tokens_left -= 1
+                    finish = "length" if sequence.tokens_left == 0 else None
+                    sampled.append(SampledToken(sequence_id=sequence_id, token=1, logprob=-1.0, finish_reason=finish))
+                    if finish:
+                        del self.batch[sequence_id]
+            for sequence_id, sequence in self.batch.items():
+                if sequence.prefill_left:
+                    ran = min(self.step, sequence.prefill_left)
+                    sequence.prefill_left -= ran
+                    prefill_tokens += ran
+                    (prompts_done if sequence.prefill_left == 0 else prefilling).append(sequence_id)
+                    break  # one prompt's chunk per step
+        for start in plan.direct_starts:
+            prefill_tokens += len(start.prompt_tokens)
+            prompts_done.append(start.sequence_id)
+            finish = "length" if start.max_tokens <= 1 else None
+            sampled.append(SampledToken(sequence_id=start.sequence_id, token=0, logprob=-1.0, finish_reason=finish))
+            if finish is None:
+                self.batch[start.sequence_id] = _Simulated(prefill_left=0, tokens_left=start.max_tokens - 1)
+        return StepResult(step_number=self.steps, sampled=tuple(sampled), prompts_done=tuple(prompts_done),
+                          prefilling=tuple(prefilling), prefill_tokens=prefill_tokens, decode_batch_size=decode_batch)
+
+
+class Harness:
+    def __init__(self, **capabilities: Any) -> None:
+        capabilities.setdefault("prefill_step_size", 16)
+        capabilities.setdefault("context_size", 4096)
+        self.core = SchedulerCore(Capabilities(**capabilities), tokenizer=LetterTokenizer(),
+                                  eos_token_ids=frozenset({999}), cache_enabled=True)
+        self.device = SimulatedDevice(capabilities["prefill_step_size"])
+        self.clients = Clients()
+        self.plans: list[StepPlan] = []
+        self.found: dict[str, Hit] = {}
+
+    def add(self, request_id: str, length: int, max_tokens: int = 4, *, first: int = 0,
+            context: CacheContext | None = None) -> None:
+        prompt = tuple(range(first, first + length))
+        self.core.add(NewRequest(request_id=request_id, prompt_tokens=prompt, sampling=GREEDY,
+                                 max_tokens=max_tokens, cache_context=context), self.clients)
+
+    def step(self) -> StepPlan:
+        while (lookup := self.core.next_lookup(0.0)) is not None:
+            self.core.resolve(lookup, self.found.pop(lookup.tokens.__repr__(), Miss()))
+        plan = self.core.schedule()
+        self.plans.append(plan)
+        self.core.update(plan, self.device.run(plan), self.clients, 0.0)
+        return plan
+
+    def run_until_idle(self, max_steps: int = 100) -> None:
+        for _ in range(max_steps):
+            if not self.core.has_work():
+                return
+            self.step()
+        raise AssertionError("still busy")
+
+
+def started(plan: StepPlan) -> list[int]:
+    """Sequences whose first token this plan's direct starts give."""
+    return [start.sequence_id for start in plan.direct_starts]
+
+
+def test_short_prompts_start_directly_a_chunk_of_tokens_per_step() -> None:
+    harness = Harness()
+    harness.add("r0", 8, max_tokens=40)
+    harness.step()
+    for index in (1, 2, 3):
+        harness.add(f"r{index}", 10)
+    # 10 + 10 tokens would pass the 16-token chunk: one start per step; the others wait.
+    plans = [harness.step() for _ in range(3)]
+    assert [started(plan) for plan in plans] == [[1], [2], [3]]
+    assert all(isinstance(start, StartDirect) for plan in plans for start in plan.starts)
+    harness.run_until_idle()
+    assert {request_id: len(deltas) for request_id, deltas in harness.clients.deltas.items()} == {
+        "r0": 41, "r1": 5, "r2": 5, "r3": 5}  # every token, then the final delta
+
+
+def test_waiting_starts_hold_decoding_back_for_a_bounded_number_of_steps() -> None:
+    harness = Harness()
+    harness.add("decoding", 8, max_tokens=60)
+    harness.step()
+    for index in range(1, 8):
+        harness.add(f"burst{index}", 10, max_tokens=2)
+    plans = [harness.step() for _ in range(MAX_BATCH_HOLDS + 1)]
+    assert [started(plan) for plan in plans] == [[1], [2], [3], [4], [5]]
+    # MAX_BATCH_HOLDS steps in a row held the decoding sequence back; the next decodes although starts wait.
+    assert [plan.run_batch for plan in plans] == [False] * MAX_BATCH_HOLDS + [True]
+
+
+def test_a_first_token_the_batch_owes_is_never_held_back() -> None:
+    harness = Harness()
+    harness.add("long", 40)  # more than a chunk: prefilled in the batch
+    (insert,) = harness.step().starts
+    assert isinstance(insert, InsertBatch)
+    while harness.device.batch[0].prefill_left:
+        harness.step()
+    for index in range(1, 6):
+        harness.add(f"burst{index}", 10, max_tokens=2)
+    plan = harness.step()
+    # One start (a 16-token budget), the rest wait, and the batch runs for the long prompt's first token.
+    assert started(plan) == [1]
+    assert plan.run_batch
+    assert started(plan := harness.step()) == [2]
+    assert not plan.run_batch
+
+
+def test_a_hit_in_bucketed_shapes_cuts_the_prefix_and_pads_its_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(core_scheduler, "START_PREFIX_ALIGN", 8)
+    monkeypatch.setattr(core_scheduler, "START_QUERY_BUCKET", 32)
+
+    def start_of_a_hit(bucket: bool, context_size: int = 4096) -> StartDirect:
+        harness = Harness(bucket_starts=bucket, context_size=context_size)
+        harness.found[repr(tuple(range(40)))] = Hit(length=30, payload=_Payload(length=40))
+        harness.add("hit", 40, context=CONTEXT)
+        (start,) = harness.step().starts
+        assert isinstance(start, StartDirect)
+        return start
+
+    plain, bucketed = start_of_a_hit(False), start_of_a_hit(True)
+    assert (plain.kept, plain.padding, len(plain.prompt_tokens)) == (30, 0, 10)
+    # 30 cached tokens cut to 24; the 6 cut and 10 new tokens run, padded to 32.
+    assert (bucketed.kept, bucketed.padding, len(bucketed.cached_tokens)) == (24, 16, 30)
+    assert bucketed.adopted is not None
+    # No padding where it would run past the context.
+    assert start_of_a_hit(True, context_size=50).padding == 0
+
+
+def test_a_long_prompt_in_bucketed_shapes_is_prefilled_alone_then_starts_its_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(core_scheduler, "START_PREFIX_ALIGN", 8)
+    harness = Harness(bucket_starts=True)
+    harness.add("long", 45)
+    plans = [harness.step() for _ in range(3)]
+    assert isinstance(plans[0].starts[0], StartAlone)
+    # Chunks end on multiples of the chunk size, the last on an align multiple (40 of 45 tokens) ...
+    assert [(plan.alone_chunk.start, plan.alone_chunk.end, plan.alone_chunk.last) for plan in plans
+            if plan.alone_chunk] == [(0, 16, False), (16, 32, False), (32, 40, True)]
+    # ... and the last 5 tokens start directly in the step of the last chunk, from its KV.
+    rest = plans[2].alone_rest
+    assert rest is not None
+    assert rest.from_alone
+    assert (rest.kept, len(rest.prompt_tokens)) == (40, 5)
+    assert harness.clients.deltas["long"][0].text  # its first token came in that step
+
+    # A last chunk in a step whose starts already took the budget: its rest starts in the next step.
+    harness = Harness(bucket_starts=True)
+    harness.add("long", 45)
+    harness.step()
+    harness.step()
+    harness.add("short", 16)
+    third = harness.step()
+    assert third.alone_chunk is not None
+    assert third.alone_chunk.last
+    assert third.alone_rest is None
+    assert started(third) == [1]
+    assert started(harness.step()) == [0]
+
+
+def test_a_start_removed_before_it_ran_never_reaches_the_device() -> None:
+    harness = Harness()
+    harness.add("r0", 10)
+    harness.add("r1", 10)
+    assert started(harness.step()) == [0]  # r1 waits for the next step's budget
+    harness.core.abort("r1", harness.clients, 0.0)
+    plan = harness.step()
+    assert started(plan) == []
+    assert [removal.sequence_id for removal in plan.removals] == [1]
+    assert "r1" in harness.clients.closed
+    assert "r1" not in harness.clients.deltas
+    assert harness.core.statistics().num_cancelled == 1
+
+
+def test_a_failed_step_fails_the_starts_waiting_on_it() -> None:
+    harness = Harness()
+    harness.add("r0", 10)
+    harness.add("r1", 10)
+    assert harness.core.next_lookup(0.0) is None
+    plan = harness.core.schedule()
+    assert started(plan) == [0]
+    harness.core.update(plan, StepResult(step_number=1, error="boom", failed_sequences=(0,)), harness.clients, 0.0)
+    assert set(harness.clients.failed) == {"r0", "r1"}
+    assert harness.clients.failed["r0"].status == 500
+    assert not harness.core.has_work()
+
+
+def test_warm_ups_run_only_while_idle_and_give_way_to_requests() -> None:
+    harness = Harness(snapshots=True)
+    harness.core.warm(WarmSession(context=CONTEXT, tokens=tuple(range(30))))
+    plan = harness.step()
+    (warm,) = plan.starts
+    assert isinstance(warm, InsertBatch)
+    assert warm.warm
+    assert warm.snapshot_after == 30
+    harness.add("foreground", 10)
+    plan = harness.step()
+    # The warm-up is dropped at once, storing nothing; the request starts.
+    assert [removal.sequence_id for removal in plan.removals] == [0]
+    assert started(plan) == [1]
+    stats = harness.core.statistics()
+    assert (stats.num_warm_started, stats.num_warm_preempted, stats.num_warm_steps_with_foreground) == (1, 1, 0)
+
+
+@attrs.frozen
+class _Payload:
+    length: int
+    nbytes: int = 1
+
+    def can_adopt(self, num_tokens: int) -> bool:
+        return 0 < num_tokens <= self.length
