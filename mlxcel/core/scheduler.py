@@ -747,7 +747,8 @@ class SchedulerCore:
                 seconds_to_first_token=(None if output.first_token_at is None
                                         else output.first_token_at - output.submitted_at),
             ))
-            if context is not None:
+            if context is not None and self._snapshots:
+                # Only snapshot families have a next turn to warm.
                 self._effects.append(ReplyFinished(
                     context=context, chat=running.request.chat, reply_text=output.text,
                     prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
