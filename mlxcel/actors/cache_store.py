@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import trio
 
@@ -41,6 +41,7 @@ from mlxcel.actors.messages import (
 from mlxcel.cache.key import CacheContext
 from mlxcel.cache.snapshots import SnapshotHit, SnapshotRefused, SnapshotStats, SnapshotStore
 from mlxcel.cache.store import InsertOutcome, Match, PromptCacheStore, ResetOutcome, StoreStats
+from mlxcel.core.plan import KVHandle
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,8 @@ class CacheStoreActor:
                 if found is not None:
                     reply = PrefixFound(
                         matched_len=found.matched_len,
-                        payload=found.payload,
+                        # The store keeps payloads opaque; the device's donations are KV handles.
+                        payload=cast(KVHandle, found.payload),
                         cross_session=found.cross_session,
                         partial=found.partial,
                     )

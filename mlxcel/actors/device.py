@@ -58,6 +58,11 @@ class ModelInfo:
 
 
 @attrs.frozen(kw_only=True)
+class DeviceStats:
+    num_steps: int
+
+
+@attrs.frozen(kw_only=True)
 class DeviceSettings:
     model_path: Path
     context_size: int | None = None
@@ -87,8 +92,8 @@ class DeviceActor:
                 self._thread_main, task_status, abandon_on_cancel=False
             )
 
-    def statistics(self) -> dict[str, int]:
-        return {"num_steps": self._num_steps}
+    def statistics(self) -> DeviceStats:
+        return DeviceStats(num_steps=self._num_steps)
 
     # --- everything below runs on the device thread -------------------------
 

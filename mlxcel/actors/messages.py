@@ -27,7 +27,7 @@ from mlxcel.core.effects import (
     ShedCache as ShedCache,
     SnapshotRestoreFailed as SnapshotRestoreFailed,
 )
-from mlxcel.core.plan import StepPlan, StepResult
+from mlxcel.core.plan import KVHandle, StepPlan, StepResult
 from mlxcel.core.scheduler import NewRequest, WarmSession as WarmSession
 from mlxcel.errors import MlxcelError
 from mlxcel.types import ChatRequest, CompletionRequest, Delta
@@ -119,7 +119,7 @@ class LookupPrefix:
 @attrs.frozen(kw_only=True)
 class PrefixFound:
     matched_len: int
-    payload: Any = attrs.field(repr=False)
+    payload: KVHandle = attrs.field(repr=False)
     cross_session: bool
     partial: bool
 

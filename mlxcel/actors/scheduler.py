@@ -47,7 +47,7 @@ from mlxcel.config import PromptCacheConfig, SchedulerConfig
 from mlxcel.core.effects import ReplyFinished, RequestFinished
 from mlxcel.core.plan import Capabilities, StepResult
 from mlxcel.core.scheduler import Hit, Lookup, LookupResult, Miss, SchedulerCore
-from mlxcel.errors import InvalidRequest
+from mlxcel.errors import MlxcelError
 from mlxcel.types import Delta
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class _Channels:
     def send(self, request_id: str, delta: Delta) -> bool:
         return self._send(request_id, delta)
 
-    def fail(self, request_id: str, error: InvalidRequest) -> None:
+    def fail(self, request_id: str, error: MlxcelError) -> None:
         self._send(request_id, RequestFailed(error=error))
 
     def close(self, request_id: str) -> None:

@@ -54,7 +54,8 @@ from mlxcel.core.plan import (
     StepPlan,
     StepResult,
 )
-from mlxcel.types import ChatRequest, Delta, InvalidRequest, SamplingParams, ServerBusy
+from mlxcel.errors import GenerationFailed, MlxcelError, ServerBusy
+from mlxcel.types import ChatRequest, Delta, SamplingParams
 
 # Steps in a row in which direct starts may hold back the batch's decode step.
 MAX_BATCH_HOLDS = 4
@@ -139,7 +140,7 @@ class Clients(Protocol):
     def send(self, request_id: str, delta: Delta) -> bool:
         """Deliver a delta now; False: the client is gone or too slow (the request is then cancelled)."""
 
-    def fail(self, request_id: str, error: InvalidRequest) -> None: ...
+    def fail(self, request_id: str, error: MlxcelError) -> None: ...
 
     def close(self, request_id: str) -> None: ...
 
@@ -686,10 +687,7 @@ class SchedulerCore:
             if running is None or running.finished:
                 continue
             self._num_failed += 1
-            error: InvalidRequest = InvalidRequest(
-                f"the model failed while generating: {result.error}",
-                status=500, error_type="server_error", code="generation_failed",
-            )
+            error: MlxcelError = GenerationFailed(f"the model failed while generating: {result.error}")
             if result.out_of_memory:
                 error = ServerBusy("the device ran out of memory for this request; retry shortly")
             # A client that is gone misses nothing.

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import trio
 
-from mlxcel.actors.device import DeviceActor, DeviceSettings, ModelInfo
+from mlxcel.actors.device import DeviceActor, DeviceSettings, DeviceStats, ModelInfo
 from mlxcel.actors.messages import RunStep
 from mlxcel.core.plan import (
     AloneChunk,
@@ -123,7 +123,7 @@ async def test_the_device_batches_fails_a_step_and_stops_when_its_inbox_closes()
         assert [item.sequence_id for item in detached] == [0]
         assert detached[0].tokens[: len(first_prompt)] == first_prompt
         assert detached[0].nbytes > 0
-        assert actor.statistics() == {"num_steps": len(driver.steps)}
+        assert actor.statistics() == DeviceStats(num_steps=len(driver.steps))
 
         # The injected fault fails what the step held.
         while len(driver.steps) < FAIL_STEP - 1:

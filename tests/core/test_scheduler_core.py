@@ -24,7 +24,8 @@ from mlxcel.core.plan import (
     StepResult,
 )
 from mlxcel.core.scheduler import MAX_BATCH_HOLDS, Hit, Miss, NewRequest, SchedulerCore, WarmSession
-from mlxcel.types import Delta, InvalidRequest, SamplingParams
+from mlxcel.errors import MlxcelError
+from mlxcel.types import Delta, SamplingParams
 from tests.support import LetterTokenizer
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -34,14 +35,14 @@ CONTEXT = CacheContext(model_id="m", template_sig="sig", session_key="s")
 class Clients:
     def __init__(self) -> None:
         self.deltas: dict[str, list[Delta]] = {}
-        self.failed: dict[str, InvalidRequest] = {}
+        self.failed: dict[str, MlxcelError] = {}
         self.closed: list[str] = []
 
     def send(self, request_id: str, delta: Delta) -> bool:
         self.deltas.setdefault(request_id, []).append(delta)
         return True
 
-    def fail(self, request_id: str, error: InvalidRequest) -> None:
+    def fail(self, request_id: str, error: MlxcelError) -> None:
         self.failed[request_id] = error
 
     def close(self, request_id: str) -> None:

@@ -51,7 +51,7 @@ async def test_failed_step_mid_stream_ends_the_stream_with_an_error(start_engine
 
 
 async def test_other_requests_in_a_failed_batch_fail_cleanly(start_engine) -> None:
-    from mlxcel import ChatRequest, InvalidRequest, SamplingParams
+    from mlxcel import ChatRequest, MlxcelError, SamplingParams
 
     engine = await start_engine(fail_step=5)
     outcomes = []
@@ -63,7 +63,7 @@ async def test_other_requests_in_a_failed_batch_fail_cleanly(start_engine) -> No
         )
         try:
             outcomes.append((await engine.chat(request)).finish_reason)
-        except InvalidRequest as error:
+        except MlxcelError as error:
             outcomes.append(error.status)
 
     with trio.fail_after(60):
