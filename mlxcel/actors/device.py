@@ -179,6 +179,27 @@ class _Sequence:
     direct: bool = False
 
 
+@attrs.define
+class _Report:
+    """What a step produced so far, in the order the device produced it."""
+
+    sampled: list[SampledToken] = attrs.Factory(list)
+    detached: list[DetachedSequence] = attrs.Factory(list)
+    prefill_tokens: int = 0
+    prefilling: list[int] = attrs.Factory(list)
+    prompts_done: list[int] = attrs.Factory(list)
+    restore_failures: list[tuple[int, str]] = attrs.Factory(list)
+    warmed: list[int] = attrs.Factory(list)
+
+    def result(self, step_number: int, *, decode_batch_size: int) -> StepResult:
+        return StepResult(
+            step_number=step_number, sampled=tuple(self.sampled), detached=tuple(self.detached),
+            decode_batch_size=decode_batch_size, prefill_tokens=self.prefill_tokens,
+            prefilling=tuple(self.prefilling), prompts_done=tuple(self.prompts_done),
+            restore_failures=tuple(self.restore_failures), warmed=tuple(self.warmed),
+        )
+
+
 class _NoClients:
     """The warm-up's requests go nowhere."""
 
@@ -277,117 +298,119 @@ class _StepWorker:
         return time.perf_counter() - start
 
     def run_step(self, plan: StepPlan) -> StepResult:
+        """Carry the plan out in its order; any error fails everything the device holds."""
         self._step_number += 1
-        detached: list[DetachedSequence] = []
-        restore_failures: list[tuple[int, str]] = []
+        report = _Report()
         direct: list[_DirectStart] = []
         try:
-            for removal in plan.removals:
-                self._remove(removal, detached)
-            for start in plan.starts:
-                failure = self._start(start, direct)
-                if failure is not None:
-                    restore_failures.append((start.sequence_id, failure))
-            prompt_tokens, alone_prefilling = 0, tuple[int, ...]()
-            if plan.alone_chunk is not None:
-                prompt_tokens = self._run_alone_chunk(plan.alone_chunk)
-                if plan.alone_rest is None:
-                    alone_prefilling = (plan.alone_chunk.sequence_id,)
-            if plan.alone_rest is not None:
-                direct.append(self._start_direct(plan.alone_rest))
-            if self._settings.fail_step == self._step_number:
-                if self._settings.fail_out_of_memory:
-                    raise RuntimeError(f"[malloc] injected out of memory at step {self._step_number}")
-                raise RuntimeError(f"injected fault at step {self._step_number}")
-            if direct:
-                # One evaluation for every direct start (and its prompt donation copy).
-                import mlx.core as mx
-
-                mx.eval([(start.token, start.logprobs) for start in direct],
-                        [start.donation.payload.arrays() for start in direct if start.donation is not None])
-            prompt_responses, generation_responses = [], []
-            if plan.run_batch and self._by_uid:
-                with self._generator.stats() as stats:
-                    prompt_responses, generation_responses = self._generator.next()
-                prompt_tokens += stats.prompt_tokens
+            prompt_responses, generation_responses = self._execute(plan, report, direct)
             started = [self._start_generating(start) for start in direct]
         except Exception as error:  # noqa: BLE001 - reported to every sequence on the device
-            logger.exception("device step %d failed", self._step_number)
-            # Starts that raised never reached the generator: they fail too.
-            failed = tuple(
-                {sequence.sequence_id for sequence in self._by_uid.values()}
-                | {start.sequence_id for start in plan.starts}
-                | {start.sequence_id for start in plan.direct_starts}
-                | set(self._alone) | set(self._alone_done)
-            )
-            self._alone.clear()
-            self._alone_done.clear()
-            self._generator = self._make_generator()
-            self._by_uid.clear()
-            self._uid_of.clear()
-            return StepResult(
-                step_number=self._step_number,
-                error=f"{type(error).__name__}: {error}",
-                out_of_memory=_is_out_of_memory(error),
-                failed_sequences=failed,
-                detached=tuple(detached),
-            )
+            return self._failed(plan, report, error)
+        self._report_direct(direct, started, report)
+        self._report_decoded(generation_responses, report)
+        self._report_prefilled(prompt_responses, report)
+        return report.result(self._step_number, decode_batch_size=len(generation_responses))
 
-        sampled = []
-        prompts_done = []
+    def _execute(self, plan: StepPlan, report: _Report, direct: list[_DirectStart]) -> tuple[list[Any], list[Any]]:
+        """Removals, starts, the chunk alone, one evaluation of the direct starts, then the batch."""
+        for removal in plan.removals:
+            self._remove(removal, report.detached)
+        for start in plan.starts:
+            failure = self._start(start, direct)
+            if failure is not None:
+                report.restore_failures.append((start.sequence_id, failure))
+        if plan.alone_chunk is not None:
+            report.prefill_tokens += self._run_alone_chunk(plan.alone_chunk)
+            if plan.alone_rest is None:
+                report.prefilling.append(plan.alone_chunk.sequence_id)
+        if plan.alone_rest is not None:
+            direct.append(self._start_direct(plan.alone_rest))
+        if self._settings.fail_step == self._step_number:
+            if self._settings.fail_out_of_memory:
+                raise RuntimeError(f"[malloc] injected out of memory at step {self._step_number}")
+            raise RuntimeError(f"injected fault at step {self._step_number}")
+        if direct:
+            # One evaluation for every direct start (and its prompt donation copy).
+            import mlx.core as mx
+
+            mx.eval([(start.token, start.logprobs) for start in direct],
+                    [start.donation.payload.arrays() for start in direct if start.donation is not None])
+        if not (plan.run_batch and self._by_uid):
+            return [], []
+        with self._generator.stats() as stats:
+            prompt_responses, generation_responses = self._generator.next()
+        report.prefill_tokens += stats.prompt_tokens
+        return prompt_responses, generation_responses
+
+    def _failed(self, plan: StepPlan, report: _Report, error: Exception) -> StepResult:
+        logger.exception("device step %d failed", self._step_number, exc_info=error)
+        # Starts that raised never reached the generator: they fail too.
+        failed = tuple(
+            {sequence.sequence_id for sequence in self._by_uid.values()}
+            | {start.sequence_id for start in plan.starts}
+            | {start.sequence_id for start in plan.direct_starts}
+            | set(self._alone) | set(self._alone_done)
+        )
+        self._alone.clear()
+        self._alone_done.clear()
+        self._generator = self._make_generator()
+        self._by_uid.clear()
+        self._uid_of.clear()
+        return StepResult(
+            step_number=self._step_number,
+            error=f"{type(error).__name__}: {error}",
+            out_of_memory=_is_out_of_memory(error),
+            failed_sequences=failed,
+            detached=tuple(report.detached),
+        )
+
+    def _report_direct(self, direct: list[_DirectStart], started: list[tuple[SampledToken, DetachedSequence | None]],
+                       report: _Report) -> None:
         for begun, (token, done) in zip(direct, started, strict=True):
-            sampled.append(token)
-            prompts_done.append(begun.start.sequence_id)
-            prompt_tokens += len(begun.start.prompt_tokens)
+            report.sampled.append(token)
+            report.prompts_done.append(begun.start.sequence_id)
+            report.prefill_tokens += len(begun.start.prompt_tokens)
             if done is not None:
-                detached.append(done)
+                report.detached.append(done)
             elif begun.donation is not None:
-                detached.append(begun.donation)
-        for response in generation_responses:
+                report.detached.append(begun.donation)
+
+    def _report_decoded(self, responses: list[Any], report: _Report) -> None:
+        for response in responses:
             sequence = self._by_uid.get(response.uid)
             if sequence is None:
                 continue
-            sampled.append(_sampled_token(sequence, response))
+            report.sampled.append(_sampled_token(sequence, response))
             if response.finish_reason is not None:
                 del self._by_uid[response.uid]
                 del self._uid_of[sequence.sequence_id]
                 if sequence.donate_on_finish and response.prompt_cache is not None:
                     item = _detach(sequence.sequence_id, response.prompt_cache, response.all_tokens)
                     if item is not None:
-                        detached.append(item)
-        prefilling = list(alone_prefilling)
-        warmed = []
-        for response in prompt_responses:
+                        report.detached.append(item)
+
+    def _report_prefilled(self, responses: list[Any], report: _Report) -> None:
+        for response in responses:
             sequence = self._by_uid.get(response.uid)
             if sequence is None or sequence.direct:
                 continue
             if response.end_of_segment and sequence.snapshot_tokens is not None:
                 # The chunk just run ended exactly at the history boundary.
-                detached.append(self._snapshot(response.uid, sequence))
+                report.detached.append(self._snapshot(response.uid, sequence))
                 if sequence.warm:
-                    warmed.append(sequence.sequence_id)
+                    report.warmed.append(sequence.sequence_id)
                     self._drop(response.uid)
                     continue
             if not response.end_of_prompt:
-                prefilling.append(sequence.sequence_id)
+                report.prefilling.append(sequence.sequence_id)
                 continue
-            prompts_done.append(sequence.sequence_id)
+            report.prompts_done.append(sequence.sequence_id)
             if sequence.donate_prompt:
                 cache_list, tokens = self._generator.extract_cache([response.uid])[response.uid]
                 item = _detach(sequence.sequence_id, cache_list, tokens, final=False)
                 if item is not None:
-                    detached.append(item)
-        return StepResult(
-            step_number=self._step_number,
-            sampled=tuple(sampled),
-            detached=tuple(detached),
-            decode_batch_size=len(generation_responses),
-            prefill_tokens=prompt_tokens,
-            prefilling=tuple(prefilling),
-            prompts_done=tuple(prompts_done),
-            restore_failures=tuple(restore_failures),
-            warmed=tuple(warmed),
-        )
+                    report.detached.append(item)
 
     def _remove(self, removal: Removal, detached: list[DetachedSequence]) -> None:
         uid = self._uid_of.pop(removal.sequence_id, None)
