@@ -40,6 +40,23 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    # The defaults switch each off; set, they apply per sequence (greedy included for
+    # the penalties and logit_bias), through mlx-lm's sample_utils.
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # (token id, bias added to its logit), ids ascending, no zero biases.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any penalty or bias changes the logits before sampling."""
+        return bool(
+            self.logit_bias or self.repetition_penalty != 1.0
+            or self.presence_penalty or self.frequency_penalty
+        )
 
 
 @attrs.frozen(kw_only=True)

@@ -153,6 +153,7 @@ class _DirectStart:
     caches: list[Any]
     all_tokens: list[int]
     sampler: Callable[[Any], Any] | None
+    processors: list[Callable[[Any, Any], Any]] | None
     token: Any
     logprobs: Any
     donation: DetachedSequence | None = None
@@ -483,6 +484,7 @@ class _StepWorker:
             caches=[caches],  # type: ignore[list-item]
             all_tokens=[cached],
             samplers=[_make_sampler(start.sampling)],  # type: ignore[list-item]
+            logits_processors=[_make_logits_processors(start.sampling)],  # type: ignore[list-item]  # None: none
         )
         self._by_uid[uid] = _Sequence(
             sequence_id=start.sequence_id,
@@ -533,6 +535,8 @@ class _StepWorker:
         run = cached[start.kept:] + prompt
         padding = start.padding
         sampler = _make_sampler(start.sampling)
+        processors = _make_logits_processors(start.sampling)
+        all_tokens = cached + prompt
         with mx.stream(self._generator.stream):
             tokens = mx.array(run + run[-1:] * padding)[None]
             if len(run) > 1 and not (self._one_pass_starts or padding):
@@ -544,14 +548,18 @@ class _StepWorker:
                 if padding:
                     for cache in caches:
                         cache.trim(padding)  # the padding's keys and values are dropped
+            if processors:
+                # As mlx-lm's batch does: the history is every token in the cache (the padding is not).
+                history = mx.array(all_tokens, dtype=mx.int32)
+                for processor in processors:
+                    logits = processor(history, logits)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             token = mx.argmax(logprobs, axis=-1) if sampler is None else sampler(logprobs)
-        all_tokens = cached + prompt
         donation = None
         if start.donate_prompt:
             donation = _detach(start.sequence_id, caches, all_tokens, final=False, evaluate=False)
         return _DirectStart(start=start, caches=caches, all_tokens=all_tokens, sampler=sampler,
-                            token=token, logprobs=logprobs[0], donation=donation)
+                            processors=processors, token=token, logprobs=logprobs[0], donation=donation)
 
     def _start_generating(self, direct: _DirectStart) -> tuple[SampledToken, DetachedSequence | None]:
         """Report a direct start's first token; it decodes on in the batch unless that ends it.
@@ -582,6 +590,7 @@ class _StepWorker:
             caches=[direct.caches],
             all_tokens=[direct.all_tokens],
             samplers=[direct.sampler],  # type: ignore[list-item]  # None: the batch's shared sampler
+            logits_processors=[direct.processors],  # type: ignore[list-item]  # None: none
         )
         self._by_uid[uid] = sequence
         self._uid_of[start.sequence_id] = uid
@@ -663,17 +672,22 @@ def _sampled_token(sequence: _Sequence, response: Any) -> SampledToken:
 def _make_sampler(sampling: SamplingParams) -> Callable[[Any], Any] | None:
     """None means greedy: the generator's shared sampler, so the batch samples in one call."""
     import mlx.core as mx
-    from mlx_lm.sample_utils import apply_top_p
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
     if sampling.temperature == 0:
         return None
     temperature = sampling.temperature
-    top_p = sampling.top_p
+    top_p, min_p, top_k = sampling.top_p, sampling.min_p, sampling.top_k
     key_state = [mx.random.key(sampling.seed)] if sampling.seed is not None else None
 
     def sample(logprobs: Any) -> Any:
+        # mlx-lm's make_sampler chain (top-p, min-p, top-k), with a per-request seed.
         if 0 < top_p < 1.0:
             logprobs = apply_top_p(logprobs, top_p)
+        if min_p > 0:
+            logprobs = apply_min_p(logprobs, min_p)
+        if 0 < top_k < logprobs.shape[-1]:
+            logprobs = apply_top_k(logprobs, top_k)
         logits = logprobs * (1 / temperature)
         if key_state is None:
             return mx.random.categorical(logits)
@@ -681,6 +695,27 @@ def _make_sampler(sampling: SamplingParams) -> Callable[[Any], Any] | None:
         return mx.random.categorical(logits, key=subkey)
 
     return sample
+
+
+# Tokens of history the repetition, presence and frequency penalties look at (mlx-lm's default).
+PENALTY_CONTEXT_SIZE = 20
+
+
+def _make_logits_processors(sampling: SamplingParams) -> list[Callable[[Any, Any], Any]] | None:
+    """mlx-lm's processors for the request's penalties and logit_bias; None when it has none."""
+    if not sampling.processes_logits:
+        return None
+    from mlx_lm.sample_utils import make_logits_processors
+
+    return make_logits_processors(
+        logit_bias=dict(sampling.logit_bias) or None,
+        repetition_penalty=None if sampling.repetition_penalty == 1.0 else sampling.repetition_penalty,
+        repetition_context_size=PENALTY_CONTEXT_SIZE,
+        presence_penalty=sampling.presence_penalty or None,
+        presence_context_size=PENALTY_CONTEXT_SIZE,
+        frequency_penalty=sampling.frequency_penalty or None,
+        frequency_context_size=PENALTY_CONTEXT_SIZE,
+    )
 
 
 def _adopt(handle: Any, num_tokens: int) -> list[Any]:

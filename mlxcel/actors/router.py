@@ -88,6 +88,7 @@ class PromptRenderer:
 
     def render(self, request: ChatRequest | CompletionRequest) -> RenderedPrompt:
         tokenizer = self._model.tokenizer
+        self._check_logit_bias(request.sampling.logit_bias)
         if isinstance(request, CompletionRequest):
             if isinstance(request.prompt, str):
                 self._check_fits(request.prompt, "prompt")
@@ -155,6 +156,16 @@ class PromptRenderer:
         raise InvalidRequest(
             f"token id {tokens[index]} is outside this model's vocabulary (ids 0 to {self._vocab_size - 1})",
             param=f"prompt[{index}]", code="invalid_value",
+        )
+
+    def _check_logit_bias(self, biases: tuple[tuple[int, float], ...]) -> None:
+        # Ids ascending: the last is the largest.
+        if self._vocab_size is None or not biases or biases[-1][0] < self._vocab_size:
+            return
+        token = next(token for token, _bias in biases if token >= self._vocab_size)
+        raise InvalidRequest(
+            f"logit_bias names token id {token}, outside this model's vocabulary (ids 0 to {self._vocab_size - 1})",
+            param="logit_bias", code="invalid_value",
         )
 
     def _chat_tokens(

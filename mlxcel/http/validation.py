@@ -52,6 +52,9 @@ MAX_TOKEN_ID = 2**31 - 1
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
 _LEGACY_DEFAULT_MAX_TOKENS = 16
+# OpenAI's bound on a logit_bias value; a repetition penalty past this is no longer a penalty.
+MAX_LOGIT_BIAS = 100.0
+MAX_REPETITION_PENALTY = 100.0
 
 _MISSING = "missing_required_parameter"
 _TYPE = "invalid_type"
@@ -70,6 +73,8 @@ class Limits:
     max_stop_string_chars: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
     max_messages: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
     max_top_logprobs: int = attrs.field(default=20, validator=attrs.validators.ge(0))
+    # Token ids one logit_bias may name (each is a scatter into the logits per step).
+    max_logit_bias: int = attrs.field(default=1024, validator=attrs.validators.ge(0))
     # True: the session is the (gateway-set) `user`, and a client's
     # `prompt_cache_key` only subdivides it (`--session-key-scope user`).
     user_scopes_session: bool = False
@@ -201,6 +206,14 @@ def parse_native_completion(
         seed=_optional(root, "seed", _native_seed),
         logprobs=bool(n_probs),
         top_logprobs=n_probs or 0,
+        top_k=_optional(root, "top_k", _top_k, 0),
+        min_p=_optional(root, "min_p", _min_p, 0.0),
+        repetition_penalty=_optional(root, "repeat_penalty", _repetition_penalty, 1.0),
+        presence_penalty=_optional(root, "presence_penalty", _penalty, 0.0),
+        frequency_penalty=_optional(root, "frequency_penalty", _penalty, 0.0),
+        logit_bias=_optional(
+            root, "logit_bias", lambda value, path: _native_logit_bias(value, path, limits), ()
+        ),
     )
     return CompletionRequest(
         prompt=_prompt(root, allow_single_item_list=False),
@@ -478,10 +491,97 @@ def _native_max_tokens(root: Mapping[str, Any], limits: Limits) -> int | None:
     return number
 
 
-def _check_penalties(root: Mapping[str, Any]) -> None:
-    # Validated so a typo is reported, then ignored: this server has no penalties.
-    for key in ("frequency_penalty", "presence_penalty"):
-        _optional(root, key, lambda value, path: _number(value, path, -2.0, 2.0))
+def _top_k(value: object, path: str) -> int:
+    # 0 is off; a k past the vocabulary keeps every token.
+    return _int(value, path, 0, MAX_TOKEN_ID)
+
+
+def _min_p(value: object, path: str) -> float:
+    return _number(value, path, 0.0, 1.0)
+
+
+def _repetition_penalty(value: object, path: str) -> float:
+    # Multiplicative (1 is off): a logit is divided by it, or multiplied when negative.
+    return _number(value, path, 0.0, MAX_REPETITION_PENALTY, low_open=True)
+
+
+def _penalty(value: object, path: str) -> float:
+    return _number(value, path, -2.0, 2.0)
+
+
+def _bias(value: object, path: str) -> float:
+    return _number(value, path, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+
+
+def _bias_token(key: object, path: str) -> int:
+    # The token id of a logit_bias key: decimal digits, as OpenAI's map keys are.
+    if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10
+            and int(key) <= MAX_TOKEN_ID):
+        _fail(path, f"{path} keys must be token ids (non-negative integers as strings), got {_kind(key)}")
+    return int(key)
+
+
+def _biases(pairs: list[tuple[int, float, str]], path: str, limits: Limits) -> tuple[tuple[int, float], ...]:
+    if len(pairs) > limits.max_logit_bias:
+        _fail(path, f"{path} may name at most {limits.max_logit_bias} tokens")
+    seen: set[int] = set()
+    for token, _bias_value, token_path in pairs:
+        if token in seen:
+            _fail(token_path, f"{path} names token {token} twice")
+        seen.add(token)
+    return tuple(sorted((token, bias) for token, bias, _path in pairs if bias != 0))
+
+
+def _logit_bias(value: object, path: str, limits: Limits) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token id (a string) to a bias in [-100, 100] added to its logit."""
+    items = _object(value, path)
+    pairs = []
+    for key, bias in items.items():
+        token = _bias_token(key, path)
+        pairs.append((token, _bias(bias, _join(path, key)), _join(path, key)))
+    return _biases(pairs, path, limits)
+
+
+def _native_logit_bias(value: object, path: str, limits: Limits) -> tuple[tuple[int, float], ...]:
+    """llama.cpp's logit_bias: [[id, bias], ...] or the OpenAI object; a bias of false bans the token."""
+
+    def bias_or_ban(bias: object, bias_path: str) -> float:
+        return -math.inf if bias is False else _bias(bias, bias_path)
+
+    if isinstance(value, Mapping):
+        pairs = [(_bias_token(key, path), bias_or_ban(bias, _join(path, key)), _join(path, key))
+                 for key, bias in value.items()]
+        return _biases(pairs, path, limits)
+    if not _is_list(value):
+        _fail(path, f"{path} must be a list of [token id, bias] pairs or an object, got {_kind(value)}", _TYPE)
+    pairs = []
+    for index, item in enumerate(value):
+        item_path = f"{path}[{index}]"
+        if not _is_list(item) or len(item) != 2:
+            _fail(item_path, f"{item_path} must be a [token id, bias] pair", _TYPE)
+        if isinstance(item[0], str):
+            _fail(f"{item_path}[0]", f"{item_path}[0]: token strings are not supported; send a token id",
+                  _UNSUPPORTED)
+        token = _int(item[0], f"{item_path}[0]", 0, MAX_TOKEN_ID)
+        pairs.append((token, bias_or_ban(item[1], f"{item_path}[1]"), item_path))
+    return _biases(pairs, path, limits)
+
+
+def _check_response_format(root: Mapping[str, Any]) -> None:
+    value = root.get("response_format")
+    if value is None:
+        return
+    response_format = _object(value, "response_format")
+    format_type = _required(response_format, "type", "response_format")
+    if format_type != "text":
+        _fail("response_format", f"response_format {_kind(format_type)} is not supported; only 'text' is "
+              "(structured output is not implemented)", _UNSUPPORTED)
+
+
+def _check_parallel_tool_calls(root: Mapping[str, Any]) -> None:
+    # A reply may carry several tool calls; limiting it to one is not implemented.
+    if _optional(root, "parallel_tool_calls", _bool, True) is False:
+        _fail("parallel_tool_calls", "parallel_tool_calls false is not supported", _UNSUPPORTED)
 
 
 def _check_n(root: Mapping[str, Any]) -> None:
@@ -514,7 +614,17 @@ def _openai_sampling(
     root: Mapping[str, Any], limits: Limits, *, default_max_tokens: int | None, legacy: bool
 ) -> SamplingParams:
     _check_n(root)
-    _check_penalties(root)
+    _check_response_format(root)
+    if not legacy:
+        _check_parallel_tool_calls(root)
+    extra = _extra_body(root)
+
+    def extension(key: str, read: Callable[[object, str], _T], default: _T) -> _T:
+        # Not OpenAI's: clients send it at the root (the openai SDK merges extra_body there) or in extra_body.
+        value = _optional(root, key, read)
+        nested = _optional(extra, key, read, prefix="extra_body")
+        return value if value is not None else nested if nested is not None else default
+
     logprobs, top_logprobs = _logprobs(root, limits, legacy=legacy)
     return SamplingParams(
         temperature=_optional(root, "temperature", _temperature, 1.0),
@@ -524,6 +634,12 @@ def _openai_sampling(
         seed=_optional(root, "seed", _seed),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        top_k=extension("top_k", _top_k, 0),
+        min_p=extension("min_p", _min_p, 0.0),
+        repetition_penalty=extension("repetition_penalty", _repetition_penalty, 1.0),
+        presence_penalty=_optional(root, "presence_penalty", _penalty, 0.0),
+        frequency_penalty=_optional(root, "frequency_penalty", _penalty, 0.0),
+        logit_bias=_optional(root, "logit_bias", lambda value, path: _logit_bias(value, path, limits), ()),
     )
 
 

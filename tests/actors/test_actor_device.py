@@ -232,3 +232,53 @@ async def test_a_prompt_prefilled_alone_then_started_directly_gives_the_batch_to
         done = await driver.step(removals=(Removal(sequence_id=2, donate=True), Removal(sequence_id=3, donate=True)),
                                  run_batch=True)
         assert (done.sampled, done.detached, done.prompts_done) == ((), (), ())
+
+
+async def test_sampling_fields_apply_per_sequence_in_the_batch_and_directly() -> None:
+    """top_k, logit_bias and the penalties, through mlx-lm's sample_utils: per sequence inside one
+    batch, the same whether a prompt starts in the batch or directly (its prompt the penalties' history)."""
+    from mlxcel.actors.device import _make_logits_processors, _make_sampler
+
+    # Absent fields change nothing: greedy keeps the batch's shared sampler and no processors.
+    assert _make_sampler(GREEDY) is None
+    assert _make_logits_processors(SamplingParams()) is None
+    assert _make_logits_processors(SamplingParams(temperature=0.0, top_k=5, min_p=0.5)) is None
+
+    prompt = tuple(range(1000, 1012))
+    repeating = prompt + (123695,) * 4  # the fixture's greedy pick after `prompt`
+    favoured = 4242
+    biased = SamplingParams(temperature=0.0, logit_bias=((favoured, 100.0),), logprobs=True)
+    top_one = SamplingParams(temperature=1.0, top_k=1, seed=7, logprobs=True)
+    # min_p 1 keeps only the likeliest token too.
+    top_only = SamplingParams(temperature=1.0, min_p=1.0, logprobs=True)
+    penalized = SamplingParams(temperature=0.0, repetition_penalty=1.5, presence_penalty=0.5, logprobs=True)
+    async with running_device(prefill_step_size=512) as (driver, _info, _actor):
+        done = await driver.step(starts=(
+            batch(0, prompt, 8, sampling=SamplingParams(temperature=0.0, logprobs=True)),
+            batch(1, prompt, 8, sampling=biased), direct(2, prompt, 8, sampling=biased),
+            batch(3, prompt, 8, sampling=top_one), direct(4, prompt, 8, sampling=top_one),
+            batch(5, prompt, 8, sampling=penalized), direct(6, prompt, 8, sampling=penalized),
+            # The prompt is the penalties' first history: its own greedy pick is penalized at once.
+            batch(7, repeating, 8, sampling=WITH_LOGPROBS), batch(8, repeating, 8, sampling=penalized),
+            direct(9, repeating, 8, sampling=penalized), batch(10, prompt, 8, sampling=top_only),
+        ), run_batch=True)
+        assert done.error is None
+        await driver.run_until_finished(set(range(11)))
+        sampled = {sequence_id: [token for step in driver.steps for token in step.sampled
+                                 if token.sequence_id == sequence_id] for sequence_id in range(11)}
+        greedy = [token.token for token in sampled[0]]
+    # The fixture's greedy reply repeats one token: the penalties must break that.
+    assert len(greedy) == 8
+    assert len(set(greedy)) == 1
+    assert [token.token for token in sampled[1]] == [favoured] * 8
+    assert [token.token for token in sampled[2]] == [favoured] * 8
+    assert [token.token for token in sampled[3]] == greedy
+    assert [token.token for token in sampled[4]] == greedy
+    assert [token.token for token in sampled[10]] == greedy
+    penalized_tokens = [token.token for token in sampled[5]]
+    assert penalized_tokens[0] == greedy[0]
+    assert len(set(penalized_tokens)) > 1
+    assert_same_tokens(sampled[6], sampled[5])
+    assert sampled[7][0].token == greedy[0]
+    assert sampled[8][0].token != greedy[0]
+    assert_same_tokens(sampled[9], sampled[8])

@@ -370,6 +370,16 @@ async def test_token_ids_outside_the_vocabulary_are_rejected_naming_the_field(nu
     submit, _ = await harness.route(CompletionRequest(prompt=(0, 151_645)))
     assert submit is not None
     assert submit.prompt_tokens == (0, 151_645)
+    # A logit_bias past the vocabulary would scatter past the logits.
+    for bias, expected in ((((5, 1.0), (151_646, 2.0)), "logit_bias"), (((151_645, -1.0),), None)):
+        submit, events = await harness.route(chat(sampling=SamplingParams(logit_bias=bias)))
+        if expected is None:
+            assert submit is not None
+        else:
+            assert submit is None
+            failed = failure_of(events)
+            assert (failed.error.status, failed.error.param) == (400, expected)
+            assert "151646" in failed.error.message
 
 
 BOMB = {"chat_template": '{{ "ab " * 30000000 }}'}

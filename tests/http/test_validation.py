@@ -131,6 +131,35 @@ BAD_OPENAI_SAMPLING: list[tuple[dict[str, Any], str, str]] = [
     ({"frequency_penalty": "0"}, "frequency_penalty", TYPE),
     ({"presence_penalty": -2.01}, "presence_penalty", VALUE),
     ({"presence_penalty": math.nan}, "presence_penalty", VALUE),
+    ({"top_k": -1}, "top_k", VALUE),
+    ({"top_k": 1.5}, "top_k", TYPE),
+    ({"extra_body": {"top_k": "5"}}, "extra_body.top_k", TYPE),
+    # The root value wins, but a malformed nested one is still reported.
+    ({"top_k": 5, "extra_body": {"top_k": -5}}, "extra_body.top_k", VALUE),
+    ({"min_p": 1.01}, "min_p", VALUE),
+    ({"min_p": -0.1}, "min_p", VALUE),
+    ({"extra_body": {"min_p": True}}, "extra_body.min_p", TYPE),
+    ({"repetition_penalty": 0}, "repetition_penalty", VALUE),
+    ({"repetition_penalty": -1.0}, "repetition_penalty", VALUE),
+    ({"repetition_penalty": 101}, "repetition_penalty", VALUE),
+    ({"extra_body": {"repetition_penalty": "1.1"}}, "extra_body.repetition_penalty", TYPE),
+    ({"logit_bias": []}, "logit_bias", TYPE),
+    ({"logit_bias": {"x": 1}}, "logit_bias", VALUE),
+    ({"logit_bias": {"-1": 1}}, "logit_bias", VALUE),
+    ({"logit_bias": {" 5": 1}}, "logit_bias", VALUE),
+    ({"logit_bias": {"1.5": 1}}, "logit_bias", VALUE),
+    ({"logit_bias": {str(2**31): 1}}, "logit_bias", VALUE),
+    ({"logit_bias": {"9" * 5000: 1}}, "logit_bias", VALUE),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias.5", VALUE),
+    ({"logit_bias": {"5": -101}}, "logit_bias.5", VALUE),
+    ({"logit_bias": {"5": "1"}}, "logit_bias.5", TYPE),
+    ({"logit_bias": {"5": False}}, "logit_bias.5", TYPE),
+    ({"logit_bias": {"5": 1, "05": 2}}, "logit_bias.05", VALUE),
+    ({"logit_bias": {str(index): 1 for index in range(1025)}}, "logit_bias", VALUE),
+    ({"response_format": {"type": "json_object"}}, "response_format", UNSUPPORTED),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", UNSUPPORTED),
+    ({"response_format": {}}, "response_format.type", MISSING),
+    ({"response_format": "text"}, "response_format", TYPE),
     ({"top_logprobs": 2}, "top_logprobs", VALUE),
     ({"logprobs": False, "top_logprobs": 0}, "top_logprobs", VALUE),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", VALUE),
@@ -364,6 +393,22 @@ BAD_NATIVE_ONLY: list[tuple[object, str | None, str]] = [
     (completion(n_predict="8"), "n_predict", TYPE),
     (completion(max_tokens=0), "max_tokens", VALUE),
     (completion(seed=-1.0), "seed", TYPE),
+    (completion(top_k=-1), "top_k", VALUE),
+    (completion(min_p=2), "min_p", VALUE),
+    (completion(repeat_penalty=0), "repeat_penalty", VALUE),
+    (completion(repeat_penalty="1.1"), "repeat_penalty", TYPE),
+    (completion(presence_penalty=3), "presence_penalty", VALUE),
+    (completion(frequency_penalty=-2.5), "frequency_penalty", VALUE),
+    (completion(logit_bias=5), "logit_bias", TYPE),
+    (completion(logit_bias=[5]), "logit_bias[0]", TYPE),
+    (completion(logit_bias=[[5, 1, 2]]), "logit_bias[0]", TYPE),
+    (completion(logit_bias=[["Hello", 1.0]]), "logit_bias[0][0]", UNSUPPORTED),
+    (completion(logit_bias=[[-1, 1.0]]), "logit_bias[0][0]", VALUE),
+    (completion(logit_bias=[[5, 101]]), "logit_bias[0][1]", VALUE),
+    (completion(logit_bias=[[5, True]]), "logit_bias[0][1]", TYPE),
+    (completion(logit_bias=[[5, 1], [5, 2]]), "logit_bias[1]", VALUE),
+    (completion(logit_bias={"5": "x"}), "logit_bias.5", TYPE),
+    (completion(logit_bias={"a": 1}), "logit_bias", VALUE),
 ]
 
 
@@ -515,8 +560,21 @@ GOOD_OPENAI_SAMPLING: list[tuple[dict[str, Any], SamplingParams]] = [
     ({"max_completion_tokens": 7}, SamplingParams(max_tokens=7)),
     ({"max_tokens": 7, "max_completion_tokens": 7}, SamplingParams(max_tokens=7)),
     ({"max_tokens": None, "max_completion_tokens": 9}, SamplingParams(max_tokens=9)),
-    ({"n": 1, "frequency_penalty": 2, "presence_penalty": -2.0}, SamplingParams()),
-    ({"n": None, "frequency_penalty": None, "logit_bias": {"5": 10}}, SamplingParams()),
+    ({"n": 1, "frequency_penalty": 2, "presence_penalty": -2.0},
+     SamplingParams(frequency_penalty=2.0, presence_penalty=-2.0)),
+    ({"n": None, "frequency_penalty": None, "presence_penalty": 0, "logit_bias": None}, SamplingParams()),
+    # Ids ascending; a zero bias changes nothing and is dropped.
+    ({"logit_bias": {"7": -100, "5": 10, "6": 0}}, SamplingParams(logit_bias=((5, 10.0), (7, -100.0)))),
+    ({"logit_bias": {}}, SamplingParams()),
+    ({"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1},
+     SamplingParams(top_k=40, min_p=0.05, repetition_penalty=1.1)),
+    ({"extra_body": {"top_k": 3, "min_p": 1, "repetition_penalty": 0.5}},
+     SamplingParams(top_k=3, min_p=1.0, repetition_penalty=0.5)),
+    ({"top_k": 0, "extra_body": {"top_k": 9}}, SamplingParams()),
+    ({"top_k": None, "extra_body": {"top_k": 9}}, SamplingParams(top_k=9)),
+    # Greedy with penalties still applies them (the device does).
+    ({"temperature": 0, "frequency_penalty": 0.5}, SamplingParams(temperature=0.0, frequency_penalty=0.5)),
+    ({"response_format": {"type": "text"}, "response_format_extra": 1}, SamplingParams()),
     ({"logprobs": False}, SamplingParams()),
     ({"logprobs": True}, SamplingParams(logprobs=True)),
     ({"logprobs": True, "top_logprobs": 20}, SamplingParams(logprobs=True, top_logprobs=20)),
@@ -608,18 +666,25 @@ def test_chat_template_kwargs_merge_with_root_winning() -> None:
 def test_unknown_fields_are_ignored() -> None:
     body = chat(
         model="m",
-        response_format={"type": "text"},
-        parallel_tool_calls=True,
         metadata={"a": "b"},
         service_tier="auto",
         store=False,
-        extra_body={"top_k": 20, "whatever": [math.nan]},
+        extra_body={"whatever": [math.nan]},
         n_predict="ignored on chat",
         unknown=object(),
     )
     request = parse_chat_request(body)
     assert request.model == "m"
     assert request.sampling == SamplingParams()
+
+
+def test_parallel_tool_calls_false_is_refused_on_chat() -> None:
+    # Only true is what the server does: a reply may carry several tool calls.
+    for value in (True, None):
+        assert parse_chat_request(chat(tools=[TOOL_F], parallel_tool_calls=value)).tools is not None
+    expect_invalid(parse_chat_request, chat(tools=[TOOL_F], parallel_tool_calls=False), "parallel_tool_calls",
+                   UNSUPPORTED)
+    expect_invalid(parse_chat_request, chat(parallel_tool_calls="no"), "parallel_tool_calls", TYPE)
 
 
 # --- good completions ---------------------------------------------------------
@@ -675,7 +740,13 @@ def test_completion_sampling(fields: dict[str, Any], expected: SamplingParams) -
         ({"seed": -2}, SamplingParams(seed=2**64 - 2)),
         ({"temperature": 0, "top_p": 0.9, "stop": ["\n\n"]}, SamplingParams(temperature=0.0, top_p=0.9, stop=("\n\n",))),
         # Not read on the native route: llama.cpp has its own names for these.
-        ({"logprobs": True, "n": 4, "echo": True}, SamplingParams()),
+        ({"logprobs": True, "n": 4, "echo": True, "repetition_penalty": 0}, SamplingParams()),
+        ({"top_k": 40, "min_p": 0.05, "repeat_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": -1},
+         SamplingParams(top_k=40, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=-1.0)),
+        # llama.cpp's pairs (false bans the token) and the OpenAI object form.
+        ({"logit_bias": [[15043, 1.0], [7, False], [9, 0]]}, SamplingParams(logit_bias=((7, -math.inf), (15043, 1.0)))),
+        ({"logit_bias": {"15043": -2, "7": False}}, SamplingParams(logit_bias=((7, -math.inf), (15043, -2.0)))),
+        ({"logit_bias": []}, SamplingParams()),
     ],
 )
 def test_native_sampling(fields: dict[str, Any], expected: SamplingParams) -> None:
@@ -800,6 +871,8 @@ FIELDS = [
     "messages", "prompt", "model", "stream", "stream_options", "temperature", "top_p",
     "max_tokens", "max_completion_tokens", "n_predict", "stop", "seed", "logprobs",
     "top_logprobs", "n", "frequency_penalty", "presence_penalty", "tools", "tool_choice",
+    "top_k", "min_p", "repetition_penalty", "repeat_penalty", "logit_bias", "response_format",
+    "parallel_tool_calls",
     "chat_template_kwargs", "extra_body", "cache_prompt", "prompt_cache_key", "user",
     "cache_salt", "echo", "best_of", "suffix",
 ]  # fmt: skip
