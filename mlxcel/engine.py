@@ -48,7 +48,7 @@ from mlxcel.config import EngineConfig, auto_bool
 from mlxcel.core.plan import Capabilities
 from mlxcel.errors import ServerBusy
 from mlxcel.model.family import FamilyKind
-from mlxcel.types import ChatRequest, Completion, CompletionRequest, Delta, TokenLogprob
+from mlxcel.types import ChatRequest, Completion, CompletionRequest, Delta, TokenLogprob, ToolCall
 
 logger = logging.getLogger(__name__)
 
@@ -137,10 +137,14 @@ class Engine:
     async def chat(self, request: ChatRequest | CompletionRequest) -> Completion:
         """Run a request to the end and return the whole reply."""
         texts: list[str] = []
+        reasoning: list[str] = []
+        tool_calls: list[ToolCall] = []
         logprobs: list[TokenLogprob] = []
         async with self.stream(request) as deltas:
             async for delta in deltas:
                 texts.append(delta.text)
+                reasoning.append(delta.reasoning)
+                tool_calls.extend(delta.tool_calls)
                 logprobs.extend(delta.logprobs)
                 if delta.finish_reason is not None:
                     assert delta.usage is not None
@@ -150,6 +154,8 @@ class Engine:
                         usage=delta.usage,
                         logprobs=tuple(logprobs),
                         model=self.model_id,
+                        reasoning="".join(reasoning),
+                        tool_calls=tuple(tool_calls),
                     )
         raise RuntimeError("the request ended without a finish reason")
 

@@ -26,6 +26,7 @@ __all__ = [
     "SamplingParams",
     "ServerBusy",
     "TokenLogprob",
+    "ToolCall",
     "Usage",
 ]
 
@@ -79,6 +80,8 @@ class ChatRequest:
     model: str | None = None
     stream: bool = False
     include_usage: bool = False
+    # llama.cpp's `reasoning_format`: "auto" returns thinking as reasoning_content, "none" keeps it inline.
+    reasoning_format: str = "auto"
 
 
 @attrs.frozen(kw_only=True)
@@ -132,6 +135,20 @@ class Delta:
     usage: Usage | None = None
     # On the last delta: the stop string that ended the reply, if one did.
     stop_string: str | None = None
+    # The model's thinking, apart from `text` (the content).
+    reasoning: str = ""
+    # Tool calls completed with this delta.
+    tool_calls: tuple[ToolCall, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class ToolCall:
+    """One parsed call: `index` counts the reply's calls from 0; `arguments` is a JSON string."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str
 
 
 @attrs.frozen(kw_only=True)
@@ -141,3 +158,5 @@ class Completion:
     usage: Usage
     logprobs: tuple[TokenLogprob, ...] = ()
     model: str = ""
+    reasoning: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()

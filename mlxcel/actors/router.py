@@ -57,6 +57,21 @@ class RenderedPrompt:
     history_boundary: int | None = None
 
 
+def rendered_tools(request: ChatRequest) -> list[Any] | None:
+    """The tools the template sees: none with tool_choice "none"; forcing a call is refused."""
+    try:
+        tool_choice = effective_tool_choice(request.tool_choice, request.tools)
+    except ValueError as error:
+        raise InvalidRequest(str(error), param="tool_choice", code="invalid_value") from None
+    if tool_choice not in ("auto", "none"):
+        # Never silently auto: a client that forces a call must not get plain text back.
+        raise InvalidRequest(
+            f"tool_choice {request.tool_choice!r} is not supported until structured output is; "
+            "use 'auto' or 'none'", param="tool_choice", code="unsupported_value",
+        )
+    return list(request.tools) if request.tools and tool_choice == "auto" else None
+
+
 class PromptRenderer:
     """Chat rendering and tokenization; plain code, shared by the router and tests."""
 
@@ -98,13 +113,10 @@ class PromptRenderer:
                 self._check_token_ids(tokens)
             return RenderedPrompt(tokens=tokens, template_sig=template_signature(RAW_PROMPT_TEMPLATE, {}, "none", None))
         kwargs = self._template_kwargs(request)
-        tools = list(request.tools) if request.tools else None
+        tools = rendered_tools(request)
         namespace = self._memo_namespace(request)
         tokens = self._chat_tokens(request.messages, tools, kwargs, add_generation_prompt=True, namespace=namespace)
-        try:
-            tool_choice = effective_tool_choice(request.tool_choice, tools)
-        except ValueError as error:
-            raise InvalidRequest(str(error), param="tool_choice", code="invalid_value") from None
+        tool_choice = effective_tool_choice(request.tool_choice, tools)
         template_sig = template_signature(self._model.chat_template, kwargs, tool_choice, tools)
         boundary = None
         if self._history_boundaries and len(request.messages) > 1 and request.messages[-1].get("role") == "user":
@@ -118,7 +130,7 @@ class PromptRenderer:
     def next_turn_history(self, request: ChatRequest, reply_text: str) -> tuple[int, ...]:
         """The tokens the next turn will start with: this conversation plus the reply."""
         kwargs = self._template_kwargs(request)
-        tools = list(request.tools) if request.tools else None
+        tools = rendered_tools(request)
         messages = (*request.messages, {"role": "assistant", "content": reply_text})
         return self._chat_tokens(
             messages, tools, kwargs, add_generation_prompt=False, namespace=self._memo_namespace(request)

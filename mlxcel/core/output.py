@@ -1,17 +1,242 @@
 """Per-request output processing: sampled ids in, reply deltas out.
 
 One ``RequestOutput`` per request owns its detokenizer, stop strings,
-logprobs and usage counts; it knows nothing of channels or the device. The
-tool-call and reasoning parsers belong here too.
+logprobs and usage counts, and splits reasoning and tool calls out of the
+text (with mlx-lm's tool parsers, handed in); it knows nothing of channels
+or the device.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import uuid
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 
-from mlxcel.types import Delta, SamplingParams, TokenLogprob, Usage
+from mlxcel.types import ChatRequest, Delta, SamplingParams, TokenLogprob, ToolCall, Usage
+
+logger = logging.getLogger(__name__)
+
+CONTENT, REASONING, TOOL = "content", "reasoning", "tool"
+# `reasoning_format` values: llama.cpp's names ("deepseek" puts thinking in reasoning_content too).
+REASONING_FORMATS = ("auto", "deepseek", "none")
+
+
+@attrs.frozen(kw_only=True)
+class ReplyFormat:
+    """How a model marks thinking and tool calls, as mlx-lm's TokenizerWrapper knows it.
+
+    ``tool_parser`` is the ``parse_tool_call(text, tools)`` of the module in
+    ``mlx_lm.tool_parsers`` that mlx-lm chose from the chat template.
+    """
+
+    think_start: str | None = None
+    think_end: str | None = None
+    think_start_tokens: tuple[int, ...] = ()
+    think_end_tokens: tuple[int, ...] = ()
+    tool_call_start: str | None = None
+    tool_call_end: str | None = None
+    tool_parser: Callable[[str, Any], Any] | None = attrs.field(default=None, eq=False)
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> ReplyFormat:
+        """Read off a TokenizerWrapper; a tokenizer without the markers (a test's) has none."""
+        def text(name: str) -> str | None:
+            value = getattr(tokenizer, name, None)
+            return value if isinstance(value, str) and value else None
+
+        def ids(name: str) -> tuple[int, ...]:
+            value = getattr(tokenizer, name, None)
+            return tuple(value) if isinstance(value, (tuple, list)) else ()
+
+        parser = getattr(tokenizer, "tool_parser", None)
+        start = text("tool_call_start")
+        return cls(
+            think_start=text("think_start"), think_end=text("think_end"),
+            think_start_tokens=ids("think_start_tokens"), think_end_tokens=ids("think_end_tokens"),
+            tool_call_start=start if callable(parser) else None,
+            # mistral's parser has no end marker: its calls run to the end of the reply.
+            tool_call_end=text("tool_call_end") if callable(parser) and start else None,
+            tool_parser=parser if callable(parser) and start else None,
+        )
+
+    def parsing(self, chat: ChatRequest | None, prompt_tokens: Sequence[int]) -> ReplyParsing | None:
+        """What to split out of one request's reply; None: the text goes out as it is."""
+        if chat is None:
+            return None
+        tools = (list(chat.tools) if chat.tools and chat.tool_choice != "none" and self.tool_parser is not None
+                 else None)
+        reasoning = self.think_start is not None and self.think_end is not None and chat.reasoning_format != "none"
+        if tools is None and not reasoning:
+            return None
+        return ReplyParsing(
+            format=self, tools=tools, reasoning=reasoning,
+            starts_in_reasoning=reasoning and self._opens_reasoning(prompt_tokens),
+        )
+
+    def _opens_reasoning(self, prompt: Sequence[int]) -> bool:
+        """The prompt ends inside a thinking block (templates that open it for the model)."""
+        start = _rfind(prompt, self.think_start_tokens)
+        return start >= 0 and start > _rfind(prompt, self.think_end_tokens)
+
+
+def _rfind(tokens: Sequence[int], pattern: tuple[int, ...]) -> int:
+    if not pattern:
+        return -1
+    # Only the prompt's tail can open a block the reply continues.
+    for index in range(len(tokens) - len(pattern), max(-1, len(tokens) - len(pattern) - 64), -1):
+        if tuple(tokens[index : index + len(pattern)]) == pattern:
+            return index
+    return -1
+
+
+@attrs.frozen(kw_only=True)
+class ReplyParsing:
+    format: ReplyFormat
+    # None: tool calls are not parsed (no tools, tool_choice "none", or no parser for this model).
+    tools: list[Any] | None = attrs.field(default=None, eq=False)
+    reasoning: bool = False
+    starts_in_reasoning: bool = False
+
+
+class ReplySplitter:
+    """Splits streamed text into content, reasoning and tool-call regions at the model's markers.
+
+    A piece that may be the start of a marker is held back, as stop strings
+    are. Whitespace at the edges of a region is held and dropped where the
+    region ends (``<think>\n...\n</think>\n\n`` gives bare reasoning and
+    content), so what goes out is what the API shows.
+    """
+
+    def __init__(self, parsing: ReplyParsing) -> None:
+        fmt = parsing.format
+        self._parsing = parsing
+        self._markers: dict[str, list[tuple[str, str]]] = {CONTENT: [], REASONING: [], TOOL: []}
+        if parsing.reasoning:
+            assert fmt.think_start is not None
+            assert fmt.think_end is not None
+            self._markers[CONTENT].append((fmt.think_start, REASONING))
+            self._markers[REASONING].append((fmt.think_end, CONTENT))
+        if parsing.tools is not None:
+            assert fmt.tool_call_start is not None
+            self._markers[CONTENT].append((fmt.tool_call_start, TOOL))
+            self._markers[REASONING].append((fmt.tool_call_start, TOOL))
+            if fmt.tool_call_end:
+                self._markers[TOOL].append((fmt.tool_call_end, CONTENT))
+        self.state = REASONING if parsing.starts_in_reasoning else CONTENT
+        self._buffer = ""
+        # Whitespace held at the end of the current region.
+        self._space = ""
+        # Leading whitespace of the current region is dropped.
+        self._at_start = self.state == REASONING
+        self._tool_text = ""
+        self._space_before_call = ""
+        self.num_calls = 0
+        self._tools = parsing.tools
+
+    def feed(self, text: str, *, final: bool = False) -> tuple[str, str, tuple[ToolCall, ...]]:
+        """Returns (content, reasoning, completed tool calls) safe to send now."""
+        pieces: dict[str, list[str]] = {CONTENT: [], REASONING: []}
+        calls: list[ToolCall] = []
+        self._buffer += text
+        while True:
+            found = [(index, marker, target) for marker, target in self._markers[self.state]
+                     if (index := self._buffer.find(marker)) >= 0]
+            if not found:
+                break
+            cut, marker, target = min(found, key=lambda item: item[0])
+            self._region_text(self._buffer[:cut], pieces)
+            self._buffer = self._buffer[cut + len(marker):]
+            self._leave(target, pieces, calls)
+        keep = 0 if final else _partial_marker(self._buffer, [marker for marker, _ in self._markers[self.state]])
+        self._region_text(self._buffer[: len(self._buffer) - keep], pieces)
+        self._buffer = self._buffer[len(self._buffer) - keep:]
+        if final:
+            self._finish(pieces, calls)
+        return "".join(pieces[CONTENT]), "".join(pieces[REASONING]), tuple(calls)
+
+    def _region_text(self, text: str, pieces: dict[str, list[str]]) -> None:
+        if self.state == TOOL:
+            self._tool_text += text
+            return
+        if self._at_start:
+            text = text.lstrip()
+            if not text:
+                return
+            self._at_start = False
+        stripped = text.rstrip()
+        if stripped:
+            pieces[self.state].append(self._space + stripped)
+            self._space = text[len(stripped):]
+        else:
+            self._space += text
+
+    def _leave(self, target: str, pieces: dict[str, list[str]], calls: list[ToolCall]) -> None:
+        if self.state == TOOL:
+            self._end_call(pieces, calls, closed=True)
+        # The whitespace before a marker belongs to no region (unless the call turns out not to be one).
+        self._space_before_call = self._space if target == TOOL else ""
+        self._space = ""
+        previous, self.state = self.state, target
+        self._at_start = target == REASONING or previous != CONTENT
+
+    def _finish(self, pieces: dict[str, list[str]], calls: list[ToolCall]) -> None:
+        if self.state == TOOL:
+            # An end marker never came: mistral's format has none; otherwise the call was cut off.
+            self._end_call(pieces, calls, closed=not self._parsing.format.tool_call_end)
+            self.state = CONTENT
+        if self.state == CONTENT and self._space and not self.num_calls:
+            pieces[CONTENT].append(self._space)
+        self._space = ""
+
+    def _end_call(self, pieces: dict[str, list[str]], calls: list[ToolCall], *, closed: bool) -> None:
+        fmt = self._parsing.format
+        body, self._tool_text = self._tool_text, ""
+        parsed = self._parse(body) if closed else None
+        if parsed is None:
+            # Not a call after all: the model's text goes out as content, markers included.
+            raw = f"{fmt.tool_call_start}{body}{fmt.tool_call_end if closed else ''}"
+            pieces[CONTENT].append(self._space_before_call + raw)
+            return
+        for name, arguments, call_id in parsed:
+            calls.append(ToolCall(index=self.num_calls, id=call_id, name=name, arguments=arguments))
+            self.num_calls += 1
+
+    def _parse(self, body: str) -> list[tuple[str, str, str]] | None:
+        parser = self._parsing.format.tool_parser
+        assert parser is not None
+        try:
+            parsed = parser(body, self._tools)
+        except Exception as error:  # noqa: BLE001 - any parser failure means the text was not a call
+            logger.warning("a tool call did not parse (%s); it is returned as content", type(error).__name__)
+            return None
+        items = parsed if isinstance(parsed, list) else [parsed]
+        calls = []
+        for item in items:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
+                logger.warning("a tool call parsed to no function name; it is returned as content")
+                return None
+            arguments = item.get("arguments", {})
+            if not isinstance(arguments, str):
+                arguments = json.dumps(arguments, ensure_ascii=False)
+            call_id = item.get("id")
+            calls.append((item["name"], arguments,
+                          call_id if isinstance(call_id, str) and call_id else f"call_{uuid.uuid4().hex[:24]}"))
+        return calls or None
+
+
+def _partial_marker(text: str, markers: list[str]) -> int:
+    """Length of the longest end of ``text`` that starts one of ``markers``."""
+    keep = 0
+    for marker in markers:
+        for length in range(min(len(marker) - 1, len(text)), keep, -1):
+            if text.endswith(marker[:length]):
+                keep = length
+                break
+    return keep
 
 
 class StopMatcher:
@@ -57,9 +282,11 @@ class RequestOutput:
 
     def __init__(
         self, *, tokenizer: Any, sampling: SamplingParams, eos_token_ids: frozenset[int],
-        prompt_tokens: int, submitted_at: float, keep_text: bool = False,
+        prompt_tokens: int, submitted_at: float, keep_text: bool = False, parsing: ReplyParsing | None = None,
     ) -> None:
         self._tokenizer = tokenizer
+        # Reasoning and tool calls split out of the text; None: the text goes out as it is.
+        self._splitter = ReplySplitter(parsing) if parsing is not None else None
         self._detokenizer = tokenizer.detokenizer
         self._sampling = sampling
         self._eos_token_ids = eos_token_ids
@@ -73,7 +300,8 @@ class RequestOutput:
         self._held_text = ""
         # Ids of tokens whose text has not gone out yet.
         self._pending_ids: list[int] = []
-        # The reply so far, when asked for (the warmer renders the next turn from it).
+        # The reply so far as the model wrote it, markers included, when asked
+        # for (the warmer renders the next turn from it).
         self._keep_text = keep_text
         self._parts: list[str] = []
 
@@ -98,12 +326,16 @@ class RequestOutput:
             # The device finished and dropped the sequence; flush what was held.
             emit, self._held_text = emit + self._held_text, ""
         logprobs = () if is_eos else self._logprobs(token, logprob, top)
+        if self._keep_text:
+            self._parts.append(emit)
+        reasoning = ""
+        calls: tuple[ToolCall, ...] = ()
+        if self._splitter is not None:
+            emit, reasoning, calls = self._splitter.feed(emit, final=finish_reason is not None or hit_stop)
         delta = None
-        if emit or logprobs:
-            if self._keep_text:
-                self._parts.append(emit)
+        if emit or reasoning or calls or logprobs:
             token_ids, self._pending_ids = tuple(self._pending_ids), []
-            delta = Delta(text=emit, logprobs=logprobs, token_ids=token_ids)
+            delta = Delta(text=emit, logprobs=logprobs, token_ids=token_ids, reasoning=reasoning, tool_calls=calls)
         if hit_stop:
             # The ids still pending spell the stop string, which is not part of the reply.
             self._pending_ids = []
@@ -112,8 +344,11 @@ class RequestOutput:
 
     def final(self, reason: str, now: float) -> Delta:
         """The last delta: finish reason, usage, and ids that have not gone out."""
+        stop_string = self._matcher.matched if reason == "stop" else None
+        if reason == "stop" and self._splitter is not None and self._splitter.num_calls:
+            reason = "tool_calls"
         return Delta(finish_reason=reason, usage=self.usage(now), token_ids=tuple(self._pending_ids),
-                     stop_string=self._matcher.matched if reason == "stop" else None)
+                     stop_string=stop_string)
 
     def usage(self, now: float) -> Usage:
         first_token_at = now if self.first_token_at is None else self.first_token_at

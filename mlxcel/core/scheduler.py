@@ -39,7 +39,7 @@ from mlxcel.core.effects import (
     ShedCache,
     SnapshotRestoreFailed,
 )
-from mlxcel.core.output import RequestOutput
+from mlxcel.core.output import ReplyFormat, RequestOutput
 from mlxcel.core.plan import (
     Admission,
     AloneChunk,
@@ -207,6 +207,8 @@ class SchedulerCore:
     ) -> None:
         self.capabilities = capabilities
         self._tokenizer = tokenizer
+        # The model's thinking and tool-call markers and its mlx-lm tool parser.
+        self._reply_format = ReplyFormat.of(tokenizer)
         self._eos_token_ids = eos_token_ids
         self._max_queued = max_queued_requests
         self._cache_enabled = cache_enabled
@@ -428,7 +430,8 @@ class SchedulerCore:
             snapshot_after = boundary - matched
         output = RequestOutput(tokenizer=self._tokenizer, sampling=request.sampling,
                                eos_token_ids=self._eos_token_ids, prompt_tokens=len(prompt),
-                               submitted_at=now, keep_text=self._keep_reply_text)
+                               submitted_at=now, keep_text=self._keep_reply_text,
+                               parsing=self._reply_format.parsing(request.chat, prompt))
         output.cached_tokens = matched
         self._running[sequence_id] = _Running(request=request, sequence_id=sequence_id, output=output)
         self._sequence_of[request.request_id] = sequence_id
@@ -740,7 +743,8 @@ class SchedulerCore:
             usage, output = final.usage, running.output
             self._num_completed += 1
             self._effects.append(RequestFinished(
-                finish_reason=reason, prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
+                finish_reason=final.finish_reason or reason, prompt_tokens=usage.prompt_tokens,
+                cached_tokens=usage.cached_tokens,
                 completion_tokens=usage.completion_tokens,
                 seconds_to_first_token=(None if output.first_token_at is None
                                         else output.first_token_at - output.submitted_at),

@@ -34,6 +34,7 @@ from mlxcel.types import (
     CompletionRequest,
     Delta,
     TokenLogprob,
+    ToolCall,
     Usage,
 )
 
@@ -76,6 +77,10 @@ def chat_logprobs_body(logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
     }
 
 
+def tool_call_body(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
 def sse(body: Any) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
@@ -94,14 +99,21 @@ class _Shapes:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
 
     def whole(self, text: str, finish_reason: str, usage: Usage, logprobs: tuple[TokenLogprob, ...],
-              want_logprobs: bool, token_ids: tuple[int, ...] = (), stop_string: str | None = None) -> dict[str, Any]:
+              want_logprobs: bool, token_ids: tuple[int, ...] = (), stop_string: str | None = None,
+              reasoning: str = "", tool_calls: tuple[ToolCall, ...] = ()) -> dict[str, Any]:
         if self.native is not None:
             return {**self.native.whole(text, finish_reason, usage, logprobs, token_ids, stop_string),
                     "usage": usage_body(usage)}
         if self.kind == "chat":
+            # As OpenAI: content is null in a reply of tool calls alone.
+            message: dict[str, Any] = {"role": "assistant", "content": None if tool_calls and not text else text}
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            if tool_calls:
+                message["tool_calls"] = [tool_call_body(call) for call in tool_calls]
             choice = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": chat_logprobs_body(logprobs) if want_logprobs else None,
                 "finish_reason": finish_reason,
             }
@@ -123,6 +135,11 @@ class _Shapes:
             content: dict[str, Any] = {"content": delta.text} if delta.text or first else {}
             if first:
                 content["role"] = "assistant"
+            if delta.reasoning:
+                content["reasoning_content"] = delta.reasoning
+            if delta.tool_calls:
+                # Each call whole in one chunk; the SDKs join a call's chunks by index.
+                content["tool_calls"] = [{"index": call.index, **tool_call_body(call)} for call in delta.tool_calls]
             choice = {"index": 0, "delta": content,
                       "logprobs": chat_logprobs_body(delta.logprobs) if want_logprobs and delta.logprobs else None,
                       "finish_reason": delta.finish_reason}
@@ -359,6 +376,8 @@ def create_app(
 
 async def _whole_response(deltas: DeltaStream, first: Delta, shapes: _Shapes, want_logprobs: bool) -> Response:
     texts = [first.text]
+    reasoning = [first.reasoning]
+    tool_calls = list(first.tool_calls)
     logprobs = list(first.logprobs)
     token_ids = list(first.token_ids)
     last = first
@@ -366,6 +385,8 @@ async def _whole_response(deltas: DeltaStream, first: Delta, shapes: _Shapes, wa
         try:
             async for delta in deltas:
                 texts.append(delta.text)
+                reasoning.append(delta.reasoning)
+                tool_calls.extend(delta.tool_calls)
                 logprobs.extend(delta.logprobs)
                 token_ids.extend(delta.token_ids)
                 last = delta
@@ -374,7 +395,7 @@ async def _whole_response(deltas: DeltaStream, first: Delta, shapes: _Shapes, wa
     assert last.finish_reason is not None
     assert last.usage is not None
     return json_response(shapes.whole("".join(texts), last.finish_reason, last.usage, tuple(logprobs), want_logprobs,
-                                      tuple(token_ids), last.stop_string))
+                                      tuple(token_ids), last.stop_string, "".join(reasoning), tuple(tool_calls)))
 
 
 async def _event_stream(

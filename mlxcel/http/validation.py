@@ -23,6 +23,7 @@ from typing import Any, NoReturn, TypeGuard, TypeVar, overload
 
 import attrs
 
+from mlxcel.core.output import REASONING_FORMATS
 from mlxcel.errors import InvalidRequest
 from mlxcel.types import CacheOptions, ChatRequest, CompletionRequest, SamplingParams
 
@@ -166,9 +167,16 @@ def parse_chat_request(body: object, *, limits: Limits = DEFAULT_LIMITS) -> Chat
         include_usage=include_usage,
     )
 
+        reasoning_format=_optional(root, "reasoning_format", _reasoning_format, "auto"),
 
 def parse_completion_request(
     body: object, *, limits: Limits = DEFAULT_LIMITS
+def _reasoning_format(value: object, path: str) -> str:
+    if value not in REASONING_FORMATS:
+        _fail(path, f"{path} must be one of {', '.join(REASONING_FORMATS)}, got {_kind(value)}")
+    return str(value)
+
+
 ) -> CompletionRequest:
     """Validate a `POST /v1/completions` (OpenAI legacy completions) body."""
     root = _root(body)

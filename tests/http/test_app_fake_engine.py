@@ -25,6 +25,7 @@ from mlxcel.types import (
     SamplingParams,
     ServerBusy,
     TokenLogprob,
+    ToolCall,
 )
 from tests.fakes import FAKE_MODEL_ID, FakeEngine, finish
 
@@ -192,6 +193,64 @@ async def test_include_usage_without_stream_is_accepted_and_ignored() -> None:
     assert status == 200
     assert body["object"] == "chat.completion"
     assert not engine.requests[0].include_usage
+
+
+CALL_A = ToolCall(index=0, id="call_a", name="get_weather", arguments='{"city": "Paris"}')
+CALL_B = ToolCall(index=1, id="call_b", name="get_time", arguments="{}")
+
+
+def function_body(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+async def test_chat_whole_body_with_reasoning_and_tool_calls() -> None:
+    engine = FakeEngine([Delta(reasoning="I need the weather."), Delta(text="Checking."),
+                         Delta(tool_calls=(CALL_A,)), Delta(tool_calls=(CALL_B,)), finish("tool_calls")])
+    status, body = await post(client_for(engine), "/v1/chat/completions", {**CHAT, "reasoning_format": "auto"})
+    assert status == 200
+    assert body["choices"] == [{"index": 0, "message": {
+        "role": "assistant", "content": "Checking.", "reasoning_content": "I need the weather.",
+        "tool_calls": [function_body(CALL_A), function_body(CALL_B)],
+    }, "logprobs": None, "finish_reason": "tool_calls"}]
+
+
+async def test_chat_whole_body_of_tool_calls_alone_has_null_content() -> None:
+    engine = FakeEngine([Delta(tool_calls=(CALL_A,)), finish("tool_calls")])
+    _status, body = await post(client_for(engine), "/v1/chat/completions", CHAT)
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": None,
+                                             "tool_calls": [function_body(CALL_A)]}
+
+
+async def test_chat_stream_sends_reasoning_and_indexed_tool_calls() -> None:
+    engine = FakeEngine([Delta(reasoning="Hm."), Delta(text="Ok."), Delta(tool_calls=(CALL_A, CALL_B)),
+                         finish("tool_calls")])
+    events = await post_events(client_for(engine), "/v1/chat/completions", {**CHAT, "stream": True})
+    assert [event if event == "[DONE]" else event["choices"][0]["delta"] for event in events] == [
+        {"content": "", "role": "assistant", "reasoning_content": "Hm."},
+        {"content": "Ok."},
+        {"tool_calls": [{"index": 0, **function_body(CALL_A)}, {"index": 1, **function_body(CALL_B)}]},
+        {},
+        "[DONE]",
+    ]
+    assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("value", ["none", "auto", "deepseek"])
+async def test_reasoning_format_reaches_the_engine(value: str) -> None:
+    engine = FakeEngine()
+    status, _body = await post(client_for(engine), "/v1/chat/completions", {**CHAT, "reasoning_format": value})
+    assert status == 200
+    (request,) = engine.requests
+    assert isinstance(request, ChatRequest)
+    assert request.reasoning_format == value
+
+
+async def test_an_unknown_reasoning_format_is_400() -> None:
+    engine = FakeEngine()
+    status, body = await post(client_for(engine), "/v1/chat/completions", {**CHAT, "reasoning_format": "hidden"})
+    assert status == 400
+    assert body["error"]["param"] == "reasoning_format"
+    assert engine.requests == []
 
 
 # --- legacy completions ----------------------------------------------------------------
