@@ -53,8 +53,10 @@ MAX_TOKEN_ID = 2**31 - 1
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
 _LEGACY_DEFAULT_MAX_TOKENS = 16
-# OpenAI's bound on a logit_bias value; a repetition penalty past this is no longer a penalty.
+# OpenAI's bound on a logit_bias value. A repetition penalty divides positive logits:
+# much below 0.01 they overflow a half-precision logit (and the logprobs turn NaN).
 MAX_LOGIT_BIAS = 100.0
+MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
 
 _MISSING = "missing_required_parameter"
@@ -510,7 +512,7 @@ def _min_p(value: object, path: str) -> float:
 
 def _repetition_penalty(value: object, path: str) -> float:
     # Multiplicative (1 is off): a logit is divided by it, or multiplied when negative.
-    return _number(value, path, 0.0, MAX_REPETITION_PENALTY, low_open=True)
+    return _number(value, path, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
 
 
 def _penalty(value: object, path: str) -> float:

@@ -142,6 +142,7 @@ BAD_OPENAI_SAMPLING: list[tuple[dict[str, Any], str, str]] = [
     ({"repetition_penalty": 0}, "repetition_penalty", VALUE),
     ({"repetition_penalty": -1.0}, "repetition_penalty", VALUE),
     ({"repetition_penalty": 101}, "repetition_penalty", VALUE),
+    ({"repetition_penalty": 0.009}, "repetition_penalty", VALUE),
     ({"extra_body": {"repetition_penalty": "1.1"}}, "extra_body.repetition_penalty", TYPE),
     ({"logit_bias": []}, "logit_bias", TYPE),
     ({"logit_bias": {"x": 1}}, "logit_bias", VALUE),
@@ -568,8 +569,8 @@ GOOD_OPENAI_SAMPLING: list[tuple[dict[str, Any], SamplingParams]] = [
     ({"logit_bias": {}}, SamplingParams()),
     ({"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1},
      SamplingParams(top_k=40, min_p=0.05, repetition_penalty=1.1)),
-    ({"extra_body": {"top_k": 3, "min_p": 1, "repetition_penalty": 0.5}},
-     SamplingParams(top_k=3, min_p=1.0, repetition_penalty=0.5)),
+    ({"extra_body": {"top_k": 3, "min_p": 1, "repetition_penalty": 0.01}},
+     SamplingParams(top_k=3, min_p=1.0, repetition_penalty=0.01)),
     ({"top_k": 0, "extra_body": {"top_k": 9}}, SamplingParams()),
     ({"top_k": None, "extra_body": {"top_k": 9}}, SamplingParams(top_k=9)),
     # Greedy with penalties still applies them (the device does).

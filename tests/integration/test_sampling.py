@@ -9,9 +9,11 @@ requests start directly from the cached prefix and earlier ones in the batch.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import trio
@@ -75,3 +77,27 @@ async def test_sampling_fields_are_honoured_or_refused_through_the_openai_sdk(st
         assert error.body["param"] == param, (kwargs, error.body)
     text = await create(client, model=engine.model_id, temperature=0, response_format={"type": "text"})
     assert text.choices[0].message.content == greedy
+
+
+async def test_native_completion_sampling_fields_are_honoured(start_engine, start_server) -> None:
+    """llama.cpp's names and its logit_bias pairs, `false` banning a token."""
+    engine = await start_engine("llama")
+    base_url = await start_server(engine)
+    tokenizer = Tokenizer.from_file(str(fixtures.tokenizer_json_path()))
+    (favoured,) = tokenizer.encode(" cat").ids
+    body = {"prompt": "Once upon a time", "n_predict": 4, "temperature": 0, "return_tokens": True, "n_probs": 3}
+
+    async def complete(**fields: Any) -> dict[str, Any]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+            response = await client.post("/completion", json={**body, **fields})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    greedy = (await complete())["tokens"]
+    assert len(greedy) == 4
+    assert (await complete(logit_bias=[[favoured, 100]]))["tokens"] == [favoured] * 4
+    banned = await complete(logit_bias=[[greedy[0], False]])
+    assert greedy[0] not in banned["tokens"]
+    assert all(math.isfinite(item["logprob"]) for item in banned["completion_probabilities"])
+    assert (await complete(top_k=1, temperature=1, seed=5))["tokens"] == greedy
+    assert (await complete(repeat_penalty=1.5))["tokens"] != greedy

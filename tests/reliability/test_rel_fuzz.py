@@ -109,6 +109,11 @@ def chat_bodies(draw: st.DrawFn) -> dict[str, Any]:
         "cache_prompt": st.booleans(),
         "n": st.just(1),
         "presence_penalty": st.floats(min_value=-2, max_value=2),
+        "frequency_penalty": st.floats(min_value=-2, max_value=2),
+        "top_k": st.integers(min_value=0, max_value=200_000),
+        "min_p": st.floats(min_value=0, max_value=1),
+        "repetition_penalty": st.floats(min_value=0.01, max_value=100),
+        "logit_bias": st.dictionaries(token_ids.map(str), st.floats(min_value=-100, max_value=100), max_size=4),
         "model": st.just("llama-v1-seed0"),
         "chat_template_kwargs": template_kwargs,
     }
@@ -135,6 +140,14 @@ def completion_bodies(draw: st.DrawFn, native: bool) -> dict[str, Any]:
         "seed": st.integers(min_value=-1, max_value=2**32),
         "prompt_cache_key": words,
         "cache_salt": words,
+        "top_k": st.integers(min_value=0, max_value=200_000),
+        "min_p": st.floats(min_value=0, max_value=1),
+        "presence_penalty": st.floats(min_value=-2, max_value=2),
+        "frequency_penalty": st.floats(min_value=-2, max_value=2),
+        "repeat_penalty" if native else "repetition_penalty": st.floats(min_value=0.01, max_value=100),
+        "logit_bias": st.dictionaries(token_ids.map(str), st.floats(min_value=-100, max_value=100), max_size=4)
+        if not native else st.lists(st.tuples(token_ids, st.one_of(st.just(False), st.floats(-100, 100))).map(list),
+                                    max_size=4),
     }
     if not native:
         optional["logprobs"] = st.integers(min_value=0, max_value=5)
