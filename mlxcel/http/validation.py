@@ -167,18 +167,18 @@ def parse_chat_request(body: object, *, limits: Limits = DEFAULT_LIMITS) -> Chat
         model=_optional(root, "model", _string),
         stream=stream,
         include_usage=include_usage,
+        reasoning_format=_optional(root, "reasoning_format", _reasoning_format, "auto"),
     )
 
-        reasoning_format=_optional(root, "reasoning_format", _reasoning_format, "auto"),
 
-def parse_completion_request(
-    body: object, *, limits: Limits = DEFAULT_LIMITS
 def _reasoning_format(value: object, path: str) -> str:
     if value not in REASONING_FORMATS:
         _fail(path, f"{path} must be one of {', '.join(REASONING_FORMATS)}, got {_kind(value)}")
     return str(value)
 
 
+def parse_completion_request(
+    body: object, *, limits: Limits = DEFAULT_LIMITS
 ) -> CompletionRequest:
     """Validate a `POST /v1/completions` (OpenAI legacy completions) body."""
     root = _root(body)
