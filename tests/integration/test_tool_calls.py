@@ -19,8 +19,10 @@ import openai
 import pytest
 import trio
 
+from mlxcel.actors.router import PromptRenderer
 from mlxcel.core.output import ReplyFormat
 from mlxcel.engine import Engine, run_engine
+from mlxcel.http.validation import parse_chat_request
 from tests.http.test_tool_loop_and_logprobs import fixture_copy
 from tests.support import make_engine_config
 
@@ -33,7 +35,9 @@ TOOL_TEMPLATE = (
     "{%- if message.role == 'tool' %}"
     "{{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}"
     "{%- else %}"
-    "{{- '<|im_start|>' + message.role + '\n' + message.content }}"
+    "{{- '<|im_start|>' + message.role + '\n' }}"
+    "{%- if message.reasoning_content %}{{- '<think>\n' + message.reasoning_content + '\n</think>\n\n' }}{%- endif %}"
+    "{{- message.content }}"
     "{%- for call in message.tool_calls or [] %}{%- set tool_call = call.function %}"
     "{{- '\n<tool_call>\n{\"name\": \"' + tool_call.name + '\", \"arguments\": '"
     " + tool_call.arguments | tojson + '}\n</tool_call>' }}"
@@ -91,9 +95,14 @@ async def test_a_four_step_tool_loop_hits_the_cache_at_every_step(
         calls = [{"id": f"call_{step}_{index}", "type": "function",
                   "function": {"name": name, "arguments": json.dumps({"city": city})}}
                  for index, name in enumerate(("get_weather", "get_time")[: 1 + step % 2])]
-        messages.append({"role": "assistant", "content": message.content or None, "tool_calls": calls})
+        # With the reasoning a thinking model would have returned: it renders in the history every turn.
+        messages.append({"role": "assistant", "content": message.content or None, "tool_calls": calls,
+                         "reasoning_content": f"I need step {step}'s facts."})
         messages.extend({"role": "tool", "tool_call_id": call["id"], "content": f"result {call['id']}"}
                         for call in calls)
+    renderer = PromptRenderer(engine.model, default_template_kwargs={}, cache_enabled=True)
+    rendered = renderer.render(parse_chat_request({"messages": messages, "tools": TOOLS}))
+    assert "<think>\nI need step 0's facts.\n</think>" in engine.model.tokenizer.decode(list(rendered.tokens))
 
 
 async def test_tool_choice_none_renders_no_tools_and_forcing_a_call_is_refused(
