@@ -9,6 +9,7 @@ built-in default.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -74,8 +75,12 @@ class SchedulerConfig:
 
 @attrs.frozen(kw_only=True)
 class EngineConfig:
-    # None: the built-in random-weight demo model.
+    # A local folder or a Hugging Face repo id; None: the built-in random-weight demo model.
     model_path: Path | None = None
+    # The ids requests may name (the first is the one reported); empty: the model folder's name or repo id.
+    served_model_names: tuple[str, ...] = ()
+    # Replaces the model's chat template server-wide (the source text, not a path).
+    chat_template: str | None = None
     # None: the model's max_position_embeddings.
     ctx_size: int | None = None
     chat_template_kwargs: Mapping[str, Any] = attrs.field(factory=dict)
@@ -192,6 +197,38 @@ def parse_hash(text: str) -> HashAlgorithm:
     raise ValueError(f"expected sha256 or blake3, got {text!r}")
 
 
+def parse_chat_template(text: str) -> str:
+    """``--chat-template``: Jinja source (it has ``{{`` or ``{%``), else the path of a file holding it."""
+    if "{{" in text or "{%" in text:
+        return text
+    path = Path(text).expanduser()
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else error
+        raise ValueError(f"cannot read the chat template file {str(path)!r}: {reason}") from None
+
+
+def parse_template_kwargs(text: str) -> dict[str, Any]:
+    """``--chat-template-kwargs``: a JSON object of extra template variables."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"expected a JSON object, got invalid JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {type(value).__name__}")
+    if "chat_template" in value:
+        raise ValueError("set the template with --chat-template, not in the template kwargs")
+    return value
+
+
+def parse_model_name(text: str) -> str:
+    name = text.strip()
+    if not name:
+        raise ValueError("expected a model name, got an empty string")
+    return name
+
+
 def parse_session_key_scope(text: str) -> str:
     value = text.strip().lower()
     if value not in ("client", "user"):
@@ -209,6 +246,8 @@ class Setting:
     parse: Callable[[str], Any]
     help: str
     optional_value: bool = False  # `--flag` alone means true (`--flag[=BOOL]`)
+    # One or more values (`--flag A B`; comma-separated in the environment), as a tuple.
+    multiple: bool = False
 
 
 PROMPT_CACHE_SETTINGS = (
@@ -294,6 +333,14 @@ ENGINE_SETTINGS = (
             ("MLXCEL_ALLOW_REQUEST_CHAT_TEMPLATE",), parse_bool,
             "accept a chat template in a request's chat_template_kwargs, rendered in a bounded "
             "sandbox (default false: such a request gets a 400)", optional_value=True),
+    Setting("served_model_names", "--served-model-name", ("MLXCEL_SERVED_MODEL_NAME",), parse_model_name,
+            "the model ids requests may name, the first reported as the model's id (default: the model "
+            "folder's name or repo id)", multiple=True),
+    Setting("chat_template", "--chat-template", ("MLXCEL_CHAT_TEMPLATE",), parse_chat_template,
+            "a Jinja chat template, or the path of a file holding one, used instead of the model's"),
+    Setting("chat_template_kwargs", "--chat-template-kwargs", ("MLXCEL_CHAT_TEMPLATE_KWARGS",),
+            parse_template_kwargs, "a JSON object of template variables for every request (a request's "
+            "own chat_template_kwargs override them), e.g. '{\"enable_thinking\": false}'"),
 )
 
 
@@ -323,6 +370,8 @@ def add_settings(parser: argparse.ArgumentParser, settings: tuple[Setting, ...])
         )
         if setting.optional_value:
             kwargs.update(nargs="?", const=True, metavar="BOOL")
+        if setting.multiple:
+            kwargs.update(nargs="+", metavar="NAME")
         parser.add_argument(setting.flag, **kwargs)
 
 
@@ -336,7 +385,7 @@ def resolve_settings(
     for setting in settings:
         flag_value = getattr(namespace, setting.dest, None)
         if flag_value is not None:
-            values[setting.dest] = flag_value
+            values[setting.dest] = tuple(flag_value) if setting.multiple else flag_value
             continue
         for name in setting.env:
             raw = environ.get(name)
@@ -344,7 +393,9 @@ def resolve_settings(
                 continue
             parse = parse_llama_cache_reuse if name == "LLAMA_ARG_CACHE_REUSE" else setting.parse
             try:
-                values[setting.dest] = parse(raw)
+                values[setting.dest] = (
+                    tuple(parse(item) for item in raw.split(",")) if setting.multiple else parse(raw)
+                )
             except ValueError as error:
                 raise ConfigError(f"{name}={raw!r}: {error}") from None
             break
@@ -354,7 +405,8 @@ def resolve_settings(
 def build_serve_parser(prog: str = "mlxcel serve") -> argparse.ArgumentParser:
     parser = _OneLineParser(prog=prog, description="Serve an OpenAI-compatible API.")
     parser.add_argument("-m", "--model", type=Path, default=None,
-                        help="local model folder (default: the random-weight demo model)")
+                        help="local model folder or Hugging Face repo id, resolved through the local hub "
+                        "cache (HF_HUB_OFFLINE=1: the cache only) (default: the random-weight demo model)")
     parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port (default 8080)")
     parser.add_argument("--ctx-size", type=_flag_type(Setting("ctx_size", "", (), parse_positive_int, "")),

@@ -16,6 +16,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import attrs
 import trio
 
 from mlxcel.actors.cache_store import CacheStoreActor
@@ -98,6 +99,9 @@ class DeltaStream:
 class Engine:
     """The handle an application (or the HTTP app) talks to. Safe to share between tasks."""
 
+    # ``--served-model-name``: every id a request may name, the reported one first.
+    served_model_names: tuple[str, ...] = ()
+
     def __init__(
         self,
         *,
@@ -111,6 +115,7 @@ class Engine:
     ) -> None:
         self.model = model
         self.config = config
+        self.served_model_names = config.served_model_names
         self.apc_enabled = apc_enabled
         self._to_router = to_router
         self._to_scheduler = to_scheduler
@@ -120,7 +125,13 @@ class Engine:
 
     @property
     def model_id(self) -> str:
+        """The id replies report: the first ``--served-model-name``, else the model's own."""
         return self.model.model_id
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every id a request may name (``--served-model-name``), the reported one first."""
+        return self.served_model_names or (self.model_id,)
 
     def stream(self, request: ChatRequest | CompletionRequest) -> DeltaStream:
         """Start a request; iterate the result for its deltas (the last has usage)."""
@@ -286,6 +297,9 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             device_inbox,
         )
         model: ModelInfo = await nursery.start(device.run)
+        if config.served_model_names:
+            # The reported id is also the cache keys' model id, so every alias shares one cache.
+            model = attrs.evolve(model, model_id=config.served_model_names[0])
         apc_enabled = config.prompt_cache.enabled and config.prompt_cache.apc_enabled
         if apc_enabled and not model.family.apc_supported:
             logger.info(
@@ -306,6 +320,7 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             history_boundaries=snapshots is not None,
             allow_request_template=config.allow_request_chat_template,
             memo_per_session=not config.prompt_cache.cross_session,
+            chat_template=config.chat_template,
         )
         await nursery.start(MetricsActor(inbox=metrics_inbox).run)
         await nursery.start(CacheStoreActor(

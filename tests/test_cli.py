@@ -76,6 +76,12 @@ def test_bad_environment_values_name_the_variable() -> None:
     (["serve", "--bogus-flag"], {}, "unrecognized"),
     (["serve"], {"MLXCEL_PROMPT_CACHE_MAX_ENTRIES": "x"}, "MLXCEL_PROMPT_CACHE_MAX_ENTRIES"),
     (["serve", "-m", "/nonexistent/model"], {}, "model folder not found"),
+    (["serve", "-m", "some-org/missing-model"], {"HF_HOME": "/nonexistent/hf"},
+     "'some-org/missing-model' is neither a local folder nor a repo in the Hugging Face cache"),
+    (["serve", "--chat-template-kwargs", "{bad"], {}, "--chat-template-kwargs: expected a JSON object"),
+    (["serve", "--chat-template-kwargs", "[1]"], {}, "expected a JSON object, got list"),
+    (["serve"], {"MLXCEL_CHAT_TEMPLATE_KWARGS": "nope"}, "MLXCEL_CHAT_TEMPLATE_KWARGS"),
+    (["serve", "--chat-template", "/nonexistent/template.jinja"], {}, "cannot read the chat template file"),
     (["nonsense"], {}, "unknown command"),
 ])
 def test_user_errors_exit_2_with_one_line(argv, environ, needle) -> None:
@@ -120,3 +126,21 @@ def test_a_busy_port_fails_at_once_with_one_line() -> None:
 def test_device_warmup_is_auto_true_or_false(argv, environ, warm_up) -> None:
     engine, _ = configs(argv, environ)
     assert auto_bool(engine.scheduler.device_warmup) is warm_up
+
+
+def test_served_model_names_and_chat_template_settings(tmp_path) -> None:
+    engine, _ = configs(["--served-model-name", "gpt-4o", "smol"])
+    assert engine.served_model_names == ("gpt-4o", "smol")
+    engine, _ = configs([], {"MLXCEL_SERVED_MODEL_NAME": "a,b"})
+    assert engine.served_model_names == ("a", "b")
+    assert configs([])[0].served_model_names == ()
+    template_file = tmp_path / "template.jinja"
+    template_file.write_text("{{ messages[0]['content'] }}")
+    engine, _ = configs(["--chat-template", str(template_file), "--chat-template-kwargs", '{"enable_thinking": false}'])
+    assert engine.chat_template == "{{ messages[0]['content'] }}"
+    assert engine.chat_template_kwargs == {"enable_thinking": False}
+    # Jinja source is taken as it is.
+    assert configs(["--chat-template", "{% for m in messages %}{{ m.content }}{% endfor %}"])[0].chat_template == (
+        "{% for m in messages %}{{ m.content }}{% endfor %}")
+    with pytest.raises(SystemExit):
+        configs(["--chat-template-kwargs", '{"chat_template": "x"}'])

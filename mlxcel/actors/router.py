@@ -84,8 +84,12 @@ class PromptRenderer:
         history_boundaries: bool = False,
         allow_request_template: bool = False,
         memo_per_session: bool = False,
+        chat_template: str | None = None,
     ) -> None:
         self._model = model
+        # `--chat-template` replaces the model's; it is what the cache keys' signature hashes.
+        self._chat_template = model.chat_template if chat_template is None else chat_template
+        self._template_override = {} if chat_template is None else {"chat_template": chat_template}
         self._segments = SegmentTokenizer(model.tokenizer)
         self._vocab_size = vocabulary_size(model.tokenizer, model.config)
         # Rendered text longer than this cannot fit the context (or, without a proven bound, is absurd).
@@ -98,7 +102,7 @@ class PromptRenderer:
         self._default_template_kwargs = dict(default_template_kwargs)
         # A template that can drop earlier reasoning would re-render history
         # differently each turn; keeping it makes the prefix stable.
-        if cache_enabled and "preserve_thinking" in model.chat_template:
+        if cache_enabled and "preserve_thinking" in self._chat_template:
             self._default_template_kwargs.setdefault("preserve_thinking", True)
 
     def render(self, request: ChatRequest | CompletionRequest) -> RenderedPrompt:
@@ -117,7 +121,7 @@ class PromptRenderer:
         namespace = self._memo_namespace(request)
         tokens = self._chat_tokens(request.messages, tools, kwargs, add_generation_prompt=True, namespace=namespace)
         tool_choice = effective_tool_choice(request.tool_choice, tools)
-        template_sig = template_signature(self._model.chat_template, kwargs, tool_choice, tools)
+        template_sig = template_signature(self._chat_template, kwargs, tool_choice, tools)
         boundary = None
         if self._history_boundaries and len(request.messages) > 1 and request.messages[-1].get("role") == "user":
             history = self._chat_tokens(
@@ -207,7 +211,8 @@ class PromptRenderer:
                 return request_templates.render(template, variables)
             with render_deadline(RENDER_TIMEOUT_S):
                 return tokenizer.apply_chat_template(
-                    messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+                    messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False,
+                    **{**self._template_override, **kwargs},
                 )
         except RenderOverrun as error:
             if error.too_large and template is None:

@@ -259,9 +259,10 @@ def create_app(
     async def generate(kind: str, parse: Callable[..., ChatRequest | CompletionRequest]) -> Response:
         try:
             parsed = parse(await read_body(), limits=limits)
-            if parsed.model not in (None, "", engine.model_id):
+            if parsed.model not in (None, "", *engine.model_names):
                 raise InvalidRequest(
-                    f"the model {parsed.model!r} is not served here; this server serves {engine.model_id!r}",
+                    f"the model {parsed.model!r} is not served here; this server serves "
+                    f"{', '.join(repr(name) for name in engine.model_names)}",
                     param="model", code="model_not_found", status=404,
                 )
             deltas = engine.stream(parsed)
@@ -317,12 +318,21 @@ def create_app(
     async def detokenize() -> Response:
         return await tokens_route(llamacpp.detokenize)
 
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "mlxcel"}
+
     @app.get("/v1/models")
     async def models() -> Response:
-        return json_response({
-            "object": "list",
-            "data": [{"id": engine.model_id, "object": "model", "created": 0, "owned_by": "mlxcel"}],
-        })
+        return json_response({"object": "list", "data": [model_card(name) for name in engine.model_names]})
+
+    @app.get("/v1/models/<path:model_id>")
+    async def model(model_id: str) -> Response:
+        # <path:...>: a repo id such as "org/name" holds a slash.
+        if model_id not in engine.model_names:
+            return error_response(InvalidRequest(
+                f"the model {model_id!r} is not served here", param="model", code="model_not_found", status=404,
+            ))
+        return json_response(model_card(model_id))
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,4 +1,9 @@
-"""Loading a local model folder through mlx-lm.
+"""Loading a model folder through mlx-lm: a local folder, or a Hugging Face repo id.
+
+A repo id resolves as mlx-lm resolves it, through huggingface_hub's cache
+(``snapshot_download`` with mlx-lm's file patterns): offline
+(``HF_HUB_OFFLINE=1``) a repo already in the cache loads, a missing one is a
+`ModelLoadError`.
 
 MLX is imported inside `load_model` only, so `read_model_config` (and a CLI
 that still has to decide whether to re-exec with a faster BLAS) can use this
@@ -9,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,8 +28,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LoadedModel", "ModelLoadError", "default_prefill_step_size", "load_model", "read_chat_template",
-    "read_model_config",
+    "read_model_config", "resolve_model",
 ]
+
+# The files mlx-lm fetches of a repo (mlx_lm.utils.DEFAULT_ALLOW_PATTERNS; not imported: it pulls in MLX).
+HUB_ALLOW_PATTERNS = (
+    "*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "tiktoken.model", "*.txt", "*.jsonl",
+    "*.jinja",
+)
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
 
 
 def default_prefill_step_size() -> int:
@@ -50,17 +63,44 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
 
 
-def _model_folder(path: str | Path) -> Path:
-    folder = Path(path).expanduser()
+def _is_repo_id(text: str) -> bool:
+    return _REPO_ID.fullmatch(text) is not None and ".." not in text and "--" not in text
+
+
+def _hub_folder(repo_id: str) -> Path:
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=list(HUB_ALLOW_PATTERNS)))
+    except LocalEntryNotFoundError:
+        where = "in the Hugging Face cache (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else (
+            "in the Hugging Face cache, and the hub could not be reached")
+        raise ModelLoadError(f"model not found: {repo_id!r} is neither a local folder nor a repo {where}") from None
+    except (HfHubHTTPError, HFValidationError, OSError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelLoadError(f"cannot fetch model {repo_id!r} from the Hugging Face hub: {first_line}") from None
+
+
+def resolve_model(path: str | Path) -> tuple[Path, str]:
+    """The local folder of a model and its id: a folder's name, or the repo id of a hub model."""
+    text = str(path)
+    folder = Path(text).expanduser()
+    if not folder.exists() and _is_repo_id(text):
+        return _hub_folder(text), text
     if not folder.exists():
         raise ModelLoadError(f"model folder not found: {folder}")
     if not folder.is_dir():
         raise ModelLoadError(f"model path is not a folder: {folder}")
-    return folder.resolve()
+    return folder.resolve(), folder.resolve().name
+
+
+def _model_folder(path: str | Path) -> Path:
+    return resolve_model(path)[0]
 
 
 def read_model_config(path: str | Path) -> dict[str, Any]:
-    """The parsed ``config.json`` of a model folder, without touching the weights."""
+    """The parsed ``config.json`` of a model folder (or repo id), without touching the weights."""
     folder = _model_folder(path)
     config_file = folder / "config.json"
     if not config_file.is_file():
@@ -129,8 +169,8 @@ def _load_tokenizer(folder: Path, _stamp: object, eos_token_ids: tuple[int, ...]
 
 
 def load_model(path: str | Path) -> LoadedModel:
-    """Load the model and tokenizer of a local folder (never the Hugging Face hub)."""
-    folder = _model_folder(path)
+    """Load the model and tokenizer of a local folder or a Hugging Face repo id (see `resolve_model`)."""
+    folder, model_id = resolve_model(path)
     config = read_model_config(folder)
     if not any(folder.glob("model*.safetensors")):
         raise ModelLoadError(f"no model*.safetensors weights in model folder {folder}")
@@ -154,7 +194,7 @@ def load_model(path: str | Path) -> LoadedModel:
         model=model,
         tokenizer=tokenizer,
         config=config,
-        model_id=folder.name,
+        model_id=model_id,
         path=folder,
         family=detect_family(config),
         chat_template=chat_template,

@@ -170,3 +170,74 @@ async def test_cache_hits_answer_as_cold_runs_and_mlx_lm_do(smollm2_server) -> N
     print(f"\nsmollm2 greedy replies identical (hit, cold, mlx-lm): {identical}/{len(follow_ups)} = {fraction:.2f}")
     print("\n".join(report))
     assert fraction >= 0.8, "\n".join(report)
+
+
+# ChatML without the default system prompt SmolLM2's own template adds.
+PLAIN_CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+async def test_served_model_names_models_routes_and_server_chat_template(start_engine, start_server) -> None:
+    import httpx
+
+    engine = await start_engine(
+        FAMILY, served_model_names=("smol", "gpt-4o-mini"), chat_template=PLAIN_CHATML,
+        chat_template_kwargs={"unused_flag": True},
+    )
+    base_url = await start_server(engine)
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        listed = (await http.get("/v1/models")).json()
+        assert [card["id"] for card in listed["data"]] == ["smol", "gpt-4o-mini"]
+        card = await http.get("/v1/models/gpt-4o-mini")
+        assert card.status_code == 200
+        assert card.json() == {"id": "gpt-4o-mini", "object": "model", "created": 0, "owned_by": "mlxcel"}
+        missing = await http.get("/v1/models/other")
+        assert missing.status_code == 404
+        assert missing.json()["error"]["code"] == "model_not_found"
+        assert missing.json()["error"]["param"] == "model"
+        refused = await http.post("/v1/chat/completions", json={
+            "model": "other", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+        })
+        assert refused.status_code == 404
+    client = client_for(base_url)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    completion = await create(client, model="gpt-4o-mini", messages=question, max_tokens=12)
+    assert completion.model == "smol"
+    assert "Paris" in completion.choices[0].message.content
+    # "<|im_start|>user\n" + 7 tokens + "<|im_end|>\n<|im_start|>assistant\n": no default system prompt.
+    assert completion.usage.prompt_tokens < 20
+
+
+def test_server_chat_template_and_kwargs_are_in_the_template_signature(smollm2_model_info) -> None:
+    from mlxcel.actors.router import PromptRenderer
+    from mlxcel.types import ChatRequest
+
+    request = ChatRequest(messages=({"role": "user", "content": "hello"},))
+
+    def signature(**options: Any) -> str:
+        kwargs = options.pop("kwargs", {})
+        renderer = PromptRenderer(smollm2_model_info, default_template_kwargs=kwargs, cache_enabled=True, **options)
+        return renderer.render(request).template_sig
+
+    plain = signature()
+    assert signature() == plain
+    assert signature(chat_template=PLAIN_CHATML) != plain
+    assert signature(chat_template=PLAIN_CHATML) != signature(chat_template=PLAIN_CHATML + " ")
+    assert signature(kwargs={"enable_thinking": False}) != plain
+    # The model's own template given explicitly renders and signs as the default does.
+    assert signature(chat_template=smollm2_model_info.chat_template) == plain
+
+
+@pytest.fixture(scope="module")
+def smollm2_model_info() -> Any:
+    from mlxcel.actors.device import ModelInfo
+    from mlxcel.model.loader import load_model
+
+    loaded = load_model(fixture_path(FAMILY))
+    return ModelInfo(
+        model_id=loaded.model_id, path=loaded.path, config=loaded.config, family=loaded.family,
+        tokenizer=loaded.tokenizer, chat_template=loaded.chat_template, eos_token_ids=loaded.eos_token_ids,
+        context_size=2048,
+    )

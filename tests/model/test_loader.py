@@ -1,14 +1,17 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from mlxcel.model.family import FamilyKind
 from mlxcel.model.fixtures import CHAT_TEMPLATE
-from mlxcel.model.loader import ModelLoadError, load_model, read_chat_template, read_model_config
+from mlxcel.model.loader import ModelLoadError, load_model, read_chat_template, read_model_config, resolve_model
 
 EXPECTED = {
     "llama": ("llama", FamilyKind.DENSE, None, True, False),
@@ -133,3 +136,56 @@ def test_read_chat_template_variants(tmp_path: Path) -> None:
     assert read_chat_template(tmp_path) == "D"
     (tmp_path / "chat_template.jinja").write_text("J")
     assert read_chat_template(tmp_path) == "J"
+
+
+def fake_hub_cache(hf_home: Path, repo_id: str, source: Path) -> Path:
+    """The layout huggingface_hub's cache has: refs/main names the snapshot folder."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    for entry in source.iterdir():
+        (snapshot / entry.name).symlink_to(entry.resolve())
+    return snapshot
+
+
+def run_offline(code: str, hf_home: Path) -> subprocess.CompletedProcess[str]:
+    # huggingface_hub reads HF_HOME and HF_HUB_OFFLINE when imported: a fresh process.
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"},
+    )
+
+
+def test_a_repo_id_in_the_hub_cache_loads_offline(tmp_path: Path, fixture_folder) -> None:
+    snapshot = fake_hub_cache(tmp_path / "hf", "test-org/tiny-llama", fixture_folder("llama"))
+    result = run_offline(
+        "from mlxcel.model.loader import load_model, read_model_config\n"
+        "assert read_model_config('test-org/tiny-llama')['model_type'] == 'llama'\n"
+        "loaded = load_model('test-org/tiny-llama')\n"
+        "print(loaded.model_id, loaded.path)\n",
+        tmp_path / "hf",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["test-org/tiny-llama", str(snapshot)]
+
+
+def test_a_repo_id_missing_from_the_hub_cache_is_one_line(tmp_path: Path) -> None:
+    result = run_offline(
+        "from mlxcel.model.loader import ModelLoadError, resolve_model\n"
+        "try:\n    resolve_model('test-org/absent')\nexcept ModelLoadError as error:\n    print(error)\n",
+        tmp_path / "hf",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == (
+        "model not found: 'test-org/absent' is neither a local folder nor a repo in the Hugging Face cache "
+        "(HF_HUB_OFFLINE is set)"
+    )
+
+
+@pytest.mark.parametrize("text", ["./relative/folder", "/abs/org/name", "org/name/extra", "org--x/name", "-org/name"])
+def test_paths_that_are_not_repo_ids_stay_folders(text: str) -> None:
+    with pytest.raises(ModelLoadError, match="model folder not found"):
+        resolve_model(text)
