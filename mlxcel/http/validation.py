@@ -848,8 +848,20 @@ def _tools(root: Mapping[str, Any]) -> tuple[dict[str, Any], ...] | None:
             _fail(f"{function_path}.name", f"{function_path}.name: duplicate tool name {name!r}")
         names.add(name)
         _optional(function, "description", _string, prefix=function_path)
-        _optional(function, "parameters", _object, prefix=function_path)
+        parameters = _optional(function, "parameters", _object, prefix=function_path)
+        if parameters is not None:
+            _check_json_schema(_json_value(parameters, f"{function_path}.parameters"), f"{function_path}.parameters")
     return tuple(_json_value(items, "tools"))
+
+
+def _check_json_schema(schema: Mapping[str, Any], path: str) -> None:
+    """A tool's parameters must be a JSON Schema (checked against its draft's meta-schema)."""
+    from jsonschema import exceptions, validators
+
+    try:
+        validators.validator_for(schema, default=validators.Draft202012Validator).check_schema(schema)
+    except exceptions.SchemaError as error:
+        _fail(path, f"{path} is not a valid JSON Schema: {error.message}")
 
 
 def _tool_choice(

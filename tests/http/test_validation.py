@@ -1059,3 +1059,24 @@ def test_a_user_scoped_session_cannot_be_left_by_the_client(fields: dict[str, An
     # A client naming another user's session as its key does not land in it.
     alice = parse_chat_request(chat(user="mallory", prompt_cache_key="alice"), limits=SCOPED).cache.session_key
     assert alice not in ("alice", parse_chat_request(chat(user="alice"), limits=SCOPED).cache.session_key)
+
+
+@pytest.mark.parametrize("parameters", [
+    {"type": "nonsense"},
+    {"type": "object", "properties": {"city": {"type": 5}}},
+    {"type": "object", "required": "city"},
+])
+def test_tool_parameters_that_are_not_json_schema_are_refused(parameters: dict[str, Any]) -> None:
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": parameters}}]
+    with pytest.raises(InvalidRequest) as caught:
+        parse_chat_request(chat(tools=tools))
+    assert caught.value.param == "tools[0].function.parameters"
+    assert "not a valid JSON Schema" in caught.value.message
+
+
+def test_tool_parameters_in_json_schema_are_accepted() -> None:
+    parameters = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                  "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": parameters}}]
+    (tool,) = parse_chat_request(chat(tools=tools)).tools or ()
+    assert tool["function"]["parameters"] == parameters
