@@ -31,6 +31,7 @@ PURE_MODULES = (
     "mlxcel.http.validation",
     "mlxcel.http.guards",
     "mlxcel.model.family",
+    "mlxcel.model.info",
 )
 
 

@@ -34,27 +34,10 @@ from mlxcel.core.plan import (
     StepPlan,
     StepResult,
 )
-from mlxcel.model.family import ModelFamily
+from mlxcel.model.info import ModelInfo as ModelInfo
 from mlxcel.types import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@attrs.frozen(kw_only=True)
-class ModelInfo:
-    """What the rest of the engine needs to know of the loaded model (no arrays)."""
-
-    model_id: str
-    path: Path
-    config: dict[str, Any] = attrs.field(repr=False)
-    family: ModelFamily
-    tokenizer: Any = attrs.field(repr=False, eq=False)
-    chat_template: str = attrs.field(repr=False)
-    eos_token_ids: frozenset[int]
-    context_size: int
-    prefill_step_size: int = 2048
-    # Starts in bucketed shapes and long prompts prefilled alone (CUDA with plain KV caches).
-    bucket_starts: bool = False
 
 
 @attrs.frozen(kw_only=True)

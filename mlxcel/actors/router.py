@@ -17,7 +17,6 @@ from typing import Any
 import attrs
 import trio
 
-from mlxcel.actors.device import ModelInfo
 from mlxcel.actors.messages import RequestFailed, RouteRequest, RouterStats, SubmitRequest
 from mlxcel.cache.key import (
     CacheContext,
@@ -34,6 +33,7 @@ from mlxcel.model.chat_template import (
     check_size,
     render_deadline,
 )
+from mlxcel.model.info import ModelInfo
 from mlxcel.model.tokenize import SegmentTokenizer, max_chars_per_token, vocabulary_size
 from mlxcel.types import ChatRequest, CompletionRequest
 
