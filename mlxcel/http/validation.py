@@ -208,6 +208,7 @@ def parse_native_completion(
     if _optional(root, "post_sampling_probs", _bool, False):
         _fail("post_sampling_probs", "post_sampling_probs is not supported; n_probs gives pre-sampling "
               "log-probabilities", _UNSUPPORTED)
+    _native_unsupported(root)
     sampling = SamplingParams(
         temperature=_optional(root, "temperature", _temperature, 1.0),
         top_p=_optional(root, "top_p", _top_p, 1.0),
@@ -233,6 +234,30 @@ def parse_native_completion(
         stream=_optional(root, "stream", _bool, False),
         return_tokens=_optional(root, "return_tokens", _bool, False),
     )
+
+
+# llama.cpp samplers this server does not run, with the values that leave them off:
+# a client (llama.cpp's web UI sends them all) may send those, anything else is refused.
+_NATIVE_NEUTRAL: dict[str, tuple[object, ...]] = {
+    "typical_p": (1, 1.0),
+    "mirostat": (0,),
+    "dry_multiplier": (0, 0.0),
+    "xtc_probability": (0, 0.0),
+    "top_n_sigma": (-1, -1.0),
+    "dynatemp_range": (0, 0.0),
+    "ignore_eos": (False,),
+    "grammar": ("",),
+    "json_schema": ({},),
+}
+
+
+def _native_unsupported(root: Mapping[str, Any]) -> None:
+    for key, neutral in _NATIVE_NEUTRAL.items():
+        value = root.get(key)
+        if value is None or any(value == off and type(value) is type(off) for off in neutral):
+            continue
+        _fail(key, f"{key} = {json.dumps(value)[:40]} is not supported by this server (leave it out, or send "
+              f"{json.dumps(neutral[0])})", _UNSUPPORTED)
 
 
 # --- error helpers -----------------------------------------------------------

@@ -1080,3 +1080,22 @@ def test_tool_parameters_in_json_schema_are_accepted() -> None:
     tools = [{"type": "function", "function": {"name": "weather", "parameters": parameters}}]
     (tool,) = parse_chat_request(chat(tools=tools)).tools or ()
     assert tool["function"]["parameters"] == parameters
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("typical_p", 0.9), ("mirostat", 2), ("dry_multiplier", 0.8), ("xtc_probability", 0.5),
+    ("top_n_sigma", 1.0), ("dynatemp_range", 0.5), ("ignore_eos", True), ("grammar", "root ::= \"a\""),
+    ("json_schema", {"type": "object"}), ("mirostat", False),
+])
+def test_native_samplers_this_server_does_not_run_are_refused(field: str, value: Any) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        parse_native_completion(completion(**{field: value}))
+    assert caught.value.param == field
+    assert caught.value.code == "unsupported_parameter"
+
+
+def test_native_samplers_left_off_are_accepted() -> None:
+    # What llama.cpp's web UI sends with every request.
+    off = {"typical_p": 1.0, "mirostat": 0, "dry_multiplier": 0.0, "xtc_probability": 0, "top_n_sigma": -1,
+           "dynatemp_range": 0, "ignore_eos": False, "grammar": "", "json_schema": {}, "mirostat_tau": 5}
+    assert parse_native_completion(completion(**off)).sampling == parse_native_completion(completion()).sampling
