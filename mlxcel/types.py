@@ -50,6 +50,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     # (token id, bias added to its logit), ids ascending, no zero biases.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Tokens of history the three penalties look at (mlx-lm's default; llama.cpp's `repeat_last_n`).
+    penalty_context: int = 20
 
     @property
     def processes_logits(self) -> bool:

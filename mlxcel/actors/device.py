@@ -680,10 +680,6 @@ def _make_sampler(sampling: SamplingParams) -> Callable[[Any], Any] | None:
     return sample
 
 
-# Tokens of history the repetition, presence and frequency penalties look at (mlx-lm's default).
-PENALTY_CONTEXT_SIZE = 20
-
-
 def _make_logits_processors(sampling: SamplingParams) -> list[Callable[[Any, Any], Any]] | None:
     """mlx-lm's processors for the request's penalties and logit_bias; None when it has none."""
     if not sampling.processes_logits:
@@ -693,11 +689,11 @@ def _make_logits_processors(sampling: SamplingParams) -> list[Callable[[Any, Any
     return make_logits_processors(
         logit_bias=dict(sampling.logit_bias) or None,
         repetition_penalty=None if sampling.repetition_penalty == 1.0 else sampling.repetition_penalty,
-        repetition_context_size=PENALTY_CONTEXT_SIZE,
+        repetition_context_size=sampling.penalty_context,
         presence_penalty=sampling.presence_penalty or None,
-        presence_context_size=PENALTY_CONTEXT_SIZE,
+        presence_context_size=sampling.penalty_context,
         frequency_penalty=sampling.frequency_penalty or None,
-        frequency_context_size=PENALTY_CONTEXT_SIZE,
+        frequency_context_size=sampling.penalty_context,
     )
 
 

@@ -209,6 +209,9 @@ def parse_native_completion(
         _fail("post_sampling_probs", "post_sampling_probs is not supported; n_probs gives pre-sampling "
               "log-probabilities", _UNSUPPORTED)
     _native_unsupported(root)
+    # llama.cpp's repeat_last_n: the penalties' window; 0 turns them off, -1 is the whole context.
+    repeat_last_n = _optional(root, "repeat_last_n", lambda value, path: _int(value, path, -1, MAX_TOKEN_ID), 20)
+    penalties_on = repeat_last_n != 0
     sampling = SamplingParams(
         temperature=_optional(root, "temperature", _temperature, 1.0),
         top_p=_optional(root, "top_p", _top_p, 1.0),
@@ -219,9 +222,10 @@ def parse_native_completion(
         top_logprobs=n_probs or 0,
         top_k=_optional(root, "top_k", _top_k, 0),
         min_p=_optional(root, "min_p", _min_p, 0.0),
-        repetition_penalty=_optional(root, "repeat_penalty", _repetition_penalty, 1.0),
-        presence_penalty=_optional(root, "presence_penalty", _penalty, 0.0),
-        frequency_penalty=_optional(root, "frequency_penalty", _penalty, 0.0),
+        repetition_penalty=_optional(root, "repeat_penalty", _repetition_penalty, 1.0) if penalties_on else 1.0,
+        presence_penalty=_optional(root, "presence_penalty", _penalty, 0.0) if penalties_on else 0.0,
+        frequency_penalty=_optional(root, "frequency_penalty", _penalty, 0.0) if penalties_on else 0.0,
+        penalty_context=MAX_TOKEN_ID if repeat_last_n == -1 else repeat_last_n or 20,
         logit_bias=_optional(
             root, "logit_bias", lambda value, path: _native_logit_bias(value, path, limits), ()
         ),

@@ -1099,3 +1099,22 @@ def test_native_samplers_left_off_are_accepted() -> None:
     off = {"typical_p": 1.0, "mirostat": 0, "dry_multiplier": 0.0, "xtc_probability": 0, "top_n_sigma": -1,
            "dynatemp_range": 0, "ignore_eos": False, "grammar": "", "json_schema": {}, "mirostat_tau": 5}
     assert parse_native_completion(completion(**off)).sampling == parse_native_completion(completion()).sampling
+
+
+@pytest.mark.parametrize(("repeat_last_n", "window", "penalty"), [
+    (None, 20, 1.3), (64, 64, 1.3), (-1, 2**31 - 1, 1.3), (0, 20, 1.0),
+])
+def test_native_repeat_last_n_is_the_penalty_window(repeat_last_n: int | None, window: int, penalty: float) -> None:
+    fields: dict[str, Any] = {"repeat_penalty": 1.3, "presence_penalty": 0.5}
+    if repeat_last_n is not None:
+        fields["repeat_last_n"] = repeat_last_n
+    sampling = parse_native_completion(completion(**fields)).sampling
+    # llama.cpp: 0 turns the penalties off, -1 looks at the whole context.
+    assert (sampling.penalty_context, sampling.repetition_penalty) == (window, penalty)
+    assert sampling.presence_penalty == (0.0 if repeat_last_n == 0 else 0.5)
+
+
+def test_native_repeat_last_n_below_minus_one_is_refused() -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        parse_native_completion(completion(repeat_last_n=-2))
+    assert caught.value.param == "repeat_last_n"
