@@ -52,6 +52,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # Tokens of history the three penalties look at (mlx-lm's default; llama.cpp's `repeat_last_n`).
     penalty_context: int = 20
+    # A llguidance grammar (its JSON form) the reply must match (response_format
+    # json_object / json_schema); None: unconstrained.
+    grammar: str | None = None
 
     @property
     def processes_logits(self) -> bool:

@@ -89,7 +89,8 @@ class DeviceActor:
         context_size = self._settings.context_size or loaded.family.context_size or 4096
         step = self._settings.prefill_step_size or default_prefill_step_size()
         self._settings = attrs.evolve(self._settings, prefill_step_size=step, context_size=context_size)
-        worker = _StepWorker(loaded.model, loaded.eos_token_ids, self._settings, loaded.family.model_type)
+        worker = _StepWorker(loaded.model, loaded.eos_token_ids, self._settings, loaded.family.model_type,
+                             tokenizer=loaded.tokenizer)
         info = ModelInfo(
             model_id=loaded.model_id,
             path=loaded.path,
@@ -201,7 +202,8 @@ class _StepWorker:
     """Holds the BatchGenerator and the map between our sequence ids and its uids."""
 
     def __init__(
-        self, model: Any, eos_token_ids: frozenset[int] | set[int], settings: DeviceSettings, family: str = ""
+        self, model: Any, eos_token_ids: frozenset[int] | set[int], settings: DeviceSettings, family: str = "",
+        *, tokenizer: Any = None,
     ) -> None:
         import mlx.core as mx
         from mlx_lm.generate import BatchGenerator
@@ -219,6 +221,7 @@ class _StepWorker:
         self.bucket_starts = ((mx.cuda.is_available() if bucket is None else bucket)
                               and all(type(cache) is KVCache for cache in make_prompt_cache(model)))
         self._eos_token_ids = frozenset(eos_token_ids)
+        self._grammars = _Grammars(tokenizer, self._eos_token_ids)
         self._family = family
         self._settings = settings
         assert settings.prefill_step_size is not None, "resolved before the worker is made"
@@ -467,7 +470,7 @@ class _StepWorker:
             caches=[caches],  # type: ignore[list-item]
             all_tokens=[cached],
             samplers=[_make_sampler(start.sampling)],  # type: ignore[list-item]
-            logits_processors=[_make_logits_processors(start.sampling)],  # type: ignore[list-item]  # None: none
+            logits_processors=[_make_logits_processors(start.sampling, self._grammars)],  # type: ignore[list-item]  # None: none
         )
         self._by_uid[uid] = _Sequence(
             sequence_id=start.sequence_id,
@@ -518,7 +521,7 @@ class _StepWorker:
         run = cached[start.kept:] + prompt
         padding = start.padding
         sampler = _make_sampler(start.sampling)
-        processors = _make_logits_processors(start.sampling)
+        processors = _make_logits_processors(start.sampling, self._grammars)
         all_tokens = cached + prompt
         with mx.stream(self._generator.stream):
             tokens = mx.array(run + run[-1:] * padding)[None]
@@ -680,21 +683,92 @@ def _make_sampler(sampling: SamplingParams) -> Callable[[Any], Any] | None:
     return sample
 
 
-def _make_logits_processors(sampling: SamplingParams) -> list[Callable[[Any, Any], Any]] | None:
-    """mlx-lm's processors for the request's penalties and logit_bias; None when it has none."""
-    if not sampling.processes_logits:
-        return None
-    from mlx_lm.sample_utils import make_logits_processors
+def _make_logits_processors(
+    sampling: SamplingParams, grammars: _Grammars | None = None
+) -> list[Callable[[Any, Any], Any]] | None:
+    """mlx-lm's processors for the request's penalties and logit_bias, then its grammar's mask; None when none."""
+    processors: list[Callable[[Any, Any], Any]] = []
+    if sampling.processes_logits:
+        from mlx_lm.sample_utils import make_logits_processors
 
-    return make_logits_processors(
-        logit_bias=dict(sampling.logit_bias) or None,
-        repetition_penalty=None if sampling.repetition_penalty == 1.0 else sampling.repetition_penalty,
-        repetition_context_size=sampling.penalty_context,
-        presence_penalty=sampling.presence_penalty or None,
-        presence_context_size=sampling.penalty_context,
-        frequency_penalty=sampling.frequency_penalty or None,
-        frequency_context_size=sampling.penalty_context,
-    )
+        processors = make_logits_processors(
+            logit_bias=dict(sampling.logit_bias) or None,
+            repetition_penalty=None if sampling.repetition_penalty == 1.0 else sampling.repetition_penalty,
+            repetition_context_size=sampling.penalty_context,
+            presence_penalty=sampling.presence_penalty or None,
+            presence_context_size=sampling.penalty_context,
+            frequency_penalty=sampling.frequency_penalty or None,
+            frequency_context_size=sampling.penalty_context,
+        )
+    if sampling.grammar is not None:
+        if grammars is None:
+            raise ValueError("a grammar-constrained request needs the model's tokenizer")
+        processors.append(grammars.processor(sampling.grammar))
+    return processors or None
+
+
+class _Grammars:
+    """Makes one grammar mask per sequence; the llguidance tokenizer is built once, on first use (~1 s)."""
+
+    def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
+        self._tokenizer = tokenizer
+        self._eos_token_ids = sorted(eos_token_ids)
+        self._ll_tokenizer: Any = None
+
+    def processor(self, grammar: str) -> _GrammarMask:
+        from llguidance import LLMatcher
+
+        if self._ll_tokenizer is None:
+            from llguidance.hf import from_tokenizer
+
+            if self._tokenizer is None:
+                raise ValueError("a grammar-constrained request needs the model's tokenizer")
+            # mlx-lm's wrapper holds the Hugging Face tokenizer.
+            hf_tokenizer = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
+            self._ll_tokenizer = from_tokenizer(hf_tokenizer, eos_token=self._eos_token_ids or None)
+        matcher = LLMatcher(self._ll_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"grammar rejected: {matcher.get_error()}")
+        return _GrammarMask(matcher, self._eos_token_ids)
+
+
+class _GrammarMask:
+    """A logits processor that keeps a sequence inside its grammar.
+
+    mlx-lm calls it once per sampled position with the sequence's history: the
+    first call sees the prompt, each later one the token sampled since, which it
+    feeds to the matcher first. Tokens the grammar forbids get -inf; the model's
+    EOS ids pass only where the grammar may end (and are all that pass once it
+    is complete). A matcher in error (never expected: the mask forbids what it
+    would reject) lets only EOS through, so the sequence stops.
+    """
+
+    def __init__(self, matcher: Any, eos_token_ids: list[int]) -> None:
+        import numpy as np
+
+        self._matcher = matcher
+        self._eos = np.array(eos_token_ids, dtype=np.int64)
+        self._started = False
+
+    def __call__(self, tokens: Any, logits: Any) -> Any:
+        import mlx.core as mx
+        import numpy as np
+
+        matcher = self._matcher
+        if self._started:
+            matcher.consume_token(int(tokens[-1].item()))
+        self._started = True
+        vocab = logits.shape[-1]
+        allowed = np.zeros(vocab, dtype=np.bool_)
+        if matcher.is_error():
+            logger.warning("grammar matcher failed: %s", matcher.get_error())
+        else:
+            bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+            width = min(vocab, bits.size)
+            allowed[:width] = bits[:width].astype(np.bool_)
+        eos = self._eos[self._eos < vocab]
+        allowed[eos] = matcher.is_error() or matcher.is_accepting()
+        return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
 
 
 def _adopt(handle: Any, num_tokens: int) -> list[Any]:

@@ -606,15 +606,46 @@ def _native_logit_bias(value: object, path: str, limits: Limits) -> tuple[tuple[
     return _biases(pairs, path, limits)
 
 
-def _check_response_format(root: Mapping[str, Any]) -> None:
+def _json_grammar(schema: Mapping[str, Any], path: str) -> str:
+    """The llguidance grammar of a JSON Schema; a schema it cannot compile is a 400 naming ``path``."""
+    from llguidance import LLMatcher
+
+    try:
+        # Compact JSON: no free whitespace, which an unsure model can repeat until max_tokens.
+        grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
+    except (ValueError, RuntimeError) as error:
+        _fail(path, f"{path} cannot be enforced: {error}", _UNSUPPORTED)
+    error_message = LLMatcher.validate_grammar(grammar)
+    if error_message:
+        _fail(path, f"{path} cannot be enforced: {error_message}", _UNSUPPORTED)
+    return grammar
+
+
+def _response_format(root: Mapping[str, Any]) -> str | None:
+    """The grammar response_format asks for: None for text; json_object and json_schema compile one."""
     value = root.get("response_format")
     if value is None:
-        return
+        return None
     response_format = _object(value, "response_format")
     format_type = _required(response_format, "type", "response_format")
-    if format_type != "text":
-        _fail("response_format", f"response_format {_kind(format_type)} is not supported; only 'text' is "
-              "(structured output is not implemented)", _UNSUPPORTED)
+    if format_type == "text":
+        return None
+    if format_type == "json_object":
+        return _json_grammar({"type": "object"}, "response_format")
+    if format_type == "json_schema":
+        path = "response_format.json_schema"
+        spec = _object(_required(response_format, "json_schema", "response_format"), path)
+        _nonempty_string(_required(spec, "name", path), f"{path}.name")
+        _optional(spec, "description", _string, prefix=path)
+        _optional(spec, "strict", _bool, prefix=path)
+        schema_path = f"{path}.schema"
+        # OpenAI's default when absent: any JSON object.
+        schema = _optional(spec, "schema", _object, prefix=path) or {"type": "object"}
+        schema = _json_value(schema, schema_path)
+        _check_json_schema(schema, schema_path)
+        return _json_grammar(schema, schema_path)
+    _fail("response_format.type", f"response_format.type {_kind(format_type)} is not supported; "
+          "only 'text', 'json_object' and 'json_schema' are", _UNSUPPORTED)
 
 
 def _check_parallel_tool_calls(root: Mapping[str, Any]) -> None:
@@ -653,7 +684,7 @@ def _openai_sampling(
     root: Mapping[str, Any], limits: Limits, *, default_max_tokens: int | None, legacy: bool
 ) -> SamplingParams:
     _check_n(root)
-    _check_response_format(root)
+    grammar = _response_format(root)
     if not legacy:
         _check_parallel_tool_calls(root)
     extra = _extra_body(root)
@@ -679,6 +710,7 @@ def _openai_sampling(
         presence_penalty=_optional(root, "presence_penalty", _penalty, 0.0),
         frequency_penalty=_optional(root, "frequency_penalty", _penalty, 0.0),
         logit_bias=_optional(root, "logit_bias", lambda value, path: _logit_bias(value, path, limits), ()),
+        grammar=grammar,
     )
 
 

@@ -157,8 +157,22 @@ BAD_OPENAI_SAMPLING: list[tuple[dict[str, Any], str, str]] = [
     ({"logit_bias": {"5": False}}, "logit_bias.5", TYPE),
     ({"logit_bias": {"5": 1, "05": 2}}, "logit_bias.05", VALUE),
     ({"logit_bias": {str(index): 1 for index in range(1025)}}, "logit_bias", VALUE),
-    ({"response_format": {"type": "json_object"}}, "response_format", UNSUPPORTED),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", UNSUPPORTED),
+    ({"response_format": {"type": "grammar"}}, "response_format.type", UNSUPPORTED),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", MISSING),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+     "response_format.json_schema.name", MISSING),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}}},
+     "response_format.json_schema.strict", TYPE),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
+     "response_format.json_schema.schema", TYPE),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format.json_schema.schema", VALUE),
+    # Valid JSON Schema the grammar engine cannot enforce: refused, not ignored.
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}},
+     "response_format.json_schema.schema", UNSUPPORTED),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(?=x)"}}}},
+     "response_format.json_schema.schema", UNSUPPORTED),
     ({"response_format": {}}, "response_format.type", MISSING),
     ({"response_format": "text"}, "response_format", TYPE),
     ({"top_logprobs": 2}, "top_logprobs", VALUE),
@@ -613,6 +627,20 @@ GOOD_CACHE: list[tuple[dict[str, Any], CacheOptions]] = [
     ({"extra_body": {"cache_salt": "tenant-a"}}, CacheOptions(cache_salt="tenant-a")),
     ({"cache_salt": "root", "extra_body": {"cache_salt": "nested"}}, CacheOptions(cache_salt="root")),
 ]
+
+
+def test_response_format_json_compiles_a_grammar_on_both_openai_routes() -> None:
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+    named = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}
+    for response_format, expected in ((named, schema), ({"type": "json_object"}, {"type": "object"})):
+        for request in (parse_chat_request(chat(response_format=response_format)),
+                        parse_completion_request({"prompt": "x", "response_format": response_format})):
+            grammar = request.sampling.grammar
+            assert grammar is not None
+            (compiled,) = json.loads(grammar)["grammars"]
+            assert {key: value for key, value in compiled["json_schema"].items() if key != "x-guidance"} == expected
+    assert parse_chat_request(chat(response_format={"type": "text"})).sampling.grammar is None
+    assert parse_chat_request(chat()).sampling.grammar is None
 
 
 @pytest.mark.parametrize(("fields", "expected"), GOOD_CACHE)
