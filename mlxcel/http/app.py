@@ -6,6 +6,7 @@ handle (``create_app(engine)``).
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import logging
@@ -14,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import trio
 from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
@@ -258,7 +260,9 @@ def create_app(
 
     async def generate(kind: str, parse: Callable[..., ChatRequest | CompletionRequest]) -> Response:
         try:
-            parsed = parse(await read_body(), limits=limits)
+            body = await read_body()
+            # Off the event loop: a large tool set or a new response schema takes milliseconds to seconds.
+            parsed = await trio.to_thread.run_sync(functools.partial(parse, body, limits=limits))
             if parsed.model not in (None, "", *engine.model_names):
                 raise InvalidRequest(
                     f"the model {parsed.model!r} is not served here; this server serves "

@@ -1146,3 +1146,24 @@ def test_native_repeat_last_n_below_minus_one_is_refused() -> None:
     with pytest.raises(InvalidRequest) as caught:
         parse_native_completion(completion(repeat_last_n=-2))
     assert caught.value.param == "repeat_last_n"
+
+
+def test_schema_checks_are_remembered_per_tenant_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Agents resend their tool schemas every turn: the check runs once per tenant, and one tenant's
+    check never makes another's faster (a timing oracle for what others sent)."""
+    from jsonschema import validators
+
+    from mlxcel.http import validation
+
+    validation._schema_error.cache_clear()
+    checked: list[object] = []
+    original = validators.Draft202012Validator.check_schema
+    monkeypatch.setattr(validators.Draft202012Validator, "check_schema",
+                        classmethod(lambda cls, schema: checked.append(schema) or original(schema)))
+    parameters = {"type": "object", "properties": {"q": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "search", "parameters": parameters}}]
+    for salt in ("tenant-a", "tenant-a", "tenant-b", "tenant-b"):
+        parse_chat_request(chat(tools=tools, cache_salt=salt))
+    assert len(checked) == 2  # once for each tenant
+    parse_chat_request(chat(tools=tools, cache_salt="tenant-a", user="another-user"))
+    assert len(checked) == 3  # and per session within a tenant
