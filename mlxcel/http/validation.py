@@ -627,7 +627,9 @@ def _tenant(cache: CacheOptions) -> str:
 
 # Clients resend the same schemas every turn (agents: every tool, every request), so the
 # checks below are memoized by tenant and the schema's canonical JSON: values, not state
-# that a request could change. 2,000 `anyOf` branches take 0.6 s to compile once.
+# that a request could change. jsonschema's meta-schema check of 100 distinct tools
+# (353 KiB) took 266 ms on a tenant's first request, 15 ms on the next; 2,000 `anyOf`
+# branches take 0.6 s to compile to a grammar, once.
 @functools.lru_cache(maxsize=SCHEMA_MEMO_ENTRIES)
 def _compiled_grammar(tenant: str, schema_json: str) -> tuple[str, str | None]:
     from llguidance import LLMatcher
