@@ -72,6 +72,9 @@ class CacheOptions:
     cache_prompt: bool = True
     session_key: str = ANONYMOUS_SESSION
     cache_salt: str = ""
+    # How long the stored prompt is kept against LRU eviction: Anthropic's `cache_control`
+    # ttl, OpenAI's `prompt_cache_retention: "24h"`. 0: ordinary LRU.
+    retain_seconds: float = 0.0
 
 
 @attrs.frozen(kw_only=True)
