@@ -84,6 +84,8 @@ class ChatRequest:
     cache: CacheOptions = CacheOptions()
     tools: tuple[Mapping[str, Any], ...] | None = None
     tool_choice: Any = None
+    # False: at most one tool call per reply.
+    parallel_tool_calls: bool = True
     chat_template_kwargs: Mapping[str, Any] = attrs.field(factory=dict)
     model: str | None = None
     stream: bool = False

@@ -10,6 +10,7 @@ rendered and tokenized at once, so one huge prompt does not hold up the rest.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -24,7 +25,9 @@ from mlxcel.cache.key import (
     rope_regime_for,
     template_signature,
 )
+from mlxcel.core.output import ReplyFormat
 from mlxcel.core.scheduler import NewRequest
+from mlxcel.core.tool_grammar import UnforceableToolChoice, forced_tool_grammar, tool_format_name
 from mlxcel.errors import InvalidRequest, ServerBusy
 from mlxcel.model.chat_template import (
     RENDER_TIMEOUT_S,
@@ -55,21 +58,34 @@ class RenderedPrompt:
     template_sig: str
     # Tokens of the history before the newest user message, when the prompt splits there.
     history_boundary: int | None = None
+    # The grammar a forced tool_choice puts on the reply (None: the request's own, if any).
+    tool_grammar: str | None = None
 
 
 def rendered_tools(request: ChatRequest) -> list[Any] | None:
-    """The tools the template sees: none with tool_choice "none"; forcing a call is refused."""
+    """The tools the template sees: all of them, except with tool_choice "none"."""
     try:
         tool_choice = effective_tool_choice(request.tool_choice, request.tools)
     except ValueError as error:
         raise InvalidRequest(str(error), param="tool_choice", code="invalid_value") from None
-    if tool_choice not in ("auto", "none"):
-        # Never silently auto: a client that forces a call must not get plain text back.
-        raise InvalidRequest(
-            f"tool_choice {request.tool_choice!r} is not supported until structured output is; "
-            "use 'auto' or 'none'", param="tool_choice", code="unsupported_value",
-        )
-    return list(request.tools) if request.tools and tool_choice == "auto" else None
+    return list(request.tools) if request.tools and tool_choice != "none" else None
+
+
+def forced_tool_names(request: ChatRequest) -> tuple[str, ...]:
+    """The tools one of which the reply must call: all with "required", one when named; () when not forced."""
+    if not request.tools or request.tool_choice in (None, "auto", "none"):
+        return ()
+    if request.tool_choice == "required":
+        return tuple(tool["function"]["name"] for tool in request.tools)
+    return (effective_tool_choice(request.tool_choice, request.tools),)
+
+
+@functools.lru_cache(maxsize=256)
+def _grammar_error(grammar: str) -> str | None:
+    """llguidance's complaint about a grammar (None: usable); agents resend the same tools every turn."""
+    from llguidance import LLMatcher
+
+    return LLMatcher.validate_grammar(grammar) or None
 
 
 class PromptRenderer:
@@ -91,6 +107,7 @@ class PromptRenderer:
         self._chat_template = model.chat_template if chat_template is None else chat_template
         self._template_override = {} if chat_template is None else {"chat_template": chat_template}
         self._segments = SegmentTokenizer(model.tokenizer)
+        self._special_ids = _special_token_ids(model.tokenizer)
         self._vocab_size = vocabulary_size(model.tokenizer, model.config)
         # Rendered text longer than this cannot fit the context (or, without a proven bound, is absurd).
         self._max_chars = model.context_size * (max_chars_per_token(model.tokenizer) or FALLBACK_CHARS_PER_TOKEN)
@@ -129,7 +146,40 @@ class PromptRenderer:
             )
             if 0 < len(history) < len(tokens) and tokens[: len(history)] == history:
                 boundary = len(history)
-        return RenderedPrompt(tokens=tokens, template_sig=template_sig, history_boundary=boundary)
+        return RenderedPrompt(tokens=tokens, template_sig=template_sig, history_boundary=boundary,
+                              tool_grammar=self._tool_grammar(request))
+
+    def _tool_grammar(self, request: ChatRequest) -> str | None:
+        """The grammar that makes the reply a call to one of the forced tools, or None."""
+        names = forced_tool_names(request)
+        if not names:
+            return None
+        if request.sampling.grammar is not None:
+            raise InvalidRequest(
+                "a forced tool_choice and response_format cannot both shape one reply; send one of them",
+                param="tool_choice", code="unsupported_value",
+            )
+        fmt = ReplyFormat.of(self._model.tokenizer)
+        if fmt.tool_parser is None or fmt.tool_call_start is None:
+            raise InvalidRequest(
+                "this model's chat template has no tool-call format, so a tool call cannot be forced",
+                param="tool_choice", code="unsupported_value",
+            )
+        try:
+            grammar = forced_tool_grammar(
+                format_name=tool_format_name(fmt.tool_parser), tools=request.tools or (), names=names,
+                parallel=request.parallel_tool_calls, start_marker=fmt.tool_call_start,
+                end_marker=fmt.tool_call_end, special_ids=self._special_ids,
+            )
+        except UnforceableToolChoice as error:
+            raise InvalidRequest(str(error), param="tool_choice", code="unsupported_value") from None
+        error_message = _grammar_error(grammar)
+        if error_message is not None:
+            raise InvalidRequest(
+                f"the forced tool's parameters cannot be enforced: {error_message}", param="tools",
+                code="unsupported_value",
+            )
+        return grammar
 
     def next_turn_history(self, request: ChatRequest, reply_text: str) -> tuple[int, ...]:
         """The tokens the next turn will start with: this conversation plus the reply."""
@@ -227,6 +277,13 @@ class PromptRenderer:
             ) from None
 
 
+def _special_token_ids(tokenizer: Any) -> dict[str, int]:
+    """Special tokens by text: a grammar must name them by id (their text never spells them)."""
+    backend = getattr(tokenizer, "_tokenizer", tokenizer)
+    decoder = getattr(backend, "added_tokens_decoder", None) or {}
+    return {token.content: token_id for token_id, token in decoder.items() if getattr(token, "special", False)}
+
+
 class RouterActor:
     def __init__(
         self,
@@ -309,10 +366,13 @@ class RouterActor:
                 rope_regime=rope_regime_for(num_prompt, self._model.family.longrope_original_max_positions),
                 cache_salt=request.cache.cache_salt,
             )
+        sampling = request.sampling
+        if rendered.tool_grammar is not None:
+            sampling = attrs.evolve(sampling, grammar=rendered.tool_grammar)
         return SubmitRequest(request=NewRequest(
             request_id=message.request_id,
             prompt_tokens=rendered.tokens,
-            sampling=request.sampling,
+            sampling=sampling,
             max_tokens=max_tokens,
             cache_context=cache_context,
             history_boundary=rendered.history_boundary if cache_context is not None else None,

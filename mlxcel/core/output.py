@@ -75,6 +75,7 @@ class ReplyFormat:
         return ReplyParsing(
             format=self, tools=tools, reasoning=reasoning,
             starts_in_reasoning=reasoning and self._opens_reasoning(prompt_tokens),
+            single_call=not chat.parallel_tool_calls,
         )
 
     def _opens_reasoning(self, prompt: Sequence[int]) -> bool:
@@ -100,6 +101,8 @@ class ReplyParsing:
     tools: list[Any] | None = attrs.field(default=None, eq=False)
     reasoning: bool = False
     starts_in_reasoning: bool = False
+    # parallel_tool_calls false: the reply ends with its first call.
+    single_call: bool = False
 
 
 class ReplySplitter:
@@ -136,6 +139,7 @@ class ReplySplitter:
         self._space_before_call = ""
         self.num_calls = 0
         self._tools = parsing.tools
+        self.single_call = parsing.single_call
 
     def feed(self, text: str, *, final: bool = False) -> tuple[str, str, tuple[ToolCall, ...]]:
         """Returns (content, reasoning, completed tool calls) safe to send now."""
@@ -201,6 +205,11 @@ class ReplySplitter:
             raw = f"{fmt.tool_call_start}{body}{fmt.tool_call_end if closed else ''}"
             pieces[CONTENT].append(self._space_before_call + raw)
             return
+        if self._parsing.single_call:
+            if len(parsed) > 1 or self.num_calls:
+                logger.info("parallel_tool_calls is false: %d call(s) after the first are dropped",
+                            len(parsed) - 1 + self.num_calls)
+            parsed = parsed[: 1 - min(self.num_calls, 1)]
         for name, arguments, call_id in parsed:
             calls.append(ToolCall(index=self.num_calls, id=call_id, name=name, arguments=arguments))
             self.num_calls += 1
@@ -339,6 +348,9 @@ class RequestOutput:
         if hit_stop:
             # The ids still pending spell the stop string, which is not part of the reply.
             self._pending_ids = []
+            return TokenOut(delta=delta, finish_reason="stop", stopped_by_text=True)
+        if finish_reason is None and calls and self._splitter is not None and self._splitter.single_call:
+            # parallel_tool_calls false: the first call is the whole reply.
             return TokenOut(delta=delta, finish_reason="stop", stopped_by_text=True)
         return TokenOut(delta=delta, finish_reason=finish_reason)
 

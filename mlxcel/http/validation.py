@@ -167,6 +167,7 @@ def parse_chat_request(body: object, *, limits: Limits = DEFAULT_LIMITS) -> Chat
         cache=cache,
         tools=tools,
         tool_choice=_tool_choice(root, tools),
+        parallel_tool_calls=_optional(root, "parallel_tool_calls", _bool, True),
         chat_template_kwargs=_chat_template_kwargs(root, extra),
         model=_optional(root, "model", _string),
         stream=stream,
@@ -217,6 +218,7 @@ def parse_native_completion(
     # llama.cpp's repeat_last_n: the penalties' window; 0 turns them off, -1 is the whole context.
     repeat_last_n = _optional(root, "repeat_last_n", lambda value, path: _int(value, path, -1, MAX_TOKEN_ID), 20)
     penalties_on = repeat_last_n != 0
+    cache = _cache_options(root, extra, user_scopes_session=limits.user_scopes_session)
     sampling = SamplingParams(
         temperature=_optional(root, "temperature", _temperature, 1.0),
         top_p=_optional(root, "top_p", _top_p, 1.0),
@@ -234,15 +236,46 @@ def parse_native_completion(
         logit_bias=_optional(
             root, "logit_bias", lambda value, path: _native_logit_bias(value, path, limits), ()
         ),
+        grammar=_native_grammar(root, _tenant(cache)),
     )
     return CompletionRequest(
         prompt=_prompt(root, allow_single_item_list=False),
         sampling=sampling,
-        cache=_cache_options(root, extra, user_scopes_session=limits.user_scopes_session),
+        cache=cache,
         model=_optional(root, "model", _string),
         stream=_optional(root, "stream", _bool, False),
         return_tokens=_optional(root, "return_tokens", _bool, False),
     )
+
+
+def _native_grammar(root: Mapping[str, Any], tenant: str) -> str | None:
+    """llama.cpp's `json_schema` (a JSON Schema) or `grammar` (GBNF); empty values leave output free."""
+    schema = _optional(root, "json_schema", _object)
+    gbnf = _optional(root, "grammar", _string)
+    if schema and gbnf:
+        _fail("grammar", "send either json_schema or grammar, not both")
+    if schema:
+        schema = _json_value(schema, "json_schema")
+        _check_json_schema(schema, "json_schema", tenant)
+        return _json_grammar(schema, "json_schema", tenant)
+    if gbnf:
+        grammar, error_message = _compiled_gbnf(tenant, gbnf)
+        if error_message:
+            _fail("grammar", f"grammar cannot be used: {error_message}")
+        return grammar
+    return None
+
+
+@functools.lru_cache(maxsize=SCHEMA_MEMO_ENTRIES)
+def _compiled_gbnf(tenant: str, gbnf: str) -> tuple[str, str | None]:
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        grammar = any_to_lark(gbnf)
+    except Exception as error:  # noqa: BLE001 - the converter raises bare Exception for unknown rules
+        return "", str(error) or type(error).__name__
+    return grammar, LLMatcher.validate_grammar(grammar) or None
 
 
 # llama.cpp samplers this server does not run, with the values that leave them off:
@@ -255,8 +288,6 @@ _NATIVE_NEUTRAL: dict[str, tuple[object, ...]] = {
     "top_n_sigma": (-1, -1.0),
     "dynatemp_range": (0, 0.0),
     "ignore_eos": (False,),
-    "grammar": ("",),
-    "json_schema": ({},),
 }
 
 
@@ -669,12 +700,6 @@ def _response_format(root: Mapping[str, Any], tenant: str) -> str | None:
           "only 'text', 'json_object' and 'json_schema' are", _UNSUPPORTED)
 
 
-def _check_parallel_tool_calls(root: Mapping[str, Any]) -> None:
-    # A reply may carry several tool calls; limiting it to one is not implemented.
-    if _optional(root, "parallel_tool_calls", _bool, True) is False:
-        _fail("parallel_tool_calls", "parallel_tool_calls false is not supported", _UNSUPPORTED)
-
-
 def _check_n(root: Mapping[str, Any]) -> None:
     value = root.get("n")
     if value is not None and _int(value, "n") != 1:
@@ -706,8 +731,6 @@ def _openai_sampling(
 ) -> SamplingParams:
     _check_n(root)
     grammar = _response_format(root, tenant)
-    if not legacy:
-        _check_parallel_tool_calls(root)
     extra = _extra_body(root)
 
     def extension(key: str, read: Callable[[object, str], _T], default: _T) -> _T:

@@ -105,6 +105,29 @@ def test_several_calls_get_indexes_in_order_and_no_content_between_them() -> Non
     assert final.finish_reason == "tool_calls"
 
 
+def test_parallel_tool_calls_false_ends_the_reply_with_its_first_call() -> None:
+    second = CALL.replace("Paris", "Oslo")
+    deltas, final = run(f"{CALL}\n{second}", tools=TOOLS, parallel_tool_calls=False)
+    assert [json.loads(call.arguments)["city"] for call in calls(deltas)] == ["Paris"]
+    assert final.finish_reason == "tool_calls"
+    # It stopped at the first call's end marker: the second call's ids were never fed.
+    sent = [t for delta in deltas for t in delta.token_ids] + list(final.token_ids)
+    whole = tokenizer().encode(f"{CALL}\n{second}")
+    assert sent == whole[: len(sent)]
+    assert len(tokenizer().decode(sent)) <= len(CALL) + 1
+
+
+def test_parallel_tool_calls_false_keeps_one_call_of_a_format_without_an_end_marker() -> None:
+    fmt = qwen_format(tool_call_start=mistral.tool_call_start, tool_call_end=mistral.tool_call_end,
+                      tool_parser=mistral.parse_tool_call)
+    reply = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'
+    deltas, final = run(reply, fmt=fmt, tools=TOOLS, parallel_tool_calls=False)
+    assert [json.loads(call.arguments)["city"] for call in calls(deltas)] == ["Paris"]
+    assert final.finish_reason == "tool_calls"
+    both, _ = run(reply, fmt=fmt, tools=TOOLS)
+    assert len(calls(both)) == 2
+
+
 def test_a_malformed_call_is_content_text_and_the_reply_stops() -> None:
     bad = '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>'
     deltas, final = run("Sure. " + bad, tools=TOOLS)

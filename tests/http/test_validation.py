@@ -707,12 +707,9 @@ def test_unknown_fields_are_ignored() -> None:
     assert request.sampling == SamplingParams()
 
 
-def test_parallel_tool_calls_false_is_refused_on_chat() -> None:
-    # Only true is what the server does: a reply may carry several tool calls.
-    for value in (True, None):
-        assert parse_chat_request(chat(tools=[TOOL_F], parallel_tool_calls=value)).tools is not None
-    expect_invalid(parse_chat_request, chat(tools=[TOOL_F], parallel_tool_calls=False), "parallel_tool_calls",
-                   UNSUPPORTED)
+def test_parallel_tool_calls_is_carried_to_the_request() -> None:
+    for value, expected in ((True, True), (None, True), (False, False)):
+        assert parse_chat_request(chat(tools=[TOOL_F], parallel_tool_calls=value)).parallel_tool_calls is expected
     expect_invalid(parse_chat_request, chat(parallel_tool_calls="no"), "parallel_tool_calls", TYPE)
 
 
@@ -1112,14 +1109,36 @@ def test_tool_parameters_in_json_schema_are_accepted() -> None:
 
 @pytest.mark.parametrize(("field", "value"), [
     ("typical_p", 0.9), ("mirostat", 2), ("dry_multiplier", 0.8), ("xtc_probability", 0.5),
-    ("top_n_sigma", 1.0), ("dynatemp_range", 0.5), ("ignore_eos", True), ("grammar", "root ::= \"a\""),
-    ("json_schema", {"type": "object"}), ("mirostat", False),
+    ("top_n_sigma", 1.0), ("dynatemp_range", 0.5), ("ignore_eos", True), ("mirostat", False),
 ])
 def test_native_samplers_this_server_does_not_run_are_refused(field: str, value: Any) -> None:
     with pytest.raises(InvalidRequest) as caught:
         parse_native_completion(completion(**{field: value}))
     assert caught.value.param == field
     assert caught.value.code == "unsupported_parameter"
+
+
+def test_native_json_schema_and_gbnf_grammar_compile_to_a_grammar() -> None:
+    schema = parse_native_completion(completion(json_schema={"type": "object", "properties": {"a": {"type": "integer"}}}))
+    assert schema.sampling.grammar is not None and '"a"' in schema.sampling.grammar
+    gbnf = parse_native_completion(completion(grammar='root ::= "yes" | "no"'))
+    assert gbnf.sampling.grammar is not None and '"yes"' in gbnf.sampling.grammar
+
+
+@pytest.mark.parametrize(("fields", "param", "reason"), [
+    ({"grammar": 'root ::= "yes'}, "grammar", "end of input"),
+    ({"grammar": "root ::= missing"}, "grammar", "missing"),
+    ({"grammar": 7}, "grammar", None),
+    ({"json_schema": {"type": "nope"}}, "json_schema", "not a valid JSON Schema"),
+    ({"json_schema": {"type": "string", "pattern": "(?=x)"}}, "json_schema", "cannot be enforced"),
+    ({"json_schema": {"type": "object"}, "grammar": 'root ::= "a"'}, "grammar", "not both"),
+])
+def test_native_grammars_that_cannot_be_used_are_refused_with_a_reason(
+    fields: dict[str, Any], param: str, reason: str | None,
+) -> None:
+    error = expect_invalid(parse_native_completion, completion(**fields), param, None)
+    if reason is not None:
+        assert reason in error.message
 
 
 def test_native_samplers_left_off_are_accepted() -> None:
