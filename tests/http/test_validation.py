@@ -1120,9 +1120,11 @@ def test_native_samplers_this_server_does_not_run_are_refused(field: str, value:
 
 def test_native_json_schema_and_gbnf_grammar_compile_to_a_grammar() -> None:
     schema = parse_native_completion(completion(json_schema={"type": "object", "properties": {"a": {"type": "integer"}}}))
-    assert schema.sampling.grammar is not None and '"a"' in schema.sampling.grammar
+    assert schema.sampling.grammar is not None
+    assert '"a"' in schema.sampling.grammar
     gbnf = parse_native_completion(completion(grammar='root ::= "yes" | "no"'))
-    assert gbnf.sampling.grammar is not None and '"yes"' in gbnf.sampling.grammar
+    assert gbnf.sampling.grammar is not None
+    assert '"yes"' in gbnf.sampling.grammar
 
 
 @pytest.mark.parametrize(("fields", "param", "reason"), [
