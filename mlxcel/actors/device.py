@@ -12,6 +12,7 @@ come from mlx-lm's ``BatchGenerator``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -463,14 +464,15 @@ class _StepWorker:
             # A warm-up prefills everything, snapshots, then stops: the extra token is never run.
             segments = [prompt, prompt[-1:]] if start.warm else [prompt[:boundary], prompt[boundary:]]
             snapshot_tokens = tuple(cached + prompt[:boundary])
+        sampler, processors = _make_sampling(start.sampling, self._grammars)
         (uid,) = self._generator.insert_segments(
             [segments],
             max_tokens=[start.max_tokens],
             # mlx-lm takes None for both (a fresh cache; the batch's shared sampler) but annotates neither.
             caches=[caches],  # type: ignore[list-item]
             all_tokens=[cached],
-            samplers=[_make_sampler(start.sampling)],  # type: ignore[list-item]
-            logits_processors=[_make_logits_processors(start.sampling, self._grammars)],  # type: ignore[list-item]  # None: none
+            samplers=[sampler],  # type: ignore[list-item]
+            logits_processors=[processors],  # type: ignore[list-item]  # None: none
         )
         self._by_uid[uid] = _Sequence(
             sequence_id=start.sequence_id,
@@ -520,8 +522,7 @@ class _StepWorker:
         cached, prompt = list(start.cached_tokens), list(start.prompt_tokens)
         run = cached[start.kept:] + prompt
         padding = start.padding
-        sampler = _make_sampler(start.sampling)
-        processors = _make_logits_processors(start.sampling, self._grammars)
+        sampler, processors = _make_sampling(start.sampling, self._grammars)
         all_tokens = cached + prompt
         with mx.stream(self._generator.stream):
             tokens = mx.array(run + run[-1:] * padding)[None]
@@ -683,40 +684,71 @@ def _make_sampler(sampling: SamplingParams) -> Callable[[Any], Any] | None:
     return sample
 
 
-def _make_logits_processors(
+def _make_sampling(
     sampling: SamplingParams, grammars: _Grammars | None = None
-) -> list[Callable[[Any, Any], Any]] | None:
-    """mlx-lm's processors for the request's penalties and logit_bias, then its grammar's mask; None when none."""
-    processors: list[Callable[[Any, Any], Any]] = []
-    if sampling.processes_logits:
-        from mlx_lm.sample_utils import make_logits_processors
+) -> tuple[Callable[[Any], Any] | None, list[Callable[[Any, Any], Any]] | None]:
+    """A sequence's sampler and logits processors (None: the batch's shared greedy sampler; no processors).
 
-        processors = make_logits_processors(
-            logit_bias=dict(sampling.logit_bias) or None,
-            repetition_penalty=None if sampling.repetition_penalty == 1.0 else sampling.repetition_penalty,
-            repetition_context_size=sampling.penalty_context,
-            presence_penalty=sampling.presence_penalty or None,
-            presence_context_size=sampling.penalty_context,
-            frequency_penalty=sampling.frequency_penalty or None,
-            frequency_context_size=sampling.penalty_context,
-        )
-    if sampling.grammar is not None:
-        if grammars is None:
-            raise ValueError("a grammar-constrained request needs the model's tokenizer")
-        processors.append(grammars.processor(sampling.grammar))
-    return processors or None
+    A grammar takes a part in each: its processor feeds the matcher the token
+    just sampled, its sampler masks what the grammar forbids (see _Grammars).
+    """
+    sampler = _make_sampler(sampling)
+    processors = _make_logits_processors(sampling)
+    if sampling.grammar is None:
+        return sampler, processors
+    if grammars is None:
+        raise ValueError("a grammar-constrained request needs the model's tokenizer")
+    grammar = grammars.sequence(sampling.grammar)
+    return grammar.sampler(sampler), [*(processors or ()), grammar.feed]
+
+
+def _make_logits_processors(sampling: SamplingParams) -> list[Callable[[Any, Any], Any]] | None:
+    """mlx-lm's processors for the request's penalties and logit_bias; None when none."""
+    if not sampling.processes_logits:
+        return None
+    from mlx_lm.sample_utils import make_logits_processors
+
+    processors: list[Callable[[Any, Any], Any]] = make_logits_processors(
+        logit_bias=dict(sampling.logit_bias) or None,
+        repetition_penalty=None if sampling.repetition_penalty == 1.0 else sampling.repetition_penalty,
+        repetition_context_size=sampling.penalty_context,
+        presence_penalty=sampling.presence_penalty or None,
+        presence_context_size=sampling.penalty_context,
+        frequency_penalty=sampling.frequency_penalty or None,
+        frequency_context_size=sampling.penalty_context,
+    )
+    return processors
 
 
 class _Grammars:
-    """Makes one grammar mask per sequence; the llguidance tokenizer is built once, on first use (~1 s)."""
+    """The grammar-constrained sequences' matchers, and their masks computed a step at a time.
+
+    mlx-lm's step runs every sequence's logits processors, then every
+    sequence's sampler. Each constrained sequence's processor only hands over
+    the token sampled last, still lazy; the first of their samplers to run
+    reads all those tokens back, starts the step's forward pass (the device
+    computes logits meanwhile), feeds the matchers and computes their masks in
+    parallel on llguidance's threads, and unpacks them on the device in one
+    pass; each sampler then masks its own row. The logprobs the API reports are the model's, before
+    the mask (as vLLM's default). The llguidance tokenizer is built on first
+    use (~1 s).
+    """
 
     def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
         self._tokenizer = tokenizer
         self._eos_token_ids = sorted(eos_token_ids)
         self._ll_tokenizer: Any = None
+        self._executor: Any = None
+        # Fed this step, mask not computed yet.
+        self._pending: list[_GrammarSequence] = []
+        # Each computed sequence's row in `_allowed` (the step's unpacked masks).
+        self._rows: dict[int, int] = {}
+        self._allowed: Any = None
+        self.mask_seconds = 0.0
+        self.masks_computed = 0
 
-    def processor(self, grammar: str) -> _GrammarMask:
-        from llguidance import LLMatcher
+    def sequence(self, grammar: str) -> _GrammarSequence:
+        from llguidance import LLExecutor, LLMatcher
 
         if self._ll_tokenizer is None:
             from llguidance.hf import from_tokenizer
@@ -726,49 +758,97 @@ class _Grammars:
             # mlx-lm's wrapper holds the Hugging Face tokenizer.
             hf_tokenizer = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
             self._ll_tokenizer = from_tokenizer(hf_tokenizer, eos_token=self._eos_token_ids or None)
+            self._executor = LLExecutor()
+        started = time.perf_counter()
         matcher = LLMatcher(self._ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"grammar rejected: {matcher.get_error()}")
-        return _GrammarMask(matcher, self._eos_token_ids)
+        logger.debug("grammar matcher ready in %.1f ms", 1000 * (time.perf_counter() - started))
+        return _GrammarSequence(self, matcher)
 
+    def fed(self, sequence: _GrammarSequence) -> None:
+        self._pending.append(sequence)
 
-class _GrammarMask:
-    """A logits processor that keeps a sequence inside its grammar.
+    def allowed(self, sequence: _GrammarSequence, logprobs: Any) -> Any:
+        """The step's mask of ``sequence``: True where its grammar allows the token."""
+        if self._pending:
+            self._compute(logprobs)
+        return self._allowed[self._rows[id(sequence)]]
 
-    mlx-lm calls it once per sampled position with the sequence's history: the
-    first call sees the prompt, each later one the token sampled since, which it
-    feeds to the matcher first. Tokens the grammar forbids get -inf; the model's
-    EOS ids pass only where the grammar may end (and are all that pass once it
-    is complete). A matcher in error (never expected: the mask forbids what it
-    would reject) lets only EOS through, so the sequence stops.
-    """
-
-    def __init__(self, matcher: Any, eos_token_ids: list[int]) -> None:
-        import numpy as np
-
-        self._matcher = matcher
-        self._eos = np.array(eos_token_ids, dtype=np.int64)
-        self._started = False
-
-    def __call__(self, tokens: Any, logits: Any) -> Any:
+    def _compute(self, logprobs: Any) -> None:
         import mlx.core as mx
         import numpy as np
 
-        matcher = self._matcher
-        if self._started:
-            matcher.consume_token(int(tokens[-1].item()))
+        started = time.perf_counter()
+        pending, self._pending = self._pending, []
+        vocab = logprobs.shape[-1]
+        # The tokens first (they wait for the last step only), then the forward pass is
+        # started: queued before them, it would hold their read-back up.
+        tokens = [sequence.last_token for sequence in pending if sequence.last_token is not None]
+        mx.eval(tokens)
+        mx.async_eval(logprobs)
+        for sequence in pending:
+            if sequence.last_token is not None and not sequence.matcher.is_error():
+                sequence.matcher.consume_token(int(sequence.last_token.item()))
+            sequence.last_token = None
+        width = (self._ll_tokenizer.vocab_size + 31) // 32
+        packed = np.zeros((len(pending), max(width, (vocab + 31) // 32)), dtype=np.int32)
+        working = [(sequence.matcher, row) for row, sequence in enumerate(pending) if not sequence.matcher.is_error()]
+        if working:
+            self._executor.unsafe_compute_mask_ptr(working, packed.ctypes.data, packed.shape[1] * 4, len(pending))
+        words = packed.view(np.uint32)
+        for row, sequence in enumerate(pending):
+            matcher = sequence.matcher
+            if matcher.is_error():
+                logger.warning("grammar matcher failed: %s", matcher.get_error())
+            # EOS passes where the grammar may end; a failed matcher passes nothing else, so the reply stops.
+            may_end = matcher.is_error() or matcher.is_accepting()
+            for eos in self._eos_token_ids:
+                if eos < vocab:
+                    bit = np.uint32(1 << (eos % 32))
+                    words[row, eos // 32] = words[row, eos // 32] | bit if may_end else words[row, eos // 32] & ~bit
+        word_index, bit_index = _bit_positions(vocab)
+        self._allowed = ((mx.array(words)[:, word_index] >> bit_index) & 1).astype(mx.bool_)
+        self._rows = {id(sequence): row for row, sequence in enumerate(pending)}
+        self.mask_seconds += time.perf_counter() - started
+        self.masks_computed += len(pending)
+
+
+class _GrammarSequence:
+    """One sequence's matcher, its processor (``feed``) and its sampler's mask."""
+
+    def __init__(self, grammars: _Grammars, matcher: Any) -> None:
+        self._grammars = grammars
+        self.matcher = matcher
+        self._started = False
+        # The token to feed the matcher before this step's mask (None on the first step).
+        self.last_token: Any = None
+
+    def feed(self, tokens: Any, logits: Any) -> Any:
+        """A logits processor that changes nothing: it hands over the token sampled last, still lazy."""
+        self.last_token = tokens[-1] if self._started else None
         self._started = True
-        vocab = logits.shape[-1]
-        allowed = np.zeros(vocab, dtype=np.bool_)
-        if matcher.is_error():
-            logger.warning("grammar matcher failed: %s", matcher.get_error())
-        else:
-            bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-            width = min(vocab, bits.size)
-            allowed[:width] = bits[:width].astype(np.bool_)
-        eos = self._eos[self._eos < vocab]
-        allowed[eos] = matcher.is_error() or matcher.is_accepting()
-        return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
+        self._grammars.fed(self)
+        return logits
+
+    def sampler(self, sample: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
+        def masked(logprobs: Any) -> Any:
+            import mlx.core as mx
+
+            allowed = self._grammars.allowed(self, logprobs)
+            logprobs = mx.where(allowed, logprobs, mx.array(-mx.inf, dtype=logprobs.dtype))
+            return mx.argmax(logprobs, axis=-1) if sample is None else sample(logprobs)
+
+        return masked
+
+
+@functools.lru_cache(maxsize=4)
+def _bit_positions(vocab: int) -> tuple[Any, Any]:
+    """For each token id: its word in a packed mask and its bit in that word."""
+    import mlx.core as mx
+
+    ids = mx.arange(vocab, dtype=mx.uint32)
+    return ids >> 5, ids & 31
 
 
 def _adopt(handle: Any, num_tokens: int) -> list[Any]:

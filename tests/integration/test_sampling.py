@@ -70,7 +70,7 @@ async def test_sampling_fields_are_honoured_or_refused_through_the_openai_sdk(st
         ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"n": 2}, "n"),
         ({"response_format": {"type": "grammar"}}, "response_format.type"),
-        ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+        ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ):
         error = await refused(client, model=engine.model_id, **kwargs)
         assert error.status_code == 400
