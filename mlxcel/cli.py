@@ -106,7 +106,7 @@ async def run_server(
     from mlxcel.engine import run_engine
     from mlxcel.http import serve
     from mlxcel.http.serve import PendingEngine
-    from mlxcel.http.validation import Limits
+    from mlxcel.http.validation import DEFAULT_VOLATILE_SYSTEM_PATTERNS, Limits
 
     stop = trio.Event()
     pending = PendingEngine()
@@ -129,7 +129,13 @@ async def run_server(
                 admin_api_key=server_config.admin_api_key,
                 graceful_timeout=server_config.shutdown_grace_seconds,
                 access_log=server_config.access_log,
-                limits=Limits(user_scopes_session=server_config.session_key_scope == "user"),
+                limits=Limits(
+                    user_scopes_session=server_config.session_key_scope == "user",
+                    volatile_system_patterns=(
+                        (server_config.volatile_system_patterns or DEFAULT_VOLATILE_SYSTEM_PATTERNS)
+                        if server_config.normalize_volatile_system else ()
+                    ),
+                ),
                 max_connections=server_config.max_connections,
                 keep_alive_timeout=server_config.keep_alive_timeout,
                 body_timeout=server_config.body_timeout,
