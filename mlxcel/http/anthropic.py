@@ -55,9 +55,9 @@ TOOL_ERROR_PREFIX = "Error: "
 
 _MESSAGES_FIELDS = frozenset({
     "model", "messages", "system", "max_tokens", "metadata", "stop_sequences", "stream", "temperature",
-    "top_k", "top_p", "tools", "tool_choice", "thinking", "service_tier",
+    "top_k", "top_p", "tools", "tool_choice", "thinking", "service_tier", "speed", "cache_control",
 })
-_COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking"})
+_COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control"})
 # One tier here; both values Anthropic accepts ask for nothing more than it.
 _SERVICE_TIERS = ("auto", "standard_only")
 _MEDIA_BLOCKS = frozenset({"image", "document", "search_result", "container_upload"})
@@ -169,7 +169,7 @@ class _Breakpoints:
         value = block.get("cache_control")
         if value is None:
             return
-        path = f"{path}.cache_control"
+        path = f"{path}.cache_control" if path else "cache_control"
         control = _object(value, path)
         _only(control, {"type", "ttl"}, path, "cache_control")
         if control.get("type") != "ephemeral":
@@ -254,6 +254,9 @@ def translate_messages_body(
         if tier is not None and tier not in _SERVICE_TIERS:
             _fail("service_tier", f"service_tier must be one of {', '.join(_SERVICE_TIERS)}, got {_kind(tier)}",
                   _UNSUPPORTED)
+        speed = body.get("speed")
+        if speed is not None and speed != "standard":
+            _fail("speed", f"speed must be 'standard' here (no fast mode), got {_kind(speed)}", _UNSUPPORTED)
     if body.get("model") is not None:
         chat["model"] = body["model"]
     if body.get("tools") is not None:
@@ -263,6 +266,8 @@ def translate_messages_body(
     if body.get("thinking") is not None:
         enabled = _thinking(body["thinking"], None if count_only else body.get("max_tokens"))
         chat["chat_template_kwargs"] = {"enable_thinking": enabled}
+    # Top-level: Anthropic puts the marker on the last cacheable block; here it is one more breakpoint.
+    breakpoints.read(body, "")
     return Translation(body=chat, origins=tuple(origins), retain_seconds=breakpoints.retain_seconds)
 
 

@@ -332,6 +332,14 @@ async def test_cache_control_sets_the_longest_retention(controls: list[Any], ret
     assert only_request(engine).cache.retain_seconds == retain
 
 
+async def test_top_level_cache_control_is_one_more_breakpoint() -> None:
+    engine = FakeEngine()
+    status, _, _ = await post(client_for(engine), "/v1/messages", {
+        **BODY, "cache_control": {"type": "ephemeral", "ttl": "1h"}, "speed": "standard", "service_tier": "auto"})
+    assert status == 200
+    assert only_request(engine).cache.retain_seconds == 3600.0
+
+
 async def test_a_chat_validation_error_names_the_messages_path() -> None:
     engine = FakeEngine()
     bad_schema = {**WEATHER_TOOL, "input_schema": {"type": "object", "properties": {"city": {"type": 12}}}}
@@ -450,6 +458,12 @@ BAD = [
      "tool_choice names 'nope', which is not in tools"),
     ({**BODY, "thinking": {"type": "enabled", "budget_tokens": 100}}, "thinking.budget_tokens must be an integer"),
     ({**BODY, "messages": []}, "messages must hold at least one message"),
+    ({**BODY, "speed": "fast"}, "speed must be 'standard' here"),
+    ({**BODY, "inference_geo": "eu"}, "`inference_geo` is not supported"),
+    ({**BODY, "output_config": {"format": {"type": "json_schema"}}}, "`output_config` is not supported"),
+    ({**five_breakpoints(), "messages": [USER], "cache_control": {"type": "ephemeral"},
+      "tools": [{**WEATHER_TOOL, "cache_control": {"type": "ephemeral"}}]},
+     "at most 4 blocks with cache_control; cache_control is number 5"),
     ({**BODY, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role must be 'user' or 'assistant'"),
     ({**BODY, "max_tokens": 0}, "max_tokens must be between 1 and"),
 ]
