@@ -68,9 +68,11 @@ TOOL_CHATML = (
 TOOL_NAMES = ["Bash", "Read", "Edit", "MultiEdit", "Write", "Glob", "Grep", "LS", "NotebookEdit", "WebFetch",
               "WebSearch", "TodoWrite", "Task", "ExitPlanMode", "BashOutput", "KillShell", "SlashCommand",
               "AskUserQuestion", "Skill", "ListMcpResources", "ReadMcpResource", "Lint", "Test", "Format"]
-WORDS = ("the user file code change test run command tool output read write edit search result error line "
-         "project repository branch commit function class module import path directory always never must "
-         "should only when before after check verify explain keep concise safe careful plan task step").split()
+WORDS = ("the", "user", "file", "code", "change", "test", "run", "command", "tool", "output", "read", "write",
+         "edit", "search", "result", "error", "line", "project", "repository", "branch", "commit", "function",
+         "class", "module", "import", "path", "directory", "always", "never", "must", "should", "only", "when",
+         "before", "after", "check", "verify", "explain", "keep", "concise", "safe", "careful", "plan", "task",
+         "step")
 QUESTIONS = ["Fix the failing test in tests/test_parser.py.", "Now run the whole suite.",
              "Why did that fail?", "Read the config module.", "Rename the helper to parse_line.",
              "Update the docs for it.", "Check the linter.", "Commit this.", "What else uses parse_line?",
