@@ -13,6 +13,8 @@ from typing import Any
 
 import attrs
 import pytest
+import trio
+import trio.testing
 from quart.typing import TestClientProtocol as Client
 
 from mlxcel.config import EngineConfig, PromptCacheConfig
@@ -205,6 +207,25 @@ async def test_a_one_delta_reply_has_its_usage_in_message_start_too() -> None:
                      "output_tokens": 0}
     assert [name for name, _ in events] == ["message_start", "ping", "content_block_start", "content_block_delta",
                                             "content_block_stop", "message_delta", "message_stop"]
+
+
+async def test_a_client_leaving_mid_stream_closes_the_engine_stream() -> None:
+    step = trio.Event()
+    engine = FakeEngine([Delta(text="a"), step, finish("stop")])
+    data = json.dumps({**BODY, "stream": True}).encode()
+    headers = {"Content-Type": "application/json", "Content-Length": str(len(data))}
+    with trio.CancelScope() as leave:
+        async with client_for(engine).request("/v1/messages", method="POST", headers=headers) as connection:
+            await connection.send(data)
+            await connection.send_complete()
+            assert b"event: message_start" in await connection.receive()
+            await connection.disconnect()
+            await trio.testing.wait_all_tasks_blocked()
+            leave.cancel()
+    (record,) = engine.streams
+    # Closing before the finish is what cancels the request in the real engine.
+    assert record.closed
+    assert record.closed_before_finish
 
 
 async def test_an_error_mid_stream_is_an_error_event_in_anthropic_shape() -> None:
