@@ -41,8 +41,10 @@ from mlxcel.types import (
 )
 
 logger = logging.getLogger(__name__)
-_Parsed = TypeVar("_Parsed", bound=ChatRequest | CompletionRequest)
 access_logger = logging.getLogger("mlxcel.access")
+
+# What a route's parser returns: the chat or completion request it validated.
+_Parsed = TypeVar("_Parsed", bound=ChatRequest | CompletionRequest)
 
 
 def error_response(error: MlxcelError, *, anthropic_shape: bool = False) -> Response:
