@@ -12,6 +12,7 @@ import signal
 import socket
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -22,6 +23,9 @@ from mlxcel.config import (
     build_configs,
     build_serve_parser,
 )
+
+if TYPE_CHECKING:
+    from mlxcel.http.validation import Limits
 
 logger = logging.getLogger("mlxcel")
 
@@ -99,6 +103,17 @@ def serve_entry() -> None:
     raise SystemExit(serve_main())
 
 
+def request_limits(server_config: ServerConfig) -> Limits:
+    """The parse policies the server's flags ask for."""
+    from mlxcel.http.validation import DEFAULT_VOLATILE_SYSTEM_PATTERNS, Limits
+
+    patterns = server_config.volatile_system_patterns or DEFAULT_VOLATILE_SYSTEM_PATTERNS
+    return Limits(
+        user_scopes_session=server_config.session_key_scope == "user",
+        volatile_system_patterns=patterns if server_config.normalize_volatile_system else (),
+    )
+
+
 async def run_server(
     engine_config: EngineConfig, server_config: ServerConfig, sock: socket.socket | None = None
 ) -> None:
@@ -106,7 +121,6 @@ async def run_server(
     from mlxcel.engine import run_engine
     from mlxcel.http import serve
     from mlxcel.http.serve import PendingEngine
-    from mlxcel.http.validation import Limits
 
     stop = trio.Event()
     pending = PendingEngine()
@@ -129,7 +143,7 @@ async def run_server(
                 admin_api_key=server_config.admin_api_key,
                 graceful_timeout=server_config.shutdown_grace_seconds,
                 access_log=server_config.access_log,
-                limits=Limits(user_scopes_session=server_config.session_key_scope == "user"),
+                limits=request_limits(server_config),
                 max_connections=server_config.max_connections,
                 keep_alive_timeout=server_config.keep_alive_timeout,
                 body_timeout=server_config.body_timeout,

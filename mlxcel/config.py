@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,10 @@ class ServerConfig:
     access_log: bool = False
     # "user": a gateway-set `user` scopes the session; "client": the client's key picks it.
     session_key_scope: str = "client"
+    # /v1/messages: cut per-request lines (Claude Code's billing header) from the system prompt.
+    normalize_volatile_system: bool = True
+    # The patterns of those lines; None: the built-in list (mlxcel.http.validation).
+    volatile_system_patterns: tuple[str, ...] | None = None
 
 
 # --- value parsers ------------------------------------------------------------
@@ -229,6 +234,14 @@ def parse_model_name(text: str) -> str:
     return name
 
 
+def parse_regex(text: str) -> str:
+    try:
+        re.compile(text, re.MULTILINE)
+    except re.error as error:
+        raise ValueError(f"not a valid regular expression ({error}): {text!r}") from None
+    return text
+
+
 def parse_session_key_scope(text: str) -> str:
     value = text.strip().lower()
     if value not in ("client", "user"):
@@ -248,6 +261,7 @@ class Setting:
     optional_value: bool = False  # `--flag` alone means true (`--flag[=BOOL]`)
     # One or more values (`--flag A B`; comma-separated in the environment), as a tuple.
     multiple: bool = False
+    metavar: str = "NAME"
 
 
 PROMPT_CACHE_SETTINGS = (
@@ -309,6 +323,13 @@ SERVER_SETTINGS = (
             parse_session_key_scope,
             "client (default): the session is prompt_cache_key, else user; user: a gateway-set "
             "`user` is the session and a client's prompt_cache_key only subdivides it"),
+    Setting("normalize_volatile_system", "--normalize-volatile-system", ("MLXCEL_NORMALIZE_VOLATILE_SYSTEM",),
+            parse_bool, "cut per-request lines (Claude Code's x-anthropic-billing-header) from /v1/messages "
+            "system prompts, so the prompt's prefix stays the same and cached (default true)", optional_value=True),
+    Setting("volatile_system_patterns", "--volatile-system-pattern", ("MLXCEL_VOLATILE_SYSTEM_PATTERNS",),
+            parse_regex, "regular expressions (multiline) whose matches --normalize-volatile-system cuts; "
+            "they replace the built-in '^x-anthropic-billing-header:[^\\n]*(?:\\n|$)' (comma-separated in "
+            "the environment)", multiple=True, metavar="REGEX"),
 )
 
 SCHEDULER_SETTINGS = (
@@ -371,7 +392,7 @@ def add_settings(parser: argparse.ArgumentParser, settings: tuple[Setting, ...])
         if setting.optional_value:
             kwargs.update(nargs="?", const=True, metavar="BOOL")
         if setting.multiple:
-            kwargs.update(nargs="+", metavar="NAME")
+            kwargs.update(nargs="+", metavar=setting.metavar)
         parser.add_argument(setting.flag, **kwargs)
 
 

@@ -24,12 +24,14 @@ from mlxcel.actors.device import DeviceActor, DeviceSettings, ModelInfo
 from mlxcel.actors.messages import (
     CacheStoreStats,
     CancelRequest,
+    CountPromptTokens,
     GetCacheStats,
     GetSchedulerStats,
     RenderMetrics,
     RequestFailed,
     ResetCache,
     RouteRequest,
+    RouterMsg,
     SchedulerStats,
     StreamEvent,
 )
@@ -47,7 +49,7 @@ from mlxcel.cache.snapshots import SnapshotLimits, SnapshotStore
 from mlxcel.cache.store import ApcSettings, PromptCacheStore, StoreLimits
 from mlxcel.config import EngineConfig, auto_bool
 from mlxcel.core.plan import Capabilities
-from mlxcel.errors import ServerBusy
+from mlxcel.errors import MlxcelError, ServerBusy
 from mlxcel.model.family import FamilyKind
 from mlxcel.types import ChatRequest, Completion, CompletionRequest, Delta, TokenLogprob, ToolCall
 
@@ -107,7 +109,7 @@ class Engine:
         *,
         model: ModelInfo,
         config: EngineConfig,
-        to_router: trio.MemorySendChannel[RouteRequest],
+        to_router: trio.MemorySendChannel[RouterMsg],
         to_scheduler: trio.MemorySendChannel[Any],
         to_cache_store: trio.MemorySendChannel[Any],
         to_metrics: trio.MemorySendChannel[Any],
@@ -144,6 +146,21 @@ class Engine:
             receive.close()
             raise ServerBusy("the server is at capacity; retry shortly") from None
         return DeltaStream(self, request_id, receive)
+
+    async def count_prompt_tokens(self, request: ChatRequest) -> int:
+        """The prompt's length in tokens, rendered and tokenized as ``stream`` would, without generating."""
+        reply_to, replies = trio.open_memory_channel[int | MlxcelError](1)
+        try:
+            self._to_router.send_nowait(CountPromptTokens(request=request, reply_to=reply_to))
+        except trio.WouldBlock:
+            reply_to.close()
+            replies.close()
+            raise ServerBusy("the server is at capacity; retry shortly") from None
+        with replies:
+            answer = await replies.receive()
+        if isinstance(answer, MlxcelError):
+            raise answer
+        return answer
 
     async def chat(self, request: ChatRequest | CompletionRequest) -> Completion:
         """Run a request to the end and return the whole reply."""

@@ -22,6 +22,7 @@ import trio
 
 from mlxcel.actors.device import ModelInfo
 from mlxcel.actors.messages import SchedulerStats
+from mlxcel.config import EngineConfig
 from mlxcel.engine import DeltaStream, Engine
 from mlxcel.http.llamacpp import _byte_decoder
 from mlxcel.model.family import detect_family
@@ -128,7 +129,13 @@ class FakeEngine(Engine):
         cache_stats: dict[str, Any] | None = None,
         scheduler_stats: SchedulerStats | None = None,
         metrics_text: bytes = b"# HELP mlxcel_fake 1\n",
+        num_prompt_tokens: int = 7,
+        config: EngineConfig | None = None,
     ) -> None:
+        self.config = config or EngineConfig()
+        # What count_prompt_tokens answers, and the requests it was asked about.
+        self.num_prompt_tokens = num_prompt_tokens
+        self.counted: list[ChatRequest] = []
         self.reply = list(reply) or [Delta(text="Hello"), finish("stop", text=" world")]
         self.stream_error = stream_error
         self.model = ModelInfo(
@@ -164,6 +171,12 @@ class FakeEngine(Engine):
             record.closed = True
             raise self.stream_error
         return FakeDeltaStream(self.reply, record)
+
+    async def count_prompt_tokens(self, request: ChatRequest) -> int:
+        self.counted.append(request)
+        if self.stream_error is not None:
+            raise self.stream_error
+        return self.num_prompt_tokens
 
     async def cache_stats(self) -> dict[str, Any]:
         self.num_stats_calls += 1

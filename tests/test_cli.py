@@ -144,3 +144,21 @@ def test_served_model_names_and_chat_template_settings(tmp_path) -> None:
         "{% for m in messages %}{{ m.content }}{% endfor %}")
     with pytest.raises(SystemExit):
         configs(["--chat-template-kwargs", '{"chat_template": "x"}'])
+
+
+def test_volatile_system_normalization_flags() -> None:
+    from mlxcel.cli import request_limits
+    from mlxcel.http.validation import DEFAULT_VOLATILE_SYSTEM_PATTERNS
+
+    _, server = configs([])
+    assert request_limits(server).volatile_system_patterns == DEFAULT_VOLATILE_SYSTEM_PATTERNS
+    for argv, environ in ((["--normalize-volatile-system=false"], {}), ([], {"MLXCEL_NORMALIZE_VOLATILE_SYSTEM": "0"}),
+                          (["--normalize-volatile-system", "off", "--volatile-system-pattern", "^a"], {})):
+        _, server = configs(argv, environ)
+        assert request_limits(server).volatile_system_patterns == ()
+    _, server = configs(["--volatile-system-pattern", "^Date: .*$", "^x-"], {"MLXCEL_VOLATILE_SYSTEM_PATTERNS": "^b"})
+    assert request_limits(server).volatile_system_patterns == ("^Date: .*$", "^x-")
+    _, server = configs([], {"MLXCEL_VOLATILE_SYSTEM_PATTERNS": "^a,^b"})
+    assert request_limits(server).volatile_system_patterns == ("^a", "^b")
+    with pytest.raises(ConfigError, match="MLXCEL_VOLATILE_SYSTEM_PATTERNS"):
+        configs([], {"MLXCEL_VOLATILE_SYSTEM_PATTERNS": "("})

@@ -44,6 +44,17 @@ class RouteRequest:
     events: trio.MemorySendChannel[StreamEvent] = attrs.field(repr=False)
 
 
+@attrs.frozen(kw_only=True)
+class CountPromptTokens:
+    """Render and tokenize a chat request without generating; the reply is the count or the 4xx."""
+
+    request: ChatRequest
+    reply_to: trio.MemorySendChannel[int | MlxcelError] = attrs.field(repr=False)
+
+
+RouterMsg = RouteRequest | CountPromptTokens
+
+
 # --- router -> scheduler ---------------------------------------------------------
 
 

@@ -13,12 +13,19 @@ import contextlib
 import functools
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, assert_never
 
 import attrs
 import trio
 
-from mlxcel.actors.messages import RequestFailed, RouteRequest, RouterStats, SubmitRequest
+from mlxcel.actors.messages import (
+    CountPromptTokens,
+    RequestFailed,
+    RouteRequest,
+    RouterMsg,
+    RouterStats,
+    SubmitRequest,
+)
 from mlxcel.cache.key import (
     CacheContext,
     effective_tool_choice,
@@ -291,7 +298,7 @@ class RouterActor:
         model: ModelInfo,
         renderer: PromptRenderer,
         cache_enabled: bool,
-        inbox: trio.MemoryReceiveChannel[RouteRequest],
+        inbox: trio.MemoryReceiveChannel[RouterMsg],
         to_scheduler: trio.MemorySendChannel[Any],
         max_concurrent: int = MAX_CONCURRENT_ROUTES,
     ) -> None:
@@ -319,10 +326,31 @@ class RouterActor:
                         except trio.EndOfChannel:
                             break
                         self._num_in_flight += 1
-                        nursery.start_soon(self._route, message)
+                        nursery.start_soon(self._handle, message)
 
     def statistics(self) -> RouterStats:
         return RouterStats(num_routed=self._num_routed, num_rejected=self._num_rejected)
+
+    async def _handle(self, message: RouterMsg) -> None:
+        match message:
+            case RouteRequest():
+                await self._route(message)
+            case CountPromptTokens():
+                await self._count(message)
+            case _:
+                assert_never(message)
+
+    async def _count(self, message: CountPromptTokens) -> None:
+        try:
+            rendered = await trio.to_thread.run_sync(self._renderer.render, message.request)
+            answer: int | InvalidRequest = len(rendered.tokens)
+        except InvalidRequest as error:
+            answer = error
+        finally:
+            self._num_in_flight -= 1
+            self._slots.release()
+        with message.reply_to, contextlib.suppress(trio.BrokenResourceError, trio.WouldBlock):
+            message.reply_to.send_nowait(answer)
 
     async def _route(self, message: RouteRequest) -> None:
         try:

@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 from quart import Response, g, request
@@ -22,7 +22,7 @@ from werkzeug.exceptions import HTTPException
 
 from mlxcel.engine import DeltaStream, Engine
 from mlxcel.errors import InternalError, InvalidRequest, MlxcelError, ServerBusy
-from mlxcel.http import llamacpp
+from mlxcel.http import anthropic, llamacpp
 from mlxcel.http.guards import check_browser_safety, normalized_path, single_authorization
 from mlxcel.http.validation import (
     Limits,
@@ -43,9 +43,17 @@ from mlxcel.types import (
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("mlxcel.access")
 
+# What a route's parser returns: the chat or completion request it validated.
+_Parsed = TypeVar("_Parsed", bound=ChatRequest | CompletionRequest)
 
-def error_response(error: MlxcelError) -> Response:
-    response = Response(json.dumps(error.to_body()), status=error.status, mimetype="application/json")
+
+def error_response(error: MlxcelError, *, anthropic_shape: bool = False) -> Response:
+    """The error in OpenAI's shape, or in Anthropic's (and its 529 for overload) on the Messages routes."""
+    if anthropic_shape:
+        response = Response(json.dumps(anthropic.error_body(error)), status=anthropic.error_status(error),
+                            mimetype="application/json")
+    else:
+        response = Response(json.dumps(error.to_body()), status=error.status, mimetype="application/json")
     if isinstance(error, ServerBusy):
         response.headers["Retry-After"] = str(error.retry_after_seconds)
     if error.status == 413:
@@ -168,10 +176,19 @@ def _legacy_logprobs(logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
 # The stats carry every tenant's counters, so they are the admin's, like the reset.
 ADMIN_ROUTES = frozenset({"/v1/cache/reset", "/v1/cache/stats", "/metrics"})
 OPEN_ROUTES = frozenset({"/health"})
+# Anthropic's Messages API: its errors (the 401 included) come in Anthropic's shape.
+ANTHROPIC_ROUTES = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 
 
-def _key_matches(header: str, key: str) -> bool:
-    scheme, _, token = header.partition(" ")
+def _is_anthropic(path: str) -> bool:
+    return path in ANTHROPIC_ROUTES or path.startswith("/v1/messages/")
+
+
+def _key_matches(authorization: str, api_key_header: str, key: str) -> bool:
+    """The one credential sent (`Authorization: Bearer` or `x-api-key`) is the key, compared in constant time."""
+    if api_key_header:
+        return hmac.compare_digest(api_key_header.strip().encode(), key.encode())
+    scheme, _, token = authorization.partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
@@ -199,8 +216,11 @@ def create_app(
         # Runs before the body is read, so a refused request never reaches the engine.
         g.started = time.perf_counter()
         path = normalized_path(request.path)
+        anthropic_shape = _is_anthropic(path)
         try:
             authorization = single_authorization(request.headers.getlist("Authorization"))
+            # Anthropic's clients send the key as `x-api-key`.
+            api_key_header = single_authorization(request.headers.getlist("x-api-key"), "x-api-key")
             if api_key is None:
                 check_browser_safety(
                     method=request.method, host=request.headers.get("Host"),
@@ -210,18 +230,28 @@ def create_app(
                     trusted_hosts=trusted_hosts,
                 )
         except MlxcelError as error:
-            response = error_response(error)
+            response = error_response(error, anthropic_shape=anthropic_shape)
             response.headers["Connection"] = "close"
             return response
         if path in OPEN_ROUTES:
             return None
         required = admin_api_key if admin_api_key and path in ADMIN_ROUTES else api_key
-        if required is None or _key_matches(authorization, required):
+        if required is None:
+            return None
+        if authorization and api_key_header:
+            # Two credentials: which one counts would be a guess.
+            response = error_response(InvalidRequest(
+                "send the API key in one header, `Authorization: Bearer <key>` or `x-api-key: <key>`, not both",
+                status=400, code="ambiguous_credentials",
+            ), anthropic_shape=anthropic_shape)
+            response.headers["Connection"] = "close"
+            return response
+        if _key_matches(authorization, api_key_header, required):
             return None
         response = error_response(InvalidRequest(
-            "a valid API key is required: send `Authorization: Bearer <key>`",
+            "a valid API key is required: send `Authorization: Bearer <key>` or `x-api-key: <key>`",
             status=401, code="invalid_api_key", error_type="authentication_error",
-        ))
+        ), anthropic_shape=anthropic_shape)
         response.headers["WWW-Authenticate"] = "Bearer"
         # The body was never read, so this connection cannot carry another request.
         response.headers["Connection"] = "close"
@@ -258,18 +288,32 @@ def create_app(
             chunks.append(chunk)
         return decode_json_body(b"".join(chunks), max_bytes=max_body_bytes)
 
+    async def parse_body(parse: Callable[..., _Parsed]) -> _Parsed:
+        body = await read_body()
+        # Off the event loop: a large tool set or a new response schema takes milliseconds to seconds.
+        parsed = await trio.to_thread.run_sync(functools.partial(parse, body, limits=limits))
+        if parsed.model not in (None, "", *engine.model_names):
+            raise InvalidRequest(
+                f"the model {parsed.model!r} is not served here; this server serves "
+                f"{', '.join(repr(name) for name in engine.model_names)}",
+                param="model", code="model_not_found", status=404,
+            )
+        return parsed
+
+    async def start(parse: Callable[..., _Parsed]) -> tuple[_Parsed, DeltaStream, Delta]:
+        """Parse, start the request and wait for its first delta (so a refusal is still a 4xx)."""
+        parsed = await parse_body(parse)
+        deltas = engine.stream(parsed)
+        try:
+            first = await deltas.__anext__()
+        except BaseException:
+            await deltas.aclose()
+            raise
+        return parsed, deltas, first
+
     async def generate(kind: str, parse: Callable[..., ChatRequest | CompletionRequest]) -> Response:
         try:
-            body = await read_body()
-            # Off the event loop: a large tool set or a new response schema takes milliseconds to seconds.
-            parsed = await trio.to_thread.run_sync(functools.partial(parse, body, limits=limits))
-            if parsed.model not in (None, "", *engine.model_names):
-                raise InvalidRequest(
-                    f"the model {parsed.model!r} is not served here; this server serves "
-                    f"{', '.join(repr(name) for name in engine.model_names)}",
-                    param="model", code="model_not_found", status=404,
-                )
-            deltas = engine.stream(parsed)
+            parsed, deltas, first = await start(parse)
         except MlxcelError as error:
             return error_response(error)
         native = None
@@ -277,14 +321,6 @@ def create_app(
             native = llamacpp.NativeReply(parsed, engine)
         shapes = _Shapes(kind, engine.model_id, native)
         want_logprobs = parsed.sampling.logprobs
-        try:
-            first = await deltas.__anext__()
-        except MlxcelError as error:
-            await deltas.aclose()
-            return error_response(error)
-        except BaseException:
-            await deltas.aclose()
-            raise
         if not parsed.stream:
             return await _whole_response(deltas, first, shapes, want_logprobs)
         return Response(
@@ -307,6 +343,38 @@ def create_app(
     @app.post("/completion")
     async def native_completion() -> Response:
         return await generate("native", parse_native_completion)
+
+    # Anthropic's Messages API, translated onto the chat pipeline (mlxcel/http/anthropic.py).
+    @app.post("/v1/messages")
+    async def messages() -> Response:
+        try:
+            parsed, deltas, first = await start(anthropic.parse_messages_request)
+        except MlxcelError as error:
+            return error_response(error, anthropic_shape=True)
+        # What was not read from the cache is written to it, when the request and server store prompts.
+        stores_prompt = parsed.cache.cache_prompt and engine.config.prompt_cache.enabled
+        if not parsed.stream:
+            async with deltas:
+                try:
+                    body = await anthropic.whole_message(deltas, first, model=engine.model_id,
+                                                         stores_prompt=stores_prompt)
+                except MlxcelError as error:
+                    return error_response(error, anthropic_shape=True)
+            return json_response(body)
+        streamer = anthropic.MessageStreamer(model=engine.model_id, stores_prompt=stores_prompt)
+        return Response(
+            _closing(deltas, streamer.events(deltas, first)),
+            mimetype="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens() -> Response:
+        try:
+            parsed = await parse_body(anthropic.parse_count_tokens_request)
+            return json_response({"input_tokens": await engine.count_prompt_tokens(parsed)})
+        except MlxcelError as error:
+            return error_response(error, anthropic_shape=True)
 
     async def tokens_route(handler: Callable[[Engine, object], Any]) -> Response:
         try:
@@ -361,20 +429,23 @@ def create_app(
         async def metrics_route() -> Response:
             return Response(await engine.metrics_text(), mimetype="text/plain; version=0.0.4")
 
+    def failure(error: MlxcelError) -> Response:
+        return error_response(error, anthropic_shape=_is_anthropic(normalized_path(request.path)))
+
     @app.errorhandler(404)
     async def not_found(_error: Exception) -> Response:
-        return error_response(InvalidRequest(f"no route {request.method} {request.path}", status=404, code="not_found"))
+        return failure(InvalidRequest(f"no route {request.method} {request.path}", status=404, code="not_found"))
 
     @app.errorhandler(405)
     async def not_allowed(_error: Exception) -> Response:
-        return error_response(InvalidRequest(
+        return failure(InvalidRequest(
             f"{request.method} is not allowed on {request.path}", status=405, code="method_not_allowed"))
 
     @app.errorhandler(HTTPException)
     async def http_error(error: HTTPException) -> Response:
         # Every other error Quart raises itself (a bad request line, a timed-out body) in the API's shape.
         status = error.code or 500
-        response = error_response(MlxcelError(
+        response = failure(MlxcelError(
             error.description or error.name, status=status, code=error.name.lower().replace(" ", "_"),
             error_type="invalid_request_error" if status < 500 else "server_error",
         ))
@@ -383,9 +454,16 @@ def create_app(
     @app.errorhandler(Exception)
     async def internal_error(error: Exception) -> Response:
         logger.exception("unhandled error on %s %s", request.method, request.path, exc_info=error)
-        return error_response(InternalError("internal server error"))
+        return failure(InternalError("internal server error"))
 
     return app
+
+
+async def _closing(deltas: DeltaStream, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """``events``, with ``deltas`` closed when they end or the client goes away (which cancels the request)."""
+    async with deltas:
+        async for event in events:
+            yield event
 
 
 async def _whole_response(deltas: DeltaStream, first: Delta, shapes: _Shapes, want_logprobs: bool) -> Response:

@@ -85,11 +85,11 @@ def check_browser_safety(
         )
 
 
-def single_authorization(values: list[str]) -> str:
-    """The one `Authorization` header; two are refused rather than picking one."""
+def single_authorization(values: list[str], name: str = "Authorization") -> str:
+    """The one `Authorization` (or ``name``) header; two are refused rather than picking one."""
     if len(values) > 1:
         raise InvalidRequest(
-            "send exactly one Authorization header", status=400, code="duplicate_authorization",
+            f"send exactly one {name} header", status=400, code="duplicate_authorization",
         )
     return values[0] if values else ""
 

@@ -29,6 +29,7 @@ from mlxcel.errors import InvalidRequest
 from mlxcel.types import CacheOptions, ChatRequest, CompletionRequest, SamplingParams
 
 __all__ = [
+    "DEFAULT_VOLATILE_SYSTEM_PATTERNS",
     "Limits",
     "decode_json_body",
     "parse_chat_request",
@@ -62,6 +63,9 @@ MAX_LOGIT_BIAS = 100.0
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
 
+# Claude Code starts its system prompt with a line whose `cch=` changes on every request.
+DEFAULT_VOLATILE_SYSTEM_PATTERNS: tuple[str, ...] = (r"^x-anthropic-billing-header:[^\n]*(?:\n|$)",)
+
 _MISSING = "missing_required_parameter"
 _TYPE = "invalid_type"
 _VALUE = "invalid_value"
@@ -84,6 +88,10 @@ class Limits:
     # True: the session is the (gateway-set) `user`, and a client's
     # `prompt_cache_key` only subdivides it (`--session-key-scope user`).
     user_scopes_session: bool = False
+    # `/v1/messages`: regular expressions (multiline) whose matches are cut from the system
+    # prompt before rendering, so a per-request line does not change the prompt's prefix.
+    # Empty: nothing is cut (`--no-normalize-volatile-system`).
+    volatile_system_patterns: tuple[str, ...] = DEFAULT_VOLATILE_SYSTEM_PATTERNS
 
 
 DEFAULT_LIMITS = Limits()

@@ -471,3 +471,30 @@ async def test_a_slow_render_does_not_hold_up_other_requests(nursery: trio.Nurse
         submit = await harness.scheduler.receive()
     assert submit.request.request_id == "slow"
     assert harness.actor.statistics() == RouterStats(num_routed=2, num_rejected=0)
+
+
+async def test_count_prompt_tokens_renders_without_submitting(nursery: trio.Nursery) -> None:
+    from mlxcel.actors.messages import CountPromptTokens
+    from mlxcel.errors import InvalidRequest
+
+    harness = await start_router(nursery)
+    request = chat(tools=(TOOL,))
+    submitted, _events = await harness.route(request)
+    inbox: trio.MemorySendChannel[Any] = harness.inbox  # the router's inbox takes both kinds of message
+    for asked, expected in ((request, len(submitted.prompt_tokens)),
+                            (chat(tool_choice="bogus"), None)):
+        reply_to, replies = trio.open_memory_channel[Any](1)
+        await inbox.send(CountPromptTokens(request=asked, reply_to=reply_to))
+        with trio.fail_after(10):
+            answer = await replies.receive()
+        if expected is None:
+            assert isinstance(answer, InvalidRequest)
+            assert answer.param == "tool_choice"
+        else:
+            assert answer == expected
+        with pytest.raises(trio.EndOfChannel):
+            await replies.receive()
+    # Nothing reached the scheduler, and the router's counts of routed requests did not move.
+    with pytest.raises(trio.WouldBlock):
+        harness.scheduler.receive_nowait()
+    assert harness.actor.statistics() == RouterStats(num_routed=1, num_rejected=0)

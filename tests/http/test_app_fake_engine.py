@@ -569,7 +569,7 @@ async def test_api_key_guards_every_route_but_health() -> None:
     assert response.headers["WWW-Authenticate"] == "Bearer"
     assert response.headers["Connection"] == "close"
     assert json.loads(await response.get_data()) == error_body(
-        "a valid API key is required: send `Authorization: Bearer <key>`", "invalid_api_key",
+        "a valid API key is required: send `Authorization: Bearer <key>` or `x-api-key: <key>`", "invalid_api_key",
         error_type="authentication_error")
     for wrong in ("Bearer wrong", "Basic sekret", "sekret", "Bearer sekret2"):
         status, _ = await post(client, "/v1/chat/completions", CHAT, Authorization=wrong)

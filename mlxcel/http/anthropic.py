@@ -1,0 +1,768 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`) over the chat pipeline.
+
+One pipeline: a Messages body is checked here for what is Anthropic's own
+(block types, tool_use / tool_result pairing, `max_tokens`, `cache_control`),
+translated into a chat-completions body, and parsed by `parse_chat_request`,
+so the renderer, session key and cache path are the chat route's. What comes
+back is shaped here: the whole message, the event stream, the error body.
+
+Choices the Anthropic API leaves to a server (docs/api.md says the same):
+
+- Several text blocks of one turn (or of `system`) are joined with a blank line.
+- A `tool_result` with `is_error: true` reaches the model prefixed `Error: `.
+- `redacted_thinking` blocks are dropped: their content is encrypted for
+  Anthropic's models and means nothing to this one.
+- Lines of the system prompt matching a volatile pattern (Claude Code's
+  per-request `x-anthropic-billing-header`) are dropped, so the prompt prefix
+  stays the same from one request to the next (`Limits.volatile_system_patterns`).
+- Any other field this server cannot honour is a 400 naming it, never ignored.
+
+Pure and synchronous except the stream shaping at the end: no Quart, Trio or MLX.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, NoReturn
+
+import attrs
+
+from mlxcel.errors import InvalidRequest, MlxcelError, ServerBusy
+from mlxcel.http.validation import DEFAULT_VOLATILE_SYSTEM_PATTERNS, Limits, parse_chat_request
+from mlxcel.types import ChatRequest, Delta, ToolCall, Usage
+
+__all__ = [
+    "DEFAULT_VOLATILE_SYSTEM_PATTERNS",
+    "MessageStreamer",
+    "error_body",
+    "error_status",
+    "message_body",
+    "parse_count_tokens_request",
+    "parse_messages_request",
+    "translate_messages_body",
+]
+
+MAX_CACHE_BREAKPOINTS = 4
+CACHE_TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
+# Anthropic's floor on an extended-thinking budget.
+MIN_THINKING_BUDGET = 1024
+TEXT_JOIN = "\n\n"
+TOOL_ERROR_PREFIX = "Error: "
+
+_MESSAGES_FIELDS = frozenset({
+    "model", "messages", "system", "max_tokens", "metadata", "stop_sequences", "stream", "temperature",
+    "top_k", "top_p", "tools", "tool_choice", "thinking", "service_tier", "speed", "cache_control",
+})
+_COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control"})
+# One tier here; both values Anthropic accepts ask for nothing more than it.
+_SERVICE_TIERS = ("auto", "standard_only")
+_MEDIA_BLOCKS = frozenset({"image", "document", "search_result", "container_upload"})
+_ROLES = ("user", "assistant")
+
+_MISSING = "missing_required_parameter"
+_TYPE = "invalid_type"
+_VALUE = "invalid_value"
+_UNSUPPORTED = "unsupported_parameter"
+
+
+# --- errors --------------------------------------------------------------------
+
+
+def _fail(param: str, message: str, code: str = _VALUE) -> NoReturn:
+    raise InvalidRequest(message, param=param, code=code)
+
+
+def _kind(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 40 else f"a string of {len(value)} characters"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, Mapping):
+        return "an object"
+    return type(value).__name__
+
+
+def error_status(error: MlxcelError) -> int:
+    # Anthropic answers "overloaded" with 529, where OpenAI-style servers say 503.
+    return 529 if isinstance(error, ServerBusy) else error.status
+
+
+def _error_type(error: MlxcelError) -> str:
+    status = error.status
+    if isinstance(error, ServerBusy):
+        return "overloaded_error"
+    return {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+            413: "request_too_large", 429: "rate_limit_error"}.get(
+        status, "invalid_request_error" if status < 500 else "api_error")
+
+
+def error_body(error: MlxcelError) -> dict[str, Any]:
+    """Anthropic's error shape; the param, when there is one, is named in the message."""
+    message = error.message
+    if error.param and error.param not in message:
+        message = f"{error.param}: {message}"
+    return {"type": "error", "error": {"type": _error_type(error), "message": message}}
+
+
+# --- readers -----------------------------------------------------------------------
+
+
+def _object(value: object, path: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        _fail(path, f"{path} must be an object, got {_kind(value)}", _TYPE)
+    return value
+
+
+def _list(value: object, path: str) -> list[Any]:
+    if not isinstance(value, list):
+        _fail(path, f"{path} must be a list, got {_kind(value)}", _TYPE)
+    return value
+
+
+def _string(value: object, path: str) -> str:
+    if not isinstance(value, str):
+        _fail(path, f"{path} must be a string, got {_kind(value)}", _TYPE)
+    return value
+
+
+def _nonempty(value: object, path: str) -> str:
+    text = _string(value, path)
+    if not text:
+        _fail(path, f"{path} must not be empty")
+    return text
+
+
+def _required(fields: Mapping[str, Any], key: str, prefix: str) -> Any:
+    value = fields.get(key)
+    if value is None:
+        path = f"{prefix}.{key}" if prefix else key
+        _fail(path, f"{path} is required", _MISSING)
+    return value
+
+
+def _only(fields: Mapping[str, Any], allowed: frozenset[str] | set[str], prefix: str, what: str) -> None:
+    for key in fields:
+        if key not in allowed:
+            path = f"{prefix}.{key}" if prefix else key
+            _fail(path, f"{path}: `{key}` is not supported on {what} by this server", _UNSUPPORTED)
+
+
+# --- cache_control ------------------------------------------------------------------
+
+
+class _Breakpoints:
+    """The request's `cache_control` markers: at most four, each ephemeral with a known ttl."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.retain_seconds = 0.0
+
+    def read(self, block: Mapping[str, Any], path: str) -> None:
+        value = block.get("cache_control")
+        if value is None:
+            return
+        path = f"{path}.cache_control" if path else "cache_control"
+        control = _object(value, path)
+        _only(control, {"type", "ttl"}, path, "cache_control")
+        if control.get("type") != "ephemeral":
+            _fail(f"{path}.type", f"{path}.type must be 'ephemeral', got {_kind(control.get('type'))}")
+        ttl = control.get("ttl", "5m")
+        if ttl not in CACHE_TTL_SECONDS:
+            _fail(f"{path}.ttl", f"{path}.ttl must be '5m' or '1h', got {_kind(ttl)}")
+        self.count += 1
+        if self.count > MAX_CACHE_BREAKPOINTS:
+            _fail(path, f"a request may hold at most {MAX_CACHE_BREAKPOINTS} blocks with cache_control; "
+                  f"{path} is number {self.count}")
+        self.retain_seconds = max(self.retain_seconds, CACHE_TTL_SECONDS[ttl])
+
+
+# --- volatile system lines -----------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(patterns: tuple[str, ...]) -> tuple[re.Pattern[str], ...]:
+    return tuple(re.compile(pattern, re.MULTILINE) for pattern in patterns)
+
+
+def strip_volatile(text: str, patterns: tuple[str, ...]) -> str:
+    """``text`` without what the volatile patterns match (Claude Code's billing header line)."""
+    for pattern in _compiled(patterns):
+        text = pattern.sub("", text)
+    return text
+
+
+# --- the translation --------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Translation:
+    """A Messages body as a chat-completions body, and where each chat message came from."""
+
+    body: dict[str, Any]
+    # Per chat message: (the Anthropic path of the message, of its content).
+    origins: tuple[tuple[str, str], ...]
+    retain_seconds: float
+
+
+def translate_messages_body(
+    body: object, *, volatile_system_patterns: tuple[str, ...] = DEFAULT_VOLATILE_SYSTEM_PATTERNS,
+    count_only: bool = False,
+) -> Translation:
+    """Check the Anthropic-only rules of a Messages body and translate it into a chat-completions body."""
+    if not isinstance(body, Mapping):
+        raise InvalidRequest(f"request body must be a JSON object, got {_kind(body)}", code=_TYPE)
+    route = "/v1/messages/count_tokens" if count_only else "/v1/messages"
+    for key in body:
+        if key not in (_COUNT_FIELDS if count_only else _MESSAGES_FIELDS):
+            _fail(key, f"`{key}` is not supported on {route} by this server", _UNSUPPORTED)
+    breakpoints = _Breakpoints()
+    chat: dict[str, Any] = {}
+    origins: list[tuple[str, str]] = []
+    messages: list[dict[str, Any]] = []
+    raw_messages = _list(_required(body, "messages", ""), "messages")
+    if not raw_messages:
+        _fail("messages", "messages must hold at least one message")
+    system = body.get("system")
+    if system is not None:
+        text = _system_text(system, breakpoints, volatile_system_patterns)
+        if text:
+            messages.append({"role": "system", "content": text})
+            origins.append(("system", "system"))
+    _translate_messages(raw_messages, messages, origins, breakpoints)
+    chat["messages"] = messages
+    if not count_only:
+        chat["max_tokens"] = _required(body, "max_tokens", "")
+        for key in ("temperature", "top_p", "top_k", "stream"):
+            if body.get(key) is not None:
+                chat[key] = body[key]
+        if body.get("stop_sequences") is not None:
+            chat["stop"] = _list(body["stop_sequences"], "stop_sequences")
+        if body.get("metadata") is not None:
+            metadata = _object(body["metadata"], "metadata")
+            _only(metadata, {"user_id"}, "metadata", "metadata")
+            if metadata.get("user_id") is not None:
+                chat["user"] = _string(metadata["user_id"], "metadata.user_id")
+        tier = body.get("service_tier")
+        if tier is not None and tier not in _SERVICE_TIERS:
+            _fail("service_tier", f"service_tier must be one of {', '.join(_SERVICE_TIERS)}, got {_kind(tier)}",
+                  _UNSUPPORTED)
+        speed = body.get("speed")
+        if speed is not None and speed != "standard":
+            _fail("speed", f"speed must be 'standard' here (no fast mode), got {_kind(speed)}", _UNSUPPORTED)
+    if body.get("model") is not None:
+        chat["model"] = body["model"]
+    if body.get("tools") is not None:
+        chat["tools"] = _tools(body["tools"], breakpoints)
+    if body.get("tool_choice") is not None:
+        chat.update(_tool_choice(body["tool_choice"]))
+    if body.get("thinking") is not None:
+        enabled = _thinking(body["thinking"], None if count_only else body.get("max_tokens"))
+        chat["chat_template_kwargs"] = {"enable_thinking": enabled}
+    # Top-level: Anthropic puts the marker on the last cacheable block; here it is one more breakpoint.
+    breakpoints.read(body, "")
+    return Translation(body=chat, origins=tuple(origins), retain_seconds=breakpoints.retain_seconds)
+
+
+def _text_block(block: Mapping[str, Any], path: str, breakpoints: _Breakpoints) -> str:
+    _only(block, {"type", "text", "cache_control", "citations"}, path, "a text block")
+    citations = block.get("citations")
+    if citations is not None and citations != []:
+        _fail(f"{path}.citations", f"{path}.citations: citations are not supported by this server", _UNSUPPORTED)
+    breakpoints.read(block, path)
+    return _string(_required(block, "text", path), f"{path}.text")
+
+
+def _block(value: object, path: str) -> tuple[Mapping[str, Any], str]:
+    block = _object(value, path)
+    block_type = _required(block, "type", path)
+    if block_type in _MEDIA_BLOCKS:
+        raise InvalidRequest(
+            f"{path}: {block_type} blocks are not supported: this server's model takes text only",
+            param=path, code="unsupported_content",
+        )
+    return block, _string(block_type, f"{path}.type")
+
+
+def _unknown_block(block_type: str, path: str, role: str) -> NoReturn:
+    known = {"user": "text, tool_result", "assistant": "text, tool_use, thinking, redacted_thinking",
+             "system": "text", "tool_result": "text"}[role]
+    _fail(f"{path}.type", f"{path}.type: unknown or unsupported block type {block_type!r} here; "
+          f"expected one of {known}")
+
+
+def _system_text(value: object, breakpoints: _Breakpoints, patterns: tuple[str, ...]) -> str:
+    if isinstance(value, str):
+        pieces = [value]
+    else:
+        pieces = []
+        for index, item in enumerate(_list(value, "system")):
+            path = f"system[{index}]"
+            block, block_type = _block(item, path)
+            if block_type != "text":
+                _unknown_block(block_type, path, "system")
+            pieces.append(_text_block(block, path, breakpoints))
+    if patterns:
+        # A block the patterns empty is dropped whole, with its separator.
+        pieces = [text for piece in pieces if (text := strip_volatile(piece, patterns)).strip()]
+    return TEXT_JOIN.join(pieces)
+
+
+def _translate_messages(
+    raw_messages: list[Any], messages: list[dict[str, Any]], origins: list[tuple[str, str]],
+    breakpoints: _Breakpoints,
+) -> None:
+    # Tool calls made so far and not yet answered; every id ever used.
+    open_calls: set[str] = set()
+    call_ids: set[str] = set()
+    for index, item in enumerate(raw_messages):
+        path = f"messages[{index}]"
+        message = _object(item, path)
+        _only(message, {"role", "content"}, path, "a message")
+        role = _required(message, "role", path)
+        if role not in _ROLES:
+            _fail(f"{path}.role", f"{path}.role must be 'user' or 'assistant', got {_kind(role)}")
+        content = _required(message, "content", path)
+        if isinstance(content, str):
+            messages.append({"role": role, "content": content})
+            origins.append((path, f"{path}.content"))
+            continue
+        blocks = _list(content, f"{path}.content")
+        if not blocks:
+            _fail(f"{path}.content", f"{path}.content must hold at least one block")
+        if role == "user":
+            _user_blocks(blocks, path, messages, origins, breakpoints, open_calls)
+        else:
+            _assistant_blocks(blocks, path, messages, origins, breakpoints, open_calls, call_ids)
+    if raw_messages[-1].get("role") == "assistant":
+        last = f"messages[{len(raw_messages) - 1}]"
+        _fail(last, f"{last}: a final assistant message (a prefill to continue) is not supported; "
+              "end with a user message", _UNSUPPORTED)
+
+
+def _user_blocks(
+    blocks: list[Any], path: str, messages: list[dict[str, Any]], origins: list[tuple[str, str]],
+    breakpoints: _Breakpoints, open_calls: set[str],
+) -> None:
+    texts: list[str] = []
+    for number, item in enumerate(blocks):
+        block_path = f"{path}.content[{number}]"
+        block, block_type = _block(item, block_path)
+        if block_type == "text":
+            texts.append(_text_block(block, block_path, breakpoints))
+        elif block_type == "tool_result":
+            if texts:
+                _fail(block_path, f"{block_path}: tool_result blocks must come before any text in a user message")
+            messages.append(_tool_result(block, block_path, breakpoints, open_calls))
+            origins.append((block_path, f"{block_path}.content"))
+        else:
+            _unknown_block(block_type, block_path, "user")
+    if texts:
+        messages.append({"role": "user", "content": TEXT_JOIN.join(texts)})
+        origins.append((path, f"{path}.content"))
+
+
+def _tool_result(
+    block: Mapping[str, Any], path: str, breakpoints: _Breakpoints, open_calls: set[str]
+) -> dict[str, Any]:
+    _only(block, {"type", "tool_use_id", "content", "is_error", "cache_control"}, path, "a tool_result block")
+    breakpoints.read(block, path)
+    call_id = _nonempty(_required(block, "tool_use_id", path), f"{path}.tool_use_id")
+    if call_id not in open_calls:
+        _fail(f"{path}.tool_use_id", f"{path}.tool_use_id {call_id!r} matches no earlier, unanswered "
+              "tool_use block")
+    open_calls.discard(call_id)
+    content = block.get("content")
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    else:
+        pieces = []
+        for number, item in enumerate(_list(content, f"{path}.content")):
+            inner_path = f"{path}.content[{number}]"
+            inner, inner_type = _block(item, inner_path)
+            if inner_type != "text":
+                _unknown_block(inner_type, inner_path, "tool_result")
+            pieces.append(_text_block(inner, inner_path, breakpoints))
+        text = TEXT_JOIN.join(pieces)
+    is_error = block.get("is_error")
+    if is_error is not None and not isinstance(is_error, bool):
+        _fail(f"{path}.is_error", f"{path}.is_error must be a boolean, got {_kind(is_error)}", _TYPE)
+    if is_error:
+        text = TOOL_ERROR_PREFIX + text if text else TOOL_ERROR_PREFIX.rstrip(": ")
+    return {"role": "tool", "tool_call_id": call_id, "content": text}
+
+
+def _assistant_blocks(
+    blocks: list[Any], path: str, messages: list[dict[str, Any]], origins: list[tuple[str, str]],
+    breakpoints: _Breakpoints, open_calls: set[str], call_ids: set[str],
+) -> None:
+    texts: list[str] = []
+    thinking: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for number, item in enumerate(blocks):
+        block_path = f"{path}.content[{number}]"
+        block, block_type = _block(item, block_path)
+        if block_type == "text":
+            texts.append(_text_block(block, block_path, breakpoints))
+        elif block_type == "tool_use":
+            _only(block, {"type", "id", "name", "input", "cache_control"}, block_path, "a tool_use block")
+            breakpoints.read(block, block_path)
+            call_id = _nonempty(_required(block, "id", block_path), f"{block_path}.id")
+            if call_id in call_ids:
+                _fail(f"{block_path}.id", f"{block_path}.id {call_id!r} is used by an earlier tool_use block")
+            call_ids.add(call_id)
+            open_calls.add(call_id)
+            name = _nonempty(_required(block, "name", block_path), f"{block_path}.name")
+            arguments = _object(block.get("input", {}), f"{block_path}.input")
+            calls.append({"id": call_id, "type": "function",
+                          "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}})
+        elif block_type == "thinking":
+            _only(block, {"type", "thinking", "signature"}, block_path, "a thinking block")
+            thinking.append(_string(_required(block, "thinking", block_path), f"{block_path}.thinking"))
+        elif block_type == "redacted_thinking":
+            # Encrypted for Anthropic's models: nothing this model could read.
+            continue
+        else:
+            _unknown_block(block_type, block_path, "assistant")
+    message: dict[str, Any] = {"role": "assistant", "content": TEXT_JOIN.join(texts) if texts or not calls else None}
+    if calls:
+        message["tool_calls"] = calls
+    if thinking:
+        message["reasoning_content"] = TEXT_JOIN.join(thinking)
+    messages.append(message)
+    origins.append((path, f"{path}.content"))
+
+
+_SERVER_TOOL = re.compile(r"_\d{8}$")
+
+
+def _tools(value: object, breakpoints: _Breakpoints) -> list[dict[str, Any]]:
+    tools = []
+    for index, item in enumerate(_list(value, "tools")):
+        path = f"tools[{index}]"
+        tool = _object(item, path)
+        tool_type = tool.get("type")
+        if tool_type is not None and tool_type != "custom":
+            kind = "Anthropic's server tools (" + str(tool_type) + ") are" if isinstance(
+                tool_type, str) and _SERVER_TOOL.search(tool_type) else f"tool type {_kind(tool_type)} is"
+            _fail(f"{path}.type", f"{path}.type: {kind} not supported here; define a custom tool with "
+                  "name, description and input_schema", _UNSUPPORTED)
+        _only(tool, {"type", "name", "description", "input_schema", "cache_control", "eager_input_streaming",
+                     "strict"}, path, "a tool")
+        if tool.get("strict") is True:
+            _fail(f"{path}.strict", f"{path}.strict: strict tool schemas are not supported by this server",
+                  _UNSUPPORTED)
+        breakpoints.read(tool, path)
+        function: dict[str, Any] = {"name": _nonempty(_required(tool, "name", path), f"{path}.name")}
+        if tool.get("description") is not None:
+            function["description"] = tool["description"]
+        function["parameters"] = _object(_required(tool, "input_schema", path), f"{path}.input_schema")
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def _tool_choice(value: object) -> dict[str, Any]:
+    choice = _object(value, "tool_choice")
+    choice_type = _required(choice, "type", "tool_choice")
+    allowed = {"type", "disable_parallel_tool_use"} | ({"name"} if choice_type == "tool" else set())
+    _only(choice, allowed, "tool_choice", "tool_choice")
+    if choice_type == "auto":
+        translated: Any = "auto"
+    elif choice_type == "any":
+        translated = "required"
+    elif choice_type == "none":
+        translated = "none"
+    elif choice_type == "tool":
+        name = _nonempty(_required(choice, "name", "tool_choice"), "tool_choice.name")
+        translated = {"type": "function", "function": {"name": name}}
+    else:
+        _fail("tool_choice.type", f"tool_choice.type must be one of auto, any, tool, none, got {_kind(choice_type)}")
+    chat: dict[str, Any] = {"tool_choice": translated}
+    disable = choice.get("disable_parallel_tool_use")
+    if disable is not None:
+        if not isinstance(disable, bool):
+            _fail("tool_choice.disable_parallel_tool_use",
+                  f"tool_choice.disable_parallel_tool_use must be a boolean, got {_kind(disable)}", _TYPE)
+        if disable:
+            chat["parallel_tool_calls"] = False
+    return chat
+
+
+def _thinking(value: object, max_tokens: object) -> bool:
+    thinking = _object(value, "thinking")
+    kind = _required(thinking, "type", "thinking")
+    if kind == "disabled":
+        _only(thinking, {"type"}, "thinking", "thinking")
+        return False
+    if kind == "adaptive":
+        _only(thinking, {"type"}, "thinking", "thinking")
+        return True
+    if kind != "enabled":
+        _fail("thinking.type", f"thinking.type must be 'enabled', 'adaptive' or 'disabled', got {_kind(kind)}")
+    _only(thinking, {"type", "budget_tokens"}, "thinking", "thinking")
+    budget = _required(thinking, "budget_tokens", "thinking")
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < MIN_THINKING_BUDGET:
+        _fail("thinking.budget_tokens", f"thinking.budget_tokens must be an integer of at least "
+              f"{MIN_THINKING_BUDGET}, got {_kind(budget)}")
+    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and budget >= max_tokens:
+        _fail("thinking.budget_tokens", "thinking.budget_tokens must be less than max_tokens")
+    return True
+
+
+# --- chat-completions paths back to the Messages body's ----------------------------
+
+
+_PATH_RULES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"^tools\[(\d+)\]\.function\.parameters"), r"tools[\1].input_schema"),
+    (re.compile(r"^tools\[(\d+)\]\.function\.(name|description)"), r"tools[\1].\2"),
+    (re.compile(r"^tool_choice\.function\.name"), "tool_choice.name"),
+    (re.compile(r"^stop(?=\[|$)"), "stop_sequences"),
+    (re.compile(r"^user$"), "metadata.user_id"),
+    (re.compile(r"^parallel_tool_calls$"), "tool_choice.disable_parallel_tool_use"),
+    (re.compile(r"^chat_template_kwargs"), "thinking"),
+)
+_CHAT_MESSAGE = re.compile(r"^messages\[(\d+)\](\.content)?")
+
+
+def anthropic_error(error: InvalidRequest, origins: tuple[tuple[str, str], ...]) -> InvalidRequest:
+    """``error``, raised on the chat-completions translation, with its path in the Messages body's terms."""
+    param = error.param
+    if not param:
+        return error
+    replaced = None
+    match = _CHAT_MESSAGE.match(param)
+    if match and int(match.group(1)) < len(origins):
+        message_origin, content_origin = origins[int(match.group(1))]
+        replaced = (match.group(0), content_origin if match.group(2) else message_origin)
+    else:
+        for pattern, replacement in _PATH_RULES:
+            found = pattern.match(param)
+            if found:
+                replaced = (found.group(0), found.expand(replacement))
+                break
+    if replaced is None:
+        return error
+    old, new = replaced
+    translated = InvalidRequest(
+        error.message.replace(old, new), param=new + param[len(old):], code=error.code, status=error.status,
+        error_type=error.error_type,
+    )
+    return translated
+
+
+def _parse(body: object, *, limits: Limits, count_only: bool) -> ChatRequest:
+    translation = translate_messages_body(
+        body, volatile_system_patterns=limits.volatile_system_patterns, count_only=count_only
+    )
+    try:
+        parsed = parse_chat_request(translation.body, limits=limits)
+    except InvalidRequest as error:
+        raise anthropic_error(error, translation.origins) from None
+    if translation.retain_seconds:
+        parsed = attrs.evolve(parsed, cache=attrs.evolve(parsed.cache, retain_seconds=translation.retain_seconds))
+    return parsed
+
+
+def parse_messages_request(body: object, *, limits: Limits) -> ChatRequest:
+    """Validate a `POST /v1/messages` body into the ChatRequest the chat route would build."""
+    return _parse(body, limits=limits, count_only=False)
+
+
+def parse_count_tokens_request(body: object, *, limits: Limits) -> ChatRequest:
+    """Validate a `POST /v1/messages/count_tokens` body (no max_tokens, nothing to sample)."""
+    return _parse(body, limits=limits, count_only=True)
+
+
+# --- replies ---------------------------------------------------------------------------
+
+
+def new_message_id() -> str:
+    return f"msg_{uuid.uuid4().hex[:24]}"
+
+
+def stop_reason(finish_reason: str, stop_string: str | None) -> tuple[str, str | None]:
+    """Anthropic's (stop_reason, stop_sequence) for a finish."""
+    if finish_reason == "tool_calls":
+        return "tool_use", None
+    if finish_reason == "length":
+        return "max_tokens", None
+    if stop_string is not None:
+        return "stop_sequence", stop_string
+    return "end_turn", None
+
+
+def usage_body(usage: Usage, *, stores_prompt: bool) -> dict[str, int]:
+    """Anthropic's usage: the three input counts sum to the prompt.
+
+    mlxcel stores every prompt it prefills (when the request lets it), so what
+    was not read from the cache was written to it.
+    """
+    read = usage.cached_tokens
+    creation = usage.prompt_tokens - read if stores_prompt else 0
+    return {
+        "input_tokens": usage.prompt_tokens - read - creation,
+        "cache_creation_input_tokens": creation,
+        "cache_read_input_tokens": read,
+        "output_tokens": usage.completion_tokens,
+    }
+
+
+ZERO_USAGE = {"input_tokens": 0, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 0}
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as the object Anthropic's `input` is; text that is not one is kept under `arguments`."""
+    if not arguments.strip():
+        return {}
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        parsed = None
+    return parsed if isinstance(parsed, dict) else {"arguments": arguments}
+
+
+def tool_input_json(arguments: str) -> str:
+    """The `input_json_delta` of a whole call: the arguments as the model wrote them, when they are an object."""
+    try:
+        if isinstance(json.loads(arguments), dict):
+            return arguments
+    except ValueError:
+        pass
+    return json.dumps(tool_input(arguments), ensure_ascii=False)
+
+
+def tool_use_block(call: ToolCall) -> dict[str, Any]:
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": tool_input(call.arguments)}
+
+
+def message_body(
+    *, message_id: str, model: str, reasoning: str, text: str, tool_calls: tuple[ToolCall, ...],
+    finish_reason: str, stop_string: str | None, usage: dict[str, int],
+) -> dict[str, Any]:
+    content: list[dict[str, Any]] = []
+    if reasoning:
+        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+    if text:
+        content.append({"type": "text", "text": text})
+    content.extend(tool_use_block(call) for call in tool_calls)
+    reason, sequence = stop_reason(finish_reason, stop_string)
+    return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": reason, "stop_sequence": sequence, "usage": usage}
+
+
+async def whole_message(
+    deltas: AsyncIterator[Delta], first: Delta, *, model: str, stores_prompt: bool
+) -> dict[str, Any]:
+    """Read a reply to its end into one message body (an error mid-way propagates)."""
+    texts, reasoning, calls = [first.text], [first.reasoning], list(first.tool_calls)
+    last = first
+    if first.finish_reason is None:
+        async for delta in deltas:
+            texts.append(delta.text)
+            reasoning.append(delta.reasoning)
+            calls.extend(delta.tool_calls)
+            last = delta
+            if delta.finish_reason is not None:
+                break
+    assert last.finish_reason is not None
+    assert last.usage is not None
+    return message_body(
+        message_id=new_message_id(), model=model, reasoning="".join(reasoning), text="".join(texts),
+        tool_calls=tuple(calls), finish_reason=last.finish_reason, stop_string=last.stop_string,
+        usage=usage_body(last.usage, stores_prompt=stores_prompt),
+    )
+
+
+def sse_event(name: str, body: dict[str, Any]) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(body)}\n\n".encode()
+
+
+class MessageStreamer:
+    """Deltas in, Anthropic's stream events out: one content block open at a time.
+
+    The usage arrives on the last delta, so message_start reports zeros (the real
+    counts when the first delta is already the last) and message_delta the whole
+    usage, which Anthropic's SDKs take over message_start's.
+    """
+
+    def __init__(self, *, model: str, stores_prompt: bool) -> None:
+        self.model = model
+        self.stores_prompt = stores_prompt
+        self.message_id = new_message_id()
+        self._index = -1
+        self._open: str | None = None
+
+    def start(self, first: Delta) -> bytes:
+        usage = usage_body(first.usage, stores_prompt=self.stores_prompt) if first.usage else ZERO_USAGE
+        message: dict[str, Any] = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
+                   "content": [], "stop_reason": None, "stop_sequence": None, "usage": {**usage, "output_tokens": 0}}
+        return sse_event("message_start", {"type": "message_start", "message": message}) + sse_event(
+            "ping", {"type": "ping"})
+
+    def _close(self) -> bytes:
+        if self._open is None:
+            return b""
+        self._open = None
+        return sse_event("content_block_stop", {"type": "content_block_stop", "index": self._index})
+
+    def _open_block(self, block: dict[str, Any]) -> bytes:
+        events = self._close()
+        self._index += 1
+        self._open = block["type"]
+        return events + sse_event("content_block_start",
+                                  {"type": "content_block_start", "index": self._index, "content_block": block})
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return sse_event("content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta})
+
+    def feed(self, delta: Delta) -> bytes:
+        events = b""
+        if delta.reasoning:
+            if self._open != "thinking":
+                events += self._open_block({"type": "thinking", "thinking": "", "signature": ""})
+            events += self._delta({"type": "thinking_delta", "thinking": delta.reasoning})
+        if delta.text:
+            if self._open != "text":
+                events += self._open_block({"type": "text", "text": ""})
+            events += self._delta({"type": "text_delta", "text": delta.text})
+        for call in delta.tool_calls:
+            # Each call whole: its arguments are complete when the call is parsed.
+            events += self._open_block({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+            events += self._delta({"type": "input_json_delta", "partial_json": tool_input_json(call.arguments)})
+            events += self._close()
+        if delta.finish_reason is not None:
+            assert delta.usage is not None
+            reason, sequence = stop_reason(delta.finish_reason, delta.stop_string)
+            events += self._close()
+            events += sse_event("message_delta", {
+                "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                "usage": usage_body(delta.usage, stores_prompt=self.stores_prompt),
+            })
+            events += sse_event("message_stop", {"type": "message_stop"})
+        return events
+
+    def error(self, error: MlxcelError) -> bytes:
+        return sse_event("error", error_body(error))
+
+    async def events(self, deltas: AsyncIterator[Delta], first: Delta) -> AsyncIterator[bytes]:
+        yield self.start(first)
+        delta = first
+        try:
+            while True:
+                yield self.feed(delta)
+                if delta.finish_reason is not None:
+                    return
+                delta = await deltas.__anext__()
+        except StopAsyncIteration:
+            return
+        except MlxcelError as error:
+            yield self.error(error)
