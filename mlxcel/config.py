@@ -117,6 +117,9 @@ class ServerConfig:
     access_log: bool = False
     # "user": a gateway-set `user` scopes the session; "client": the client's key picks it.
     session_key_scope: str = "client"
+    # Bounds of the stored /v1/responses replies behind `previous_response_id` (LRU past either).
+    responses_store_entries: int = 1024
+    responses_store_bytes: int = 64 << 20
 
 
 # --- value parsers ------------------------------------------------------------
@@ -309,6 +312,12 @@ SERVER_SETTINGS = (
             parse_session_key_scope,
             "client (default): the session is prompt_cache_key, else user; user: a gateway-set "
             "`user` is the session and a client's prompt_cache_key only subdivides it"),
+    Setting("responses_store_entries", "--responses-store-entries", ("MLXCEL_RESPONSES_STORE_ENTRIES",),
+            parse_non_negative_int, "most stored /v1/responses replies kept for previous_response_id and "
+            "GET /v1/responses/{id}, least recently used evicted first; 0 keeps none (default 1024)"),
+    Setting("responses_store_bytes", "--responses-store-bytes", ("MLXCEL_RESPONSES_STORE_BYTES",),
+            parse_positive_int, "byte bound of those stored replies, each with its whole conversation, "
+            "as JSON (default 64 MiB)"),
 )
 
 SCHEDULER_SETTINGS = (

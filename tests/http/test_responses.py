@@ -549,3 +549,14 @@ async def test_an_unknown_model_is_404() -> None:
     status, body = await post(client_for(engine), {"input": "hi", "model": "gpt-5"})
     assert status == 404
     error_body("not served here", body, "model", "model_not_found")
+
+
+def test_store_bounds_are_server_settings_with_the_app_defaults() -> None:
+    from mlxcel.config import ServerConfig, build_configs, build_serve_parser
+    from mlxcel.http.responses import DEFAULT_STORE_BYTES, DEFAULT_STORE_ENTRIES
+
+    assert (ServerConfig().responses_store_entries, ServerConfig().responses_store_bytes) == (
+        DEFAULT_STORE_ENTRIES, DEFAULT_STORE_BYTES)
+    _engine, server = build_configs(build_serve_parser().parse_args(["--responses-store-entries", "5"]),
+                                    {"MLXCEL_RESPONSES_STORE_BYTES": "1000"})
+    assert (server.responses_store_entries, server.responses_store_bytes) == (5, 1000)
