@@ -334,7 +334,8 @@ def create_app(
 
     def stored_owner() -> str:
         # GET and DELETE have no body: the session and salt come as query parameters.
-        return responses.owner_of(dict(request.args), request.headers.get("Authorization", ""), limits)
+        return responses.owner_of(responses.owner_query(request.args.to_dict(flat=False)),
+                                  request.headers.get("Authorization", ""), limits)
 
     @app.get("/v1/responses/<response_id>")
     async def get_response(response_id: str) -> Response:

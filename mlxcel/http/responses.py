@@ -48,6 +48,7 @@ __all__ = [
     "StoredResponse",
     "not_found",
     "owner_of",
+    "owner_query",
     "prepare",
     "sse_event",
 ]
@@ -67,6 +68,8 @@ EXTENSION_FIELDS = frozenset({
     "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
     "logit_bias", "cache_prompt", "cache_salt", "chat_template_kwargs", "reasoning_format",
 })
+# What decides who may see a stored response, besides the API key.
+OWNER_FIELDS = ("user", "prompt_cache_key", "cache_salt")
 RETENTION_SECONDS = {"in_memory": 0.0, "24h": 86400.0}
 INCLUDE_ENCRYPTED_REASONING = "reasoning.encrypted_content"
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
@@ -162,10 +165,23 @@ def new_id(prefix: str) -> str:
 def owner_of(body: Mapping[str, Any], authorization: str, limits: Limits = DEFAULT_LIMITS) -> str:
     """Who may see a response: the API key sent (hashed), and the cache salt and session the chat
     parser resolves from `user`, `prompt_cache_key` and `cache_salt` (with `--session-key-scope`)."""
-    fields = {key: body[key] for key in ("user", "prompt_cache_key", "cache_salt") if key in body}
+    fields = {key: body[key] for key in OWNER_FIELDS if key in body}
     cache = parse_chat_request({"messages": [{"role": "user", "content": ""}], **fields}, limits=limits).cache
     key_digest = hashlib.sha256(authorization.strip().encode("utf-8", "surrogatepass")).hexdigest()[:32]
     return json.dumps([key_digest, cache.cache_salt, cache.session_key])
+
+
+def owner_query(query: Mapping[str, list[str]]) -> dict[str, str]:
+    """The owner fields of a GET or DELETE, from its query parameters (each at most once)."""
+    fields = {}
+    for key, values in query.items():
+        if key not in OWNER_FIELDS:
+            _fail(key, f"the query parameter {key!r} is not supported here; only "
+                  f"{', '.join(OWNER_FIELDS)} are", _UNSUPPORTED)
+        if len(values) != 1:
+            _fail(key, f"the query parameter {key!r} is given {len(values)} times")
+        fields[key] = values[0]
+    return fields
 
 
 # --- the store ------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 import pytest
 import trio
+import trio.testing
 from quart.typing import TestClientProtocol as Client
 
 from mlxcel.http.app import create_app
@@ -560,3 +561,36 @@ def test_store_bounds_are_server_settings_with_the_app_defaults() -> None:
     _engine, server = build_configs(build_serve_parser().parse_args(["--responses-store-entries", "5"]),
                                     {"MLXCEL_RESPONSES_STORE_BYTES": "1000"})
     assert (server.responses_store_entries, server.responses_store_bytes) == (5, 1000)
+
+
+async def test_get_refuses_query_parameters_it_does_not_read() -> None:
+    client = client_for(FakeEngine())
+    _status, body = await post(client, {"input": "hi", "user": "u"})
+    response = await client.get(f"/v1/responses/{body['id']}?stream=true&user=u")
+    assert response.status_code == 400
+    error_body("'stream' is not supported", json.loads(await response.get_data()), "stream")
+    response = await client.get(f"/v1/responses/{body['id']}?user=u&user=v")
+    assert response.status_code == 400
+    assert (await client.get(f"/v1/responses/{body['id']}?user=u")).status_code == 200
+
+
+async def test_client_leaving_mid_stream_closes_the_engine_stream_and_stores_nothing() -> None:
+    step = trio.Event()
+    engine = FakeEngine([Delta(text="a"), step, finish("stop")])
+    client = client_for(engine)
+    data = json.dumps({"input": "hi", "stream": True}).encode()
+    with trio.CancelScope() as leave:
+        async with client.request("/v1/responses", method="POST", headers=framing(data, None)) as connection:
+            await connection.send(data)
+            await connection.send_complete()
+            created = json.loads((await connection.receive()).decode().split("\n")[1].removeprefix("data: "))
+            assert created["type"] == "response.created"
+            await connection.disconnect()
+            await trio.testing.wait_all_tasks_blocked()
+            # Quart's test connection would wait for a body end that a cancelled response never sends.
+            leave.cancel()
+    (record,) = engine.streams
+    assert record.closed
+    assert record.closed_before_finish
+    assert record.num_deltas_sent == 1
+    assert (await client.get(f"/v1/responses/{created['response']['id']}")).status_code == 404
