@@ -276,6 +276,9 @@ class PreparedResponse:
     store: bool
     include: frozenset[str]
     obfuscate: bool
+    # `parallel_tool_calls: false`: the reply keeps its first call only (the model is not
+    # stopped at it; later calls are left out of the output and the stored conversation).
+    max_calls: int | None = None
 
 
 def prepare(
@@ -301,9 +304,11 @@ def prepare(
 
     chat: dict[str, Any] = {key: body[key] for key in EXTENSION_FIELDS if key in body}
     chat["messages"] = messages
-    for key in ("model", "temperature", "top_p", "user", "prompt_cache_key", "parallel_tool_calls"):
+    for key in ("model", "temperature", "top_p", "user", "prompt_cache_key"):
         if body.get(key) is not None:
             chat[key] = body[key]
+    parallel = body.get("parallel_tool_calls")
+    parallel = True if parallel is None else _bool(parallel, "parallel_tool_calls")
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     tools = _tools(body)
@@ -350,7 +355,7 @@ def prepare(
         "instructions": instructions,
         "tools": [_tool_echo(tool) for tool in tools],
         "tool_choice": _tool_choice_echo(body.get("tool_choice")),
-        "parallel_tool_calls": True if body.get("parallel_tool_calls") is None else body["parallel_tool_calls"],
+        "parallel_tool_calls": parallel,
         "temperature": parsed.sampling.temperature,
         "top_p": parsed.sampling.top_p,
         "top_logprobs": parsed.sampling.top_logprobs,
@@ -371,7 +376,7 @@ def prepare(
     }
     return PreparedResponse(
         chat=parsed, items=tuple(items), input_items=tuple(input_items), echo=echo,
-        store=echo["store"], include=include, obfuscate=obfuscate,
+        store=echo["store"], include=include, obfuscate=obfuscate, max_calls=None if parallel else 1,
     )
 
 
@@ -822,6 +827,7 @@ class OutputBuilder:
         self._open: dict[str, Any] | None = None
         self._sequence = 0
         self._num_reasoning_tokens = 0
+        self._num_calls = 0
         self._want_logprobs = INCLUDE_LOGPROBS in prepared.include
 
     def _event(self, event_type: str, **fields: Any) -> Event:
@@ -910,6 +916,9 @@ class OutputBuilder:
                 "response.output_text.delta", item_id=self._open["id"], output_index=len(self.output) - 1,
                 content_index=0, delta=delta.text, logprobs=_event_logprobs(logprobs)), delta.text))
         for call in delta.tool_calls:
+            if self.prepared.max_calls is not None and self._num_calls >= self.prepared.max_calls:
+                break
+            self._num_calls += 1
             events += self._close()
             events += self._function_call(call)
         return events

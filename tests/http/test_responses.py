@@ -156,6 +156,25 @@ async def test_whole_reply_items_usage_echo_and_the_chat_request() -> None:
     assert not engine.streams[0].closed_before_finish
 
 
+async def test_parallel_tool_calls_false_keeps_the_first_call_only() -> None:
+    engine = FakeEngine(FULL_REPLY)
+    client = client_for(engine)
+    status, body = await post(client, {"input": "hi", "tools": TOOLS, "parallel_tool_calls": False})
+    assert status == 200
+    assert [item["type"] for item in body["output"]] == ["reasoning", "message", "function_call"]
+    assert body["output"][2]["call_id"] == WEATHER.id
+    assert body["parallel_tool_calls"] is False
+    events = await post_events(client, {"input": "hi", "tools": TOOLS, "parallel_tool_calls": False})
+    assert [event["item"]["call_id"] for event in events if event["type"] == "response.output_item.done"
+            and event["item"]["type"] == "function_call"] == [WEATHER.id]
+    # The stored conversation holds the call the client saw, not the one left out.
+    engine.reply = [finish("stop", text="ok")]
+    status, _reply = await post(client, {"previous_response_id": body["id"], "tools": TOOLS, "input": [
+        {"type": "function_call_output", "call_id": WEATHER.id, "output": "sunny"}]})
+    assert status == 200
+    assert [call["id"] for call in chat_request(engine).messages[1]["tool_calls"]] == [WEATHER.id]
+
+
 async def test_length_finish_is_incomplete_with_max_output_tokens() -> None:
     engine = FakeEngine([Delta(text="a long"), finish("length", text=" answer")])
     status, body = await post(client_for(engine), {"input": "hi", "max_output_tokens": 2})
@@ -527,7 +546,7 @@ async def test_store_bounds_come_from_create_app() -> None:
     ({"input": "hi", "service_tier": "flex"}, "service_tier", "one tier"),
     ({"input": "hi", "top_logprobs": 2}, "top_logprobs", "needs include"),
     ({"input": "hi", "stream_options": {"include_usage": True}}, "stream_options.include_usage", "not supported"),
-    ({"input": "hi", "parallel_tool_calls": False}, "parallel_tool_calls", "not supported"),
+    ({"input": "hi", "parallel_tool_calls": "no"}, "parallel_tool_calls", "must be a boolean"),
     ({"input": [{"role": "user", "content": "a"}, {"role": "user", "content": "\ud800"}]},
      "input[1].content", "surrogate"),
 ])
