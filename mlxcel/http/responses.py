@@ -15,7 +15,8 @@ to each) for `previous_response_id` and `GET /v1/responses/{id}`: an LRU
 bounded by count and bytes, keyed by the owner (API key, cache salt and
 session) so one tenant never sees another's responses.
 
-No Trio or Quart here: the app awaits `collect` or serves `event_stream`.
+It imports neither Trio nor Quart (nor, but for types, the engine): the app
+awaits `collect` or serves `event_stream` over the engine's `DeltaStream`.
 """
 
 from __future__ import annotations
@@ -30,14 +31,16 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import attrs
 
-from mlxcel.engine import DeltaStream
 from mlxcel.errors import InternalError, InvalidRequest, MlxcelError
 from mlxcel.http.validation import DEFAULT_LIMITS, Limits, parse_chat_request
 from mlxcel.types import ChatRequest, Delta, TokenLogprob, ToolCall, Usage
+
+if TYPE_CHECKING:
+    from mlxcel.engine import DeltaStream
 
 __all__ = [
     "DEFAULT_STORE_BYTES",
@@ -46,6 +49,8 @@ __all__ = [
     "PreparedResponse",
     "ResponseStore",
     "StoredResponse",
+    "collect",
+    "event_stream",
     "not_found",
     "owner_of",
     "owner_query",
