@@ -147,6 +147,8 @@ async def run_server(
                 max_connections=server_config.max_connections,
                 keep_alive_timeout=server_config.keep_alive_timeout,
                 body_timeout=server_config.body_timeout,
+                responses_store_entries=server_config.responses_store_entries,
+                responses_store_bytes=server_config.responses_store_bytes,
                 sock=sock,
                 shutdown_trigger=stop.wait,
                 task_status=task_status,

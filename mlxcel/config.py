@@ -122,6 +122,9 @@ class ServerConfig:
     normalize_volatile_system: bool = True
     # The patterns of those lines; None: the built-in list (mlxcel.http.validation).
     volatile_system_patterns: tuple[str, ...] | None = None
+    # Bounds of the stored /v1/responses replies behind `previous_response_id` (LRU past either).
+    responses_store_entries: int = 1024
+    responses_store_bytes: int = 64 << 20
 
 
 # --- value parsers ------------------------------------------------------------
@@ -330,6 +333,12 @@ SERVER_SETTINGS = (
             parse_regex, "regular expressions (multiline) whose matches --normalize-volatile-system cuts; "
             "they replace the built-in '^x-anthropic-billing-header:[^\\n]*(?:\\n|$)' (comma-separated in "
             "the environment)", multiple=True, metavar="REGEX"),
+    Setting("responses_store_entries", "--responses-store-entries", ("MLXCEL_RESPONSES_STORE_ENTRIES",),
+            parse_non_negative_int, "most stored /v1/responses replies kept for previous_response_id and "
+            "GET /v1/responses/{id}, least recently used evicted first; 0 keeps none (default 1024)"),
+    Setting("responses_store_bytes", "--responses-store-bytes", ("MLXCEL_RESPONSES_STORE_BYTES",),
+            parse_positive_int, "byte bound of those stored replies, each with its whole conversation, "
+            "as JSON (default 64 MiB)"),
 )
 
 SCHEDULER_SETTINGS = (

@@ -22,7 +22,7 @@ from werkzeug.exceptions import HTTPException
 
 from mlxcel.engine import DeltaStream, Engine
 from mlxcel.errors import InternalError, InvalidRequest, MlxcelError, ServerBusy
-from mlxcel.http import anthropic, llamacpp
+from mlxcel.http import anthropic, llamacpp, responses
 from mlxcel.http.guards import check_browser_safety, normalized_path, single_authorization
 from mlxcel.http.validation import (
     Limits,
@@ -202,8 +202,13 @@ def create_app(
     admin_api_key: str | None = None,
     trusted_hosts: frozenset[str] | None = None,
     access_log: bool = False,
+    responses_store_entries: int = responses.DEFAULT_STORE_ENTRIES,
+    responses_store_bytes: int = responses.DEFAULT_STORE_BYTES,
 ) -> QuartTrio:
-    """``trusted_hosts``: the Host names a keyless server answers to (None: any)."""
+    """``trusted_hosts``: the Host names a keyless server answers to (None: any).
+
+    ``responses_store_*``: the bounds of the stored responses behind ``previous_response_id``.
+    """
     app = QuartTrio(__name__)
     # Streams last as long as generation does; hypercorn's own timeouts guard idle sockets.
     app.config["RESPONSE_TIMEOUT"] = None
@@ -288,27 +293,35 @@ def create_app(
             chunks.append(chunk)
         return decode_json_body(b"".join(chunks), max_bytes=max_body_bytes)
 
-    async def parse_body(parse: Callable[..., _Parsed]) -> _Parsed:
-        body = await read_body()
-        # Off the event loop: a large tool set or a new response schema takes milliseconds to seconds.
-        parsed = await trio.to_thread.run_sync(functools.partial(parse, body, limits=limits))
+    def check_model(parsed: ChatRequest | CompletionRequest) -> None:
         if parsed.model not in (None, "", *engine.model_names):
             raise InvalidRequest(
                 f"the model {parsed.model!r} is not served here; this server serves "
                 f"{', '.join(repr(name) for name in engine.model_names)}",
                 param="model", code="model_not_found", status=404,
             )
+
+    async def parse_body(parse: Callable[..., _Parsed]) -> _Parsed:
+        body = await read_body()
+        # Off the event loop: a large tool set or a new response schema takes milliseconds to seconds.
+        parsed = await trio.to_thread.run_sync(functools.partial(parse, body, limits=limits))
+        check_model(parsed)
         return parsed
+
+    async def start_parsed(parsed: ChatRequest | CompletionRequest) -> tuple[DeltaStream, Delta]:
+        """The request's stream and its first delta: a refusal (the model, the router) raises here."""
+        check_model(parsed)
+        deltas = engine.stream(parsed)
+        try:
+            return deltas, await deltas.__anext__()
+        except BaseException:
+            await deltas.aclose()
+            raise
 
     async def start(parse: Callable[..., _Parsed]) -> tuple[_Parsed, DeltaStream, Delta]:
         """Parse, start the request and wait for its first delta (so a refusal is still a 4xx)."""
         parsed = await parse_body(parse)
-        deltas = engine.stream(parsed)
-        try:
-            first = await deltas.__anext__()
-        except BaseException:
-            await deltas.aclose()
-            raise
+        deltas, first = await start_parsed(parsed)
         return parsed, deltas, first
 
     async def generate(kind: str, parse: Callable[..., ChatRequest | CompletionRequest]) -> Response:
@@ -328,6 +341,63 @@ def create_app(
             mimetype="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
+
+    store = responses.ResponseStore(max_entries=responses_store_entries, max_bytes=responses_store_bytes)
+
+    def keep(owner: str, builder: responses.OutputBuilder) -> None:
+        if builder.prepared.store:
+            store.put(owner, builder.response["id"], builder.response, builder.conversation(),
+                      builder.prepared.input_items)
+
+    @app.post("/v1/responses")
+    async def create_response() -> Response:
+        try:
+            body = await read_body()
+            assert isinstance(body, dict)
+            owner = responses.owner_of(body, request.headers.get("Authorization", ""), limits)
+            previous_id = body.get("previous_response_id")
+            previous = store.get(owner, previous_id) if isinstance(previous_id, str) and previous_id else None
+            if previous_id and previous is None:
+                raise responses.not_found(str(previous_id))
+            template = getattr(getattr(engine, "config", None), "chat_template", None) or engine.model.chat_template
+            prepared = await trio.to_thread.run_sync(functools.partial(
+                responses.prepare, body, previous, chat_template=template, limits=limits))
+            deltas, first = await start_parsed(prepared.chat)
+            builder = responses.OutputBuilder(prepared, engine.model_id)
+            if not prepared.chat.stream:
+                reply = await responses.collect(deltas, first, builder)
+                keep(owner, builder)
+                return json_response(reply)
+        except MlxcelError as error:
+            return error_response(error)
+        return Response(
+            responses.event_stream(deltas, first, builder, functools.partial(keep, owner)),
+            mimetype="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    def stored_owner() -> str:
+        # GET and DELETE have no body: the session and salt come as query parameters.
+        return responses.owner_of(responses.owner_query(request.args.to_dict(flat=False)),
+                                  request.headers.get("Authorization", ""), limits)
+
+    @app.get("/v1/responses/<response_id>")
+    async def get_response(response_id: str) -> Response:
+        try:
+            stored = store.get(stored_owner(), response_id)
+            if stored is None:
+                raise responses.not_found(response_id, param=None)
+        except MlxcelError as error:
+            return error_response(error)
+        return json_response(stored.body)
+
+    @app.delete("/v1/responses/<response_id>")
+    async def delete_response(response_id: str) -> Response:
+        try:
+            if not store.delete(stored_owner(), response_id):
+                raise responses.not_found(response_id, param=None)
+        except MlxcelError as error:
+            return error_response(error)
+        return json_response({"id": response_id, "object": "response", "deleted": True})
 
     # Without /v1 too: llama.cpp's server answers there, and its clients call it so.
     @app.post("/v1/chat/completions")

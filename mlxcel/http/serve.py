@@ -323,6 +323,8 @@ async def serve(
     max_connections: int = 2048,
     keep_alive_timeout: float = 5.0,
     body_timeout: float = 60.0,
+    responses_store_entries: int = 1024,
+    responses_store_bytes: int = 64 << 20,
     sock: socket.socket | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -360,6 +362,7 @@ async def serve(
         app = wrap_app(create_app(
             ready, max_body_bytes=max_body_bytes, metrics=metrics, api_key=api_key, admin_api_key=admin_api_key,
             trusted_hosts=trusted_hosts_for(host), access_log=access_log, limits=limits,
+            responses_store_entries=responses_store_entries, responses_store_bytes=responses_store_bytes,
         ), config.wsgi_max_body_size, None)
         lifespan = Lifespan(app, config, {})
         async with trio.open_nursery() as lifespan_nursery:

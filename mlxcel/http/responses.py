@@ -1,0 +1,1033 @@
+"""OpenAI's Responses API (`POST /v1/responses`) over the chat-completions pipeline.
+
+A Responses body is checked for the fields only Responses has, then
+translated into a chat-completions body and handed to `parse_chat_request`,
+so rendering, session keys and the prompt cache are the chat path's own. An
+error from that parser names the Responses field it came from (`input[3]`,
+not `messages[4]`).
+
+The reply becomes output items (a reasoning item, a message, function
+calls) built delta by delta by one `OutputBuilder`, which also yields the
+stream's events, so the streamed and the whole reply cannot disagree.
+
+`ResponseStore` keeps recent responses (with the whole conversation that led
+to each) for `previous_response_id` and `GET /v1/responses/{id}`: an LRU
+bounded by count and bytes, keyed by the owner (API key, cache salt and
+session) so one tenant never sees another's responses.
+
+It imports neither Trio nor Quart (nor, but for types, the engine): the app
+awaits `collect` or serves `event_stream` over the engine's `DeltaStream`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import re
+import secrets
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import attrs
+
+from mlxcel.errors import InternalError, InvalidRequest, MlxcelError
+from mlxcel.http.validation import DEFAULT_LIMITS, Limits, parse_chat_request
+from mlxcel.types import ChatRequest, Delta, TokenLogprob, ToolCall, Usage
+
+if TYPE_CHECKING:
+    from mlxcel.engine import DeltaStream
+
+__all__ = [
+    "DEFAULT_STORE_BYTES",
+    "DEFAULT_STORE_ENTRIES",
+    "OutputBuilder",
+    "PreparedResponse",
+    "ResponseStore",
+    "StoredResponse",
+    "collect",
+    "event_stream",
+    "not_found",
+    "owner_of",
+    "owner_query",
+    "prepare",
+    "sse_event",
+]
+
+DEFAULT_STORE_ENTRIES = 1024
+DEFAULT_STORE_BYTES = 64 << 20
+
+# Fields of a Responses body this server acts on; any other is refused by name.
+RESPONSES_FIELDS = frozenset({
+    "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
+    "temperature", "top_p", "top_logprobs", "user", "prompt_cache_key", "safety_identifier", "text",
+    "reasoning", "metadata", "store", "previous_response_id", "prompt_cache_retention", "stream",
+    "stream_options", "include", "truncation", "background", "service_tier", "max_tool_calls",
+})
+# mlxcel's chat-completions extensions, passed through to the chat parser as they are.
+EXTENSION_FIELDS = frozenset({
+    "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
+    "logit_bias", "cache_prompt", "cache_salt", "chat_template_kwargs", "reasoning_format",
+})
+# What decides who may see a stored response, besides the API key.
+OWNER_FIELDS = ("user", "prompt_cache_key", "cache_salt")
+RETENTION_SECONDS = {"in_memory": 0.0, "24h": 86400.0}
+INCLUDE_ENCRYPTED_REASONING = "reasoning.encrypted_content"
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
+SUPPORTED_INCLUDES = (INCLUDE_ENCRYPTED_REASONING, INCLUDE_LOGPROBS)
+# Reasoning handed back as `encrypted_content` is not encrypted: it is the text, base64, behind this tag.
+ENCRYPTED_PREFIX = "mlxcel-reasoning-v1:"
+MESSAGE_ROLES = ("user", "assistant", "system", "developer")
+MEDIA_PARTS = frozenset({"input_image", "input_file", "input_audio"})
+TEXT_PARTS = frozenset({"input_text", "output_text"})
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+MAX_METADATA_KEYS = 16
+
+_MISSING = "missing_required_parameter"
+_TYPE = "invalid_type"
+_VALUE = "invalid_value"
+_UNSUPPORTED = "unsupported_parameter"
+
+
+def _fail(param: str | None, message: str, code: str = _VALUE) -> NoReturn:
+    raise InvalidRequest(message, param=param, code=code)
+
+
+def _kind(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 40 else f"a string of {len(value)} characters"
+    if isinstance(value, (int, float)):
+        return repr(value) if abs(value) < 1e18 else "a very large number"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _string(value: object, path: str) -> str:
+    if not isinstance(value, str):
+        _fail(path, f"{path} must be a string, got {_kind(value)}", _TYPE)
+    return value
+
+
+def _nonempty(value: object, path: str) -> str:
+    text = _string(value, path)
+    if not text:
+        _fail(path, f"{path} must not be empty")
+    return text
+
+
+def _object(value: object, path: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        _fail(path, f"{path} must be an object, got {_kind(value)}", _TYPE)
+    return value
+
+
+def _list(value: object, path: str) -> list[Any]:
+    if not isinstance(value, list):
+        _fail(path, f"{path} must be a list, got {_kind(value)}", _TYPE)
+    return value
+
+
+def _bool(value: object, path: str) -> bool:
+    if not isinstance(value, bool):
+        _fail(path, f"{path} must be a boolean, got {_kind(value)}", _TYPE)
+    return value
+
+
+def _required(fields: Mapping[str, Any], key: str, prefix: str) -> Any:
+    value = fields.get(key)
+    if value is None:
+        path = f"{prefix}.{key}"
+        _fail(path, f"{path} is required", _MISSING)
+    return value
+
+
+def _one_of(value: object, path: str, choices: tuple[object, ...], why: str = "") -> Any:
+    if value not in choices:
+        expected = ", ".join(repr(choice) for choice in choices)
+        _fail(path, f"{path} must be one of {expected}, got {_kind(value)}{why}",
+              _VALUE if isinstance(value, str) else _TYPE)
+    return value
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# --- the owner of a stored response ---------------------------------------------------
+
+
+def owner_of(body: Mapping[str, Any], authorization: str, limits: Limits = DEFAULT_LIMITS) -> str:
+    """Who may see a response: the API key sent (hashed), and the cache salt and session the chat
+    parser resolves from `user`, `prompt_cache_key` and `cache_salt` (with `--session-key-scope`)."""
+    fields = {key: body[key] for key in OWNER_FIELDS if key in body}
+    cache = parse_chat_request({"messages": [{"role": "user", "content": ""}], **fields}, limits=limits).cache
+    key_digest = hashlib.sha256(authorization.strip().encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return json.dumps([key_digest, cache.cache_salt, cache.session_key])
+
+
+def owner_query(query: Mapping[str, list[str]]) -> dict[str, str]:
+    """The owner fields of a GET or DELETE, from its query parameters (each at most once)."""
+    fields = {}
+    for key, values in query.items():
+        if key not in OWNER_FIELDS:
+            _fail(key, f"the query parameter {key!r} is not supported here; only "
+                  f"{', '.join(OWNER_FIELDS)} are", _UNSUPPORTED)
+        if len(values) != 1:
+            _fail(key, f"the query parameter {key!r} is given {len(values)} times")
+        fields[key] = values[0]
+    return fields
+
+
+# --- the store ------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class StoredResponse:
+    # The Response object as it was returned.
+    body: Mapping[str, Any] = attrs.field(repr=False)
+    # The conversation up to and including this response's output, as Responses items
+    # (`instructions` are not carried over, as OpenAI's are not).
+    items: tuple[Mapping[str, Any], ...] = attrs.field(repr=False)
+    # The items this request sent (after those of its previous response).
+    input_items: tuple[Mapping[str, Any], ...] = attrs.field(repr=False)
+    nbytes: int
+
+
+@attrs.frozen(kw_only=True)
+class StoreStatistics:
+    num_entries: int
+    nbytes: int
+    num_evicted: int
+
+
+class ResponseStore:
+    """Recent stored responses, least recently used evicted first past `max_entries` or `max_bytes`.
+
+    Held by the HTTP app (one event loop, no locking); an entry's size is its JSON length.
+    """
+
+    def __init__(self, *, max_entries: int = DEFAULT_STORE_ENTRIES, max_bytes: int = DEFAULT_STORE_BYTES) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
+        self._nbytes = 0
+        self._num_evicted = 0
+
+    def put(self, owner: str, response_id: str, body: Mapping[str, Any],
+            items: tuple[Mapping[str, Any], ...], input_items: tuple[Mapping[str, Any], ...]) -> bool:
+        """Keep a response; False when it alone is over the byte bound (then it is not kept)."""
+        nbytes = len(json.dumps(body)) + len(json.dumps(items))
+        if nbytes > self.max_bytes or self.max_entries < 1:
+            return False
+        self.delete(owner, response_id)
+        self._entries[(owner, response_id)] = StoredResponse(
+            body=body, items=items, input_items=input_items, nbytes=nbytes)
+        self._nbytes += nbytes
+        while len(self._entries) > self.max_entries or self._nbytes > self.max_bytes:
+            _key, evicted = self._entries.popitem(last=False)
+            self._nbytes -= evicted.nbytes
+            self._num_evicted += 1
+        return True
+
+    def get(self, owner: str, response_id: str) -> StoredResponse | None:
+        entry = self._entries.get((owner, response_id))
+        if entry is not None:
+            self._entries.move_to_end((owner, response_id))
+        return entry
+
+    def delete(self, owner: str, response_id: str) -> bool:
+        entry = self._entries.pop((owner, response_id), None)
+        if entry is None:
+            return False
+        self._nbytes -= entry.nbytes
+        return True
+
+    def statistics(self) -> StoreStatistics:
+        return StoreStatistics(num_entries=len(self._entries), nbytes=self._nbytes, num_evicted=self._num_evicted)
+
+
+def not_found(response_id: str, param: str | None = "previous_response_id") -> InvalidRequest:
+    code = "previous_response_not_found" if param == "previous_response_id" else "response_not_found"
+    return InvalidRequest(
+        f"no stored response {response_id!r} (unknown, not stored, evicted, or stored by another key or "
+        "session)", param=param, code=code, status=404,
+    )
+
+
+# --- the request ----------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class PreparedResponse:
+    """A validated Responses request: what the engine runs and what the reply echoes."""
+
+    chat: ChatRequest
+    # The previous chain's items followed by this request's.
+    items: tuple[Mapping[str, Any], ...] = attrs.field(repr=False)
+    input_items: tuple[Mapping[str, Any], ...] = attrs.field(repr=False)
+    # The request's settings as the Response object reports them.
+    echo: dict[str, Any] = attrs.field(repr=False)
+    store: bool
+    include: frozenset[str]
+    obfuscate: bool
+
+
+def prepare(
+    body: Mapping[str, Any],
+    previous: StoredResponse | None,
+    *,
+    chat_template: str = "",
+    limits: Limits = DEFAULT_LIMITS,
+) -> PreparedResponse:
+    """Validate a `POST /v1/responses` body (its previous response already looked up)."""
+    for key in body:
+        if key not in RESPONSES_FIELDS and key not in EXTENSION_FIELDS:
+            _fail(key, f"{key} is not supported by this server's /v1/responses", _UNSUPPORTED)
+    _refuse_unsupported(body)
+    include = _include(body)
+    input_items = _input(body)
+    items = (*(previous.items if previous else ()), *input_items)
+    instructions = body.get("instructions")
+    if instructions is not None:
+        _string(instructions, "instructions")
+    translation = _Translation(len(previous.items) if previous else 0)
+    messages = translation.messages(items, instructions)
+
+    chat: dict[str, Any] = {key: body[key] for key in EXTENSION_FIELDS if key in body}
+    chat["messages"] = messages
+    for key in ("model", "temperature", "top_p", "user", "prompt_cache_key"):
+        if body.get(key) is not None:
+            chat[key] = body[key]
+    parallel = body.get("parallel_tool_calls")
+    parallel = True if parallel is None else _bool(parallel, "parallel_tool_calls")
+    if not parallel:
+        # Honoured by the chat pipeline: the reply ends with its first call.
+        chat["parallel_tool_calls"] = False
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
+    tools = _tools(body)
+    if tools:
+        chat["tools"] = tools
+    tool_choice = _tool_choice(body.get("tool_choice"))
+    if tool_choice is not None:
+        chat["tool_choice"] = tool_choice
+    text, response_format = _text_config(body.get("text"))
+    if response_format is not None:
+        chat["response_format"] = response_format
+    reasoning, template_kwargs = _reasoning(body.get("reasoning"), chat_template)
+    given_kwargs = body.get("chat_template_kwargs")
+    if template_kwargs and (given_kwargs is None or isinstance(given_kwargs, dict)):
+        # The request's own chat_template_kwargs win over what `reasoning` sets.
+        chat["chat_template_kwargs"] = {**template_kwargs, **(given_kwargs or {})}
+    if INCLUDE_LOGPROBS in include:
+        chat["logprobs"] = True
+        if body.get("top_logprobs") is not None:
+            chat["top_logprobs"] = body["top_logprobs"]
+    elif body.get("top_logprobs"):
+        _fail("top_logprobs", f"top_logprobs needs include {INCLUDE_LOGPROBS!r}")
+    stream = body.get("stream")
+    if stream is not None:
+        chat["stream"] = _bool(stream, "stream")
+    obfuscate = _stream_options(body)
+
+    try:
+        parsed = parse_chat_request(chat, limits=limits)
+    except InvalidRequest as error:
+        chat_param, error.param = error.param, translation.param(error.param)
+        if chat_param and error.param and chat_param != error.param:
+            # The message names the field as the chat body has it; name it as this body does.
+            error.message = error.message.replace(chat_param, error.param)
+            error.args = (error.message,)
+        raise
+    retention = body.get("prompt_cache_retention")
+    if retention is not None:
+        seconds = RETENTION_SECONDS[_one_of(retention, "prompt_cache_retention", tuple(RETENTION_SECONDS))]
+        parsed = attrs.evolve(parsed, cache=attrs.evolve(parsed.cache, retain_seconds=seconds))
+    store = body.get("store")
+    previous_id = body.get("previous_response_id")
+    echo = {
+        "instructions": instructions,
+        "tools": [_tool_echo(tool) for tool in tools],
+        "tool_choice": _tool_choice_echo(body.get("tool_choice")),
+        "parallel_tool_calls": parallel,
+        "temperature": parsed.sampling.temperature,
+        "top_p": parsed.sampling.top_p,
+        "top_logprobs": parsed.sampling.top_logprobs,
+        "max_output_tokens": parsed.sampling.max_tokens,
+        "max_tool_calls": body.get("max_tool_calls"),
+        "metadata": _metadata(body.get("metadata")),
+        "previous_response_id": previous_id,
+        "prompt_cache_key": body.get("prompt_cache_key"),
+        "prompt_cache_retention": retention,
+        "reasoning": reasoning,
+        "safety_identifier": body.get("safety_identifier"),
+        "service_tier": "default",
+        "store": True if store is None else store,
+        "text": text,
+        "truncation": "disabled",
+        "user": body.get("user"),
+        "background": False,
+    }
+    return PreparedResponse(
+        chat=parsed, items=tuple(items), input_items=tuple(input_items), echo=echo,
+        store=echo["store"], include=include, obfuscate=obfuscate,
+    )
+
+
+def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+    """The fields this server cannot honour at any value but their default."""
+    if body.get("background") is not None and _bool(body["background"], "background"):
+        _fail("background", "background responses are not supported; send background false or leave it out",
+              _UNSUPPORTED)
+    truncation = body.get("truncation")
+    if truncation is not None and _one_of(truncation, "truncation", ("disabled", "auto")) == "auto":
+        _fail("truncation", "truncation 'auto' is not supported: the server does not drop input items; "
+              "an input over the context size is a 400", _UNSUPPORTED)
+    tier = body.get("service_tier")
+    if tier is not None:
+        _one_of(tier, "service_tier", ("auto", "default"), " (this server has one tier)")
+    store = body.get("store")
+    if store is not None:
+        _bool(store, "store")
+    previous = body.get("previous_response_id")
+    if previous is not None:
+        _nonempty(previous, "previous_response_id")
+    identifier = body.get("safety_identifier")
+    if identifier is not None and len(_string(identifier, "safety_identifier")) > 128:
+        _fail("safety_identifier", "safety_identifier is longer than 128 characters")
+    max_tool_calls = body.get("max_tool_calls")
+    if max_tool_calls is not None and (
+        isinstance(max_tool_calls, bool) or not isinstance(max_tool_calls, int) or max_tool_calls < 0
+    ):
+        _fail("max_tool_calls", f"max_tool_calls must be a non-negative integer, got {_kind(max_tool_calls)}",
+              _TYPE)
+
+
+def _include(body: Mapping[str, Any]) -> frozenset[str]:
+    value = body.get("include")
+    if value is None:
+        return frozenset()
+    names = set()
+    for index, name in enumerate(_list(value, "include")):
+        path = f"include[{index}]"
+        if _string(name, path) not in SUPPORTED_INCLUDES:
+            _fail(path, f"{path}: {name!r} is not supported here; only "
+                  f"{', '.join(repr(known) for known in SUPPORTED_INCLUDES)} are", _UNSUPPORTED)
+        names.add(name)
+    return frozenset(names)
+
+
+def _stream_options(body: Mapping[str, Any]) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    options = _object(options, "stream_options")
+    for key in options:
+        if key != "include_obfuscation":
+            _fail(f"stream_options.{key}", f"stream_options.{key} is not supported", _UNSUPPORTED)
+    value = options.get("include_obfuscation")
+    return False if value is None else _bool(value, "stream_options.include_obfuscation")
+
+
+def _metadata(value: object) -> dict[str, str] | None:
+    if value is None:
+        return None
+    metadata = _object(value, "metadata")
+    if len(metadata) > MAX_METADATA_KEYS:
+        _fail("metadata", f"metadata may hold at most {MAX_METADATA_KEYS} keys")
+    for key, item in metadata.items():
+        if len(key) > 64:
+            _fail("metadata", f"metadata keys may be at most 64 characters, got {_kind(key)}")
+        if len(_string(item, f"metadata.{key}")) > 512:
+            _fail(f"metadata.{key}", f"metadata.{key} is longer than 512 characters")
+    return dict(metadata)
+
+
+# --- input items ----------------------------------------------------------------------
+
+
+def _input(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    value = body.get("input")
+    if value is None:
+        _fail("input", "input is required: a string or a list of input items", _MISSING)
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    items = _list(value, "input")
+    if not items:
+        _fail("input", "input must hold at least one item")
+    return [_input_item(item, f"input[{index}]") for index, item in enumerate(items)]
+
+
+def _input_item(value: object, path: str) -> dict[str, Any]:
+    """One item, checked and copied in its canonical form (a `type` on every item)."""
+    item = _object(value, path)
+    item_type = item.get("type", "message" if "role" in item else None)
+    if item_type is None:
+        _fail(f"{path}.type", f"{path}.type is required", _MISSING)
+    if item_type == "message":
+        role = _one_of(_required(item, "role", path), f"{path}.role", MESSAGE_ROLES)
+        content = _required(item, "content", path)
+        _message_text(content, f"{path}.content")
+        return {"type": "message", "role": role, "content": content}
+    if item_type == "function_call":
+        call = {
+            "type": "function_call",
+            "call_id": _nonempty(_required(item, "call_id", path), f"{path}.call_id"),
+            "name": _nonempty(_required(item, "name", path), f"{path}.name"),
+            "arguments": _string(_required(item, "arguments", path), f"{path}.arguments"),
+        }
+        if item.get("id") is not None:
+            call["id"] = _string(item["id"], f"{path}.id")
+        return call
+    if item_type == "function_call_output":
+        output = _required(item, "output", path)
+        _output_text(output, f"{path}.output")
+        return {
+            "type": "function_call_output",
+            "call_id": _nonempty(_required(item, "call_id", path), f"{path}.call_id"),
+            "output": output,
+        }
+    if item_type == "reasoning":
+        _reasoning_text(item, path)
+        kept: dict[str, Any] = {"type": "reasoning"}
+        kept.update((key, item[key]) for key in ("id", "summary", "content", "encrypted_content") if key in item)
+        return kept
+    if item_type == "item_reference":
+        _fail(f"{path}.type", f"{path}: item references are not supported; send the item itself", _UNSUPPORTED)
+    _fail(f"{path}.type", f"{path}.type: input items of type {_kind(item_type)} are not supported; this "
+          "server takes message, function_call, function_call_output and reasoning items", _UNSUPPORTED)
+
+
+def _message_text(content: object, path: str) -> str:
+    if isinstance(content, str):
+        return content
+    parts = _list(content, path)
+    pieces = []
+    for index, value in enumerate(parts):
+        part_path = f"{path}[{index}]"
+        part = _object(value, part_path)
+        part_type = part.get("type")
+        if part_type in TEXT_PARTS:
+            pieces.append(_string(_required(part, "text", part_path), f"{part_path}.text"))
+        elif part_type == "refusal":
+            pieces.append(_string(_required(part, "refusal", part_path), f"{part_path}.refusal"))
+        elif part_type in MEDIA_PARTS:
+            raise InvalidRequest(f"{part_path}: {part_type} is not supported by this model (text only)",
+                                 param=part_path, code="unsupported_content")
+        else:
+            _fail(f"{part_path}.type", f"{part_path}.type: unknown content part type {_kind(part_type)}; "
+                  "expected 'input_text' or 'output_text'")
+    return "".join(pieces)
+
+
+def _output_text(output: object, path: str) -> str:
+    if isinstance(output, str):
+        return output
+    if not isinstance(output, list):
+        _fail(path, f"{path} must be a string or a list of content parts, got {_kind(output)}", _TYPE)
+    return _message_text(output, path)
+
+
+def _reasoning_text(item: Mapping[str, Any], path: str) -> str:
+    """A reasoning item's text: its content, else its summary, else our own `encrypted_content`."""
+    for key, part_type in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key)
+        if parts is None:
+            continue
+        texts = []
+        for index, value in enumerate(_list(parts, f"{path}.{key}")):
+            part_path = f"{path}.{key}[{index}]"
+            part = _object(value, part_path)
+            _one_of(part.get("type"), f"{part_path}.type", (part_type,))
+            texts.append(_string(_required(part, "text", part_path), f"{part_path}.text"))
+        if texts:
+            return "\n\n".join(texts) if key == "summary" else "".join(texts)
+    encrypted = item.get("encrypted_content")
+    if encrypted is None:
+        return ""
+    encrypted = _string(encrypted, f"{path}.encrypted_content")
+    try:
+        if not encrypted.startswith(ENCRYPTED_PREFIX):
+            raise ValueError(encrypted)
+        return base64.b64decode(encrypted.removeprefix(ENCRYPTED_PREFIX), validate=True).decode("utf-8")
+    except (ValueError, binascii.Error):
+        _fail(f"{path}.encrypted_content", f"{path}.encrypted_content was not produced by this server")
+
+
+class _Translation:
+    """Responses items -> chat messages, remembering which item each message came from (for errors)."""
+
+    def __init__(self, num_previous: int) -> None:
+        self.num_previous = num_previous
+        # Per chat message: sub-path prefix in the chat body -> path in the Responses body.
+        self.paths: list[dict[str, str]] = []
+
+    def item_path(self, index: int) -> str:
+        if index < self.num_previous:
+            return "previous_response_id"
+        return f"input[{index - self.num_previous}]"
+
+    def messages(self, items: tuple[Mapping[str, Any], ...], instructions: str | None) -> list[dict[str, Any]]:
+        messages: list[dict[str, Any]] = []
+        if instructions:
+            messages.append({"role": "system", "content": instructions})
+            self.paths.append({"": "instructions", ".content": "instructions"})
+        # The assistant turn being assembled from reasoning, message and function_call items.
+        open_turn: dict[str, Any] | None = None
+        call_ids: set[str] = set()
+        for index, item in enumerate(items):
+            path = self.item_path(index)
+            is_previous = index < self.num_previous
+
+            def sub(suffix: str, path: str = path, is_previous: bool = is_previous) -> str:
+                return path if is_previous else f"{path}{suffix}"
+
+            item_type = item["type"]
+            if item_type == "message" and item["role"] != "assistant":
+                open_turn = None
+                # OpenAI's developer role is the system role; many templates render no other.
+                role = "system" if item["role"] == "developer" else item["role"]
+                messages.append({"role": role, "content": _message_text(item["content"], path)})
+                self.paths.append({"": path, ".content": sub(".content")})
+            elif item_type == "function_call_output":
+                open_turn = None
+                if item["call_id"] not in call_ids:
+                    _fail(sub(".call_id"), f"{sub('.call_id')}: no function_call with call_id "
+                          f"{item['call_id']!r} comes before this output")
+                messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                                 "content": _output_text(item["output"], path)})
+                self.paths.append({"": path, ".content": sub(".output"), ".tool_call_id": sub(".call_id")})
+            elif item_type == "reasoning":
+                text = _reasoning_text(item, path)
+                if open_turn is None or open_turn["content"] or "tool_calls" in open_turn:
+                    open_turn = self._assistant(messages, path)
+                open_turn["reasoning_content"] = open_turn.get("reasoning_content", "") + text
+                self.paths[-1][".reasoning_content"] = path
+            elif item_type == "message":
+                text = _message_text(item["content"], path)
+                if open_turn is None or open_turn["content"] or "tool_calls" in open_turn:
+                    open_turn = self._assistant(messages, path)
+                open_turn["content"] = text
+                self.paths[-1][".content"] = sub(".content")
+            else:
+                assert item_type == "function_call"
+                call_ids.add(item["call_id"])
+                if open_turn is None:
+                    open_turn = self._assistant(messages, path)
+                calls = open_turn.setdefault("tool_calls", [])
+                prefix = f".tool_calls[{len(calls)}]"
+                calls.append({"id": item["call_id"], "type": "function",
+                              "function": {"name": item["name"], "arguments": item["arguments"]}})
+                self.paths[-1].update({
+                    prefix: path, f"{prefix}.id": sub(".call_id"), f"{prefix}.function.name": sub(".name"),
+                    f"{prefix}.function.arguments": sub(".arguments"),
+                })
+        return messages
+
+    def _assistant(self, messages: list[dict[str, Any]], path: str) -> dict[str, Any]:
+        turn: dict[str, Any] = {"role": "assistant", "content": ""}
+        messages.append(turn)
+        self.paths.append({"": path})
+        return turn
+
+    def param(self, param: str | None) -> str | None:
+        """The Responses field a chat-completions error path stands for."""
+        if param is None:
+            return None
+        match = re.fullmatch(r"messages\[(\d+)\](.*)", param)
+        if match and int(match.group(1)) < len(self.paths):
+            paths, rest = self.paths[int(match.group(1))], match.group(2)
+            prefix = max((key for key in paths if rest.startswith(key)), key=len)
+            return paths[prefix] + rest[len(prefix):] if paths[prefix] != "previous_response_id" else paths[prefix]
+        for chat_prefix, responses_prefix in (
+            ("messages", "input"), ("max_tokens", "max_output_tokens"),
+            ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
+            ("tool_choice.function", "tool_choice"), ("logprobs", "include"),
+        ):
+            if param == chat_prefix or param.startswith((f"{chat_prefix}.", f"{chat_prefix}[")):
+                return responses_prefix + param[len(chat_prefix):]
+        match = re.fullmatch(r"(tools\[\d+\])\.function(.*)", param)
+        if match:
+            return match.group(1) + match.group(2)
+        return param
+
+
+# --- tools, tool_choice, text, reasoning --------------------------------------------------
+
+
+def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    value = body.get("tools")
+    if value is None:
+        return []
+    tools = []
+    for index, item in enumerate(_list(value, "tools")):
+        path = f"tools[{index}]"
+        tool = _object(item, path)
+        tool_type = _required(tool, "type", path)
+        if tool_type != "function":
+            _fail(f"{path}.type", f"{path}.type: {_kind(tool_type)} tools are not supported by this server; "
+                  "only 'function' tools are", _UNSUPPORTED)
+        function = {"name": _required(tool, "name", path)}
+        for key in ("description", "parameters", "strict"):
+            if tool.get(key) is not None:
+                function[key] = tool[key]
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def _tool_echo(tool: Mapping[str, Any]) -> dict[str, Any]:
+    function = tool["function"]
+    return {"type": "function", "name": function["name"], "description": function.get("description"),
+            "parameters": function.get("parameters"), "strict": function.get("strict")}
+
+
+def _tool_choice(value: object) -> str | dict[str, Any] | None:
+    if value is None or isinstance(value, str):
+        return value
+    choice = _object(value, "tool_choice")
+    choice_type = _required(choice, "type", "tool_choice")
+    if choice_type != "function":
+        _fail("tool_choice.type", f"tool_choice.type {_kind(choice_type)} is not supported; send 'auto', "
+              "'none', 'required' or {\"type\": \"function\", \"name\": ...}", _UNSUPPORTED)
+    return {"type": "function", "function": {"name": _required(choice, "name", "tool_choice")}}
+
+
+def _tool_choice_echo(value: object) -> Any:
+    if value is None:
+        return "auto"
+    if isinstance(value, dict):
+        return {"type": "function", "name": value["name"]}
+    return value
+
+
+def _text_config(value: object) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """`text` as the Response echoes it, and the chat `response_format` it asks for."""
+    if value is None:
+        return {"format": {"type": "text"}, "verbosity": "medium"}, None
+    text = _object(value, "text")
+    for key in text:
+        if key not in ("format", "verbosity"):
+            _fail(f"text.{key}", f"text.{key} is not supported", _UNSUPPORTED)
+    verbosity = text.get("verbosity")
+    if verbosity is not None:
+        _one_of(verbosity, "text.verbosity", ("medium",), " (the model's own verbosity is the only one)")
+    echo = {"format": {"type": "text"}, "verbosity": "medium"}
+    if text.get("format") is None:
+        return echo, None
+    spec = _object(text["format"], "text.format")
+    format_type = _required(spec, "type", "text.format")
+    if format_type == "text":
+        return echo, None
+    if format_type == "json_object":
+        return {**echo, "format": {"type": "json_object"}}, {"type": "json_object"}
+    if format_type == "json_schema":
+        json_schema = {key: spec[key] for key in ("name", "schema", "strict", "description") if key in spec}
+        # Chat requires the name; OpenAI's Responses does too.
+        _required(spec, "name", "text.format")
+        return ({**echo, "format": {"type": "json_schema", **json_schema}},
+                {"type": "json_schema", "json_schema": json_schema})
+    _fail("text.format.type", f"text.format.type {_kind(format_type)} is not supported; send 'text', "
+          "'json_object' or 'json_schema'", _UNSUPPORTED)
+
+
+def _reasoning(value: object, chat_template: str) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """`reasoning` as echoed, and the template kwargs that honour its effort.
+
+    A template that reads `reasoning_effort` (gpt-oss) gets the effort; one that reads
+    `enable_thinking` (Qwen3) thinks unless the effort is "none"/"minimal". With neither,
+    only "medium" (OpenAI's default: the model as it is) is accepted.
+    """
+    if value is None:
+        return None, {}
+    reasoning = _object(value, "reasoning")
+    for key in reasoning:
+        if key not in ("effort", "summary", "generate_summary", "context", "mode"):
+            _fail(f"reasoning.{key}", f"reasoning.{key} is not supported", _UNSUPPORTED)
+    for key in ("summary", "generate_summary"):
+        # Accepted: the reasoning comes back whole, as reasoning_text content, not summarized.
+        if reasoning.get(key) is not None:
+            _one_of(reasoning[key], f"reasoning.{key}", ("auto", "concise", "detailed"))
+    if reasoning.get("context") is not None:
+        _one_of(reasoning["context"], "reasoning.context", ("auto", "all_turns"),
+                " (reasoning items sent are all rendered)")
+    if reasoning.get("mode") is not None:
+        _one_of(reasoning["mode"], "reasoning.mode", ("standard",))
+    effort = reasoning.get("effort")
+    echo = {"effort": effort, "summary": reasoning.get("summary") or reasoning.get("generate_summary")}
+    if effort is None:
+        return echo, {}
+    _one_of(effort, "reasoning.effort", EFFORTS)
+    if "reasoning_effort" in chat_template:
+        if effort not in ("low", "medium", "high"):
+            _fail("reasoning.effort", f"reasoning.effort {effort!r} is not supported by this model's chat "
+                  "template; send 'low', 'medium' or 'high'", _UNSUPPORTED)
+        return echo, {"reasoning_effort": effort}
+    if "enable_thinking" in chat_template:
+        return echo, {"enable_thinking": effort not in ("none", "minimal")}
+    if effort != "medium":
+        _fail("reasoning.effort", f"reasoning.effort {effort!r} cannot be honoured: this model's chat template "
+              "has no reasoning setting (only 'medium', the model as it is, is accepted)", _UNSUPPORTED)
+    return echo, {}
+
+
+# --- the reply ------------------------------------------------------------------------
+
+
+def usage_body(usage: Usage, *, reasoning_tokens: int, cache_prompt: bool) -> dict[str, Any]:
+    """`cache_write_tokens`: the uncached part of the prompt, which a healthy finish offers to the
+    cache (the store may still decline a short prefix, or evict it later)."""
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {
+            "cached_tokens": usage.cached_tokens,
+            "cache_write_tokens": usage.prompt_tokens - usage.cached_tokens if cache_prompt else 0,
+        },
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, usage.completion_tokens)},
+        "total_tokens": usage.total_tokens,
+    }
+
+
+def _logprob_body(item: TokenLogprob) -> dict[str, Any]:
+    return {
+        "token": item.token, "logprob": item.logprob, "bytes": list(item.token.encode("utf-8")),
+        "top_logprobs": [{"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+                         for token, logprob in item.top],
+    }
+
+
+def sse_event(event: Mapping[str, Any]) -> bytes:
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
+
+
+Event = dict[str, Any]
+
+
+class OutputBuilder:
+    """Builds a reply's output items from its deltas; `feed` and `finish` return the stream's events.
+
+    Items open in the order the model produces them (reasoning, then text, then calls, as
+    the deltas come); a change of kind closes the open item.
+    """
+
+    def __init__(self, prepared: PreparedResponse, model: str) -> None:
+        self.prepared = prepared
+        self.response: dict[str, Any] = {
+            "id": new_id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
+            "error": None, "incomplete_details": None, "model": model, "output": [], "usage": None,
+            **prepared.echo,
+        }
+        self.output: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None
+        self._sequence = 0
+        self._num_reasoning_tokens = 0
+        self._want_logprobs = INCLUDE_LOGPROBS in prepared.include
+
+    def _event(self, event_type: str, **fields: Any) -> Event:
+        event = {"type": event_type, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return event
+
+    def start(self) -> list[Event]:
+        snapshot = _snapshot(self.response)
+        return [self._event("response.created", response=snapshot),
+                self._event("response.in_progress", response=snapshot)]
+
+    def _obfuscation(self, event: Event, delta: str) -> Event:
+        if self.prepared.obfuscate:
+            # Pads a delta event with random characters, so sizes on the wire say less about the text.
+            size = 1 + secrets.randbelow(16) + max(0, 16 - len(delta))
+            event["obfuscation"] = secrets.token_urlsafe(size)[:size]
+        return event
+
+    def _open_item(self, item: dict[str, Any], part: dict[str, Any] | None) -> list[Event]:
+        self._open = item
+        self.output.append(item)
+        index = len(self.output) - 1
+        events = [self._event("response.output_item.added", output_index=index, item=_snapshot(item))]
+        if part is not None:
+            item["content"].append(part)
+            events.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                                      content_index=0, part=_snapshot(part)))
+        return events
+
+    def _close(self, status: str = "completed") -> list[Event]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        index = len(self.output) - 1
+        item["status"] = status
+        events = []
+        if item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            events.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                      content_index=0, text=text))
+            events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                      content_index=0, part=_snapshot(item["content"][0])))
+            if INCLUDE_ENCRYPTED_REASONING in self.prepared.include:
+                item["encrypted_content"] = ENCRYPTED_PREFIX + base64.b64encode(text.encode()).decode()
+        elif item["type"] == "message":
+            part = item["content"][0]
+            events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                                      content_index=0, text=part["text"],
+                                      logprobs=_event_logprobs(part.get("logprobs", []))))
+            events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                      content_index=0, part=_snapshot(part)))
+        events.append(self._event("response.output_item.done", output_index=index, item=_snapshot(item)))
+        return events
+
+    def feed(self, delta: Delta) -> list[Event]:
+        events: list[Event] = []
+        if delta.reasoning:
+            if self._open is None or self._open["type"] != "reasoning":
+                events += self._close()
+                events += self._open_item(
+                    {"id": new_id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"},
+                    {"type": "reasoning_text", "text": ""})
+            assert self._open is not None
+            self._open["content"][0]["text"] += delta.reasoning
+            if not delta.text and not delta.tool_calls:
+                self._num_reasoning_tokens += len(delta.token_ids)
+            events.append(self._obfuscation(self._event(
+                "response.reasoning_text.delta", item_id=self._open["id"], output_index=len(self.output) - 1,
+                content_index=0, delta=delta.reasoning), delta.reasoning))
+        if delta.text or (self._open is not None and self._open["type"] == "message" and delta.logprobs):
+            if self._open is None or self._open["type"] != "message":
+                events += self._close()
+                part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": []}
+                if self._want_logprobs:
+                    part["logprobs"] = []
+                events += self._open_item({"id": new_id("msg"), "type": "message", "role": "assistant",
+                                           "status": "in_progress", "content": []}, part)
+            assert self._open is not None
+            part = self._open["content"][0]
+            part["text"] += delta.text
+            logprobs = [_logprob_body(item) for item in delta.logprobs] if self._want_logprobs else []
+            if self._want_logprobs:
+                part["logprobs"].extend(logprobs)
+            events.append(self._obfuscation(self._event(
+                "response.output_text.delta", item_id=self._open["id"], output_index=len(self.output) - 1,
+                content_index=0, delta=delta.text, logprobs=_event_logprobs(logprobs)), delta.text))
+        for call in delta.tool_calls:
+            events += self._close()
+            events += self._function_call(call)
+        return events
+
+    def _function_call(self, call: ToolCall) -> list[Event]:
+        item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call.id,
+                "name": call.name, "arguments": ""}
+        events = self._open_item(item, None)
+        index = len(self.output) - 1
+        item["arguments"] = call.arguments
+        events.append(self._obfuscation(self._event(
+            "response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+            delta=call.arguments), call.arguments))
+        events.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                  name=call.name, arguments=call.arguments))
+        events += self._close()
+        return events
+
+    def finish(self, last: Delta) -> list[Event]:
+        """Close the reply at its last delta; the Response is then complete in `self.response`."""
+        assert last.finish_reason is not None
+        assert last.usage is not None
+        incomplete = last.finish_reason == "length"
+        events = self.feed(last)
+        if not any(item["type"] != "reasoning" for item in self.output) and not (incomplete and self.output):
+            # A reply of no text and no calls is still an (empty) assistant message.
+            events += self._open_item({"id": new_id("msg"), "type": "message", "role": "assistant",
+                                       "status": "in_progress", "content": []},
+                                      {"type": "output_text", "text": "", "annotations": []})
+        events += self._close("incomplete" if incomplete else "completed")
+        self.response.update(
+            status="incomplete" if incomplete else "completed",
+            incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
+            output=[_snapshot(item) for item in self.output],
+            usage=usage_body(last.usage, reasoning_tokens=self._num_reasoning_tokens,
+                             cache_prompt=self.prepared.chat.cache.cache_prompt),
+        )
+        if not incomplete:
+            self.response["completed_at"] = int(time.time())
+        kind = "response.incomplete" if incomplete else "response.completed"
+        events.append(self._event(kind, response=self.response))
+        return events
+
+    def fail(self, error: MlxcelError) -> list[Event]:
+        """The reply broke off: the open item ends incomplete, an `error` event, and the response failed."""
+        events = self._close("incomplete")
+        events.append(self._event("error", code=error.code, message=error.message, param=error.param))
+        self.response.update(
+            status="failed", output=[_snapshot(item) for item in self.output],
+            error={"code": "server_error", "message": error.message},
+        )
+        events.append(self._event("response.failed", response=self.response))
+        return events
+
+    def conversation(self) -> tuple[Mapping[str, Any], ...]:
+        """The items a follow-up continues from: the request's (and its chain's), then the output."""
+        return (*self.prepared.items, *(_snapshot(item) for item in self.output))
+
+
+def _event_logprobs(logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"token": item["token"], "logprob": item["logprob"],
+             "top_logprobs": [{"token": top["token"], "logprob": top["logprob"]} for top in item["top_logprobs"]]}
+            for item in logprobs]
+
+
+def _snapshot(value: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(value))
+
+
+# --- driving a reply --------------------------------------------------------------------
+
+
+async def _next_delta(deltas: DeltaStream) -> Delta:
+    try:
+        return await deltas.__anext__()
+    except StopAsyncIteration:
+        raise InternalError("the reply ended without a finish") from None
+
+
+async def collect(deltas: DeltaStream, first: Delta, builder: OutputBuilder) -> dict[str, Any]:
+    """The whole Response object of a reply (an error while generating is raised)."""
+    async with deltas:
+        delta = first
+        while delta.finish_reason is None:
+            builder.feed(delta)
+            delta = await _next_delta(deltas)
+        builder.finish(delta)
+    return builder.response
+
+
+async def event_stream(
+    deltas: DeltaStream, first: Delta, builder: OutputBuilder, on_finish: Callable[[OutputBuilder], None]
+) -> AsyncIterator[bytes]:
+    """The reply as Responses server-sent events; ``on_finish`` runs before the last event is sent,
+    so a follow-up sent on seeing it finds the response stored."""
+    async with deltas:
+        # The events of one delta go out as one chunk: one write, not one per event.
+        yield b"".join(map(sse_event, builder.start()))
+        delta = first
+        try:
+            while delta.finish_reason is None:
+                chunk = b"".join(map(sse_event, builder.feed(delta)))
+                if chunk:
+                    yield chunk
+                delta = await _next_delta(deltas)
+            events = builder.finish(delta)
+        except MlxcelError as error:
+            events = builder.fail(error)
+        else:
+            on_finish(builder)
+        yield b"".join(map(sse_event, events))
