@@ -27,6 +27,7 @@ from mlxcel.core.plan import (
     AloneChunk,
     Capabilities,
     DetachedSequence,
+    GrammarWork,
     InsertBatch,
     Removal,
     SampledToken,
@@ -177,12 +178,12 @@ class _Report:
     restore_failures: list[tuple[int, str]] = attrs.Factory(list)
     warmed: list[int] = attrs.Factory(list)
 
-    def result(self, step_number: int, *, decode_batch_size: int) -> StepResult:
+    def result(self, step_number: int, *, decode_batch_size: int, grammar: GrammarWork | None) -> StepResult:
         return StepResult(
             step_number=step_number, sampled=tuple(self.sampled), detached=tuple(self.detached),
             decode_batch_size=decode_batch_size, prefill_tokens=self.prefill_tokens,
             prefilling=tuple(self.prefilling), prompts_done=tuple(self.prompts_done),
-            restore_failures=tuple(self.restore_failures), warmed=tuple(self.warmed),
+            restore_failures=tuple(self.restore_failures), warmed=tuple(self.warmed), grammar=grammar,
         )
 
 
@@ -298,7 +299,8 @@ class _StepWorker:
         self._report_direct(direct, started, report)
         self._report_decoded(generation_responses, report)
         self._report_prefilled(prompt_responses, report)
-        return report.result(self._step_number, decode_batch_size=len(generation_responses))
+        return report.result(self._step_number, decode_batch_size=len(generation_responses),
+                             grammar=self._grammars.take_work())
 
     def _execute(self, plan: StepPlan, report: _Report, direct: list[_DirectStart]) -> tuple[list[Any], list[Any]]:
         """Removals, starts, the chunk alone, one evaluation of the direct starts, then the batch."""
@@ -744,8 +746,8 @@ class _Grammars:
         # Each computed sequence's row in `_allowed` (the step's unpacked masks).
         self._rows: dict[int, int] = {}
         self._allowed: Any = None
-        self.mask_seconds = 0.0
-        self.masks_computed = 0
+        # Since the last take_work().
+        self._work = GrammarWork()
 
     def sequence(self, grammar: str) -> _GrammarSequence:
         from llguidance import LLExecutor, LLMatcher
@@ -763,8 +765,15 @@ class _Grammars:
         matcher = LLMatcher(self._ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"grammar rejected: {matcher.get_error()}")
-        logger.debug("grammar matcher ready in %.1f ms", 1000 * (time.perf_counter() - started))
+        seconds = time.perf_counter() - started
+        logger.debug("grammar matcher built in %.1f ms", 1000 * seconds)
+        self._work = attrs.evolve(self._work, matchers_built=self._work.matchers_built + 1,
+                                  build_seconds=self._work.build_seconds + seconds)
         return _GrammarSequence(self, matcher)
+
+    def take_work(self) -> GrammarWork | None:
+        work, self._work = self._work, GrammarWork()
+        return work if work.matchers_built or work.masks else None
 
     def fed(self, sequence: _GrammarSequence) -> None:
         self._pending.append(sequence)
@@ -810,8 +819,10 @@ class _Grammars:
         word_index, bit_index = _bit_positions(vocab)
         self._allowed = ((mx.array(words)[:, word_index] >> bit_index) & 1).astype(mx.bool_)
         self._rows = {id(sequence): row for row, sequence in enumerate(pending)}
-        self.mask_seconds += time.perf_counter() - started
-        self.masks_computed += len(pending)
+        seconds = time.perf_counter() - started
+        logger.debug("grammar masks of %d sequences in %.2f ms", len(pending), 1000 * seconds)
+        self._work = attrs.evolve(self._work, masks=self._work.masks + len(pending),
+                                  mask_seconds=self._work.mask_seconds + seconds)
 
 
 class _GrammarSequence:

@@ -27,7 +27,7 @@ from mlxcel.core.effects import (
     ShedCache as ShedCache,
     SnapshotRestoreFailed as SnapshotRestoreFailed,
 )
-from mlxcel.core.plan import KVHandle, StepPlan, StepResult
+from mlxcel.core.plan import GrammarWork, KVHandle, StepPlan, StepResult
 from mlxcel.core.scheduler import NewRequest, WarmSession as WarmSession
 from mlxcel.errors import MlxcelError
 from mlxcel.types import ChatRequest, CompletionRequest, Delta
@@ -194,7 +194,7 @@ class RenderMetrics:
     reply_to: trio.MemorySendChannel[bytes] = attrs.field(repr=False)
 
 
-MetricsMsg = CacheLookedUp | RequestFinished | RenderMetrics
+MetricsMsg = CacheLookedUp | RequestFinished | RenderMetrics | GrammarWork
 
 
 # --- scheduler -> warmer -------------------------------------------------------------------

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from mlxcel.actors.messages import CacheLookedUp, MetricsMsg, MetricsStats, RenderMetrics, RequestFinished
 from mlxcel.cache.store import StoreStats
+from mlxcel.core.plan import GrammarWork
 
 EVICTION_REASONS = ("lru", "ttl", "capacity")
 
@@ -45,6 +46,16 @@ class MetricsActor:
         self._ttft = Histogram(
             "mlxcel_time_to_first_token_seconds", "Time from admission to the first token", registry=self.registry
         )
+        self._grammar_builds = Counter(
+            "mlxcel_grammar_matchers_built", "Grammar matchers compiled for constrained sequences",
+            registry=self.registry)
+        self._grammar_build_seconds = Counter(
+            "mlxcel_grammar_build_seconds", "Time spent compiling grammar matchers", registry=self.registry)
+        self._grammar_masks = Counter(
+            "mlxcel_grammar_masks", "Per-token grammar masks computed", registry=self.registry)
+        self._grammar_mask_seconds = Counter(
+            "mlxcel_grammar_mask_seconds", "Time spent computing and unpacking grammar masks (a step's "
+            "sequences together)", registry=self.registry)
         self._seen_evictions: dict[str, int] = {}
         self._num_events = 0
 
@@ -69,6 +80,11 @@ class MetricsActor:
                 self._requests.labels(finish_reason=message.finish_reason).inc()
                 if message.seconds_to_first_token is not None:
                     self._ttft.observe(message.seconds_to_first_token)
+            case GrammarWork():
+                self._grammar_builds.inc(message.matchers_built)
+                self._grammar_build_seconds.inc(message.build_seconds)
+                self._grammar_masks.inc(message.masks)
+                self._grammar_mask_seconds.inc(message.mask_seconds)
             case RenderMetrics():
                 if message.store is not None:
                     self._apply_store(message.store)

@@ -150,6 +150,8 @@ class SchedulerActor:
                 with replies:
                     result = await replies.receive()
                 self.core.update(plan, result, self._clients, trio.current_time())
+                if result.grammar is not None:
+                    self._send_nowait(self._to_metrics, result.grammar)
                 self._fan_out()
 
     def statistics(self) -> SchedulerStats:

@@ -161,6 +161,16 @@ class DetachedSequence:
 
 
 @attrs.frozen(kw_only=True)
+class GrammarWork:
+    """What grammar-constrained decoding cost the device in one step."""
+
+    matchers_built: int = 0
+    build_seconds: float = 0.0
+    masks: int = 0
+    mask_seconds: float = 0.0
+
+
+@attrs.frozen(kw_only=True)
 class StepResult:
     step_number: int
     sampled: tuple[SampledToken, ...] = ()
@@ -179,3 +189,5 @@ class StepResult:
     restore_failures: tuple[tuple[int, str], ...] = ()
     # Warm-up sequences that finished (their snapshot is in ``detached``).
     warmed: tuple[int, ...] = ()
+    # None: no grammar work this step.
+    grammar: GrammarWork | None = None
