@@ -153,3 +153,35 @@ async def test_forced_call_with_response_format_is_refused_and_the_cache_still_h
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert second["choices"][0]["message"]["tool_calls"][0]["function"] == \
         first["choices"][0]["message"]["tool_calls"][0]["function"]
+
+
+async def test_forced_tool_use_through_the_anthropic_and_responses_apis(
+    nursery: trio.Nursery, start_server: Any, tmp_path: Path,
+) -> None:
+    """Messages' tool_choice any / tool and Responses' required reach the same grammar as chat's."""
+    import anthropic
+
+    engine, base_url = await start(nursery, start_server, fixture_copy(tmp_path / "tools", template=TOOL_TEMPLATE))
+    tools = [{"name": tool["function"]["name"], "description": tool["function"]["description"],
+              "input_schema": tool["function"]["parameters"]} for tool in TOOLS]
+    claude = anthropic.Anthropic(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+    for choice, allowed in (({"type": "any", "disable_parallel_tool_use": True}, set(PARAMETERS)),
+                            ({"type": "tool", "name": "tag_photos", "disable_parallel_tool_use": True},
+                             {"tag_photos"})):
+        message = await trio.to_thread.run_sync(partial(
+            claude.messages.create, model=engine.model_id, max_tokens=400, tools=tools, tool_choice=choice,
+            messages=MESSAGES, extra_body={"temperature": 1.0}))
+        assert message.stop_reason == "tool_use"
+        [use] = [block for block in message.content if block.type == "tool_use"]
+        assert use.name in allowed
+        jsonschema.validate(use.input, PARAMETERS[use.name])
+    claude.close()
+
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    response = await trio.to_thread.run_sync(partial(
+        client.responses.create, model=engine.model_id, input="Plan an evening.", max_output_tokens=400,
+        tool_choice="required", parallel_tool_calls=False,
+        tools=[{"type": "function", "name": tool["function"]["name"], "parameters": tool["function"]["parameters"]}
+               for tool in TOOLS]))
+    [call] = [item for item in response.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), PARAMETERS[call.name])
