@@ -699,9 +699,9 @@ def _response_format(root: Mapping[str, Any], tenant: str) -> str | None:
         _optional(spec, "description", _string, prefix=path)
         _optional(spec, "strict", _bool, prefix=path)
         schema_path = f"{path}.schema"
-        # OpenAI's default when absent: any JSON object.
-        schema = _optional(spec, "schema", _object, prefix=path) or {"type": "object"}
-        schema = _json_value(schema, schema_path)
+        # Required here (OpenAI's API lets it out): a schema-less json_schema is a mistake, not a request
+        # for any object (that is json_object).
+        schema = _json_value(_object(_required(spec, "schema", path), schema_path), schema_path)
         _check_json_schema(schema, schema_path, tenant)
         return _json_grammar(schema, schema_path, tenant)
     _fail("response_format.type", f"response_format.type {_kind(format_type)} is not supported; "

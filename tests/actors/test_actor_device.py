@@ -282,3 +282,34 @@ async def test_sampling_fields_apply_per_sequence_in_the_batch_and_directly() ->
     assert sampled[7][0].token == greedy[0]
     assert sampled[8][0].token != greedy[0]
     assert_same_tokens(sampled[9], sampled[8])
+
+
+def test_a_grammar_at_a_dead_end_lets_only_eos_through_and_warns(caplog: pytest.LogCaptureFixture) -> None:
+    """A matcher fed a token its grammar forbids (never expected: the mask forbids it) fails; the
+    sequence's next mask then allows EOS alone, so the reply stops instead of raising or hanging."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxcel.actors.device import _Grammars, _make_sampling
+    from mlxcel.http.validation import parse_chat_request
+
+    tokenizer = load_tokenizer(fixture_path("llama"))
+    eos = tokenizer.eos_token_id
+    grammar = parse_chat_request({"messages": [{"role": "user", "content": "x"}],
+                                  "response_format": {"type": "json_object"}}).sampling.grammar
+    grammars = _Grammars(tokenizer, frozenset({eos}))
+    sampler, processors = _make_sampling(SamplingParams(temperature=0.0, grammar=grammar), grammars)
+    assert sampler is not None and processors is not None
+    logits = mx.zeros((1, 151646))
+    history = mx.array([1, 2, 3])
+    for processor in processors:
+        logits = processor(history, logits)
+    first = int(sampler(logits).item())
+    assert tokenizer.decode([first]).lstrip().startswith("{")  # the grammar's opening
+    with caplog.at_level("WARNING", logger="mlxcel.actors.device"):
+        forbidden = tokenizer.encode("zzz")[0]  # not JSON after "{"
+        for processor in processors:
+            processor(mx.array([1, 2, 3, first, forbidden]), logits)
+        # Greedy over flat logits would pick token 0; only EOS is left.
+        assert int(sampler(mx.zeros((1, 151646))).item()) == eos
+    assert any("grammar matcher failed" in record.message for record in caplog.records)

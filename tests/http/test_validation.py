@@ -163,6 +163,8 @@ BAD_OPENAI_SAMPLING: list[tuple[dict[str, Any], str, str]] = [
      "response_format.json_schema.name", MISSING),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}}},
      "response_format.json_schema.strict", TYPE),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema", MISSING),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
      "response_format.json_schema.schema", TYPE),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
