@@ -299,7 +299,8 @@ def test_a_grammar_at_a_dead_end_lets_only_eos_through_and_warns(caplog: pytest.
                                   "response_format": {"type": "json_object"}}).sampling.grammar
     grammars = _Grammars(tokenizer, frozenset({eos}))
     sampler, processors = _make_sampling(SamplingParams(temperature=0.0, grammar=grammar), grammars)
-    assert sampler is not None and processors is not None
+    assert sampler is not None
+    assert processors is not None
     logits = mx.zeros((1, 151646))
     history = mx.array([1, 2, 3])
     for processor in processors:
