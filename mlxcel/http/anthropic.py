@@ -56,8 +56,10 @@ TOOL_ERROR_PREFIX = "Error: "
 _MESSAGES_FIELDS = frozenset({
     "model", "messages", "system", "max_tokens", "metadata", "stop_sequences", "stream", "temperature",
     "top_k", "top_p", "tools", "tool_choice", "thinking", "service_tier", "speed", "cache_control",
+    "context_management",
 })
-_COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control"})
+_COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control",
+                           "context_management"})
 # One tier here; both values Anthropic accepts ask for nothing more than it.
 _SERVICE_TIERS = ("auto", "standard_only")
 _MEDIA_BLOCKS = frozenset({"image", "document", "search_result", "container_upload"})
@@ -237,6 +239,8 @@ def translate_messages_body(
             messages.append({"role": "system", "content": text})
             origins.append(("system", "system"))
     _translate_messages(raw_messages, messages, origins, breakpoints)
+    if body.get("context_management") is not None:
+        _apply_context_management(body["context_management"], messages)
     chat["messages"] = messages
     if not count_only:
         chat["max_tokens"] = _required(body, "max_tokens", "")
@@ -269,6 +273,41 @@ def translate_messages_body(
     # Top-level: Anthropic puts the marker on the last cacheable block; here it is one more breakpoint.
     breakpoints.read(body, "")
     return Translation(body=chat, origins=tuple(origins), retain_seconds=breakpoints.retain_seconds)
+
+
+def _apply_context_management(value: object, messages: list[dict[str, Any]]) -> None:
+    """Anthropic's context editing, where it can be done here: `clear_thinking_20251015`.
+
+    Claude Code sends `{"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}` with
+    thinking on: keeping all is what a server without the edit does. `keep: {"type":
+    "thinking_turns", "value": N}` drops the thinking of all but the last N assistant turns that
+    have some. Clearing tool uses needs the prompt's token count before rendering, so it is refused.
+    """
+    management = _object(value, "context_management")
+    _only(management, {"edits"}, "context_management", "context_management")
+    edits = _list(management.get("edits", []), "context_management.edits")
+    for index, item in enumerate(edits):
+        path = f"context_management.edits[{index}]"
+        edit = _object(item, path)
+        edit_type = _required(edit, "type", path)
+        if edit_type != "clear_thinking_20251015":
+            _fail(f"{path}.type", f"{path}.type {_kind(edit_type)} is not supported by this server (only "
+                  "clear_thinking_20251015)", _UNSUPPORTED)
+        _only(edit, {"type", "keep"}, path, path)
+        keep = edit.get("keep", {"type": "thinking_turns", "value": 1})
+        if keep == "all":
+            continue
+        keep = _object(keep, f"{path}.keep")
+        _only(keep, {"type", "value"}, f"{path}.keep", f"{path}.keep")
+        if keep.get("type") != "thinking_turns":
+            _fail(f"{path}.keep.type", f"{path}.keep.type must be 'thinking_turns', got {_kind(keep.get('type'))}")
+        turns = keep.get("value")
+        if not isinstance(turns, int) or isinstance(turns, bool) or turns < 0:
+            _fail(f"{path}.keep.value", f"{path}.keep.value must be a non-negative integer, got {_kind(turns)}",
+                  _TYPE)
+        thinking = [message for message in messages if message.get("reasoning_content")]
+        for message in thinking[: max(0, len(thinking) - turns)]:
+            del message["reasoning_content"]
 
 
 def _text_block(block: Mapping[str, Any], path: str, breakpoints: _Breakpoints) -> str:

@@ -323,6 +323,27 @@ async def test_thinking_switches_the_templates_enable_thinking(thinking: dict[st
     assert only_request(engine).chat_template_kwargs == {"enable_thinking": enabled}
 
 
+@pytest.mark.parametrize(("keep", "kept"), [
+    ("all", ["first", "second", "third"]),  # what Claude Code sends: nothing changes
+    ({"type": "thinking_turns", "value": 1}, [None, None, "third"]),
+    ({"type": "thinking_turns", "value": 2}, [None, "second", "third"]),
+    ({"type": "thinking_turns", "value": 0}, [None, None, None]),
+])
+async def test_clear_thinking_keeps_the_last_turns_thinking(keep: Any, kept: list[str | None]) -> None:
+    def turn(thought: str) -> list[dict[str, Any]]:
+        return [{"role": "assistant", "content": [{"type": "thinking", "thinking": thought, "signature": "s"},
+                                                   {"type": "text", "text": "ok"}]}, USER]
+
+    messages = [USER, *turn("first"), *turn("second"), *turn("third")]
+    engine = FakeEngine()
+    status, _, _ = await post(client_for(engine), "/v1/messages", {
+        **BODY, "max_tokens": 2048, "thinking": {"type": "enabled", "budget_tokens": 1024}, "messages": messages,
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": keep}]}})
+    assert status == 200
+    assistants = [message for message in only_request(engine).messages if message["role"] == "assistant"]
+    assert [message.get("reasoning_content") for message in assistants] == kept
+
+
 @pytest.mark.parametrize(("controls", "retain"), [
     ([], 0.0), ([{"type": "ephemeral"}], 300.0), ([{"type": "ephemeral", "ttl": "5m"}] * 2, 300.0),
     ([{"type": "ephemeral", "ttl": "1h"}, {"type": "ephemeral"}, {"type": "ephemeral"},
@@ -487,6 +508,10 @@ BAD = [
      "at most 4 blocks with cache_control; cache_control is number 5"),
     ({**BODY, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role must be 'user' or 'assistant'"),
     ({**BODY, "max_tokens": 0}, "max_tokens must be between 1 and"),
+    ({**BODY, "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
+     "context_management.edits[0].type 'clear_tool_uses_20250919' is not supported"),
+    ({**BODY, "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": {
+        "type": "thinking_turns", "value": -1}}]}}, "context_management.edits[0].keep.value must be a non-negative"),
 ]
 
 
