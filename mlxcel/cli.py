@@ -68,9 +68,17 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         from mlxcel.model.loader import ModelLoadError, read_model_config
 
         try:
-            read_model_config(engine_config.model_path)
+            model_config = read_model_config(engine_config.model_path)
         except ModelLoadError as error:
             return _fail(str(error))
+        if engine_config.lora:
+            from mlxcel.model.adapters import AdapterError, check_adapters
+            from mlxcel.model.loader import resolve_model
+
+            try:
+                check_adapters(resolve_model(engine_config.model_path)[0], model_config, engine_config.lora)
+            except AdapterError as error:
+                return _fail(str(error))
     # Before MLX is imported: re-run with an optimized BLAS preloaded if one exists.
     from mlxcel.blas import describe_blas, reexec_with_optimized_blas
 

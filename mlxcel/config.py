@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 
 from mlxcel.cache.apc import ALGORITHMS, HashAlgorithm
+from mlxcel.model.adapters import AdapterSpec, parse_adapter_spec
 
 GIB = 1 << 30
 
@@ -85,6 +86,10 @@ class EngineConfig:
     # None: the model's max_position_embeddings.
     ctx_size: int | None = None
     chat_template_kwargs: Mapping[str, Any] = attrs.field(factory=dict)
+    # LoRA adapters served unfused, in `--lora` order (their ids are 0, 1, ...).
+    lora: tuple[AdapterSpec, ...] = ()
+    # Load them at scale 0 (POST /lora-adapters or a request's `lora` turns them on).
+    lora_init_without_apply: bool = False
     # Accept `chat_template` in a request's chat_template_kwargs (rendered in a bounded sandbox).
     allow_request_chat_template: bool = False
     prompt_cache: PromptCacheConfig = PromptCacheConfig()
@@ -359,6 +364,12 @@ SCHEDULER_SETTINGS = (
 )
 
 ENGINE_SETTINGS = (
+    Setting("lora", "--lora", ("MLXCEL_LORA",), parse_adapter_spec,
+            "an mlx-lm LoRA adapter folder to serve unfused, optionally with its scale (PATH or "
+            "PATH=SCALE, default 1: the adapter as trained); repeatable, ids 0, 1, ... in order",
+            multiple=True, metavar="PATH[=SCALE]"),
+    Setting("lora_init_without_apply", "--lora-init-without-apply", ("MLXCEL_LORA_INIT_WITHOUT_APPLY",),
+            parse_bool, "load the --lora adapters at scale 0 (default false)", optional_value=True),
     Setting("allow_request_chat_template", "--allow-request-chat-template",
             ("MLXCEL_ALLOW_REQUEST_CHAT_TEMPLATE",), parse_bool,
             "accept a chat template in a request's chat_template_kwargs, rendered in a bounded "
@@ -401,7 +412,8 @@ def add_settings(parser: argparse.ArgumentParser, settings: tuple[Setting, ...])
         if setting.optional_value:
             kwargs.update(nargs="?", const=True, metavar="BOOL")
         if setting.multiple:
-            kwargs.update(nargs="+", metavar=setting.metavar)
+            # `--flag A B` and `--flag A --flag B` alike.
+            kwargs.update(nargs="+", action="extend", metavar=setting.metavar)
         parser.add_argument(setting.flag, **kwargs)
 
 

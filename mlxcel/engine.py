@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any
 
 import attrs
@@ -22,6 +23,7 @@ import trio
 from mlxcel.actors.cache_store import CacheStoreActor
 from mlxcel.actors.device import DeviceActor, DeviceSettings, ModelInfo
 from mlxcel.actors.messages import (
+    AdapterScales,
     CacheStoreStats,
     CancelRequest,
     CountPromptTokens,
@@ -149,9 +151,19 @@ class Engine:
 
     async def count_prompt_tokens(self, request: ChatRequest) -> int:
         """The prompt's length in tokens, rendered and tokenized as ``stream`` would, without generating."""
-        reply_to, replies = trio.open_memory_channel[int | MlxcelError](1)
+        answer: int = await self._ask_router(partial(CountPromptTokens, request=request))
+        return answer
+
+    async def lora_adapters(self, scales: tuple[tuple[int, float], ...] | None = None) -> list[dict[str, Any]]:
+        """The LoRA adapters (id, path, server-wide scale); ``scales`` sets the server-wide scales first
+        ((id, scale) pairs, every adapter not named at 0)."""
+        answer: list[dict[str, Any]] = await self._ask_router(partial(AdapterScales, scales=scales))
+        return answer
+
+    async def _ask_router(self, make: Callable[..., Any]) -> Any:
+        reply_to, replies = trio.open_memory_channel[Any](1)
         try:
-            self._to_router.send_nowait(CountPromptTokens(request=request, reply_to=reply_to))
+            self._to_router.send_nowait(make(reply_to=reply_to))
         except trio.WouldBlock:
             reply_to.close()
             replies.close()
@@ -310,6 +322,8 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
                 bucket_starts=auto_bool(config.scheduler.start_buckets),
                 fail_step=config.fail_step,
                 fail_out_of_memory=config.fail_out_of_memory,
+                lora=config.lora,
+                lora_apply=not config.lora_init_without_apply,
             ),
             device_inbox,
         )

@@ -55,6 +55,10 @@ class SamplingParams:
     # A llguidance grammar (its JSON form) the reply must match (response_format
     # json_object / json_schema); None: unconstrained.
     grammar: str | None = None
+    # Not sampling but the model the sequence runs: one scale per loaded LoRA adapter, in load
+    # order (() : no adapters loaded). Carried here because it travels with the sequence to the
+    # device exactly as the sampling settings do; the router sets it.
+    adapter_scales: tuple[float, ...] = ()
 
     @property
     def processes_logits(self) -> bool:
@@ -92,6 +96,9 @@ class ChatRequest:
     include_usage: bool = False
     # llama.cpp's `reasoning_format`: "auto" returns thinking as reasoning_content, "none" keeps it inline.
     reasoning_format: str = "auto"
+    # llama.cpp's per-request `lora`: (adapter id, scale) pairs, every adapter not named at 0;
+    # None: the server-wide scales (GET/POST /lora-adapters).
+    lora: tuple[tuple[int, float], ...] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -106,6 +113,8 @@ class CompletionRequest:
     include_usage: bool = False
     # llama.cpp's `return_tokens`: the reply's token ids in a whole `/completion` body.
     return_tokens: bool = False
+    # As ChatRequest.lora.
+    lora: tuple[tuple[int, float], ...] | None = None
 
 
 @attrs.frozen(kw_only=True)

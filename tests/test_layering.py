@@ -32,6 +32,7 @@ PURE_MODULES = (
     "mlxcel.http.guards",
     "mlxcel.model.family",
     "mlxcel.model.info",
+    "mlxcel.model.adapters",
 )
 
 

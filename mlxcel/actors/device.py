@@ -22,6 +22,7 @@ from typing import Any
 import attrs
 import trio
 
+from mlxcel.actors.adapter_batches import AdapterBatches
 from mlxcel.actors.messages import DeviceMsg, RunStep
 from mlxcel.core.plan import (
     AloneChunk,
@@ -36,7 +37,9 @@ from mlxcel.core.plan import (
     StepPlan,
     StepResult,
 )
+from mlxcel.model.adapters import AdapterSpec
 from mlxcel.model.info import ModelInfo as ModelInfo
+from mlxcel.model.lora import LoadedAdapters
 from mlxcel.types import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -63,6 +66,9 @@ class DeviceSettings:
     bucket_starts: bool | None = None
     fail_step: int | None = None
     fail_out_of_memory: bool = False
+    # LoRA adapters to load (unfused) and whether they start at their --lora scales or at 0.
+    lora: tuple[AdapterSpec, ...] = ()
+    lora_apply: bool = True
 
 
 class DeviceActor:
@@ -88,11 +94,16 @@ class DeviceActor:
         from mlxcel.model.loader import default_prefill_step_size, load_model
 
         loaded = load_model(self._settings.model_path)
+        adapters = None
+        if self._settings.lora:
+            from mlxcel.model.lora import load_adapters
+
+            adapters = load_adapters(loaded.model, self._settings.lora, apply=self._settings.lora_apply)
         context_size = self._settings.context_size or loaded.family.context_size or 4096
         step = self._settings.prefill_step_size or default_prefill_step_size()
         self._settings = attrs.evolve(self._settings, prefill_step_size=step, context_size=context_size)
         worker = _StepWorker(loaded.model, loaded.eos_token_ids, self._settings, loaded.family.model_type,
-                             tokenizer=loaded.tokenizer)
+                             tokenizer=loaded.tokenizer, adapters=adapters)
         info = ModelInfo(
             model_id=loaded.model_id,
             path=loaded.path,
@@ -104,6 +115,7 @@ class DeviceActor:
             context_size=context_size,
             prefill_step_size=step,
             bucket_starts=worker.bucket_starts,
+            adapters=adapters.infos if adapters is not None else (),
         )
         warm_up = self._settings.warm_up
         if mx.default_device() != mx.cpu if warm_up is None else warm_up:
@@ -151,6 +163,7 @@ class _AlonePrefill:
 
     caches: list[Any]
     tokens: tuple[int, ...]  # cached and prompt tokens
+    adapter_scales: tuple[float, ...] = ()
 
 
 @attrs.define
@@ -205,7 +218,7 @@ class _StepWorker:
 
     def __init__(
         self, model: Any, eos_token_ids: frozenset[int] | set[int], settings: DeviceSettings, family: str = "",
-        *, tokenizer: Any = None,
+        *, tokenizer: Any = None, adapters: LoadedAdapters | None = None,
     ) -> None:
         import mlx.core as mx
         from mlx_lm.generate import BatchGenerator
@@ -235,7 +248,9 @@ class _StepWorker:
             prefill_batch_size=settings.prefill_batch_size,
             prefill_step_size=self._step,
         )
-        self._generator = self._make_generator()
+        self._adapters = adapters
+        # One BatchGenerator per adapter configuration (only one without adapters).
+        self._generator = AdapterBatches(self._make_generator, adapters)
         self._by_uid: dict[int, _Sequence] = {}
         self._uid_of: dict[int, int] = {}
         # Long prompts prefilled outside the batch, and the KV of those whose last chunk ran.
@@ -277,7 +292,8 @@ class _StepWorker:
             plan = core.schedule()
             core.update(plan, self.run_step(plan), clients, 0.0)
         self._settings = settings
-        self._generator = self._make_generator()
+        self._generator.close()
+        self._generator = AdapterBatches(self._make_generator, self._adapters)
         self._by_uid.clear()
         self._uid_of.clear()
         self._alone.clear()
@@ -344,7 +360,8 @@ class _StepWorker:
         )
         self._alone.clear()
         self._alone_done.clear()
-        self._generator = self._make_generator()
+        self._generator.close()
+        self._generator = AdapterBatches(self._make_generator, self._adapters)
         self._by_uid.clear()
         self._uid_of.clear()
         return StepResult(
@@ -424,7 +441,8 @@ class _StepWorker:
 
         if isinstance(start, StartAlone):
             own = _adopt(start.adopted, start.kept) if start.adopted is not None else make_prompt_cache(self._model)
-            self._alone[start.sequence_id] = _AlonePrefill(caches=own, tokens=start.tokens)
+            self._alone[start.sequence_id] = _AlonePrefill(caches=own, tokens=start.tokens,
+                                                           adapter_scales=start.adapter_scales)
             return None
         if isinstance(start, StartDirect) and start.restore is None:
             direct.append(self._start_direct(start))
@@ -469,6 +487,7 @@ class _StepWorker:
         sampler, processors = _make_sampling(start.sampling, self._grammars)
         (uid,) = self._generator.insert_segments(
             [segments],
+            config=start.sampling.adapter_scales,
             max_tokens=[start.max_tokens],
             # mlx-lm takes None for both (a fresh cache; the batch's shared sampler) but annotates neither.
             caches=[caches],  # type: ignore[list-item]
@@ -493,6 +512,7 @@ class _StepWorker:
         from mlxcel.model.kv import detach
 
         prefill = self._alone[chunk.sequence_id]
+        self._generator.apply(prefill.adapter_scales)
         with mx.stream(self._generator.stream):
             self._model(mx.array(prefill.tokens[chunk.start:chunk.end])[None], cache=prefill.caches)
             mx.eval([cache.state for cache in prefill.caches])
@@ -526,6 +546,7 @@ class _StepWorker:
         padding = start.padding
         sampler, processors = _make_sampling(start.sampling, self._grammars)
         all_tokens = cached + prompt
+        self._generator.apply(start.sampling.adapter_scales)
         with mx.stream(self._generator.stream):
             tokens = mx.array(run + run[-1:] * padding)[None]
             if len(run) > 1 and not (self._one_pass_starts or padding):
@@ -575,6 +596,7 @@ class _StepWorker:
         # The first token goes in as the prompt's last: its forward pass gives the second.
         (uid,) = self._generator.insert(
             [[token]],
+            config=start.sampling.adapter_scales,
             max_tokens=[start.max_tokens - 1],
             caches=[direct.caches],
             all_tokens=[direct.all_tokens],

@@ -52,7 +52,18 @@ class CountPromptTokens:
     reply_to: trio.MemorySendChannel[int | MlxcelError] = attrs.field(repr=False)
 
 
-RouterMsg = RouteRequest | CountPromptTokens
+@attrs.frozen(kw_only=True)
+class AdapterScales:
+    """Read (``scales`` None) or set the server-wide LoRA scales: (id, scale) pairs, the rest at 0.
+
+    The reply is every adapter's (id, path, scale) after the change, or the 4xx.
+    """
+
+    scales: tuple[tuple[int, float], ...] | None = None
+    reply_to: trio.MemorySendChannel[list[dict[str, Any]] | MlxcelError] = attrs.field(repr=False)
+
+
+RouterMsg = RouteRequest | CountPromptTokens | AdapterScales
 
 
 # --- router -> scheduler ---------------------------------------------------------

@@ -19,6 +19,7 @@ import attrs
 import trio
 
 from mlxcel.actors.messages import (
+    AdapterScales,
     CountPromptTokens,
     RequestFailed,
     RouteRequest,
@@ -36,6 +37,7 @@ from mlxcel.core.output import ReplyFormat
 from mlxcel.core.scheduler import NewRequest
 from mlxcel.core.tool_grammar import UnforceableToolChoice, forced_tool_grammar, tool_format_name
 from mlxcel.errors import InvalidRequest, ServerBusy
+from mlxcel.model.adapters import adapter_cache_id
 from mlxcel.model.chat_template import (
     RENDER_TIMEOUT_S,
     RenderOverrun,
@@ -312,6 +314,8 @@ class RouterActor:
         self._num_in_flight = 0
         # Taken before a request leaves the inbox, so waiting requests stay there (a full inbox is a 503).
         self._slots = trio.Semaphore(max_concurrent)
+        # The server-wide LoRA scales (GET/POST /lora-adapters), one per loaded adapter.
+        self._adapter_scales: tuple[float, ...] = tuple(adapter.scale for adapter in model.adapters)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with self._to_scheduler:
@@ -337,8 +341,41 @@ class RouterActor:
                 await self._route(message)
             case CountPromptTokens():
                 await self._count(message)
+            case AdapterScales():
+                self._adapter_scales_message(message)
             case _:
                 assert_never(message)
+
+    def _adapter_scales_message(self, message: AdapterScales) -> None:
+        try:
+            if message.scales is not None:
+                self._adapter_scales = self._scales_of(message.scales, "body")
+            answer: list[dict[str, Any]] | InvalidRequest = [
+                {"id": adapter.id, "path": str(adapter.path), "scale": scale}
+                for adapter, scale in zip(self._model.adapters, self._adapter_scales, strict=True)
+            ]
+        except InvalidRequest as error:
+            answer = error
+        finally:
+            self._num_in_flight -= 1
+            self._slots.release()
+        with message.reply_to, contextlib.suppress(trio.BrokenResourceError, trio.WouldBlock):
+            message.reply_to.send_nowait(answer)
+
+    def _scales_of(self, pairs: tuple[tuple[int, float], ...], param: str) -> tuple[float, ...]:
+        """Per-adapter scales from (id, scale) pairs: an adapter not named is at 0."""
+        adapters = self._model.adapters
+        scales = [0.0] * len(adapters)
+        for index, (adapter_id, scale) in enumerate(pairs):
+            if adapter_id >= len(adapters):
+                loaded = f"ids 0 to {len(adapters) - 1}" if adapters else "none is loaded (--lora)"
+                raise InvalidRequest(f"no LoRA adapter has id {adapter_id}; {loaded}",
+                                     param=f"{param}[{index}].id", code="invalid_value")
+            scales[adapter_id] = scale
+        return tuple(scales)
+
+    def _request_scales(self, request: ChatRequest | CompletionRequest) -> tuple[float, ...]:
+        return self._adapter_scales if request.lora is None else self._scales_of(request.lora, "lora")
 
     async def _count(self, message: CountPromptTokens) -> None:
         try:
@@ -384,11 +421,13 @@ class RouterActor:
                 code="context_length_exceeded",
             )
         room = context_size - num_prompt
+        adapter_scales = self._request_scales(request)
         max_tokens = room if request.sampling.max_tokens is None else min(request.sampling.max_tokens, room)
         cache_context = None
         if self._cache_enabled and request.cache.cache_prompt:
             cache_context = CacheContext(
                 model_id=self._model.model_id,
+                lora_id=adapter_cache_id(self._model.adapters, adapter_scales) if adapter_scales else "",
                 template_sig=rendered.template_sig,
                 session_key=request.cache.session_key,
                 rope_regime=rope_regime_for(num_prompt, self._model.family.longrope_original_max_positions),
@@ -397,6 +436,8 @@ class RouterActor:
         sampling = request.sampling
         if rendered.tool_grammar is not None:
             sampling = attrs.evolve(sampling, grammar=rendered.tool_grammar)
+        if adapter_scales:
+            sampling = attrs.evolve(sampling, adapter_scales=adapter_scales)
         return SubmitRequest(request=NewRequest(
             request_id=message.request_id,
             prompt_tokens=rendered.tokens,

@@ -94,6 +94,8 @@ class StartAlone:
     tokens: tuple[int, ...] = attrs.field(repr=False)
     adopted: KVHandle | None = attrs.field(default=None, repr=False)
     kept: int = 0
+    # The LoRA adapter scales its chunks run under (SamplingParams.adapter_scales).
+    adapter_scales: tuple[float, ...] = ()
 
 
 @attrs.frozen(kw_only=True)

@@ -499,7 +499,8 @@ class SchedulerCore:
                 tokens = pending.cached_tokens + pending.prompt_tokens
                 self._alone.append(_Alone(pending=pending, tokens=tokens, done=kept))
                 starts.append(StartAlone(sequence_id=pending.sequence_id, tokens=tokens,
-                                         adopted=pending.adopted if kept else None, kept=kept))
+                                         adopted=pending.adopted if kept else None, kept=kept,
+                                         adapter_scales=pending.sampling.adapter_scales))
             else:
                 starts.append(self._insert(pending))
         alone_chunk, alone_rest = None, None

@@ -27,6 +27,7 @@ from mlxcel.http.guards import check_browser_safety, normalized_path, single_aut
 from mlxcel.http.validation import (
     Limits,
     decode_json_body,
+    parse_adapter_scales,
     parse_chat_request,
     parse_completion_request,
     parse_native_completion,
@@ -175,6 +176,8 @@ def _legacy_logprobs(logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
 
 # The stats carry every tenant's counters, so they are the admin's, like the reset.
 ADMIN_ROUTES = frozenset({"/v1/cache/reset", "/v1/cache/stats", "/metrics"})
+# GET lists the adapters; POST (the admin's) changes the server-wide scales, as llama.cpp's server.
+LORA_ROUTE = "/lora-adapters"
 OPEN_ROUTES = frozenset({"/health"})
 # Anthropic's Messages API: its errors (the 401 included) come in Anthropic's shape.
 ANTHROPIC_ROUTES = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
@@ -240,7 +243,8 @@ def create_app(
             return response
         if path in OPEN_ROUTES:
             return None
-        required = admin_api_key if admin_api_key and path in ADMIN_ROUTES else api_key
+        admin = path in ADMIN_ROUTES or (path == LORA_ROUTE and request.method == "POST")
+        required = admin_api_key if admin_api_key and admin else api_key
         if required is None:
             return None
         if authorization and api_key_header:
@@ -273,7 +277,7 @@ def create_app(
             )
         return response
 
-    async def read_body() -> object:
+    async def read_body(*, allow_list: bool = False) -> object:
         declared = request.content_length
         if declared is not None and declared > max_body_bytes:
             raise InvalidRequest(
@@ -291,7 +295,7 @@ def create_app(
                     status=413, code="request_too_large",
                 )
             chunks.append(chunk)
-        return decode_json_body(b"".join(chunks), max_bytes=max_body_bytes)
+        return decode_json_body(b"".join(chunks), max_bytes=max_body_bytes, allow_list=allow_list)
 
     def check_model(parsed: ChatRequest | CompletionRequest) -> None:
         if parsed.model not in (None, "", *engine.model_names):
@@ -475,6 +479,18 @@ def create_app(
                 f"the model {model_id!r} is not served here", param="model", code="model_not_found", status=404,
             ))
         return json_response(model_card(model_id))
+
+    @app.get(LORA_ROUTE)
+    async def lora_adapters() -> Response:
+        return json_response(await engine.lora_adapters())
+
+    @app.post(LORA_ROUTE)
+    async def set_lora_adapters() -> Response:
+        try:
+            scales = parse_adapter_scales(await read_body(allow_list=True), "body")
+            return json_response(await engine.lora_adapters(scales))
+        except MlxcelError as error:
+            return error_response(error)
 
     @app.get("/health")
     async def health() -> Response:

@@ -115,8 +115,8 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def decode_json_body(raw: bytes, *, max_bytes: int) -> object:
-    """Decode a request body that must be one JSON object of at most `max_bytes`."""
+def decode_json_body(raw: bytes, *, max_bytes: int, allow_list: bool = False) -> object:
+    """Decode a request body that must be one JSON object (or, ``allow_list``, a list) of at most `max_bytes`."""
     if len(raw) > max_bytes:
         raise InvalidRequest(
             f"request body is {len(raw)} bytes; the limit is {max_bytes} bytes",
@@ -151,9 +151,10 @@ def decode_json_body(raw: bytes, *, max_bytes: int) -> object:
         ) from None
     except RecursionError:
         raise InvalidRequest("request body is nested too deeply", code=_JSON) from None
-    if not isinstance(value, dict):
+    if not isinstance(value, dict) and not (allow_list and isinstance(value, list)):
         raise InvalidRequest(
-            f"request body must be a JSON object, got {_kind(value)}", code=_TYPE
+            f"request body must be a JSON {'object or list' if allow_list else 'object'}, got {_kind(value)}",
+            code=_TYPE,
         )
     return value
 
@@ -181,7 +182,34 @@ def parse_chat_request(body: object, *, limits: Limits = DEFAULT_LIMITS) -> Chat
         stream=stream,
         include_usage=include_usage,
         reasoning_format=_optional(root, "reasoning_format", _reasoning_format, "auto"),
+        lora=_lora(root, extra),
     )
+
+
+def _lora(root: Mapping[str, Any], extra: Mapping[str, Any]) -> tuple[tuple[int, float], ...] | None:
+    """llama.cpp's per-request `lora` (root or extra_body): [{"id", "scale"}, ...]; which ids exist
+    is the router's to check."""
+    value, path = (root.get("lora"), "lora") if root.get("lora") is not None else (extra.get("lora"), "extra_body.lora")
+    if value is None:
+        return None
+    return parse_adapter_scales(value, path)
+
+
+def parse_adapter_scales(value: object, path: str) -> tuple[tuple[int, float], ...]:
+    """`[{"id": N, "scale": X}, ...]`: ids unique, scales finite numbers (the body of POST /lora-adapters too)."""
+    pairs: dict[int, float] = {}
+    for index, item in enumerate(_list(value, path)):
+        item_path = f"{path}[{index}]"
+        entry = _object(item, item_path)
+        for key in entry:
+            if key not in ("id", "scale"):
+                _fail(f"{item_path}.{key}", f"{item_path}.{key} is not a field of a LoRA entry (id, scale)",
+                      _UNSUPPORTED)
+        adapter_id = _int(_required(entry, "id", item_path), f"{item_path}.id", 0, 1 << 16)
+        if adapter_id in pairs:
+            _fail(f"{item_path}.id", f"{item_path}.id: adapter {adapter_id} is listed twice")
+        pairs[adapter_id] = _number(_required(entry, "scale", item_path), f"{item_path}.scale", -100.0, 100.0)
+    return tuple(sorted(pairs.items()))
 
 
 def _reasoning_format(value: object, path: str) -> str:
@@ -208,6 +236,7 @@ def parse_completion_request(
         model=_optional(root, "model", _string),
         stream=stream,
         include_usage=include_usage,
+        lora=_lora(root, extra),
     )
 
 
@@ -253,6 +282,7 @@ def parse_native_completion(
         model=_optional(root, "model", _string),
         stream=_optional(root, "stream", _bool, False),
         return_tokens=_optional(root, "return_tokens", _bool, False),
+        lora=_lora(root, extra),
     )
 
 

@@ -332,6 +332,48 @@ def fixture_path(family: str, *, seed: int = 0) -> Path:
     return _cached_folder(name, lambda staging: write_fixture(family, staging, seed=seed))
 
 
+# The layers a fixture adapter trains (the last LORA_FIXTURE_LAYERS blocks' attention projections).
+LORA_FIXTURE_KEYS = ("self_attn.q_proj", "self_attn.v_proj")
+LORA_FIXTURE_LAYERS = 2
+
+
+def write_lora_fixture(model_dir: Path, out_dir: Path, *, seed: int = 0, rank: int = 4,
+                       scale: float = 20.0) -> Path:
+    """An mlx-lm adapter folder for ``model_dir`` made with mlx-lm's own LoRA layers, random weights.
+
+    mlx-lm starts ``lora_b`` at zero (an adapter that changes nothing until
+    trained); here both matrices are random, so the adapter changes the
+    fixture's outputs.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load
+
+    model = load(str(model_dir))[0]
+    model.freeze()
+    parameters = {"rank": rank, "scale": scale, "dropout": 0.0, "keys": list(LORA_FIXTURE_KEYS)}
+    linear_to_lora_layers(model, LORA_FIXTURE_LAYERS, parameters)
+    mx.random.seed(seed)
+    weights: dict[str, Any] = {}
+    flat: list[tuple[str, Any]] = tree_flatten(model.trainable_parameters())  # type: ignore[assignment]
+    for name, value in flat:
+        weights[name] = mx.random.normal(value.shape, scale=0.05) if name.endswith("lora_b") else value
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out_dir / "adapters.safetensors"), weights)
+    (out_dir / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": "lora", "num_layers": LORA_FIXTURE_LAYERS, "lora_parameters": parameters}, indent=2))
+    return out_dir
+
+
+def lora_fixture_path(family: str = "llama", *, seed: int = 0) -> Path:
+    """A cached random adapter for the ``family`` fixture."""
+    base = fixture_path(family)
+    return _cached_folder(f"lora-{family}-{FIXTURE_VERSION}-seed{seed}",
+                          lambda staging: write_lora_fixture(base, staging, seed=seed))
+
+
 def demo_model_path() -> Path:
     """The default model of the demo server: the llama fixture, cached."""
     return _cached_folder(DEMO_MODEL_NAME, lambda staging: write_fixture("llama", staging))
@@ -347,8 +389,13 @@ def fixture_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--family", required=True, choices=FAMILIES + BENCH_FAMILIES + REAL_FAMILIES)
     parser.add_argument("--out", required=True, type=Path, metavar="DIR")
     parser.add_argument("--seed", type=int, default=0, metavar="N")
+    parser.add_argument("--lora", action="store_true",
+                        help="write a random LoRA adapter for the --family fixture instead (mlx-lm's format)")
     arguments = parser.parse_args(argv)
-    path = write_fixture(arguments.family, arguments.out, seed=arguments.seed)
+    if arguments.lora:
+        path = write_lora_fixture(fixture_path(arguments.family), arguments.out, seed=arguments.seed)
+    else:
+        path = write_fixture(arguments.family, arguments.out, seed=arguments.seed)
     print(path)
     return 0
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import attrs
 
+from mlxcel.model.adapters import AdapterInfo
 from mlxcel.model.family import ModelFamily
 
 
@@ -25,3 +26,5 @@ class ModelInfo:
     prefill_step_size: int = 2048
     # Starts in bucketed shapes and long prompts prefilled alone (CUDA with plain KV caches).
     bucket_starts: bool = False
+    # The LoRA adapters loaded, ids 0, 1, ... (their scales here: the ones they started with).
+    adapters: tuple[AdapterInfo, ...] = ()
