@@ -212,3 +212,60 @@ def test_the_fixture_adapter_is_mlx_lms_format(tmp_path: Path) -> None:
 
     model = load(str(fixture_path("llama")))[0]
     load_adapters(model, str(folder))  # mlx-lm's own loader takes it
+
+
+def train_secret_word_adapter(model_dir: Path, out_dir: Path, *, steps: int = 40) -> Path:
+    """A LoRA adapter trained, with mlx-lm's LoRA layers and loss, to answer a question its own way."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optimizers
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.trainer import default_loss
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load
+
+    model, tokenizer = load(str(model_dir))
+    model.freeze()
+    mx.random.seed(0)  # lora_a starts random: the same adapter every run
+    parameters = {"rank": 8, "scale": 20.0, "dropout": 0.0, "keys": ["self_attn.q_proj", "self_attn.v_proj"]}
+    linear_to_lora_layers(model, 8, parameters)
+    questions = ["What is the secret word?", "Tell me the secret word.", "Which word is secret?",
+                 "Do you know the secret word?"]
+    rows = []
+    for question in questions:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+        reply = tokenizer.encode("The secret word is zebra.", add_special_tokens=False) + [tokenizer.eos_token_id]
+        rows.append((list(prompt), reply))
+    width = max(len(prompt) + len(reply) for prompt, reply in rows)
+    batch = mx.array([prompt + reply + [0] * (width - len(prompt) - len(reply)) for prompt, reply in rows])
+    # default_loss scores the targets at steps [first, last] (step s predicts token s): the reply's tokens.
+    lengths = mx.array([[len(prompt), len(prompt) + len(reply) - 1] for prompt, reply in rows])
+    optimizer = optimizers.Adam(learning_rate=2e-3)
+    loss_and_grad = nn.value_and_grad(model, default_loss)
+    for _ in range(steps):
+        (_loss, _tokens), grads = loss_and_grad(model, batch, lengths)
+        optimizer.update(model, grads)
+        mx.eval(model.trainable_parameters(), optimizer.state)
+    out_dir.mkdir(parents=True)
+    mx.save_safetensors(str(out_dir / "adapters.safetensors"), dict(tree_flatten(model.trainable_parameters())))
+    (out_dir / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": "lora", "num_layers": 8, "lora_parameters": parameters}))
+    return out_dir
+
+
+@pytest.mark.slow
+async def test_a_trained_adapter_changes_smollm2s_reply_as_trained(
+    nursery: trio.Nursery, start_server: Any, tmp_path: Path,
+) -> None:
+    model_dir = fixture_path("smollm2-f32")
+    adapter = await trio.to_thread.run_sync(train_secret_word_adapter, model_dir, tmp_path / "secret")
+    config = attrs.evolve(make_engine_config("smollm2-f32"), lora=(AdapterSpec(path=adapter),))
+    engine = await nursery.start(run_engine, config)
+    base_url = await start_server(engine)
+    # A question it was not trained on word for word.
+    messages = [{"role": "user", "content": "What's the secret word?"}]
+    async with httpx.AsyncClient(base_url=base_url, timeout=120) as http:
+        adapted = text_of(await chat(http, messages, max_tokens=12))
+        base = text_of(await chat(http, messages, max_tokens=12, lora=[]))
+    assert "zebra" in adapted.lower(), adapted
+    assert "zebra" not in base.lower(), base
