@@ -19,7 +19,7 @@ import attrs
 import trio
 
 from mlxcel.actors.messages import (
-    CountPromptTokens,
+    RenderPrompt,
     RequestFailed,
     RouteRequest,
     RouterMsg,
@@ -335,15 +335,15 @@ class RouterActor:
         match message:
             case RouteRequest():
                 await self._route(message)
-            case CountPromptTokens():
-                await self._count(message)
+            case RenderPrompt():
+                await self._render(message)
             case _:
                 assert_never(message)
 
-    async def _count(self, message: CountPromptTokens) -> None:
+    async def _render(self, message: RenderPrompt) -> None:
         try:
             rendered = await trio.to_thread.run_sync(self._renderer.render, message.request)
-            answer: int | InvalidRequest = len(rendered.tokens)
+            answer: tuple[int, ...] | InvalidRequest = rendered.tokens
         except InvalidRequest as error:
             answer = error
         finally:
