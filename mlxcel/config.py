@@ -75,6 +75,28 @@ class SchedulerConfig:
     start_buckets: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "true", "false")))
 
 
+KV_EVENT_FORMATS = ("positional", "map")
+
+
+@attrs.frozen(kw_only=True)
+class KvEventsConfig:
+    """vLLM-style KV cache events over ZeroMQ (off unless ``endpoint`` is set)."""
+
+    # A ZMQ PUB address, e.g. tcp://*:5557 (bound) or tcp://router:5557 (connected); None: off.
+    endpoint: str | None = None
+    topic: str = ""
+    # A ZMQ ROUTER address answering replay requests from the buffer; None: no replay.
+    replay_endpoint: str | None = None
+    # "positional": events as tagged arrays (vLLM before mid-2026); "map": tagged maps (after).
+    format: str = attrs.field(default="positional", validator=attrs.validators.in_(KV_EVENT_FORMATS))
+    # Published batches kept for replay.
+    buffer_steps: int = attrs.field(default=10_000, validator=attrs.validators.ge(1))
+
+    @property
+    def enabled(self) -> bool:
+        return self.endpoint is not None
+
+
 @attrs.frozen(kw_only=True)
 class EngineConfig:
     # A local folder or a Hugging Face repo id; None: the built-in random-weight demo model.
@@ -94,6 +116,7 @@ class EngineConfig:
     allow_request_chat_template: bool = False
     prompt_cache: PromptCacheConfig = PromptCacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    kv_events: KvEventsConfig = KvEventsConfig()
     # Test-only fault hook: the device fails the step whose number is given,
     # as an out-of-memory error when fail_out_of_memory is set.
     fail_step: int | None = None
@@ -250,6 +273,20 @@ def parse_regex(text: str) -> str:
     return text
 
 
+def parse_zmq_endpoint(text: str) -> str:
+    value = text.strip()
+    if not value.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ValueError(f"expected a ZeroMQ address such as tcp://*:5557, got {text!r}")
+    return value
+
+
+def parse_kv_event_format(text: str) -> str:
+    value = text.strip().lower()
+    if value not in KV_EVENT_FORMATS:
+        raise ValueError(f"expected positional or map, got {text!r}")
+    return value
+
+
 def parse_session_key_scope(text: str) -> str:
     value = text.strip().lower()
     if value not in ("client", "user"):
@@ -385,6 +422,21 @@ ENGINE_SETTINGS = (
 )
 
 
+KV_EVENTS_SETTINGS = (
+    Setting("endpoint", "--kv-events-endpoint", ("MLXCEL_KV_EVENTS_ENDPOINT",), parse_zmq_endpoint,
+            "publish vLLM-style KV cache events (msgpack KVEventBatch) on this ZeroMQ PUB address, e.g. "
+            "tcp://*:5557 (default: off)", metavar="ADDRESS"),
+    Setting("topic", "--kv-events-topic", ("MLXCEL_KV_EVENTS_TOPIC",), str,
+            "the topic frame of every KV event message (default empty)", metavar="TOPIC"),
+    Setting("replay_endpoint", "--kv-events-replay-endpoint", ("MLXCEL_KV_EVENTS_REPLAY_ENDPOINT",),
+            parse_zmq_endpoint, "a ZeroMQ ROUTER address where a late subscriber asks for the batches it "
+            "missed, from a buffer of the last 10,000 (default: no replay)", metavar="ADDRESS"),
+    Setting("format", "--kv-events-format", ("MLXCEL_KV_EVENTS_FORMAT",), parse_kv_event_format,
+            "positional (default: events as tagged arrays, as vLLM sent them until mid-2026) or map "
+            "(tagged maps, as vLLM sends them since)", metavar="FORMAT"),
+)
+
+
 class _OneLineParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line and exit status 2."""
 
@@ -462,6 +514,7 @@ def build_serve_parser(prog: str = "mlxcel serve") -> argparse.ArgumentParser:
     add_settings(parser, SCHEDULER_SETTINGS)
     add_settings(parser, SERVER_SETTINGS)
     add_settings(parser, ENGINE_SETTINGS)
+    add_settings(parser, KV_EVENTS_SETTINGS)
     return parser
 
 
@@ -490,6 +543,7 @@ def build_configs(
         ctx_size=namespace.ctx_size,
         prompt_cache=prompt_cache,
         scheduler=scheduler,
+        kv_events=KvEventsConfig(**resolve_settings(namespace, KV_EVENTS_SETTINGS, environ)),
         **resolve_settings(namespace, ENGINE_SETTINGS, environ),
     )
     host = namespace.host or environ.get("MLXCEL_HOST") or "127.0.0.1"

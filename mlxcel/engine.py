@@ -26,10 +26,10 @@ from mlxcel.actors.messages import (
     AdapterScales,
     CacheStoreStats,
     CancelRequest,
-    CountPromptTokens,
     GetCacheStats,
     GetSchedulerStats,
     RenderMetrics,
+    RenderPrompt,
     RequestFailed,
     ResetCache,
     RouteRequest,
@@ -151,7 +151,11 @@ class Engine:
 
     async def count_prompt_tokens(self, request: ChatRequest) -> int:
         """The prompt's length in tokens, rendered and tokenized as ``stream`` would, without generating."""
-        answer: int = await self._ask_router(partial(CountPromptTokens, request=request))
+        return len(await self.render_prompt(request))
+
+    async def render_prompt(self, request: ChatRequest | CompletionRequest) -> tuple[int, ...]:
+        """The prompt's token ids as ``stream`` would prefill them (template, tools, tokenizer), without generating."""
+        answer: tuple[int, ...] = await self._ask_router(partial(RenderPrompt, request=request))
         return answer
 
     async def lora_adapters(self, scales: tuple[tuple[int, float], ...] | None = None) -> list[dict[str, Any]]:
@@ -213,9 +217,10 @@ class Engine:
         return await self._ask(self._to_scheduler, GetSchedulerStats)
 
     async def metrics_text(self) -> bytes:
-        # The store's gauges are pulled now rather than pushed after every lookup.
+        # The store's and the queue's gauges are pulled now rather than pushed after every change.
         stats: CacheStoreStats = await self._ask(self._to_cache_store, GetCacheStats)
-        return await self._ask(self._to_metrics, RenderMetrics, store=stats.store)
+        scheduler: SchedulerStats = await self._ask(self._to_scheduler, GetSchedulerStats)
+        return await self._ask(self._to_metrics, RenderMetrics, store=stats.store, scheduler=scheduler)
 
     async def _ask(self, channel: trio.MemorySendChannel[Any], message_type: Any, **fields: Any) -> Any:
         reply_to, replies = trio.open_memory_channel[Any](1)
@@ -273,6 +278,8 @@ def _build_store(config: EngineConfig, model: ModelInfo, apc_enabled: bool) -> P
             num_blocks=cache.apc_num_blocks,
             algorithm=cache.apc_hash,
         ),
+        # The store logs its block changes only for a KV event stream.
+        log_blocks=config.kv_events.enabled,
     )
 
 
@@ -353,11 +360,27 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             memo_per_session=not config.prompt_cache.cross_session,
             chat_template=config.chat_template,
         )
-        await nursery.start(MetricsActor(inbox=metrics_inbox).run)
+        await nursery.start(MetricsActor(
+            inbox=metrics_inbox,
+            model_name=model.model_id,
+            block_size=config.prompt_cache.apc_block_size,
+            num_blocks=store.apc.block_cap(store.limits.max_entries) if store is not None and apc_enabled else 0,
+            prefix_caching=store is not None,
+        ).run)
+        to_kv_events = None
+        if config.kv_events.enabled:
+            # Imported here: zmq is loaded only by a server that publishes events.
+            from mlxcel.actors.kv_events import KvEventPublisherActor
+
+            to_kv_events, kv_events_inbox = trio.open_memory_channel[Any](_INBOX_SIZE)
+            await nursery.start(KvEventPublisherActor(
+                config=config.kv_events, block_size=config.prompt_cache.apc_block_size, inbox=kv_events_inbox,
+            ).run)
         await nursery.start(CacheStoreActor(
             store=store, snapshots=snapshots, inbox=cache_inbox, to_metrics=to_metrics.clone(),
             cross_session=config.prompt_cache.cross_session,
             to_scheduler=to_scheduler.clone(),
+            to_kv_events=to_kv_events,
         ).run)
         warm = snapshots is not None and config.prompt_cache.warmup
         await nursery.start(WarmerActor(

@@ -21,7 +21,7 @@ import mlxcel
 
 PACKAGE = Path(mlxcel.__file__).parent
 CACHE = PACKAGE / "cache"
-FORBIDDEN_ROOTS = {"trio", "mlx", "mlx_lm"}
+FORBIDDEN_ROOTS = {"trio", "mlx", "mlx_lm", "zmq"}
 MLX_ROOTS = {"mlx", "mlx_lm"}
 
 # Plain synchronous logic: no Trio, no MLX, however deep the mlxcel imports go.

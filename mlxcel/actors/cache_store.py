@@ -26,11 +26,13 @@ from mlxcel.actors.messages import (
     DonateSequence,
     DonateSnapshot,
     GetCacheStats,
+    KvEventsMsg,
     LookupPrefix,
     LookupSnapshot,
     MetricsMsg,
     PrefixFound,
     PrefixMissing,
+    PublishBlockChanges,
     ReleasePayloads,
     ResetCache,
     ShedCache,
@@ -39,6 +41,7 @@ from mlxcel.actors.messages import (
     SnapshotRestoreFailed,
 )
 from mlxcel.cache.key import CacheContext
+from mlxcel.cache.kv_events import BlockChange
 from mlxcel.cache.snapshots import SnapshotHit, SnapshotRefused, SnapshotStats, SnapshotStore
 from mlxcel.cache.store import InsertOutcome, Match, PromptCacheStore, ResetOutcome, StoreStats
 from mlxcel.core.plan import KVHandle
@@ -64,6 +67,9 @@ class _PrefixStoreOff:
         return ResetOutcome(entries_freed=0, bytes_freed=0)
 
     def take_released(self) -> list[object]:
+        return []
+
+    def take_block_changes(self) -> list[BlockChange]:
         return []
 
     def stats(self, now: float) -> StoreStats | None:
@@ -112,7 +118,10 @@ class CacheStoreActor:
         snapshots: SnapshotStore | None = None,
         cross_session: bool = True,
         to_scheduler: trio.MemorySendChannel[Any] | None = None,
+        to_kv_events: trio.MemorySendChannel[KvEventsMsg] | None = None,
     ) -> None:
+        # The KV event publisher, fed the store's block changes (None: events are off).
+        self._to_kv_events = to_kv_events
         # Where let-go payloads go, so MLX frees them on the device thread.
         self._to_scheduler = to_scheduler
         self._unstored: list[Any] = []
@@ -135,6 +144,7 @@ class CacheStoreActor:
                 self._handle(message)
                 del message
                 self._pass_on_released()
+                await self._pass_on_block_changes()
 
     def statistics(self) -> CacheStoreStats:
         now = trio.current_time()
@@ -158,7 +168,8 @@ class CacheStoreActor:
                         partial=found.partial,
                     )
                 if message.record:
-                    self._metric(CacheLookedUp(hit=found is not None, tokens_reused=found.matched_len if found else 0))
+                    self._metric(CacheLookedUp(hit=found is not None, tokens_reused=found.matched_len if found else 0,
+                                               tokens_queried=len(message.tokens)))
                 _reply(message.reply_to, reply)
             case DonateSequence():
                 outcome = self._store.insert(message.context, message.tokens, message.payload, message.nbytes, now,
@@ -177,6 +188,7 @@ class CacheStoreActor:
                     self._metric(CacheLookedUp(
                         hit=isinstance(result, SnapshotHit),
                         tokens_reused=result.num_tokens if isinstance(result, SnapshotHit) else 0,
+                        tokens_queried=len(message.tokens),
                     ))
                 _reply(message.reply_to, snapshot_reply)
             case DonateSnapshot():
@@ -214,6 +226,15 @@ class CacheStoreActor:
         with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
             # When it cannot be sent it is freed here instead: correct, only off the device thread.
             self._to_scheduler.send_nowait(ReleasePayloads(payloads=tuple(released)))
+
+    async def _pass_on_block_changes(self) -> None:
+        changes = self._store.take_block_changes()
+        if not changes or self._to_kv_events is None:
+            return
+        # Awaited, not sent with send_nowait: a dropped batch would leave routers with blocks that are gone.
+        # The publisher only encodes and hands the batch to ZeroMQ, so the wait is short.
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await self._to_kv_events.send(PublishBlockChanges(changes=tuple(changes)))
 
     def _metric(self, event: MetricsMsg) -> None:
         if self._to_metrics is None:

@@ -14,6 +14,7 @@ import attrs
 import trio
 
 from mlxcel.cache.key import CacheContext
+from mlxcel.cache.kv_events import BlockChange
 from mlxcel.cache.snapshots import SnapshotStats
 from mlxcel.cache.store import StoreStats
 
@@ -45,11 +46,11 @@ class RouteRequest:
 
 
 @attrs.frozen(kw_only=True)
-class CountPromptTokens:
-    """Render and tokenize a chat request without generating; the reply is the count or the 4xx."""
+class RenderPrompt:
+    """Render and tokenize a request without generating; the reply is the prompt's token ids or the 4xx."""
 
-    request: ChatRequest
-    reply_to: trio.MemorySendChannel[int | MlxcelError] = attrs.field(repr=False)
+    request: ChatRequest | CompletionRequest
+    reply_to: trio.MemorySendChannel[tuple[int, ...] | MlxcelError] = attrs.field(repr=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -63,7 +64,7 @@ class AdapterScales:
     reply_to: trio.MemorySendChannel[list[dict[str, Any]] | MlxcelError] = attrs.field(repr=False)
 
 
-RouterMsg = RouteRequest | CountPromptTokens | AdapterScales
+RouterMsg = RouteRequest | RenderPrompt | AdapterScales
 
 
 # --- router -> scheduler ---------------------------------------------------------
@@ -195,6 +196,8 @@ CacheStoreMsg = (
 class CacheLookedUp:
     hit: bool
     tokens_reused: int = 0
+    # The request's prompt length: vLLM's prefix_cache_queries count tokens, not lookups.
+    tokens_queried: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -202,10 +205,32 @@ class RenderMetrics:
     # The prompt-prefix store as it is now (None: the prompt cache is off), pulled
     # by the asker so the store's gauges and eviction counters are current.
     store: StoreStats | None = None
+    # The scheduler's queue as it is now, for the running and waiting gauges.
+    scheduler: SchedulerStats | None = None
     reply_to: trio.MemorySendChannel[bytes] = attrs.field(repr=False)
 
 
 MetricsMsg = CacheLookedUp | RequestFinished | RenderMetrics | GrammarWork
+
+
+# --- cache store -> KV event publisher ---------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class PublishBlockChanges:
+    """The store's APC block changes after one message, in order: one KVEventBatch."""
+
+    changes: tuple[BlockChange, ...] = attrs.field(repr=False)
+
+
+KvEventsMsg = PublishBlockChanges
+
+
+@attrs.frozen(kw_only=True)
+class KvEventsStats:
+    num_batches: int
+    num_events: int
+    num_replays: int
 
 
 # --- scheduler -> warmer -------------------------------------------------------------------

@@ -4,6 +4,12 @@ It owns its own ``CollectorRegistry`` (no process globals), so two engines in
 one process, or one per test, never collide. The prompt cache's size and
 evictions are not pushed: the asker of ``RenderMetrics`` brings the store's
 statistics, and they are applied just before rendering.
+
+Beside mlxcel's own series it serves the ``vllm:`` names that routers read
+(llm-d's endpoint picker, the vLLM production-stack router): the queue, the
+store's use of its budget, prefix-cache queries and hits in tokens, and
+``vllm:cache_config_info``, labelled ``model_name`` and ``engine`` as vLLM's
+are (docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -13,7 +19,14 @@ import contextlib
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from mlxcel.actors.messages import CacheLookedUp, MetricsMsg, MetricsStats, RenderMetrics, RequestFinished
+from mlxcel.actors.messages import (
+    CacheLookedUp,
+    MetricsMsg,
+    MetricsStats,
+    RenderMetrics,
+    RequestFinished,
+    SchedulerStats,
+)
 from mlxcel.cache.store import StoreStats
 from mlxcel.core.plan import GrammarWork
 
@@ -21,9 +34,19 @@ EVICTION_REASONS = ("lru", "ttl", "capacity")
 
 
 class MetricsActor:
-    def __init__(self, *, inbox: trio.MemoryReceiveChannel[MetricsMsg]) -> None:
+    def __init__(
+        self,
+        *,
+        inbox: trio.MemoryReceiveChannel[MetricsMsg],
+        model_name: str = "",
+        block_size: int = 16,
+        num_blocks: int = 0,
+        prefix_caching: bool = True,
+    ) -> None:
         self.inbox = inbox
         self.registry = CollectorRegistry()
+        self._vllm = _VllmSeries(self.registry, model_name=model_name, block_size=block_size,
+                                 num_blocks=num_blocks, prefix_caching=prefix_caching)
         self._hits = Counter("mlxcel_prompt_cache_hits", "Successful prompt-cache adoptions", registry=self.registry)
         self._misses = Counter(
             "mlxcel_prompt_cache_misses", "Prompt-cache lookups with no match", registry=self.registry
@@ -74,8 +97,10 @@ class MetricsActor:
             case CacheLookedUp(hit=True, tokens_reused=tokens):
                 self._hits.inc()
                 self._tokens_reused.inc(tokens)
+                self._vllm.looked_up(message.tokens_queried, tokens)
             case CacheLookedUp(hit=False):
                 self._misses.inc()
+                self._vllm.looked_up(message.tokens_queried, 0)
             case RequestFinished():
                 self._requests.labels(finish_reason=message.finish_reason).inc()
                 if message.seconds_to_first_token is not None:
@@ -88,6 +113,7 @@ class MetricsActor:
             case RenderMetrics():
                 if message.store is not None:
                     self._apply_store(message.store)
+                self._vllm.apply(message.store, message.scheduler)
                 with message.reply_to, contextlib.suppress(trio.BrokenResourceError):
                     message.reply_to.send_nowait(generate_latest(self.registry))
 
@@ -101,3 +127,53 @@ class MetricsActor:
             if grown > 0 and reason in EVICTION_REASONS:
                 self._evictions.labels(reason=reason).inc(grown)
             self._seen_evictions[reason] = total
+
+
+class _VllmSeries:
+    """vLLM's names for the same facts (vllm/v1/metrics/loggers.py), one engine ("0")."""
+
+    def __init__(self, registry: CollectorRegistry, *, model_name: str, block_size: int, num_blocks: int,
+                 prefix_caching: bool) -> None:
+        labels = ("model_name", "engine")
+        values = (model_name, "0")
+
+        def gauge(name: str, documentation: str) -> Gauge:
+            return Gauge(name, documentation, labels, registry=registry).labels(*values)
+
+        def counter(name: str, documentation: str) -> Counter:
+            return Counter(name, documentation, labels, registry=registry).labels(*values)
+
+        self._running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self._waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self._usage = gauge("vllm:kv_cache_usage_perc",
+                            "KV-cache usage (prompt-cache bytes over its budget). 1 means 100 percent usage.")
+        self._gpu_usage = gauge("vllm:gpu_cache_usage_perc",
+                                "GPU KV-cache usage. 1 means 100 percent usage. (vLLM's older name, as "
+                                "vllm:kv_cache_usage_perc.)")
+        self._queries = counter("vllm:prefix_cache_queries",
+                                "Prefix cache queries, in terms of number of queried tokens.")
+        self._hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self._hit_rate = gauge("vllm:gpu_prefix_cache_hit_rate",
+                               "Prefix cache hit rate since start: cached tokens over queried tokens (vLLM's "
+                               "older gauge, read by the production-stack router).")
+        self._num_queried = 0
+        self._num_hit = 0
+        info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                     ("block_size", "num_gpu_blocks", "enable_prefix_caching", "engine"), registry=registry)
+        info.labels(block_size=str(block_size), num_gpu_blocks=str(num_blocks),
+                    enable_prefix_caching=str(prefix_caching), engine="0").set(1)
+
+    def looked_up(self, queried: int, hit: int) -> None:
+        self._queries.inc(queried)
+        self._hits.inc(hit)
+        self._num_queried += queried
+        self._num_hit += hit
+
+    def apply(self, store: StoreStats | None, scheduler: SchedulerStats | None) -> None:
+        if scheduler is not None:
+            self._running.set(scheduler.num_running)
+            self._waiting.set(scheduler.num_waiting)
+        usage = store.bytes / store.capacity_bytes if store is not None and store.capacity_bytes else 0.0
+        self._usage.set(usage)
+        self._gpu_usage.set(usage)
+        self._hit_rate.set(self._num_hit / self._num_queried if self._num_queried else 0.0)

@@ -20,7 +20,7 @@ import trio
 
 from mlxcel.actors.messages import (
     AdapterScales,
-    CountPromptTokens,
+    RenderPrompt,
     RequestFailed,
     RouteRequest,
     RouterMsg,
@@ -339,8 +339,8 @@ class RouterActor:
         match message:
             case RouteRequest():
                 await self._route(message)
-            case CountPromptTokens():
-                await self._count(message)
+            case RenderPrompt():
+                await self._render(message)
             case AdapterScales():
                 self._adapter_scales_message(message)
             case _:
@@ -377,10 +377,10 @@ class RouterActor:
     def _request_scales(self, request: ChatRequest | CompletionRequest) -> tuple[float, ...]:
         return self._adapter_scales if request.lora is None else self._scales_of(request.lora, "lora")
 
-    async def _count(self, message: CountPromptTokens) -> None:
+    async def _render(self, message: RenderPrompt) -> None:
         try:
             rendered = await trio.to_thread.run_sync(self._renderer.render, message.request)
-            answer: int | InvalidRequest = len(rendered.tokens)
+            answer: tuple[int, ...] | InvalidRequest = rendered.tokens
         except InvalidRequest as error:
             answer = error
         finally:

@@ -16,6 +16,7 @@ import attrs
 
 from mlxcel.cache.apc import ALGORITHMS, BlockHasher, HashAlgorithm, agreeing_blocks
 from mlxcel.cache.key import CacheContext, digest_packed, pack_tokens
+from mlxcel.cache.kv_events import BlockChange, BlocksCleared, BlocksRemoved, BlocksStored
 from mlxcel.cache.trie import PackedPrefix, RadixTrie, TrieWalk
 
 EvictionReason = Literal["lru", "ttl", "capacity", "superseded"]
@@ -171,8 +172,10 @@ class _RequestChain:
 class PromptCacheStore:
     """Stored prompt prefixes with their opaque KV payloads."""
 
-    def __init__(self, limits: StoreLimits, apc: ApcSettings | None = None) -> None:
+    def __init__(self, limits: StoreLimits, apc: ApcSettings | None = None, *, log_blocks: bool = False) -> None:
         self.limits = limits
+        # What happened to APC blocks since the last take_block_changes (None: not logged).
+        self._block_log: list[BlockChange] | None = [] if log_blocks else None
         self.apc = apc if apc is not None else ApcSettings()
         self._hasher = BlockHasher(algorithm=self.apc.algorithm, block_size=self.apc.block_size)
         self._block_cap = self.apc.block_cap(limits.max_entries)
@@ -287,6 +290,8 @@ class PromptCacheStore:
         # The longest superseded chain is a prefix of the new one: hand its
         # references over instead of counting every block up and down again.
         heir = max(superseded, key=lambda older: len(older.chain), default=None)
+        if self._block_log is not None:
+            self._log_stored(context, chain, token_bytes)
         self._add_blocks(chain[len(heir.chain) :] if heir is not None else chain)
         for older in superseded:
             self._supersede(older, entry, evictions, references_moved=older is heir)
@@ -500,6 +505,8 @@ class PromptCacheStore:
         self._bytes = 0
         self._total_blocks = 0
         self._apc_active = 0
+        if self._block_log is not None:
+            self._block_log.append(BlocksCleared())
         return outcome
 
     def _evict(
@@ -561,12 +568,37 @@ class PromptCacheStore:
 
     def _drop_blocks(self, hashes: list[bytes]) -> None:
         refs = self._block_refs
+        gone = []
         for block_hash in hashes:
             remaining = refs[block_hash] - 1
             if remaining:
                 refs[block_hash] = remaining
             else:
                 del refs[block_hash]
+                gone.append(block_hash)
+        if gone and self._block_log is not None:
+            self._block_log.append(BlocksRemoved(hashes=tuple(gone)))
+
+    def _log_stored(self, context: CacheContext, chain: list[bytes], token_bytes: bytes) -> None:
+        """Log the blocks of chain the store does not hold yet (before they are counted in)."""
+        refs = self._block_refs
+        # Every held chain starts at the root, so the held blocks are a prefix of chain.
+        first = next((index for index, block_hash in enumerate(chain) if block_hash not in refs), len(chain))
+        if first == len(chain):
+            return
+        width = 4 * self.apc.block_size
+        assert self._block_log is not None
+        self._block_log.append(BlocksStored(
+            context=context, parent=chain[first - 1] if first else None, hashes=tuple(chain[first:]),
+            first_index=first, token_bytes=token_bytes[first * width : len(chain) * width],
+        ))
+
+    def take_block_changes(self) -> list[BlockChange]:
+        """The APC block changes since the last call, in order (empty unless log_blocks)."""
+        if not self._block_log:
+            return []
+        changes, self._block_log = self._block_log, []
+        return changes
 
     # Introspection
 

@@ -195,6 +195,35 @@ def _key_matches(authorization: str, api_key_header: str, key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
+def render_body(parsed: ChatRequest | CompletionRequest, token_ids: tuple[int, ...], model: str) -> dict[str, Any]:
+    """vLLM's ``GenerateRequest`` (what its render endpoints answer) for a rendered prompt."""
+    sampling = parsed.sampling
+    return {
+        "request_id": f"render-{uuid.uuid4().hex}",
+        "token_ids": list(token_ids),
+        "features": None,
+        "sampling_params": {
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "min_p": sampling.min_p,
+            "seed": sampling.seed,
+            "stop": list(sampling.stop),
+            "presence_penalty": sampling.presence_penalty,
+            "frequency_penalty": sampling.frequency_penalty,
+            "repetition_penalty": sampling.repetition_penalty,
+            "logprobs": sampling.top_logprobs if sampling.logprobs else None,
+        },
+        "model": model,
+        "stream": parsed.stream,
+        "stream_options": None,
+        "cache_salt": parsed.cache.cache_salt or None,
+        "priority": 0,
+        "kv_transfer_params": None,
+    }
+
+
 def create_app(
     engine: Engine,
     *,
@@ -449,6 +478,25 @@ def create_app(
             return json_response({"input_tokens": await engine.count_prompt_tokens(parsed)})
         except MlxcelError as error:
             return error_response(error, anthropic_shape=True)
+
+    # vLLM's render endpoints: the prompt's ids as this server would prefill them, for routers
+    # that tokenize before they pick a replica (llm-d's precise prefix-cache scorer).
+    async def render_route(parse: Callable[..., ChatRequest | CompletionRequest]) -> Response:
+        try:
+            parsed = await parse_body(parse)
+            token_ids = await engine.render_prompt(parsed)
+        except MlxcelError as error:
+            return error_response(error)
+        body = render_body(parsed, token_ids, engine.model_id)
+        return json_response(body if isinstance(parsed, ChatRequest) else [body])
+
+    @app.post("/v1/chat/completions/render")
+    async def chat_completions_render() -> Response:
+        return await render_route(parse_chat_request)
+
+    @app.post("/v1/completions/render")
+    async def completions_render() -> Response:
+        return await render_route(parse_completion_request)
 
     async def tokens_route(handler: Callable[[Engine, object], Any]) -> Response:
         try:

@@ -80,7 +80,7 @@ def start_store(nursery: trio.Nursery) -> StartStore:
 async def test_lookup_in_an_empty_store_misses(start_store: StartStore) -> None:
     harness = await start_store()
     assert await harness.lookup(PROMPT) == PrefixMissing()
-    assert CacheLookedUp(hit=False, tokens_reused=0) in harness.metric_events()
+    assert CacheLookedUp(hit=False, tokens_reused=0, tokens_queried=len(PROMPT)) in harness.metric_events()
 
 
 async def test_donation_is_found_by_a_longer_prompt(start_store: StartStore) -> None:
@@ -98,7 +98,7 @@ async def test_donation_is_found_by_a_longer_prompt(start_store: StartStore) -> 
     assert found.matched_len == len(PROMPT)
     assert found.payload == "kv-1"
     assert (found.cross_session, found.partial) == (False, False)
-    assert CacheLookedUp(hit=True, tokens_reused=len(PROMPT)) in harness.metric_events()
+    assert CacheLookedUp(hit=True, tokens_reused=len(PROMPT), tokens_queried=len(PROMPT) + 3) in harness.metric_events()
 
 
 async def test_lookup_respects_max_len(start_store: StartStore) -> None:
@@ -188,7 +188,7 @@ async def test_disabled_store_always_misses(start_store: StartStore) -> None:
     harness = await start_store(enabled=False)
     await harness.donate(PROMPT, "kv-1", 400)
     assert await harness.lookup(PROMPT + (1,)) == PrefixMissing()
-    assert harness.metric_events() == [CacheLookedUp(hit=False, tokens_reused=0)]
+    assert harness.metric_events() == [CacheLookedUp(hit=False, tokens_reused=0, tokens_queried=len(PROMPT) + 1)]
     stats = await harness.ask(GetCacheStats)
     assert stats == CacheStoreStats(store=None)
     assert stats.to_json() == {"enabled": False, "entries": 0, "bytes": 0, "apc_enabled": False}
@@ -247,3 +247,30 @@ async def test_let_go_payloads_are_sent_to_the_scheduler_for_release() -> None:
         assert isinstance(message, ReleasePayloads)
         payloads.extend(message.payloads)
     assert payloads == ["a", "short", "b"]
+
+
+async def test_block_changes_go_to_the_publisher_in_order(nursery: trio.Nursery) -> None:
+    from mlxcel.actors.messages import PublishBlockChanges
+    from mlxcel.cache.kv_events import BlocksCleared, BlocksRemoved, BlocksStored
+
+    store = PromptCacheStore(StoreLimits(capacity_bytes=500, min_prefix=8), ApcSettings(block_size=8),
+                             log_blocks=True)
+    inbox_send, inbox = trio.open_memory_channel[Any](16)
+    to_events, events = trio.open_memory_channel[Any](16)
+    await nursery.start(CacheStoreActor(store=store, inbox=inbox, to_kv_events=to_events).run)
+    harness = StoreHarness(actor=None, inbox=inbox_send, metrics=trio.open_memory_channel[Any](1)[1])  # type: ignore[arg-type]
+    await harness.donate(PROMPT, "kv-1", 400)
+    (stored,) = events.receive_nowait().changes
+    assert isinstance(stored, BlocksStored)
+    assert len(stored.hashes) == len(PROMPT) // 8
+    # A lookup changes no block: nothing is published.
+    await harness.lookup(PROMPT)
+    with pytest.raises(trio.WouldBlock):
+        events.receive_nowait()
+    await harness.donate(tuple(range(500, 540)), "kv-2", 400)  # over 500 bytes: kv-1 goes
+    message = events.receive_nowait()
+    assert isinstance(message, PublishBlockChanges)
+    assert [type(change) for change in message.changes] == [BlocksStored, BlocksRemoved]
+    assert message.changes[1].hashes == stored.hashes
+    await harness.ask(ResetCache)
+    assert events.receive_nowait().changes == (BlocksCleared(),)

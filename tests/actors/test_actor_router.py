@@ -473,18 +473,18 @@ async def test_a_slow_render_does_not_hold_up_other_requests(nursery: trio.Nurse
     assert harness.actor.statistics() == RouterStats(num_routed=2, num_rejected=0)
 
 
-async def test_count_prompt_tokens_renders_without_submitting(nursery: trio.Nursery) -> None:
-    from mlxcel.actors.messages import CountPromptTokens
+async def test_render_prompt_renders_without_submitting(nursery: trio.Nursery) -> None:
+    from mlxcel.actors.messages import RenderPrompt
     from mlxcel.errors import InvalidRequest
 
     harness = await start_router(nursery)
     request = chat(tools=(TOOL,))
     submitted, _events = await harness.route(request)
     inbox: trio.MemorySendChannel[Any] = harness.inbox  # the router's inbox takes both kinds of message
-    for asked, expected in ((request, len(submitted.prompt_tokens)),
+    for asked, expected in ((request, submitted.prompt_tokens),
                             (chat(tool_choice="bogus"), None)):
         reply_to, replies = trio.open_memory_channel[Any](1)
-        await inbox.send(CountPromptTokens(request=asked, reply_to=reply_to))
+        await inbox.send(RenderPrompt(request=asked, reply_to=reply_to))
         with trio.fail_after(10):
             answer = await replies.receive()
         if expected is None:
