@@ -1,0 +1,102 @@
+"""What LoRA adapter configurations cost a decoding batch.
+
+Usage: python benchmarks/lora_configs.py [--streams 16] [--reply-tokens 64] [--repeats 3]
+
+In-process engine on the llama fixture with two random adapters (`mlxcel
+fixture --lora`). N simultaneous streams decode --reply-tokens each, their
+adapter scales spread over 1, 2 or 4 configurations (none; A; B; A+B). Each
+configuration runs as its own batch, one forward pass per configuration per
+step, so decode tokens/s falls as configurations are added; also shown:
+all streams on the base model with no adapter loaded at all. Median of
+--repeats rounds after a warm-up, interleaved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mlxcel.blas import describe_blas, reexec_with_optimized_blas  # noqa: E402
+
+CONFIGS = [[], [{"id": 0, "scale": 1.0}], [{"id": 1, "scale": 1.0}], [{"id": 0, "scale": 1.0}, {"id": 1, "scale": 1.0}]]
+
+
+async def decode_round(engine: Any, streams: int, num_configs: int, reply_tokens: int, round_index: int) -> float:
+    import trio
+
+    from mlxcel.http.validation import parse_chat_request
+
+    firsts: list[float] = []
+    finishes: list[float] = []
+    counted = [0]
+
+    async def one(index: int) -> None:
+        body: dict[str, Any] = {"messages": [{"role": "user", "content": f"Round {round_index}, stream {index}."}],
+                                "max_tokens": reply_tokens, "temperature": 1.0, "seed": index, "cache_prompt": False}
+        if num_configs:
+            body["lora"] = CONFIGS[index % num_configs]
+        first = None
+        async with engine.stream(parse_chat_request(body)) as deltas:
+            async for delta in deltas:
+                if first is None and delta.token_ids:
+                    first = time.perf_counter()
+                elif first is not None:
+                    counted[0] += len(delta.token_ids)
+        assert first is not None
+        firsts.append(first)
+        finishes.append(time.perf_counter())
+
+    async with trio.open_nursery() as nursery:
+        for index in range(streams):
+            nursery.start_soon(one, index)
+    return counted[0] / (max(finishes) - min(firsts))
+
+
+async def run(arguments: argparse.Namespace, with_adapters: bool) -> dict[str, float]:
+    import attrs
+
+    from mlxcel.config import EngineConfig, PromptCacheConfig, SchedulerConfig
+    from mlxcel.engine import open_engine
+    from mlxcel.model.adapters import AdapterSpec
+    from mlxcel.model.fixtures import fixture_path, lora_fixture_path
+
+    adapters = (AdapterSpec(path=lora_fixture_path(seed=1)), AdapterSpec(path=lora_fixture_path(seed=2)))
+    config = EngineConfig(model_path=fixture_path("llama"), prompt_cache=PromptCacheConfig(capacity_bytes=1 << 30),
+                          scheduler=SchedulerConfig(), lora=adapters if with_adapters else ())
+    ways = {"1 configuration": 1, "2 configurations": 2, "4 configurations": 4} if with_adapters else {"no adapters": 0}
+    rates: dict[str, list[float]] = {way: [] for way in ways}
+    async with open_engine(attrs.evolve(config)) as engine:
+        for round_index in range(-1, arguments.repeats):
+            for way, count in ways.items():
+                rate = await decode_round(engine, arguments.streams, count, arguments.reply_tokens, round_index)
+                if round_index >= 0:
+                    rates[way].append(rate)
+    return {way: statistics.median(values) for way, values in rates.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--reply-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    arguments = parser.parse_args()
+    reexec_with_optimized_blas()
+    import trio
+
+    print(describe_blas())
+    figures = {**trio.run(run, arguments, False), **trio.run(run, arguments, True)}
+    print(json.dumps(figures))
+    base = figures["no adapters"]
+    for way, rate in figures.items():
+        print(f"{way:>18}: {rate:8.1f} tok/s  {rate / base:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
