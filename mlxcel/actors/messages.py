@@ -153,6 +153,9 @@ class LookupSnapshot:
 class SnapshotFound:
     num_tokens: int
     payload: Any = attrs.field(repr=False)
+    # Cut back from a longer snapshot (partial restore), or another session's.
+    partial: bool = False
+    cross_session: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -184,6 +187,8 @@ CacheStoreMsg = (
 class CacheLookedUp:
     hit: bool
     tokens_reused: int = 0
+    # A stored snapshot was refused for this cause: not a miss (a miss is nothing stored).
+    refusal: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -191,6 +196,8 @@ class RenderMetrics:
     # The prompt-prefix store as it is now (None: the prompt cache is off), pulled
     # by the asker so the store's gauges and eviction counters are current.
     store: StoreStats | None = None
+    # The session snapshot store (None: not a snapshot family, or the cache is off).
+    snapshots: SnapshotStats | None = None
     reply_to: trio.MemorySendChannel[bytes] = attrs.field(repr=False)
 
 

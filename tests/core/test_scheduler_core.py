@@ -18,6 +18,7 @@ from mlxcel.core.plan import (
     Capabilities,
     InsertBatch,
     SampledToken,
+    SnapshotPoint,
     StartAlone,
     StartDirect,
     StepPlan,
@@ -275,7 +276,7 @@ def test_warm_ups_run_only_while_idle_and_give_way_to_requests() -> None:
     (warm,) = plan.starts
     assert isinstance(warm, InsertBatch)
     assert warm.warm
-    assert warm.snapshot_after == 30
+    assert warm.snapshots == (SnapshotPoint(after=30),)
     harness.add("foreground", 10)
     plan = harness.step()
     # The warm-up is dropped at once, storing nothing; the request starts.
