@@ -44,6 +44,10 @@ class PromptCacheConfig:
     snapshot_capacity_bytes: int | None = None
     snapshot_max_entries: int = 4096
     snapshot_ttl_seconds: float = 7200.0
+    # Snapshot families: checkpoints at multiples of this many tokens of a long prompt (0: none),
+    # the last snapshot_chunk_checkpoints of them before its history boundary.
+    snapshot_checkpoint_tokens: int = 8192
+    snapshot_chunk_checkpoints: int = 2
     # False keeps every lookup inside the request's own session (tenant isolation).
     cross_session: bool = True
     # Snapshot families: snapshot at the history boundary (MLXCEL_DISABLE_BOUNDARY_SNAPSHOT=1 turns off).
@@ -341,6 +345,12 @@ PROMPT_CACHE_SETTINGS = (
     Setting("snapshot_ttl_seconds", "--prompt-cache-snapshot-ttl",
             ("MLXCEL_PROMPT_CACHE_SNAPSHOT_TTL",), parse_seconds,
             "seconds a session snapshot lives (default 7200)"),
+    Setting("snapshot_checkpoint_tokens", "--prompt-cache-snapshot-checkpoint-tokens",
+            ("MLXCEL_PROMPT_CACHE_SNAPSHOT_CHECKPOINT_TOKENS",), parse_non_negative_int,
+            "snapshot families: checkpoint long prompts every this many tokens (default 8192; 0: off)"),
+    Setting("snapshot_chunk_checkpoints", "--prompt-cache-snapshot-chunk-checkpoints",
+            ("MLXCEL_PROMPT_CACHE_SNAPSHOT_CHUNK_CHECKPOINTS",), parse_non_negative_int,
+            "snapshot families: most chunk checkpoints per prompt, the last before its boundary (default 2)"),
     Setting("cross_session", "--prompt-cache-cross-session", ("MLXCEL_PROMPT_CACHE_CROSS_SESSION",),
             parse_bool, "let a request reuse another session's prefix (default true; false isolates tenants)",
             optional_value=True),

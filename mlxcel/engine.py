@@ -220,7 +220,8 @@ class Engine:
         # The store's and the queue's gauges are pulled now rather than pushed after every change.
         stats: CacheStoreStats = await self._ask(self._to_cache_store, GetCacheStats)
         scheduler: SchedulerStats = await self._ask(self._to_scheduler, GetSchedulerStats)
-        return await self._ask(self._to_metrics, RenderMetrics, store=stats.store, scheduler=scheduler)
+        return await self._ask(self._to_metrics, RenderMetrics, store=stats.store, snapshots=stats.snapshots,
+                               scheduler=scheduler)
 
     async def _ask(self, channel: trio.MemorySendChannel[Any], message_type: Any, **fields: Any) -> Any:
         reply_to, replies = trio.open_memory_channel[Any](1)
@@ -395,6 +396,7 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
                 prefill_step_size=model.prefill_step_size, context_size=model.context_size,
                 max_batch_size=config.scheduler.max_batch_size, bucket_starts=model.bucket_starts,
                 snapshots=snapshots is not None,
+                sliding_window=model.family.sliding_window if snapshots is not None else None,
             ),
             inbox=scheduler_inbox,
             to_device=to_device,

@@ -83,10 +83,11 @@ class _SnapshotStoreOff:
         self._released: list[Any] = []
 
     def lookup(self, context: CacheContext, tokens: Sequence[int], now: float, *,
-               record: bool = True) -> SnapshotHit | SnapshotRefused | None:
+               record: bool = True, cross_session: bool = True) -> SnapshotHit | SnapshotRefused | None:
         return None
 
-    def insert(self, context: CacheContext, tokens: Sequence[int], payload: Any, nbytes: int, now: float) -> bool:
+    def insert(self, context: CacheContext, tokens: Sequence[int], payload: Any, nbytes: int, now: float, *,
+               checkpoint: bool = False, cuttable: bool = False) -> bool:
         # Taken and let go at once, so it is freed on the device thread like any other.
         self._released.append(payload)
         return True
@@ -178,27 +179,9 @@ class CacheStoreActor:
                     logger.debug("prompt-cache donation not stored (%s)", outcome.reason)
                     self._unstored.append(message.payload)
             case LookupSnapshot():
-                snapshot_reply: SnapshotFound | SnapshotMissing = SnapshotMissing()
-                result = self._snapshots.lookup(message.context, message.tokens, now, record=message.record)
-                if isinstance(result, SnapshotHit):
-                    snapshot_reply = SnapshotFound(num_tokens=result.num_tokens, payload=result.payload)
-                elif isinstance(result, SnapshotRefused):
-                    snapshot_reply = SnapshotMissing(refusal=result.cause.value)
-                if message.record:
-                    self._metric(CacheLookedUp(
-                        hit=isinstance(result, SnapshotHit),
-                        tokens_reused=result.num_tokens if isinstance(result, SnapshotHit) else 0,
-                        tokens_queried=len(message.tokens),
-                    ))
-                _reply(message.reply_to, snapshot_reply)
+                self._lookup_snapshot(message, now)
             case DonateSnapshot():
-                if not self._snapshots.insert(message.context, message.tokens, message.payload, message.nbytes, now):
-                    self._unstored.append(message.payload)
-                    logger.warning(
-                        "a %d-byte session snapshot is larger than the whole snapshot store (%d bytes); "
-                        "raise --prompt-cache-snapshot-capacity-bytes",
-                        message.nbytes, self._snapshot_capacity_bytes,
-                    )
+                self._donate_snapshot(message, now)
             case ShedCache():
                 before, after = self._store.shed_half(now)
                 if before:
@@ -215,6 +198,36 @@ class CacheStoreActor:
                 if snapshots_freed is not None:
                     freed["snapshots_freed"], freed["snapshot_bytes_freed"] = snapshots_freed
                 _reply(message.reply_to, freed)
+
+    # --- session snapshots ---------------------------------------------------------------
+
+    def _lookup_snapshot(self, message: LookupSnapshot, now: float) -> None:
+        reply: SnapshotFound | SnapshotMissing = SnapshotMissing()
+        result = self._snapshots.lookup(message.context, message.tokens, now, record=message.record,
+                                        cross_session=self._cross_session)
+        if isinstance(result, SnapshotHit):
+            reply = SnapshotFound(num_tokens=result.num_tokens, payload=result.payload,
+                                  partial=result.partial, cross_session=result.cross_session)
+        elif isinstance(result, SnapshotRefused):
+            reply = SnapshotMissing(refusal=result.cause.value)
+        if message.record:
+            self._metric(CacheLookedUp(
+                hit=isinstance(result, SnapshotHit),
+                tokens_reused=result.num_tokens if isinstance(result, SnapshotHit) else 0,
+                refusal=result.cause.value if isinstance(result, SnapshotRefused) else None,
+                tokens_queried=len(message.tokens),
+            ))
+        _reply(message.reply_to, reply)
+
+    def _donate_snapshot(self, message: DonateSnapshot, now: float) -> None:
+        stored = self._snapshots.insert(message.context, message.tokens, message.payload, message.nbytes, now,
+                                        checkpoint=message.checkpoint, cuttable=message.cuttable)
+        if not stored and message.nbytes > self._snapshot_capacity_bytes:
+            logger.warning(
+                "a %d-byte session snapshot is larger than the whole snapshot store (%d bytes); "
+                "raise --prompt-cache-snapshot-capacity-bytes",
+                message.nbytes, self._snapshot_capacity_bytes,
+            )
 
     def _pass_on_released(self) -> None:
         released = self._unstored

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -172,8 +173,8 @@ class _Sequence:
     sampling: SamplingParams
     donate_on_finish: bool
     donate_prompt: bool
-    # Tokens at which a whole-state snapshot is due (cached + prompt up to the boundary).
-    snapshot_tokens: tuple[int, ...] | None = None
+    # Whole-state snapshots still due, in order: (cached + prompt tokens up to the point, checkpoint).
+    snapshot_points: list[tuple[tuple[int, ...], bool]] = attrs.Factory(list)
     warm: bool = False
     # Started outside the batch: its prompt was reported done then.
     direct: bool = False
@@ -402,10 +403,10 @@ class _StepWorker:
             sequence = self._by_uid.get(response.uid)
             if sequence is None or sequence.direct:
                 continue
-            if response.end_of_segment and sequence.snapshot_tokens is not None:
-                # The chunk just run ended exactly at the history boundary.
+            if response.end_of_segment and sequence.snapshot_points:
+                # The chunk just run ended exactly at a snapshot point.
                 report.detached.append(self._snapshot(response.uid, sequence))
-                if sequence.warm:
+                if sequence.warm and not sequence.snapshot_points:
                     report.warmed.append(sequence.sequence_id)
                     self._drop(response.uid)
                     continue
@@ -468,7 +469,8 @@ class _StepWorker:
         prompt, cached = list(start.prompt_tokens), list(start.cached_tokens)
         if start.restore is not None:
             try:
-                return restore(start.restore, self._family, make_prompt_cache(self._model)), prompt, cached, None
+                caches = restore(start.restore, self._family, make_prompt_cache(self._model), len(cached))
+                return caches, prompt, cached, None
             except SnapshotMismatch as error:
                 return None, cached + prompt, [], str(error)
         if start.adopted is not None and cached:
@@ -477,13 +479,19 @@ class _StepWorker:
 
     def _insert(self, start: StartDirect | InsertBatch, caches: list[Any] | None, prompt: list[int],
                 cached: list[int], failure: str | None) -> None:
-        snapshot_tokens = None
+        points: list[tuple[tuple[int, ...], bool]] = []
         segments = [prompt]
-        if isinstance(start, InsertBatch) and start.snapshot_after is not None and failure is None:
-            boundary = start.snapshot_after
-            # A warm-up prefills everything, snapshots, then stops: the extra token is never run.
-            segments = [prompt, prompt[-1:]] if start.warm else [prompt[:boundary], prompt[boundary:]]
-            snapshot_tokens = tuple(cached + prompt[:boundary])
+        if isinstance(start, InsertBatch) and start.snapshots and failure is None:
+            # One segment per snapshot point: mlx-lm reports the end of each, where it is taken.
+            edges = [point.after for point in start.snapshots]
+            bounds = [0, *edges]
+            segments = [prompt[begin:end] for begin, end in itertools.pairwise(bounds)]
+            if edges[-1] < len(prompt):
+                segments.append(prompt[edges[-1]:])
+            else:
+                # A warm-up prefills everything, snapshots, then stops: the extra token is never run.
+                segments.append(prompt[-1:])
+            points = [(tuple(cached + prompt[:point.after]), point.checkpoint) for point in start.snapshots]
         sampler, processors = _make_sampling(start.sampling, self._grammars)
         (uid,) = self._generator.insert_segments(
             [segments],
@@ -500,7 +508,7 @@ class _StepWorker:
             sampling=start.sampling,
             donate_on_finish=start.donate_on_finish,
             donate_prompt=start.donate_prompt,
-            snapshot_tokens=snapshot_tokens,
+            snapshot_points=points,
             warm=isinstance(start, InsertBatch) and start.warm,
         )
         self._uid_of[start.sequence_id] = uid
@@ -610,14 +618,12 @@ class _StepWorker:
     def _snapshot(self, uid: int, sequence: _Sequence) -> DetachedSequence:
         from mlxcel.model.snapshot import capture
 
-        assert sequence.snapshot_tokens is not None
+        tokens, checkpoint = sequence.snapshot_points.pop(0)
         caches, _tokens = self._generator.extract_cache([uid])[uid]
-        snapshot = capture(self._family, caches, len(sequence.snapshot_tokens))
-        tokens = sequence.snapshot_tokens
-        sequence.snapshot_tokens = None  # one snapshot per sequence
+        snapshot = capture(self._family, caches, len(tokens))
         return DetachedSequence(
             sequence_id=sequence.sequence_id, tokens=tokens, payload=snapshot,
-            nbytes=snapshot.nbytes, final=False, snapshot=True,
+            nbytes=snapshot.nbytes, final=False, snapshot=True, checkpoint=checkpoint,
         )
 
     def _drop(self, uid: int) -> None:

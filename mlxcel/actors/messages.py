@@ -165,6 +165,9 @@ class LookupSnapshot:
 class SnapshotFound:
     num_tokens: int
     payload: Any = attrs.field(repr=False)
+    # Cut back from a longer snapshot (partial restore), or another session's.
+    partial: bool = False
+    cross_session: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -198,6 +201,8 @@ class CacheLookedUp:
     tokens_reused: int = 0
     # The request's prompt length: vLLM's prefix_cache_queries count tokens, not lookups.
     tokens_queried: int = 0
+    # A stored snapshot was refused for this cause: not a miss (a miss is nothing stored).
+    refusal: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -207,6 +212,8 @@ class RenderMetrics:
     store: StoreStats | None = None
     # The scheduler's queue as it is now, for the running and waiting gauges.
     scheduler: SchedulerStats | None = None
+    # The session snapshot store (None: not a snapshot family, or the cache is off).
+    snapshots: SnapshotStats | None = None
     reply_to: trio.MemorySendChannel[bytes] = attrs.field(repr=False)
 
 

@@ -27,6 +27,7 @@ from mlxcel.actors.messages import (
     RequestFinished,
     SchedulerStats,
 )
+from mlxcel.cache.snapshots import RefusalCause, SnapshotStats
 from mlxcel.cache.store import StoreStats
 from mlxcel.core.plan import GrammarWork
 
@@ -80,6 +81,7 @@ class MetricsActor:
             "mlxcel_grammar_mask_seconds", "Time spent computing and unpacking grammar masks (a step's "
             "sequences together)", registry=self.registry)
         self._seen_evictions: dict[str, int] = {}
+        self._init_snapshot_metrics()
         self._num_events = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -98,8 +100,12 @@ class MetricsActor:
                 self._hits.inc()
                 self._tokens_reused.inc(tokens)
                 self._vllm.looked_up(message.tokens_queried, tokens)
-            case CacheLookedUp(hit=False):
+            case CacheLookedUp(hit=False, refusal=None):
                 self._misses.inc()
+                self._vllm.looked_up(message.tokens_queried, 0)
+            case CacheLookedUp(hit=False, refusal=cause):
+                # A refused snapshot is counted by cause, apart from the misses.
+                self._snapshot_refusals.labels(cause=cause).inc()
                 self._vllm.looked_up(message.tokens_queried, 0)
             case RequestFinished():
                 self._requests.labels(finish_reason=message.finish_reason).inc()
@@ -114,6 +120,8 @@ class MetricsActor:
                 if message.store is not None:
                     self._apply_store(message.store)
                 self._vllm.apply(message.store, message.scheduler)
+                if message.snapshots is not None:
+                    self._apply_snapshots(message.snapshots)
                 with message.reply_to, contextlib.suppress(trio.BrokenResourceError):
                     message.reply_to.send_nowait(generate_latest(self.registry))
 
@@ -127,6 +135,36 @@ class MetricsActor:
             if grown > 0 and reason in EVICTION_REASONS:
                 self._evictions.labels(reason=reason).inc(grown)
             self._seen_evictions[reason] = total
+
+    # --- the session snapshot store (snapshot families) -------------------------------------
+
+    def _init_snapshot_metrics(self) -> None:
+        self._snapshot_refusals = Counter(
+            "mlxcel_prompt_cache_snapshot_refusals", "Stored session snapshots refused, by cause",
+            ["cause"], registry=self.registry)
+        for cause in RefusalCause:
+            self._snapshot_refusals.labels(cause=cause.value)
+        self._snapshot_bytes = Gauge(
+            "mlxcel_prompt_cache_snapshot_bytes", "Bytes held by live session snapshots", registry=self.registry)
+        self._snapshot_entries = Gauge(
+            "mlxcel_prompt_cache_snapshot_entries", "Live session snapshots", registry=self.registry)
+        self._snapshot_checkpoints = Gauge(
+            "mlxcel_prompt_cache_snapshot_checkpoints", "Live session snapshots that are checkpoints",
+            registry=self.registry)
+        self._snapshot_evictions = Counter(
+            "mlxcel_prompt_cache_snapshot_evictions", "Session snapshot evictions by reason", ["reason"],
+            registry=self.registry)
+        self._seen_snapshot_evictions: dict[str, int] = {}
+
+    def _apply_snapshots(self, stats: SnapshotStats) -> None:
+        self._snapshot_bytes.set(stats.bytes)
+        self._snapshot_entries.set(stats.entries)
+        self._snapshot_checkpoints.set(stats.checkpoints)
+        for reason, total in stats.evictions.items():
+            grown = total - self._seen_snapshot_evictions.get(reason, 0)
+            if grown > 0:
+                self._snapshot_evictions.labels(reason=reason).inc(grown)
+            self._seen_snapshot_evictions[reason] = total
 
 
 class _VllmSeries:

@@ -67,6 +67,8 @@ class RenderedPrompt:
     template_sig: str
     # Tokens of the history before the newest user message, when the prompt splits there.
     history_boundary: int | None = None
+    # Tokens of the system prompt and tool schemas that begin the prompt (what conversations share).
+    shared_prefix: int | None = None
     # The grammar a forced tool_choice puts on the reply (None: the request's own, if any).
     tool_grammar: str | None = None
 
@@ -155,8 +157,35 @@ class PromptRenderer:
             )
             if 0 < len(history) < len(tokens) and tokens[: len(history)] == history:
                 boundary = len(history)
+        shared = self._shared_prefix(request, tokens, tools, kwargs, namespace) if self._history_boundaries else None
         return RenderedPrompt(tokens=tokens, template_sig=template_sig, history_boundary=boundary,
-                              tool_grammar=self._tool_grammar(request))
+                              shared_prefix=shared, tool_grammar=self._tool_grammar(request))
+
+    def _shared_prefix(
+        self, request: ChatRequest, tokens: tuple[int, ...], tools: list[Any] | None, kwargs: Mapping[str, Any],
+        namespace: tuple[str, str | None],
+    ) -> int | None:
+        """Where the leading system (or developer) messages and the tool schemas end in the prompt.
+
+        Rendered alone, they must be a strict token prefix of the whole
+        prompt; a template that folds the system prompt into the first user
+        turn (or cannot render it alone) gives None.
+        """
+        num_leading = 0
+        for message in request.messages:
+            if message.get("role") not in ("system", "developer"):
+                break
+            num_leading += 1
+        if num_leading == 0 and not tools:
+            return None
+        try:
+            prefix = self._chat_tokens(request.messages[:num_leading], tools, kwargs, add_generation_prompt=False,
+                                       namespace=namespace)
+        except InvalidRequest:
+            return None
+        if 0 < len(prefix) < len(tokens) and tokens[: len(prefix)] == prefix:
+            return len(prefix)
+        return None
 
     def _tool_grammar(self, request: ChatRequest) -> str | None:
         """The grammar that makes the reply a call to one of the forced tools, or None."""
@@ -445,6 +474,7 @@ class RouterActor:
             max_tokens=max_tokens,
             cache_context=cache_context,
             history_boundary=rendered.history_boundary if cache_context is not None else None,
+            shared_prefix=rendered.shared_prefix if cache_context is not None else None,
             chat=request if isinstance(request, ChatRequest) else None,
             more_pending=self.inbox.statistics().current_buffer_used > 0 or self._num_in_flight > 1,
         ), events=message.events)

@@ -114,6 +114,8 @@ class SchedulerActor:
             cross_session=cache_config.cross_session if cache_config else False,
             prompt_donation=prompt_donation and cache_config is not None,
             boundary_snapshots=cache_config.boundary_snapshots if cache_config else False,
+            checkpoint_spacing=cache_config.snapshot_checkpoint_tokens if cache_config else 0,
+            max_chunk_checkpoints=cache_config.snapshot_chunk_checkpoints if cache_config else 0,
             share_threshold=max(cache_config.min_prefix, cache_config.apc_block_size, 1) if cache_config else 0,
             keep_reply_text=capabilities.snapshots and to_warmer is not None,
             on_trace=(lambda text: logger.info("apc-trace: %s", text)) if cache_config and cache_config.trace else None,

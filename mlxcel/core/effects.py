@@ -28,6 +28,10 @@ class DonateSnapshot:
     tokens: tuple[int, ...] = attrs.field(repr=False)
     payload: Any = attrs.field(repr=False)
     nbytes: int
+    # A branch point kept when the conversation moves on (not superseded by its descendants).
+    checkpoint: bool = False
+    # Every layer can be cut back to an earlier length (partial restore).
+    cuttable: bool = False
 
 
 @attrs.frozen(kw_only=True)

@@ -37,6 +37,8 @@ class Capabilities:
     bucket_starts: bool = False
     # Snapshot families resume from session snapshots instead of the prefix store.
     snapshots: bool = False
+    # The sliding layers' window (sliding-window snapshot families), else None.
+    sliding_window: int | None = None
 
 
 # --- what a step runs ----------------------------------------------------------------
@@ -77,11 +79,24 @@ class StartDirect(Admission):
 
 
 @attrs.frozen(kw_only=True)
+class SnapshotPoint:
+    """Take a whole-state snapshot after ``after`` of a start's ``prompt_tokens``.
+
+    ``checkpoint``: a branch point other conversations resume from (the end of
+    the shared system prompt, a chunk boundary), kept when the conversation
+    moves on; otherwise the conversation's tip (history boundary, warm-up).
+    """
+
+    after: int
+    checkpoint: bool = False
+
+
+@attrs.frozen(kw_only=True)
 class InsertBatch(Admission):
     """Prefill in the batch, a chunk per step, then decode there."""
 
-    # Take a whole-state snapshot after this many of ``prompt_tokens`` (the history boundary).
-    snapshot_after: int | None = None
+    # Whole-state snapshots to take on the way, ascending (snapshot families).
+    snapshots: tuple[SnapshotPoint, ...] = ()
     # A background warm-up: prefill, snapshot at the end, never generate.
     warm: bool = False
 
@@ -160,6 +175,8 @@ class DetachedSequence:
     final: bool = True
     # A whole-state session snapshot (snapshot families) rather than a prefix KV set.
     snapshot: bool = False
+    # The snapshot is a checkpoint (see SnapshotPoint).
+    checkpoint: bool = False
 
 
 @attrs.frozen(kw_only=True)

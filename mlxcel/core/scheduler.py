@@ -48,6 +48,7 @@ from mlxcel.core.plan import (
     InsertBatch,
     Removal,
     SampledToken,
+    SnapshotPoint,
     Start,
     StartAlone,
     StartDirect,
@@ -84,6 +85,8 @@ class NewRequest:
     cache_context: CacheContext | None
     # Tokens of the rendered conversation history before the newest user message.
     history_boundary: int | None = None
+    # Tokens of the prefix conversations share: the system prompt and tool schemas.
+    shared_prefix: int | None = None
     # The chat request itself, so the warmer can render the next turn's history.
     chat: ChatRequest | None = attrs.field(default=None, repr=False)
     # More requests were already queued at the router behind this one.
@@ -161,7 +164,7 @@ class _Running:
 class _Pending(Admission):
     """A start decided but not yet placed; a direct start over a step's budget waits as this."""
 
-    snapshot_after: int | None = None
+    snapshots: tuple[SnapshotPoint, ...] = ()
     warm: bool = False
     from_alone: bool = False
 
@@ -201,6 +204,8 @@ class SchedulerCore:
         cross_session: bool = False,
         prompt_donation: bool = False,
         boundary_snapshots: bool = False,
+        checkpoint_spacing: int = 0,
+        max_chunk_checkpoints: int = 0,
         share_threshold: int = 0,
         keep_reply_text: bool = False,
         on_trace: Callable[[str], None] | None = None,
@@ -216,6 +221,10 @@ class SchedulerCore:
         self._prompt_donation = prompt_donation and cache_enabled
         self._snapshots = capabilities.snapshots and cache_enabled
         self._boundary_snapshots = boundary_snapshots
+        # Snapshot families: checkpoints at multiples of this many tokens of a long
+        # prompt (0: none), the last max_chunk_checkpoints of them before its boundary.
+        self._checkpoint_spacing = checkpoint_spacing
+        self._max_chunk_checkpoints = max_chunk_checkpoints
         # Requests that share at least this many more tokens with a prompt being
         # prefilled than the store can give them wait for it instead of duplicating it.
         self._share_threshold = share_threshold
@@ -253,6 +262,7 @@ class SchedulerCore:
         self._num_failed = 0
         self._num_interleaved_steps = 0
         self._num_shared_prefills = 0
+        self._num_warm_queued = 0
         self._num_warm_started = 0
         self._num_warm_completed = 0
         self._num_warm_preempted = 0
@@ -299,11 +309,17 @@ class SchedulerCore:
             self._cancelled_early.popitem(last=False)
 
     def warm(self, job: WarmSession) -> None:
+        """Queue a warm-up; it replaces a pending one of the same conversation (whose tokens it extends)."""
         if not self._snapshots:
             return
-        key = (job.context.model_id, job.context.cache_salt, job.context.session_key)
-        self._pending_warmups.pop(key, None)
-        self._pending_warmups[key] = job
+        session = (job.context.model_id, job.context.cache_salt, job.context.session_key)
+        for key, pending in list(self._pending_warmups.items()):
+            same_session = (pending.context.model_id, pending.context.cache_salt,
+                            pending.context.session_key) == session
+            if same_session and job.tokens[: len(pending.tokens)] == pending.tokens:
+                del self._pending_warmups[key]
+        self._num_warm_queued += 1
+        self._pending_warmups[(str(self._num_warm_queued),)] = job
         while len(self._pending_warmups) > MAX_PENDING_WARMUPS:
             self._pending_warmups.popitem(last=False)
 
@@ -424,10 +440,7 @@ class SchedulerCore:
         if self._trace is not None and self._snapshots and request.cache_context is not None:
             self._trace_snapshot(request, found)
         sequence_id = self._new_sequence_id()
-        snapshot_after = None
-        boundary = request.history_boundary
-        if self._snapshots and self._boundary_snapshots and boundary is not None and matched < boundary < len(prompt):
-            snapshot_after = boundary - matched
+        snapshots = self._snapshot_points(request, matched) if self._snapshots and self._boundary_snapshots else ()
         output = RequestOutput(tokenizer=self._tokenizer, sampling=request.sampling,
                                eos_token_ids=self._eos_token_ids, prompt_tokens=len(prompt),
                                submitted_at=now, keep_text=self._keep_reply_text,
@@ -441,12 +454,46 @@ class SchedulerCore:
             cached_tokens=prompt[:matched],
             adopted=adopted,
             restore=restore,
-            snapshot_after=snapshot_after,
+            snapshots=snapshots,
             sampling=request.sampling,
             max_tokens=request.max_tokens,
             donate_on_finish=request.cache_context is not None and self._cache_enabled,
             donate_prompt=self._prompt_donation and request.cache_context is not None,
         ))
+
+    def _snapshot_points(self, request: NewRequest, matched: int) -> tuple[SnapshotPoint, ...]:
+        """Where a snapshot family's prefill stops for snapshots, past what it resumed from.
+
+        - the end of the shared prefix (system prompt and tools): a checkpoint
+          every conversation with that prefix resumes from;
+        - the history boundary: the conversation's tip, which its next turn extends;
+        - chunk boundaries of a long prompt, at multiples of the spacing, the
+          last few before the boundary: checkpoints, so a prompt that diverges
+          late re-prefills at most one chunk;
+        - sliding-window families: a checkpoint at the window's length, taken
+          before the sliding layers wrap, so it can be cut back (partial restore).
+        Each point is a snapshot's bytes: recurrent state is a constant per
+        layer, attention KV grows with the position (docs/prompt-cache.md).
+        """
+        prompt_len = len(request.prompt_tokens)
+        points: dict[int, bool] = {}
+        boundary = request.history_boundary
+        if boundary is not None and matched < boundary < prompt_len:
+            points[boundary] = False
+        shared = request.shared_prefix
+        if shared is not None and matched < shared < prompt_len:
+            points[shared] = True
+        end = boundary if boundary is not None and boundary < prompt_len else prompt_len - 1
+        spacing = self._checkpoint_spacing
+        if spacing > 0 and self._max_chunk_checkpoints > 0:
+            edges = range((matched // spacing + 1) * spacing, end, spacing)
+            for edge in list(edges)[-self._max_chunk_checkpoints:]:
+                points[edge] = True
+        window = self.capabilities.sliding_window
+        if window is not None and matched < window < end:
+            points[window] = True
+        return tuple(SnapshotPoint(after=position - matched, checkpoint=points[position])
+                     for position in sorted(points))
 
     def _start_warmup(self, job: WarmSession, found: LookupResult) -> None:
         tokens = job.tokens
@@ -460,7 +507,7 @@ class SchedulerCore:
             self._trace(f"warm-up session={job.context.session_key} extends snapshot {matched} -> {len(tokens)} tokens")
         self._admitted.append(_Pending(
             sequence_id=sequence_id, prompt_tokens=tokens[matched:], cached_tokens=tokens[:matched],
-            restore=payload, snapshot_after=len(tokens) - matched, warm=True,
+            restore=payload, snapshots=(SnapshotPoint(after=len(tokens) - matched),), warm=True,
             sampling=SamplingParams(temperature=0.0), max_tokens=1,
         ))
 
@@ -535,7 +582,7 @@ class SchedulerCore:
                         run_batch=run_batch)
 
     def _starts_directly(self, pending: _Pending) -> bool:
-        return (pending.snapshot_after is None and not pending.warm
+        return (not pending.snapshots and not pending.warm
                 and len(pending.prompt_tokens) <= self.capabilities.prefill_step_size)
 
     def _prefills_alone(self, pending: _Pending) -> bool:
@@ -551,7 +598,7 @@ class SchedulerCore:
         """
         step = self.capabilities.prefill_step_size
         return (self.capabilities.bucket_starts and pending.restore is None
-                and pending.snapshot_after is None and not pending.warm
+                and not pending.snapshots and not pending.warm
                 and len(pending.prompt_tokens) > step >= START_PREFIX_ALIGN)
 
     def _cut(self, cached: int) -> int:
@@ -586,7 +633,7 @@ class SchedulerCore:
     def _insert(self, pending: _Pending) -> InsertBatch:
         self._in_batch.add(pending.sequence_id)
         self._batch_prefilling.add(pending.sequence_id)
-        return InsertBatch(**_admission_fields(pending), snapshot_after=pending.snapshot_after, warm=pending.warm)
+        return InsertBatch(**_admission_fields(pending), snapshots=pending.snapshots, warm=pending.warm)
 
     def _trim_prompt_donation(self, pending: _Pending) -> _Pending:
         """Drop a prompt donation no request can use before the final one.
@@ -660,8 +707,9 @@ class SchedulerCore:
             context = warm.context if warm is not None else (
                 running.request.cache_context if running is not None else None)
             if context is not None:
-                self._effects.append(DonateSnapshot(context=context, tokens=item.tokens, payload=item.payload,
-                                                    nbytes=item.nbytes))
+                self._effects.append(DonateSnapshot(
+                    context=context, tokens=item.tokens, payload=item.payload, nbytes=item.nbytes,
+                    checkpoint=item.checkpoint, cuttable=bool(getattr(item.payload, "cuttable", False))))
             return
         if item.final:
             context, prompt_len = self._pending_donations.pop(item.sequence_id, (None, None))

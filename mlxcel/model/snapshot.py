@@ -1,9 +1,11 @@
 """Whole-state session snapshots: every layer's cache (KV, rotating KV, recurrent arrays).
 
 Device-thread only for ``capture`` and ``restore`` (they touch MLX); the
-metadata is plain Python. A snapshot resumes only at exactly the point where
-it was taken, and only into a model whose layers match it; anything else is
-a ``SnapshotMismatch`` that names what differs.
+metadata is plain Python. A snapshot resumes at exactly the point where it
+was taken, or, when it is ``cuttable`` (no recurrent layer, and every sliding
+layer still holds every token: its window has not wrapped), at any earlier
+point; and only into a model whose layers match it. Anything else is a
+``SnapshotMismatch`` that names what differs.
 """
 
 from __future__ import annotations
@@ -24,16 +26,17 @@ class SnapshotMismatch(Exception):
 class SessionSnapshot:
     """The per-layer state of one sequence after ``length`` tokens."""
 
-    __slots__ = ("family", "layers", "length", "nbytes")
+    __slots__ = ("cuttable", "family", "layers", "length", "nbytes")
 
     def __init__(self, family: str, layers: list[Any], length: int) -> None:
         self.family = family
         self.layers = layers
         self.length = length
         self.nbytes = sum(layer.nbytes for layer in layers)
+        self.cuttable = all(_holds_every_token(layer, length) for layer in layers)
 
     def can_adopt(self, num_tokens: int) -> bool:
-        return num_tokens == self.length
+        return num_tokens == self.length or (self.cuttable and 0 < num_tokens < self.length)
 
     def __repr__(self) -> str:
         return f"SessionSnapshot({self.family}, layers={len(self.layers)}, length={self.length}, nbytes={self.nbytes})"
@@ -63,6 +66,30 @@ def capture(family: str, caches: Sequence[Any], length: int) -> SessionSnapshot:
     return SessionSnapshot(family, layers, length)
 
 
+def _holds_every_token(cache: Any, length: int) -> bool:
+    """Whether a layer's state can be cut back to any earlier length."""
+    if isinstance(cache, ArraysCache) or cache.keys is None:
+        return False  # recurrent state folds every token in; it cannot be unwound
+    if isinstance(cache, RotatingKVCache):
+        # In temporal order from token 0, nothing dropped: the window has not wrapped.
+        return bool(cache.offset == length == cache.keys.shape[2] == cache._idx)
+    return bool(cache.offset == length)
+
+
+def _cut(cache: Any, num_tokens: int) -> Any:
+    """A layer of a cuttable snapshot, resumed after its first num_tokens tokens."""
+    copy: Any  # mlx-lm's cache classes type their state loosely
+    if isinstance(cache, RotatingKVCache):
+        copy = RotatingKVCache(cache.max_size, cache.keep)
+        copy._idx = num_tokens
+    else:
+        copy = KVCache()
+    copy.keys = cache.keys[..., :num_tokens, :]
+    copy.values = cache.values[..., :num_tokens, :]
+    copy.offset = num_tokens
+    return copy
+
+
 def _arrays(cache: Any) -> list[mx.array]:
     if isinstance(cache, ArraysCache):
         states: list[Any] = cache.cache
@@ -86,12 +113,20 @@ def _clone(cache: Any) -> Any:
     return copy
 
 
-def restore(snapshot: SessionSnapshot, family: str, fresh: Sequence[Any]) -> list[Any]:
+def restore(snapshot: SessionSnapshot, family: str, fresh: Sequence[Any], num_tokens: int | None = None) -> list[Any]:
     """Caches for a new sequence that resume the snapshot, checked against the model's own.
 
     ``fresh`` is what the model makes for a new sequence (``make_prompt_cache``):
     layer count, kinds, window sizes and state shapes must all agree.
+    ``num_tokens`` below the snapshot's length cuts a cuttable snapshot back
+    to that point (the partial restore at a longest common prefix).
     """
+    if num_tokens is None:
+        num_tokens = snapshot.length
+    if num_tokens != snapshot.length and not snapshot.can_adopt(num_tokens):
+        raise SnapshotMismatch(
+            f"a {snapshot.length}-token snapshot cannot resume at {num_tokens} tokens: "
+            "it holds recurrent state or a wrapped window")
     if snapshot.family != family:
         raise SnapshotMismatch(f"snapshot of family {snapshot.family!r} cannot resume a {family!r} model")
     if len(snapshot.layers) != len(fresh):
@@ -110,6 +145,6 @@ def restore(snapshot: SessionSnapshot, family: str, fresh: Sequence[Any]) -> lis
             raise SnapshotMismatch(
                 f"layer {index}: {len(stored.cache)} state arrays, the model has {len(expected.cache)}"
             )
-        restored.append(_clone(stored))
+        restored.append(_clone(stored) if num_tokens == snapshot.length else _cut(stored, num_tokens))
     return restored
 

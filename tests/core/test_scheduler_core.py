@@ -18,6 +18,7 @@ from mlxcel.core.plan import (
     Capabilities,
     InsertBatch,
     SampledToken,
+    SnapshotPoint,
     StartAlone,
     StartDirect,
     StepPlan,
@@ -275,7 +276,7 @@ def test_warm_ups_run_only_while_idle_and_give_way_to_requests() -> None:
     (warm,) = plan.starts
     assert isinstance(warm, InsertBatch)
     assert warm.warm
-    assert warm.snapshot_after == 30
+    assert warm.snapshots == (SnapshotPoint(after=30),)
     harness.add("foreground", 10)
     plan = harness.step()
     # The warm-up is dropped at once, storing nothing; the request starts.
@@ -292,3 +293,44 @@ class _Payload:
 
     def can_adopt(self, num_tokens: int) -> bool:
         return 0 < num_tokens <= self.length
+
+
+def _snapshot_core(**changes) -> SchedulerCore:
+    capabilities = Capabilities(prefill_step_size=64, context_size=100_000, snapshots=True,
+                                sliding_window=changes.pop("sliding_window", None))
+    return SchedulerCore(capabilities, tokenizer=LetterTokenizer(), eos_token_ids=frozenset(), cache_enabled=True,
+                         boundary_snapshots=True, **changes)
+
+
+def _request(length: int, **fields) -> NewRequest:
+    return NewRequest(request_id="r", prompt_tokens=tuple(range(length)), sampling=GREEDY, max_tokens=4,
+                      cache_context=CONTEXT, **fields)
+
+
+def test_snapshot_points_cover_the_shared_prefix_the_boundary_and_the_last_chunks() -> None:
+    core = _snapshot_core(checkpoint_spacing=1000, max_chunk_checkpoints=2)
+    points = core._snapshot_points(_request(4600, shared_prefix=300, history_boundary=4500), matched=0)
+    assert points == (SnapshotPoint(after=300, checkpoint=True), SnapshotPoint(after=3000, checkpoint=True),
+                      SnapshotPoint(after=4000, checkpoint=True), SnapshotPoint(after=4500))
+    # Past what was restored only, relative to the tokens still to prefill.
+    points = core._snapshot_points(_request(4600, shared_prefix=300, history_boundary=4500), matched=3500)
+    assert points == (SnapshotPoint(after=500, checkpoint=True), SnapshotPoint(after=1000))
+    # The first turn's history is the system prompt: one point, a checkpoint.
+    assert core._snapshot_points(_request(400, shared_prefix=300, history_boundary=300), matched=0) == (
+        SnapshotPoint(after=300, checkpoint=True),)
+
+
+def test_sliding_window_families_checkpoint_before_the_window_wraps() -> None:
+    core = _snapshot_core(sliding_window=128)
+    assert core._snapshot_points(_request(400, history_boundary=350), matched=0) == (
+        SnapshotPoint(after=128, checkpoint=True), SnapshotPoint(after=350))
+    assert core._snapshot_points(_request(100, history_boundary=90), matched=0) == (SnapshotPoint(after=90),)
+
+
+def test_pending_warm_ups_are_kept_per_conversation() -> None:
+    harness = Harness(snapshots=True)
+    harness.add("busy", 10)  # not idle: warm-ups wait
+    harness.core.warm(WarmSession(context=CONTEXT, tokens=(1, 2, 3)))
+    harness.core.warm(WarmSession(context=CONTEXT, tokens=(7, 8, 9)))  # a sibling in the same session
+    harness.core.warm(WarmSession(context=CONTEXT, tokens=(1, 2, 3, 4, 5)))  # the first one's next turn
+    assert [job.tokens for job in harness.core._pending_warmups.values()] == [(7, 8, 9), (1, 2, 3, 4, 5)]
