@@ -297,7 +297,7 @@ PROMPT_CACHE_SETTINGS = (
     Setting("pinned_share", "--prompt-cache-pinned-share",
             ("MLXCEL_PROMPT_CACHE_PINNED_SHARE",), parse_share,
             "largest share of the KV store's byte budget that retained prompts may pin against "
-            "eviction, 0 to 1 (default 0.5; 0 turns retention off)"),
+            "eviction, 0 to 1 (default 0.5; 0 turns pinning off)"),
     Setting("apc_enabled", "--apc-enabled", ("APC_ENABLED",), parse_bool,
             "block-level automatic prefix caching (default true)", optional_value=True),
     Setting("apc_block_size", "--apc-block-size", ("APC_BLOCK_SIZE",),
