@@ -37,6 +37,8 @@ class PromptCacheConfig:
     max_entries: int = 1024
     ttl_seconds: float = 3600.0
     min_prefix: int = 32
+    # The largest share of capacity_bytes that retention pins (cache_control, prompt_cache_retention) hold.
+    pinned_share: float = 0.5
     apc_enabled: bool = True
     apc_block_size: int = 16
     apc_num_blocks: int | None = None
@@ -229,6 +231,16 @@ def parse_seconds(text: str) -> float:
     return value
 
 
+def parse_share(text: str) -> float:
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise ValueError(f"expected a fraction from 0 to 1, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"expected a fraction from 0 to 1, got {text!r}")
+    return value
+
+
 def parse_hash(text: str) -> HashAlgorithm:
     value = text.strip().lower()
     for algorithm in ALGORITHMS:
@@ -328,6 +340,10 @@ PROMPT_CACHE_SETTINGS = (
     Setting("min_prefix", "--prompt-cache-min-prefix",
             ("MLXCEL_PROMPT_CACHE_MIN_PREFIX",), parse_non_negative_int,
             "shortest prefix in tokens worth storing or adopting (default 32)"),
+    Setting("pinned_share", "--prompt-cache-pinned-share",
+            ("MLXCEL_PROMPT_CACHE_PINNED_SHARE",), parse_share,
+            "largest share of the KV store's byte budget that retained prompts may pin against "
+            "eviction, 0 to 1 (default 0.5; 0 turns pinning off)"),
     Setting("apc_enabled", "--apc-enabled", ("APC_ENABLED",), parse_bool,
             "block-level automatic prefix caching (default true)", optional_value=True),
     Setting("apc_block_size", "--apc-block-size", ("APC_BLOCK_SIZE",),

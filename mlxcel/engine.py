@@ -272,6 +272,7 @@ def _build_store(config: EngineConfig, model: ModelInfo, apc_enabled: bool) -> P
             max_entries=cache.max_entries,
             ttl_seconds=cache.ttl_seconds,
             min_prefix=cache.min_prefix,
+            pinned_share=cache.pinned_share,
         ),
         ApcSettings(
             enabled=apc_enabled,

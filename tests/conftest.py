@@ -44,5 +44,3 @@ def start_server(nursery: trio.Nursery) -> Callable[..., Any]:
         return binds[0]
 
     return start
-
-

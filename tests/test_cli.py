@@ -62,6 +62,16 @@ def test_start_buckets_is_auto_true_or_false(argv, environ, buckets) -> None:
     assert auto_bool(engine.scheduler.start_buckets) is buckets
 
 
+def test_pinned_share_flag_environment_and_bounds() -> None:
+    assert configs([])[0].prompt_cache.pinned_share == 0.5
+    engine, _ = configs(["--prompt-cache-pinned-share", "0.25"], {"MLXCEL_PROMPT_CACHE_PINNED_SHARE": "0.9"})
+    assert engine.prompt_cache.pinned_share == 0.25
+    assert configs([], {"MLXCEL_PROMPT_CACHE_PINNED_SHARE": "0"})[0].prompt_cache.pinned_share == 0.0
+    for bad in ("1.5", "-0.1", "half"):
+        with pytest.raises(ConfigError, match="MLXCEL_PROMPT_CACHE_PINNED_SHARE"):
+            configs([], {"MLXCEL_PROMPT_CACHE_PINNED_SHARE": bad})
+
+
 def test_bad_environment_values_name_the_variable() -> None:
     with pytest.raises(ConfigError, match="MLXCEL_PROMPT_CACHE_TTL"):
         configs([], {"MLXCEL_PROMPT_CACHE_TTL": "soon"})

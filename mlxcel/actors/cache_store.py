@@ -57,7 +57,7 @@ class _PrefixStoreOff:
         return None
 
     def insert(self, context: CacheContext, tokens: Sequence[int], payload: object, nbytes: int, now: float,
-               prompt_len: int | None = None) -> InsertOutcome:
+               prompt_len: int | None = None, retain_seconds: float = 0.0) -> InsertOutcome:
         return InsertOutcome(stored=False, reason="the prompt cache is off")
 
     def shed_half(self, now: float) -> tuple[int, int]:
@@ -135,6 +135,7 @@ class CacheStoreActor:
             snapshots if snapshots is not None else _SnapshotStoreOff()
         )
         self._snapshot_capacity_bytes = snapshots.limits.capacity_bytes if snapshots is not None else 0
+        self._pinned_capacity_bytes = store.limits.pinned_capacity_bytes if store is not None else 0
         self.inbox = inbox
         self._to_metrics = to_metrics
 
@@ -174,10 +175,17 @@ class CacheStoreActor:
                 _reply(message.reply_to, reply)
             case DonateSequence():
                 outcome = self._store.insert(message.context, message.tokens, message.payload, message.nbytes, now,
-                                             prompt_len=message.prompt_len)
+                                             prompt_len=message.prompt_len, retain_seconds=message.retain_seconds)
                 if not outcome.stored:
                     logger.debug("prompt-cache donation not stored (%s)", outcome.reason)
                     self._unstored.append(message.payload)
+                if outcome.pin_too_large:
+                    logger.warning(
+                        "a %d-byte prompt-cache entry asked to be retained for %g s is larger than the pinned "
+                        "share of the KV store (%d bytes): stored unpinned; raise --prompt-cache-pinned-share "
+                        "or --prompt-cache-capacity-bytes",
+                        message.nbytes, message.retain_seconds, self._pinned_capacity_bytes,
+                    )
             case LookupSnapshot():
                 self._lookup_snapshot(message, now)
             case DonateSnapshot():

@@ -64,6 +64,15 @@ class MetricsActor:
             "mlxcel_prompt_cache_bytes", "Bytes held by live prompt-cache entries", registry=self.registry
         )
         self._entries = Gauge("mlxcel_prompt_cache_entries", "Live prompt-cache entries", registry=self.registry)
+        self._pinned_entries = Gauge(
+            "mlxcel_prompt_cache_pinned_entries", "Prompt-cache entries pinned by a retention request",
+            registry=self.registry)
+        self._pinned_bytes = Gauge(
+            "mlxcel_prompt_cache_pinned_bytes", "Bytes held by pinned prompt-cache entries", registry=self.registry)
+        self._pins_dropped = Counter(
+            "mlxcel_prompt_cache_pins_dropped", "Retention pins given up for the pinned share or the store's limits",
+            registry=self.registry)
+        self._seen_pins_dropped = 0
         self._requests = Counter(
             "mlxcel_requests", "Finished requests by finish reason", ["finish_reason"], registry=self.registry
         )
@@ -128,6 +137,11 @@ class MetricsActor:
     def _apply_store(self, stats: StoreStats) -> None:
         self._bytes.set(stats.bytes)
         self._entries.set(stats.entries)
+        self._pinned_entries.set(stats.pinned_entries)
+        self._pinned_bytes.set(stats.pinned_bytes)
+        if stats.pins_dropped > self._seen_pins_dropped:
+            self._pins_dropped.inc(stats.pins_dropped - self._seen_pins_dropped)
+        self._seen_pins_dropped = stats.pins_dropped
         # The store's evictions are cumulative since start; the counters grow by the difference.
         for reason, total in stats.evictions.items():
             grown = total - self._seen_evictions.get(reason, 0)

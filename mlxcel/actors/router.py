@@ -477,4 +477,5 @@ class RouterActor:
             shared_prefix=rendered.shared_prefix if cache_context is not None else None,
             chat=request if isinstance(request, ChatRequest) else None,
             more_pending=self.inbox.statistics().current_buffer_used > 0 or self._num_in_flight > 1,
+            retain_seconds=request.cache.retain_seconds if cache_context is not None else 0.0,
         ), events=message.events)

@@ -1,8 +1,15 @@
-"""The prompt-prefix store: LRU/TTL entries, two-tier lookup, APC chains.
+"""The prompt-prefix store: LRU/TTL entries, two-tier lookup, APC chains, retention pins.
 
 Synchronous and deterministic: time is passed in as `now` (monotonic
 seconds, never decreasing) and payloads are opaque objects handed back
 untouched.
+
+A donation may ask to be retained for a number of seconds (Anthropic's
+`cache_control` ttl, OpenAI's `prompt_cache_retention`). Its entry is then
+*pinned* until that time: LRU pressure and the TTL pass it by, as long as
+the pinned bytes stay within ``StoreLimits.pinned_share`` of the budget.
+Pins live on owners (an alias is pinned through its owner); a pin that has
+ended makes its entry an ordinary LRU entry again.
 """
 
 from __future__ import annotations
@@ -34,6 +41,14 @@ class StoreLimits:
     max_entries: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
     ttl_seconds: float = attrs.field(default=3600.0, validator=attrs.validators.ge(0.0))
     min_prefix: int = attrs.field(default=32, validator=_non_negative)
+    # The largest share of capacity_bytes that retention pins may hold (0: no pins).
+    pinned_share: float = attrs.field(
+        default=0.5, validator=[attrs.validators.ge(0.0), attrs.validators.le(1.0)]
+    )
+
+    @property
+    def pinned_capacity_bytes(self) -> int:
+        return int(self.capacity_bytes * self.pinned_share)
 
 
 @attrs.frozen(kw_only=True)
@@ -68,6 +83,10 @@ class InsertOutcome:
     entry_id: bytes | None = None
     reason: str | None = None
     evictions: tuple[tuple[EvictionReason, int], ...] = ()
+    # When the entry (its owner, for an alias) is pinned until, after this insert; None: not pinned.
+    pinned_until: float | None = None
+    # Retention was asked for, but the entry is larger than the whole pinned share.
+    pin_too_large: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -95,6 +114,11 @@ class StoreStats:
     total_blocks_stored: int
     unique_block_hashes: int
     apc_active_entries: int
+    pinned_entries: int = 0
+    pinned_bytes: int = 0
+    pinned_capacity_bytes: int = 0
+    # Pins given up: past the pinned share (soonest-ending first), to fit a limit, or too large to pin.
+    pins_dropped: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -108,6 +132,8 @@ class EntryInfo:
     alias_of: bytes | None
     num_blocks: int
     last_used: float
+    # When its pin (its owner's, for an alias) ends; None: not pinned.
+    pinned_until: float | None = None
 
 
 @attrs.define(eq=False)
@@ -196,6 +222,10 @@ class PromptCacheStore:
         self._refusals = 0
         self._duplicates = 0
         self._evictions = dict.fromkeys(EVICTION_REASONS, 0)
+        # Pinned owners and when their pins end; their bytes.
+        self._pins: dict[bytes, float] = {}
+        self._pinned_bytes = 0
+        self._pins_dropped = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -210,6 +240,7 @@ class PromptCacheStore:
         nbytes: int,
         now: float,
         prompt_len: int | None = None,
+        retain_seconds: float = 0.0,
     ) -> InsertOutcome:
         """Offer the KV payload of tokens; the store keeps it when stored is True.
 
@@ -219,11 +250,16 @@ class PromptCacheStore:
         not its generated tail: the conversation went on without that reply's
         tokens (the next turn re-renders the reply, or strips its reasoning),
         so the tail serves no one, and the rest is in the newer entry.
+
+        ``retain_seconds`` > 0 pins the entry until ``now + retain_seconds``
+        (a duplicate extends its entry's pin). A new entry that supersedes or
+        drops pinned entries inherits the latest of their pins.
         """
         if nbytes < 0:
             raise ValueError("nbytes must not be negative")
         evictions: list[tuple[EvictionReason, int]] = []
         self._expire(now, evictions)
+        retain_until = now + retain_seconds if retain_seconds > 0 else 0.0
         if len(tokens) < self.limits.min_prefix:
             return self._refuse("too_short", evictions)
         if nbytes > self.limits.capacity_bytes:
@@ -235,8 +271,14 @@ class PromptCacheStore:
         if existing is not None:
             self._touch(existing, now)
             self._duplicates += 1
+            owner = existing.owner or existing
+            too_large = False
+            if retain_until:
+                too_large = not self._pin(owner, retain_until)
+                self._enforce_pinned_share()
             return InsertOutcome(
-                stored=False, entry_id=entry_id, reason="duplicate", evictions=tuple(evictions)
+                stored=False, entry_id=entry_id, reason="duplicate", evictions=tuple(evictions),
+                pinned_until=self._pins.get(owner.entry_id), pin_too_large=too_large,
             )
 
         trie_key = (context.bucket, context.rope_regime, context.mm_digest)
@@ -293,13 +335,21 @@ class PromptCacheStore:
         if self._block_log is not None:
             self._log_stored(context, chain, token_bytes)
         self._add_blocks(chain[len(heir.chain) :] if heir is not None else chain)
+        # The new entry holds what the entries it replaces held, so it keeps their pins.
+        inherited = [self._unpin(older) for older in (*superseded, dominated) if older is not None]
+        pin_until = max([retain_until, *inherited])
         for older in superseded:
             self._supersede(older, entry, evictions, references_moved=older is heir)
         if dominated is not None:
             self._evict(dominated, "superseded", evictions)
-        self._enforce_limits(evictions)
+        too_large = False
+        if pin_until > now:
+            too_large = not self._pin(entry, pin_until)
+            self._enforce_pinned_share()
+        self._enforce_limits(evictions, keep=entry)
         return InsertOutcome(
-            stored=True, entry_id=entry_id, reason=None, evictions=tuple(evictions)
+            stored=True, entry_id=entry_id, reason=None, evictions=tuple(evictions),
+            pinned_until=self._pins.get(entry_id), pin_too_large=too_large,
         )
 
     def _refuse(
@@ -335,15 +385,74 @@ class PromptCacheStore:
         older.owner = newer
         newer.aliases[older.entry_id] = older
 
-    def _enforce_limits(self, evictions: list[tuple[EvictionReason, int]]) -> None:
+    def _enforce_limits(self, evictions: list[tuple[EvictionReason, int]], keep: _Entry) -> None:
+        """Evict least recently used unpinned entries (never ``keep``, just stored) until within the limits.
+
+        When only pinned entries (and ``keep``) are left and a limit is still
+        exceeded, the pin that ends soonest is given up and the loop goes on.
+        """
         limits = self.limits
         while len(self._entries) > limits.max_entries:
-            self._evict(self._entries[next(iter(self._recency))], "lru", evictions)
+            self._evict(self._victim(self._recency, keep), "lru", evictions)
         # Aliases cost no bytes or blocks, so byte and block pressure evicts owners.
         while self._bytes > limits.capacity_bytes:
-            self._evict(self._entries[next(iter(self._owner_recency))], "lru", evictions)
+            self._evict(self._victim(self._owner_recency, keep), "lru", evictions)
         while len(self._block_refs) > self._block_cap:
-            self._evict(self._entries[next(iter(self._owner_recency))], "capacity", evictions)
+            self._evict(self._victim(self._owner_recency, keep), "capacity", evictions)
+
+    def _victim(self, order: OrderedDict[bytes, None], keep: _Entry) -> _Entry:
+        """The least recently used entry of order that is neither pinned nor keep."""
+        while True:
+            for entry_id in order:
+                entry = self._entries[entry_id]
+                if entry is not keep and (entry.owner or entry).entry_id not in self._pins:
+                    return entry
+            self._drop_pin(self._soonest_pin())
+
+    # Pins
+
+    def _pin(self, owner: _Entry, until: float) -> bool:
+        """Pin owner until at least until; False when it is larger than the whole pinned share."""
+        budget = self.limits.pinned_capacity_bytes
+        if not budget:
+            return True  # retention is off: nothing to pin, nothing to report
+        if owner.nbytes > budget:
+            self._pins_dropped += 1
+            return False
+        current = self._pins.get(owner.entry_id)
+        if current is None:
+            self._pinned_bytes += owner.nbytes
+            self._pins[owner.entry_id] = until
+        else:
+            self._pins[owner.entry_id] = max(current, until)
+        return True
+
+    def _unpin(self, owner: _Entry) -> float:
+        """Take owner's pin away (it leaves or becomes an alias); when it would have ended, or 0."""
+        until = self._pins.pop(owner.entry_id, None)
+        if until is None:
+            return 0.0
+        self._pinned_bytes -= owner.nbytes
+        return until
+
+    def _drop_pin(self, entry_id: bytes) -> None:
+        self._unpin(self._entries[entry_id])
+        self._pins_dropped += 1
+
+    def _soonest_pin(self) -> bytes:
+        """The pinned owner whose pin ends first (of equal ones, the least recently used)."""
+        pins = self._pins
+        return min((entry_id for entry_id in self._owner_recency if entry_id in pins), key=pins.__getitem__)
+
+    def _enforce_pinned_share(self) -> None:
+        while self._pinned_bytes > self.limits.pinned_capacity_bytes:
+            self._drop_pin(self._soonest_pin())
+
+    def _end_pins(self, now: float) -> None:
+        """Pins whose time has come end: their entries are ordinary LRU entries again."""
+        if self._pins:
+            for entry_id in [entry_id for entry_id, until in self._pins.items() if until <= now]:
+                self._unpin(self._entries[entry_id])
 
     # Lookup
 
@@ -463,12 +572,22 @@ class PromptCacheStore:
         return tuple(evictions)
 
     def _expire(self, now: float, evictions: list[tuple[EvictionReason, int]]) -> None:
+        """End pins that are due, then drop entries unused for ttl_seconds that no pin holds."""
+        self._end_pins(now)
         ttl = self.limits.ttl_seconds
-        while self._recency:
-            entry = self._entries[next(iter(self._recency))]
+        pins = self._pins
+        expired: list[_Entry] = []
+        # Recency order is last_used order: the first live entry ends the search.
+        for entry_id in self._recency:
+            entry = self._entries[entry_id]
             if now - entry.last_used < ttl:
                 break
-            self._evict(entry, "ttl", evictions)
+            if (entry.owner or entry).entry_id not in pins:
+                expired.append(entry)
+        for entry in expired:
+            # An owner's eviction takes its aliases, which may be in the list too.
+            if entry.entry_id in self._entries:
+                self._evict(entry, "ttl", evictions)
 
     def take_released(self) -> list[object]:
         """Payloads the store has let go of since the last call.
@@ -482,8 +601,11 @@ class PromptCacheStore:
     def shed(self, target_bytes: int) -> tuple[tuple[EvictionReason, int], ...]:
         """Evict least recently used entries until at most target_bytes remain (memory pressure)."""
         evictions: list[tuple[EvictionReason, int]] = []
+        # Memory pressure outranks retention: unpinned entries go first, then pins ending soonest.
         while self._bytes > target_bytes and self._owner_recency:
-            self._evict(self._entries[next(iter(self._owner_recency))], "capacity", evictions)
+            unpinned = next((entry_id for entry_id in self._owner_recency if entry_id not in self._pins), None)
+            entry_id = unpinned if unpinned is not None else self._soonest_pin()
+            self._evict(self._entries[entry_id], "capacity", evictions)
         return tuple(evictions)
 
     def shed_half(self, now: float) -> tuple[int, int]:
@@ -502,6 +624,8 @@ class PromptCacheStore:
         self._owner_recency.clear()
         self._tries.clear()
         self._block_refs.clear()
+        self._pins.clear()
+        self._pinned_bytes = 0
         self._bytes = 0
         self._total_blocks = 0
         self._apc_active = 0
@@ -530,6 +654,7 @@ class PromptCacheStore:
         self._count_chain(entry.num_blocks, -1)
         if entry.owner is None:
             del self._owner_recency[entry_id]
+            self._unpin(entry)
             self._drop_blocks(entry.chain)
             self._bytes -= entry.nbytes
             self._released.append(entry.payload)
@@ -622,6 +747,10 @@ class PromptCacheStore:
             total_blocks_stored=self._total_blocks,
             unique_block_hashes=len(self._block_refs),
             apc_active_entries=self._apc_active,
+            pinned_entries=len(self._pins),
+            pinned_bytes=self._pinned_bytes,
+            pinned_capacity_bytes=self.limits.pinned_capacity_bytes,
+            pins_dropped=self._pins_dropped,
         )
 
     def entries_by_recency(self) -> list[EntryInfo]:
@@ -637,5 +766,6 @@ class PromptCacheStore:
             alias_of=None if entry.owner is None else entry.owner.entry_id,
             num_blocks=entry.num_blocks,
             last_used=entry.last_used,
+            pinned_until=self._pins.get((entry.owner or entry).entry_id),
         )
 

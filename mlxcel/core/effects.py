@@ -20,6 +20,8 @@ class DonateSequence:
     nbytes: int
     # Leading tokens that were the request's prompt (the rest it generated).
     prompt_len: int | None = None
+    # Pin the entry against eviction this long (0: ordinary LRU).
+    retain_seconds: float = 0.0
 
 
 @attrs.frozen(kw_only=True)

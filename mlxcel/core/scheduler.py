@@ -15,7 +15,7 @@ here and only here:
 - the token budget of direct starts (a chunk's worth per step; the rest wait)
   and the batch hold (decode waits for them at most MAX_BATCH_HOLDS steps);
 - bucketing: the prefix cut of a start and the padding of its tokens;
-- donation of prompt KV (early, for parked requests) and of finished replies;
+- donation of prompt KV (early, for parked requests and retaining ones) and of finished replies;
 - background warm-ups of session snapshots, only while idle.
 """
 
@@ -91,6 +91,9 @@ class NewRequest:
     chat: ChatRequest | None = attrs.field(default=None, repr=False)
     # More requests were already queued at the router behind this one.
     more_pending: bool = False
+    # Keep the stored prompt against eviction this long (cache_control ttl, prompt_cache_retention);
+    # > 0 also donates the prompt's KV at the end of its prefill, so a cancel during decoding keeps it.
+    retain_seconds: float = 0.0
 
 
 @attrs.frozen(kw_only=True)
@@ -250,8 +253,8 @@ class SchedulerCore:
         self._batch_holds = 0
         self._removals: list[Removal] = []
         self._release: list[Any] = []
-        # Finished sequences whose KV is still on its way back: (context, prompt length).
-        self._pending_donations: dict[int, tuple[CacheContext, int]] = {}
+        # Finished sequences whose KV is still on its way back: (context, prompt length, retain seconds).
+        self._pending_donations: dict[int, tuple[CacheContext, int, float]] = {}
         self._pending_warmups: collections.OrderedDict[tuple[str, ...], WarmSession] = collections.OrderedDict()
         self._warming: dict[int, WarmSession] = {}
         self._warm_lookup: WarmSession | None = None
@@ -458,7 +461,7 @@ class SchedulerCore:
             sampling=request.sampling,
             max_tokens=request.max_tokens,
             donate_on_finish=request.cache_context is not None and self._cache_enabled,
-            donate_prompt=self._prompt_donation and request.cache_context is not None,
+            donate_prompt=request.cache_context is not None and (self._prompt_donation or self._retains(request)),
         ))
 
     def _snapshot_points(self, request: NewRequest, matched: int) -> tuple[SnapshotPoint, ...]:
@@ -494,6 +497,10 @@ class SchedulerCore:
             points[window] = True
         return tuple(SnapshotPoint(after=position - matched, checkpoint=points[position])
                      for position in sorted(points))
+
+    def _retains(self, request: NewRequest) -> bool:
+        """A retaining request's prompt goes to the prefix store at the end of its prefill, whatever follows."""
+        return request.retain_seconds > 0 and self._cache_enabled and not self._snapshots
 
     def _start_warmup(self, job: WarmSession, found: LookupResult) -> None:
         tokens = job.tokens
@@ -641,9 +648,14 @@ class SchedulerCore:
         A prompt of one prefill chunk is done within the step that admits it,
         so only requests that parked on it while this step was built can use
         its KV early; without them the copy would only delay the first token.
+        A retaining request keeps it: its prompt must be stored even if the
+        reply is cancelled or fails.
         """
         if (not pending.donate_prompt or len(pending.prompt_tokens) > self.capabilities.prefill_step_size
                 or pending.sequence_id in self._parked):
+            return pending
+        running = self._running.get(pending.sequence_id)
+        if running is not None and self._retains(running.request):
             return pending
         return attrs.evolve(pending, donate_prompt=False)
 
@@ -657,12 +669,17 @@ class SchedulerCore:
                 self._num_interleaved_steps += 1
         if result.error is None:
             self._track_device(plan, result)
+        # Prompt KV first: a client that turns out to be gone at its first token still leaves its prompt.
+        prompt_items = [item for item in result.detached if not item.final and not item.snapshot]
+        for item in prompt_items:
+            self._donate(item)
         for token in result.sampled:
             running = self._running.get(token.sequence_id)
             if running is not None and not running.finished:
                 self._on_token(running, token, clients, now)
         for item in result.detached:
-            self._donate(item)
+            if item.final or item.snapshot:
+                self._donate(item)
         for sequence_id in result.warmed:
             if self._warming.pop(sequence_id, None) is not None:
                 self._num_warm_completed += 1
@@ -700,26 +717,34 @@ class SchedulerCore:
         self._batch_prefilling.discard(sequence_id)
         self._awaiting_first.discard(sequence_id)
 
+    def _donate_snapshot(self, item: DetachedSequence) -> None:
+        warm = self._warming.get(item.sequence_id)
+        running = self._running.get(item.sequence_id)
+        context = warm.context if warm is not None else (
+            running.request.cache_context if running is not None else None)
+        if context is not None:
+            self._effects.append(DonateSnapshot(
+                context=context, tokens=item.tokens, payload=item.payload, nbytes=item.nbytes,
+                checkpoint=item.checkpoint, cuttable=bool(getattr(item.payload, "cuttable", False))))
+
     def _donate(self, item: DetachedSequence) -> None:
         if item.snapshot:
-            warm = self._warming.get(item.sequence_id)
-            running = self._running.get(item.sequence_id)
-            context = warm.context if warm is not None else (
-                running.request.cache_context if running is not None else None)
-            if context is not None:
-                self._effects.append(DonateSnapshot(
-                    context=context, tokens=item.tokens, payload=item.payload, nbytes=item.nbytes,
-                    checkpoint=item.checkpoint, cuttable=bool(getattr(item.payload, "cuttable", False))))
+            self._donate_snapshot(item)
             return
+        context: CacheContext | None = None
+        prompt_len, retain_seconds = len(item.tokens), 0.0
         if item.final:
-            context, prompt_len = self._pending_donations.pop(item.sequence_id, (None, None))
+            if item.sequence_id in self._pending_donations:
+                context, prompt_len, retain_seconds = self._pending_donations.pop(item.sequence_id)
         else:
             running = self._running.get(item.sequence_id)
-            context = None if running is None else running.request.cache_context
-            prompt_len = len(item.tokens)
-        if context is not None:
-            self._effects.append(DonateSequence(context=context, tokens=item.tokens, payload=item.payload,
-                                                nbytes=item.nbytes, prompt_len=prompt_len))
+            if running is not None:
+                context, retain_seconds = running.request.cache_context, running.request.retain_seconds
+        if context is None:
+            return
+        self._effects.append(DonateSequence(context=context, tokens=item.tokens, payload=item.payload,
+                                            nbytes=item.nbytes, prompt_len=prompt_len,
+                                            retain_seconds=retain_seconds))
 
     def _fail_step(self, result: StepResult, clients: Clients) -> None:
         if result.out_of_memory:
@@ -784,7 +809,8 @@ class SchedulerCore:
             self._remove(running.sequence_id, donate=donate)
         if donate:
             assert context is not None
-            self._pending_donations[running.sequence_id] = (context, len(running.request.prompt_tokens))
+            self._pending_donations[running.sequence_id] = (
+                context, len(running.request.prompt_tokens), running.request.retain_seconds)
         if healthy:
             assert final is not None
             assert final.usage is not None

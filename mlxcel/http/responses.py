@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import attrs
 
 from mlxcel.errors import InternalError, InvalidRequest, MlxcelError
-from mlxcel.http.validation import DEFAULT_LIMITS, Limits, parse_chat_request
+from mlxcel.http.validation import DEFAULT_LIMITS, RETENTION_SECONDS, Limits, parse_chat_request
 from mlxcel.types import ChatRequest, Delta, TokenLogprob, ToolCall, Usage
 
 if TYPE_CHECKING:
@@ -75,7 +75,6 @@ EXTENSION_FIELDS = frozenset({
 })
 # What decides who may see a stored response, besides the API key.
 OWNER_FIELDS = ("user", "prompt_cache_key", "cache_salt")
-RETENTION_SECONDS = {"in_memory": 0.0, "24h": 86400.0}
 INCLUDE_ENCRYPTED_REASONING = "reasoning.encrypted_content"
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
 SUPPORTED_INCLUDES = (INCLUDE_ENCRYPTED_REASONING, INCLUDE_LOGPROBS)

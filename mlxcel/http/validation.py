@@ -167,7 +167,7 @@ def parse_chat_request(body: object, *, limits: Limits = DEFAULT_LIMITS) -> Chat
     root = _root(body)
     messages = _messages(root, limits)  # first, so a body missing them says so first
     extra = _extra_body(root)
-    cache = _cache_options(root, extra, user_scopes_session=limits.user_scopes_session)
+    cache = _cache_options(root, extra, user_scopes_session=limits.user_scopes_session, retention=True)
     tools = _tools(root, _tenant(cache))
     stream, include_usage = _stream(root)
     return ChatRequest(
@@ -226,7 +226,7 @@ def parse_completion_request(
     extra = _extra_body(root)
     _legacy_unsupported(root)
     stream, include_usage = _stream(root)
-    cache = _cache_options(root, extra, user_scopes_session=limits.user_scopes_session)
+    cache = _cache_options(root, extra, user_scopes_session=limits.user_scopes_session, retention=True)
     return CompletionRequest(
         prompt=_prompt(root, allow_single_item_list=True),
         sampling=_openai_sampling(
@@ -806,8 +806,19 @@ def _stream(root: Mapping[str, Any]) -> tuple[bool, bool]:
     return stream, bool(stream and include_usage)
 
 
+# OpenAI's `prompt_cache_retention`: how long the prompt is kept against eviction (0: ordinary LRU).
+RETENTION_SECONDS = {"in_memory": 0.0, "24h": 86400.0}
+
+
+def _retention(value: object, path: str) -> float:
+    if not isinstance(value, str) or value not in RETENTION_SECONDS:
+        _fail(path, f"{path} must be 'in_memory' or '24h', got {_kind(value)}")
+    return RETENTION_SECONDS[value]
+
+
 def _cache_options(
-    root: Mapping[str, Any], extra: Mapping[str, Any], *, user_scopes_session: bool = False
+    root: Mapping[str, Any], extra: Mapping[str, Any], *, user_scopes_session: bool = False,
+    retention: bool = False,
 ) -> CacheOptions:
     def both(key: str, read: Callable[[object, str], _T]) -> tuple[_T | None, _T | None]:
         # Both places are checked even when the root value wins.
@@ -831,10 +842,13 @@ def _cache_options(
         session_key = json.dumps([user, client_key]) if client_key else user
     else:
         session_key = client_key or user or CacheOptions().session_key
+    # Native /completion (llama.cpp's shape) has no retention field.
+    retain_seconds = first(both("prompt_cache_retention", _retention)) if retention else None
     return CacheOptions(
         cache_prompt=True if cache_prompt is None else cache_prompt,
         session_key=session_key,
         cache_salt=first(both("cache_salt", salt)) or "",
+        retain_seconds=retain_seconds or 0.0,
     )
 
 

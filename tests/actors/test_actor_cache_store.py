@@ -178,6 +178,31 @@ async def test_entries_expire_after_their_ttl(start_store: StartStore, mock_cloc
     assert stats.evictions["ttl"] == 1
 
 
+async def test_a_retained_donation_is_pinned_by_the_actors_clock(
+    start_store: StartStore, mock_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    harness = await start_store(ttl_seconds=10.0, capacity_bytes=1000)
+    await harness.inbox.send(DonateSequence(context=CONTEXT, tokens=PROMPT, payload="kv-kept", nbytes=400,
+                                            retain_seconds=300))
+    await harness.donate(tuple(range(300, 340)), "kv-plain", 400)
+    stats = (await harness.ask(GetCacheStats)).store
+    assert (stats.pinned_entries, stats.pinned_bytes, stats.pinned_capacity_bytes) == (1, 400, 500)
+    body = (await harness.ask(GetCacheStats)).to_json()
+    assert (body["pinned_entries"], body["pinned_bytes"], body["pins_dropped"]) == (1, 400, 0)
+    mock_clock.jump(11)  # past the TTL, within the pin
+    assert isinstance(await harness.lookup(PROMPT + (1,)), PrefixFound)
+    assert await harness.lookup(tuple(range(300, 341))) == PrefixMissing()
+    mock_clock.jump(300)  # the pin has ended, and the entry idled past the TTL
+    assert await harness.lookup(PROMPT + (1,)) == PrefixMissing()
+    # Larger than the pinned share (500 bytes): stored, unpinned, and said so.
+    await harness.inbox.send(DonateSequence(context=CONTEXT, tokens=PROMPT, payload="kv-big", nbytes=600,
+                                            retain_seconds=3600))
+    await trio.testing.wait_all_tasks_blocked()
+    stats = (await harness.ask(GetCacheStats)).store
+    assert (stats.entries, stats.pinned_entries, stats.pins_dropped) == (1, 0, 1)
+    assert "larger than the pinned share" in caplog.text
+
+
 async def test_short_donation_is_not_stored(start_store: StartStore) -> None:
     harness = await start_store()
     await harness.donate((1, 2, 3), "kv-short", 10)  # under min_prefix

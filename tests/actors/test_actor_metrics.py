@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
@@ -81,6 +82,18 @@ async def test_store_stats_set_gauges_and_grow_eviction_counters(nursery: trio.N
     assert 'reason="superseded"' not in text
     # Without the store's statistics (the cache is off) the gauges keep their values.
     assert sample(await render(to_metrics), "mlxcel_prompt_cache_bytes") == 1024
+
+
+async def test_pinned_gauges_and_the_pins_dropped_counter(nursery: trio.Nursery) -> None:
+    _, to_metrics = await start_metrics(nursery)
+    text = await render(to_metrics)
+    assert sample(text, "mlxcel_prompt_cache_pins_dropped_total") == 0
+    plain = store_stats(nbytes=4096, entries=3, evictions={})
+    await render(to_metrics, attrs.evolve(plain, pinned_entries=2, pinned_bytes=2048, pins_dropped=3))
+    text = await render(to_metrics, attrs.evolve(plain, pinned_entries=1, pinned_bytes=1024, pins_dropped=3))
+    assert sample(text, "mlxcel_prompt_cache_pinned_entries") == 1
+    assert sample(text, "mlxcel_prompt_cache_pinned_bytes") == 1024
+    assert sample(text, "mlxcel_prompt_cache_pins_dropped_total") == 3
 
 
 async def test_finished_requests_and_time_to_first_token(nursery: trio.Nursery) -> None:

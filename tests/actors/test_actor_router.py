@@ -204,6 +204,15 @@ async def test_anonymous_session_by_default(nursery: trio.Nursery) -> None:
     assert submit.cache_context.session_key == ANONYMOUS_SESSION
 
 
+async def test_retention_reaches_the_scheduler_with_the_cache_context(nursery: trio.Nursery) -> None:
+    harness = await start_router(nursery)
+    submit, _ = await harness.route(chat(cache=CacheOptions(retain_seconds=3600)))
+    assert submit.retain_seconds == 3600
+    # A request that does not cache has nothing to retain.
+    submit, _ = await harness.route(chat(cache=CacheOptions(cache_prompt=False, retain_seconds=3600)))
+    assert submit.retain_seconds == 0
+
+
 async def test_cache_prompt_false_gives_no_cache_context(nursery: trio.Nursery) -> None:
     harness = await start_router(nursery)
     submit, _ = await harness.route(chat(cache=CacheOptions(cache_prompt=False)))

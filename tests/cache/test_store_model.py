@@ -1,4 +1,4 @@
-"""The store against a plain reference: a list of entries and linear scans."""
+"""The store against a plain reference: a list of entries and linear scans (retention pins included)."""
 
 from __future__ import annotations
 
@@ -57,6 +57,37 @@ class Reference:
         self.hits = self.misses = self.tokens_reused = 0
         self.inserts = self.refusals = self.duplicates = 0
         self.evictions: Counter[str] = Counter()
+        # Pinned owners: entry id -> when the pin ends.
+        self.pins: dict[bytes, float] = {}
+        self.pins_dropped = 0
+        self.budget = int(limits.capacity_bytes * limits.pinned_share)
+
+    def root(self, entry: RefEntry) -> bytes:
+        return entry.owner or entry.entry_id
+
+    def pinned_bytes(self) -> int:
+        return sum(self.find(entry_id).nbytes for entry_id in self.pins)
+
+    def pin(self, owner: RefEntry, until: float) -> None:
+        if not self.budget:
+            return
+        if owner.nbytes > self.budget:
+            self.pins_dropped += 1
+            return
+        self.pins[owner.entry_id] = max(self.pins.get(owner.entry_id, 0.0), until)
+
+    def drop_soonest_pin(self) -> None:
+        # Of pins ending together, the least recently used owner's goes.
+        soonest = min((e for e in self.owners() if e.entry_id in self.pins), key=lambda e: self.pins[e.entry_id])
+        del self.pins[soonest.entry_id]
+        self.pins_dropped += 1
+
+    def victim(self, candidates: list[RefEntry], keep: RefEntry) -> RefEntry:
+        while True:
+            for entry in candidates:
+                if entry is not keep and self.root(entry) not in self.pins:
+                    return entry
+            self.drop_soonest_pin()
 
     def find(self, entry_id: bytes) -> RefEntry:
         return next(entry for entry in self.entries if entry.entry_id == entry_id)
@@ -93,14 +124,20 @@ class Reference:
 
     def remove(self, entry: RefEntry, reason: str, out: list) -> None:
         self.entries.remove(entry)
+        self.pins.pop(entry.entry_id, None)
         out.append((reason, entry.nbytes))
         self.evictions[reason] += 1
 
     def expire(self, now: float, out: list) -> None:
-        while self.entries and now - self.entries[0].last_used >= self.limits.ttl_seconds:
-            self.evict(self.entries[0], "ttl", out)
+        self.pins = {entry_id: until for entry_id, until in self.pins.items() if until > now}
+        while True:
+            expired = [entry for entry in self.entries if now - entry.last_used >= self.limits.ttl_seconds
+                       and self.root(entry) not in self.pins]
+            if not expired:
+                return
+            self.evict(expired[0], "ttl", out)
 
-    def insert(self, context, tokens, payload, nbytes, now):
+    def insert(self, context, tokens, payload, nbytes, now, retain=0.0):
         out: list = []
         self.expire(now, out)
         tokens = tuple(tokens)
@@ -111,10 +148,14 @@ class Reference:
             self.refusals += 1
             return False, "too_large", out
         entry_id = prefix_digest(context, tokens, len(tokens))
+        retain_until = now + retain if retain > 0 else 0.0
         for entry in self.entries:
             if entry.entry_id == entry_id:
                 self.touch(entry, now)
                 self.duplicates += 1
+                if retain_until:
+                    self.pin(self.find(self.root(entry)), retain_until)
+                    self.enforce_share()
                 return False, "duplicate", out
         new = RefEntry(entry_id, context, tokens, payload, nbytes, now)
         superseded = [
@@ -126,6 +167,7 @@ class Reference:
         ]
         self.entries.append(new)
         self.inserts += 1
+        until = max([retain_until, *(self.pins.pop(older.entry_id, 0.0) for older in superseded)])
         for older in superseded:
             out.append(("superseded", older.nbytes))
             self.evictions["superseded"] += 1
@@ -133,13 +175,20 @@ class Reference:
                 if alias.owner == older.entry_id:
                     alias.owner = entry_id
             older.owner, older.nbytes, older.payload = entry_id, 0, None
+        if until > now:
+            self.pin(new, until)
+            self.enforce_share()
         while len(self.entries) > self.limits.max_entries:
-            self.evict(self.entries[0], "lru", out)
+            self.evict(self.victim(self.entries, new), "lru", out)
         while self.total_bytes() > self.limits.capacity_bytes:
-            self.evict(self.owners()[0], "lru", out)
+            self.evict(self.victim(self.owners(), new), "lru", out)
         while self.unique_blocks() > self.block_cap:
-            self.evict(self.owners()[0], "capacity", out)
+            self.evict(self.victim(self.owners(), new), "capacity", out)
         return True, None, out
+
+    def enforce_share(self) -> None:
+        while self.pinned_bytes() > self.budget:
+            self.drop_soonest_pin()
 
     def candidates(self, context, tokens, cap):
         """(entry, usable length, partial) for every entry the request may use."""
@@ -191,10 +240,13 @@ class StoreMachine(RuleBasedStateMachine):
         max_entries=st.integers(1, 8),
         ttl=st.sampled_from([5.0, 12.0, 1000.0]),
         min_prefix=st.integers(0, 5),
+        pinned_share=st.sampled_from([0.0, 0.3, 0.5, 0.5, 1.0]),
     )
-    def start(self, block_size, enabled, algorithm, num_blocks, capacity, max_entries, ttl, min_prefix):
+    def start(self, block_size, enabled, algorithm, num_blocks, capacity, max_entries, ttl, min_prefix,
+              pinned_share):
         limits = StoreLimits(
-            capacity_bytes=capacity, max_entries=max_entries, ttl_seconds=ttl, min_prefix=min_prefix
+            capacity_bytes=capacity, max_entries=max_entries, ttl_seconds=ttl, min_prefix=min_prefix,
+            pinned_share=pinned_share,
         )
         apc = ApcSettings(enabled=enabled, block_size=block_size, num_blocks=num_blocks, algorithm=algorithm)
         self.store = PromptCacheStore(limits, apc)
@@ -202,24 +254,44 @@ class StoreMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.payloads = 0
 
-    def _insert(self, context, tokens, nbytes):
+    def _insert(self, context, tokens, nbytes, retain=0.0):
         self.payloads += 1
         payload = f"payload-{self.payloads}"
-        outcome = self.store.insert(context, tokens, payload, nbytes, self.now)
-        stored, reason, evictions = self.reference.insert(context, tokens, payload, nbytes, self.now)
+        pinned_before = self._pinned()
+        dropped_before = self.store.stats(self.now).pins_dropped
+        outcome = self.store.insert(context, tokens, payload, nbytes, self.now, retain_seconds=retain)
+        stored, reason, evictions = self.reference.insert(context, tokens, payload, nbytes, self.now, retain)
         assert (outcome.stored, outcome.reason) == (stored, reason)
         assert Counter(outcome.evictions) == Counter(evictions)
+        if self.store.stats(self.now).pins_dropped == dropped_before:
+            self._pins_held(pinned_before)
 
-    @rule(context=st.sampled_from(CONTEXTS), tokens=stored_lists, nbytes=st.integers(0, 20))
-    def insert(self, context, tokens, nbytes):
-        self._insert(context, tokens, nbytes)
+    def _pinned(self) -> dict[bytes, float]:
+        return {info.entry_id: info.pinned_until for info in self.store.entries_by_recency()
+                if info.pinned_until is not None and info.pinned_until > self.now}
+
+    def _pins_held(self, pinned_before: dict[bytes, float]) -> None:
+        """Independent of the reference: with no pin dropped, every entry pinned before is
+        still there, pinned at least as long (a superseded one through its new owner)."""
+        after = {info.entry_id: info.pinned_until for info in self.store.entries_by_recency()}
+        for entry_id, until in pinned_before.items():
+            if until > self.now:
+                assert entry_id in after
+                assert after[entry_id] is not None
+                assert after[entry_id] >= until
+
+    @rule(context=st.sampled_from(CONTEXTS), tokens=stored_lists, nbytes=st.integers(0, 20),
+          retain=st.sampled_from([0.0, 0.0, 0.0, 3.0, 10.0, 100.0]))
+    def insert(self, context, tokens, nbytes, retain):
+        self._insert(context, tokens, nbytes, retain)
 
     @precondition(lambda self: self.reference.entries)
-    @rule(data=st.data(), extra=token_lists, nbytes=st.integers(0, 20), same=st.booleans())
-    def insert_next_turn(self, data, extra, nbytes, same):
+    @rule(data=st.data(), extra=token_lists, nbytes=st.integers(0, 20), same=st.booleans(),
+          retain=st.sampled_from([0.0, 0.0, 3.0, 10.0, 100.0]))
+    def insert_next_turn(self, data, extra, nbytes, same, retain):
         entry = data.draw(st.sampled_from(self.reference.entries))
         context = entry.context if same else data.draw(_neighbours(entry.context))
-        self._insert(context, entry.tokens + tuple(extra), nbytes)
+        self._insert(context, entry.tokens + tuple(extra), nbytes, retain)
 
     def _lookup(self, context, tokens, max_len):
         match = self.store.lookup(context, tokens, self.now, max_len=max_len)
@@ -275,10 +347,12 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(seconds=st.sampled_from([0.0, 2.5, 6.0]))
     def expire(self, seconds):
+        pinned_before = self._pinned()
         self.now += seconds
         out: list = []
         self.reference.expire(self.now, out)
         assert Counter(self.store.expire(self.now)) == Counter(out)
+        self._pins_held(pinned_before)  # the TTL never ends a pin early
 
     @precondition(lambda self: len(self.reference.entries) >= 3)
     @rule()
@@ -289,6 +363,7 @@ class StoreMachine(RuleBasedStateMachine):
             self.reference.total_bytes(),
         )
         self.reference.entries.clear()
+        self.reference.pins.clear()
 
     @invariant()
     def same_contents_and_stats(self):
@@ -324,6 +399,10 @@ class StoreMachine(RuleBasedStateMachine):
             assert info.tokens == entry.tokens
             assert info.alias_of == entry.owner
             assert info.last_used == entry.last_used
+            assert info.pinned_until == reference.pins.get(reference.root(entry))
+        assert stats.pinned_entries == len(reference.pins)
+        assert stats.pinned_bytes == reference.pinned_bytes() <= stats.pinned_capacity_bytes == reference.budget
+        assert stats.pins_dropped == reference.pins_dropped
 
 
 StoreMachine.TestCase.settings = settings(

@@ -14,8 +14,10 @@ import pytest
 
 from mlxcel.cache.key import CacheContext
 from mlxcel.core import scheduler as core_scheduler
+from mlxcel.core.effects import DonateSequence
 from mlxcel.core.plan import (
     Capabilities,
+    DetachedSequence,
     InsertBatch,
     SampledToken,
     SnapshotPoint,
@@ -119,10 +121,11 @@ class Harness:
         self.found: dict[str, Hit] = {}
 
     def add(self, request_id: str, length: int, max_tokens: int = 4, *, first: int = 0,
-            context: CacheContext | None = None) -> None:
+            context: CacheContext | None = None, retain_seconds: float = 0.0) -> None:
         prompt = tuple(range(first, first + length))
         self.core.add(NewRequest(request_id=request_id, prompt_tokens=prompt, sampling=GREEDY,
-                                 max_tokens=max_tokens, cache_context=context), self.clients)
+                                 max_tokens=max_tokens, cache_context=context, retain_seconds=retain_seconds),
+                      self.clients)
 
     def step(self) -> StepPlan:
         while (lookup := self.core.next_lookup(0.0)) is not None:
@@ -284,6 +287,65 @@ def test_warm_ups_run_only_while_idle_and_give_way_to_requests() -> None:
     assert started(plan) == [1]
     stats = harness.core.statistics()
     assert (stats.num_warm_started, stats.num_warm_preempted, stats.num_warm_steps_with_foreground) == (1, 1, 0)
+
+
+class _GoneAfterFirstToken(Clients):
+    """A client of ``request_id`` that disconnects as its first streamed token arrives."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__()
+        self.request_id = request_id
+
+    def send(self, request_id: str, delta: Delta) -> bool:
+        return request_id != self.request_id and super().send(request_id, delta)
+
+
+@pytest.mark.parametrize("length", [10, 40])  # a direct start, and a prompt prefilled in the batch
+def test_a_retaining_request_donates_its_prompt_at_the_end_of_prefill(length: int) -> None:
+    harness = Harness()
+    harness.add("plain", 10, context=CONTEXT, first=500)
+    harness.step()
+    harness.add("kept", length, context=CONTEXT, retain_seconds=3600)
+    while not (starts := harness.step().starts):
+        pass
+    (start,) = starts
+    # A one-chunk prompt skips the early donation unless it retains (a long one always donates).
+    assert harness.plans[0].starts[0].donate_prompt is False
+    assert start.donate_prompt is True
+    # The client leaves at its first token; the device detached the prompt in the same step.
+    harness.core.take_effects()
+    while harness.device.batch.get(start.sequence_id, _Simulated(0, 0)).prefill_left:
+        harness.step()
+    plan = harness.core.schedule() if harness.core.next_lookup(0.0) is None else None
+    assert plan is not None
+    prompt = tuple(range(length))
+    result = StepResult(
+        step_number=99,
+        sampled=(SampledToken(sequence_id=start.sequence_id, token=7, logprob=-1.0),),
+        detached=(DetachedSequence(sequence_id=start.sequence_id, tokens=prompt, payload="kv", nbytes=64,
+                                   final=False),),
+        prompts_done=(start.sequence_id,),
+    )
+    harness.core.update(plan, result, _GoneAfterFirstToken("kept"), 0.0)
+    donations = [effect for effect in harness.core.take_effects() if isinstance(effect, DonateSequence)]
+    assert donations == [DonateSequence(context=CONTEXT, tokens=prompt, payload="kv", nbytes=64,
+                                        prompt_len=length, retain_seconds=3600)]
+    assert harness.core.statistics().num_cancelled == 1
+    # Cancelled: no final donation is asked of the device.
+    assert harness.core.schedule().removals[-1].donate is False
+
+
+def test_a_retaining_completion_donates_with_its_retention() -> None:
+    harness = Harness()
+    harness.add("kept", 10, max_tokens=1, context=CONTEXT, retain_seconds=86400)
+    plan = harness.step()
+    (start,) = plan.starts
+    # The device finished it at its first token and detached the whole sequence.
+    harness.core.take_effects()
+    final = DetachedSequence(sequence_id=start.sequence_id, tokens=tuple(range(10)), payload="kv", nbytes=64)
+    harness.core.update(StepPlan(), StepResult(step_number=2, detached=(final,)), harness.clients, 0.0)
+    (donation,) = [e for e in harness.core.take_effects() if isinstance(e, DonateSequence)]
+    assert (donation.retain_seconds, donation.prompt_len) == (86400, 10)
 
 
 @attrs.frozen

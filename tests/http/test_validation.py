@@ -112,6 +112,18 @@ BAD_COMMON: list[tuple[dict[str, Any], str, str]] = [
     ({"extra_body": {"cache_salt": False}}, "extra_body.cache_salt", TYPE),
 ]
 
+# OpenAI's prompt_cache_retention: chat completions and /v1/completions (not llama.cpp's /completion).
+BAD_OPENAI_RETENTION: list[tuple[dict[str, Any], str, str]] = [
+    ({"prompt_cache_retention": "1h"}, "prompt_cache_retention", VALUE),
+    ({"prompt_cache_retention": "24H"}, "prompt_cache_retention", VALUE),
+    ({"prompt_cache_retention": 86400}, "prompt_cache_retention", VALUE),
+    ({"prompt_cache_retention": True}, "prompt_cache_retention", VALUE),
+    ({"extra_body": {"prompt_cache_retention": "forever"}}, "extra_body.prompt_cache_retention", VALUE),
+    # The root value wins, but a malformed nested one is still reported.
+    ({"prompt_cache_retention": "24h", "extra_body": {"prompt_cache_retention": ""}},
+     "extra_body.prompt_cache_retention", VALUE),
+]
+
 BAD_OPENAI_SAMPLING: list[tuple[dict[str, Any], str, str]] = [
     ({"max_tokens": 0}, "max_tokens", VALUE),
     ({"max_tokens": -1}, "max_tokens", VALUE),
@@ -343,7 +355,7 @@ def _cases(rows: list[tuple[Any, Any, str]], build: Any) -> list[Any]:
 @pytest.mark.parametrize(
     ("body", "param", "code"),
     [pytest.param(body, param, code, id=f"{param}-{i}") for i, (body, param, code) in enumerate(BAD_CHAT_ONLY)]
-    + _cases(BAD_COMMON + BAD_OPENAI_SAMPLING, lambda fields: chat(**fields)),
+    + _cases(BAD_COMMON + BAD_OPENAI_SAMPLING + BAD_OPENAI_RETENTION, lambda fields: chat(**fields)),
 )
 def test_bad_chat_request(body: object, param: str | None, code: str) -> None:
     expect_invalid(parse_chat_request, body, param, code)
@@ -389,7 +401,7 @@ BAD_COMPLETION_ONLY: list[tuple[object, str | None, str]] = [
         pytest.param(body, param, code, id=f"{param}-{i}")
         for i, (body, param, code) in enumerate(BAD_COMPLETION_ONLY)
     ]
-    + _cases(BAD_COMMON + BAD_OPENAI_SAMPLING, lambda fields: completion(**fields)),
+    + _cases(BAD_COMMON + BAD_OPENAI_SAMPLING + BAD_OPENAI_RETENTION, lambda fields: completion(**fields)),
 )
 def test_bad_completion_request(body: object, param: str | None, code: str) -> None:
     expect_invalid(parse_completion_request, body, param, code)
@@ -652,6 +664,26 @@ def test_cache_options_on_every_route(fields: dict[str, Any], expected: CacheOpt
     assert parse_native_completion(completion(**fields)).cache == expected
 
 
+@pytest.mark.parametrize(("fields", "seconds"), [
+    ({}, 0.0),
+    ({"prompt_cache_retention": "in_memory"}, 0.0),
+    ({"prompt_cache_retention": "24h"}, 86400.0),
+    ({"prompt_cache_retention": None}, 0.0),
+    ({"extra_body": {"prompt_cache_retention": "24h"}}, 86400.0),
+    ({"prompt_cache_retention": "in_memory", "extra_body": {"prompt_cache_retention": "24h"}}, 0.0),
+])
+def test_prompt_cache_retention_on_the_openai_routes(fields: dict[str, Any], seconds: float) -> None:
+    assert parse_chat_request(chat(**fields)).cache.retain_seconds == seconds
+    assert parse_completion_request(completion(**fields)).cache.retain_seconds == seconds
+    # llama.cpp's /completion has no such field: it is ignored there, as other unknown fields are.
+    assert parse_native_completion(completion(**fields)).cache.retain_seconds == 0.0
+
+
+def test_a_bad_retention_names_the_field_and_its_values() -> None:
+    with pytest.raises(InvalidRequest, match=r"prompt_cache_retention must be 'in_memory' or '24h', got '1h'"):
+        parse_chat_request(chat(prompt_cache_retention="1h"))
+
+
 @pytest.mark.parametrize(
     ("fields", "stream", "include_usage"),
     [
@@ -902,7 +934,7 @@ FIELDS = [
     "top_k", "min_p", "repetition_penalty", "repeat_penalty", "logit_bias", "response_format",
     "parallel_tool_calls",
     "chat_template_kwargs", "extra_body", "cache_prompt", "prompt_cache_key", "user",
-    "cache_salt", "echo", "best_of", "suffix",
+    "cache_salt", "echo", "best_of", "suffix", "prompt_cache_retention",
 ]  # fmt: skip
 field_bodies = st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=6)
 
