@@ -32,7 +32,16 @@ from typing import Any, NoReturn
 import attrs
 
 from mlxcel.errors import InvalidRequest, MlxcelError, ServerBusy
-from mlxcel.http.validation import DEFAULT_VOLATILE_SYSTEM_PATTERNS, Limits, parse_chat_request
+
+# The chat validator's primitive readers: one wording of "must be an object" and of a value's kind.
+from mlxcel.http.validation import (
+    DEFAULT_VOLATILE_SYSTEM_PATTERNS,
+    Limits,
+    _fail,
+    _kind,
+    _object,
+    parse_chat_request,
+)
 from mlxcel.types import ChatRequest, Delta, ToolCall, Usage
 
 __all__ = [
@@ -74,24 +83,6 @@ _UNSUPPORTED = "unsupported_parameter"
 # --- errors --------------------------------------------------------------------
 
 
-def _fail(param: str, message: str, code: str = _VALUE) -> NoReturn:
-    raise InvalidRequest(message, param=param, code=code)
-
-
-def _kind(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return repr(value) if len(value) <= 40 else f"a string of {len(value)} characters"
-    if isinstance(value, (list, tuple)):
-        return "a list"
-    if isinstance(value, Mapping):
-        return "an object"
-    return type(value).__name__
-
-
 def error_status(error: MlxcelError) -> int:
     # Anthropic answers "overloaded" with 529, where OpenAI-style servers say 503.
     return 529 if isinstance(error, ServerBusy) else error.status
@@ -115,12 +106,6 @@ def error_body(error: MlxcelError) -> dict[str, Any]:
 
 
 # --- readers -----------------------------------------------------------------------
-
-
-def _object(value: object, path: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        _fail(path, f"{path} must be an object, got {_kind(value)}", _TYPE)
-    return value
 
 
 def _list(value: object, path: str) -> list[Any]:

@@ -31,12 +31,22 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from mlxcel.errors import InternalError, InvalidRequest, MlxcelError
-from mlxcel.http.validation import DEFAULT_LIMITS, RETENTION_SECONDS, Limits, parse_chat_request
+
+# The chat validator's primitive readers: one wording of a value's kind and of a failed check.
+from mlxcel.http.validation import (
+    DEFAULT_LIMITS,
+    RETENTION_SECONDS,
+    Limits,
+    _bool,
+    _fail,
+    _kind,
+    parse_chat_request,
+)
 from mlxcel.types import ChatRequest, Delta, TokenLogprob, ToolCall, Usage
 
 if TYPE_CHECKING:
@@ -92,26 +102,6 @@ _VALUE = "invalid_value"
 _UNSUPPORTED = "unsupported_parameter"
 
 
-def _fail(param: str | None, message: str, code: str = _VALUE) -> NoReturn:
-    raise InvalidRequest(message, param=param, code=code)
-
-
-def _kind(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return repr(value) if len(value) <= 40 else f"a string of {len(value)} characters"
-    if isinstance(value, (int, float)):
-        return repr(value) if abs(value) < 1e18 else "a very large number"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
-
-
 def _string(value: object, path: str) -> str:
     if not isinstance(value, str):
         _fail(path, f"{path} must be a string, got {_kind(value)}", _TYPE)
@@ -134,12 +124,6 @@ def _object(value: object, path: str) -> dict[str, Any]:
 def _list(value: object, path: str) -> list[Any]:
     if not isinstance(value, list):
         _fail(path, f"{path} must be a list, got {_kind(value)}", _TYPE)
-    return value
-
-
-def _bool(value: object, path: str) -> bool:
-    if not isinstance(value, bool):
-        _fail(path, f"{path} must be a boolean, got {_kind(value)}", _TYPE)
     return value
 
 
