@@ -44,3 +44,29 @@ def start_server(nursery: trio.Nursery) -> Callable[..., Any]:
         return binds[0]
 
     return start
+
+
+@pytest.fixture(autouse=True)
+def close_sdk_clients(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Every sync official-SDK client a test makes is closed when the test ends.
+
+    Tests make `openai.OpenAI(...)` and `anthropic.Anthropic(...)` clients inline; left
+    open, their pooled sockets are closed by the garbage collector in whatever test runs
+    then, and the suite turns that ResourceWarning into a failure of an unrelated test.
+    (The async clients are used with `async with`, which closes them.)
+    """
+    import anthropic
+    import openai
+
+    created: list[Any] = []
+    for client_class in (openai.OpenAI, anthropic.Anthropic):
+        original = client_class.__init__
+
+        def init(self: Any, *args: Any, __original: Any = original, **kwargs: Any) -> None:
+            __original(self, *args, **kwargs)
+            created.append(self)
+
+        monkeypatch.setattr(client_class, "__init__", init)
+    yield
+    for client in created:
+        client.close()
