@@ -353,7 +353,11 @@ class SchedulerCore:
     def next_lookup(self, now: float) -> Lookup | None:
         """The cache lookup the next admission waits for, or None when the step can be planned."""
         if self._waiting and self._warming:
-            # Foreground work arrived: warm-ups give way at once and store nothing.
+            if all(self._extends_a_warm_up(request) for request in self._waiting):
+                # Only the next turns of the conversations being warmed are waiting: the
+                # warm-ups compute exactly the prefix they resume from, so they wait for them.
+                return None
+            # Other foreground work arrived: warm-ups give way at once and store nothing.
             for sequence_id in self._warming:
                 self._remove(sequence_id, donate=False)
             self._num_warm_preempted += len(self._warming)
@@ -368,6 +372,12 @@ class SchedulerCore:
             self._warm_lookup = job
             return Lookup(kind="warm", context=job.context, tokens=job.tokens)
         return None
+
+    def _extends_a_warm_up(self, request: NewRequest) -> bool:
+        """``request`` is a running warm-up's conversation, its prompt going on from the warmed tokens."""
+        prompt = request.prompt_tokens
+        return any(job.context == request.cache_context and len(prompt) > len(job.tokens)
+                   and prompt[:len(job.tokens)] == job.tokens for job in self._warming.values())
 
     def resolve(self, lookup: Lookup, result: LookupResult) -> None:
         if lookup.kind == "warm":

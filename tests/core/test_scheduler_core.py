@@ -57,6 +57,8 @@ class _Simulated:
     prefill_left: int
     tokens_left: int
     awaiting_first: bool = False
+    # A warm-up: its prefill ends with its snapshot, and it stops there.
+    warm: bool = False
 
 
 class SimulatedDevice:
@@ -69,13 +71,13 @@ class SimulatedDevice:
 
     def run(self, plan: StepPlan) -> StepResult:
         self.steps += 1
-        sampled, prompts_done, prefilling, prefill_tokens = [], [], [], 0
+        sampled, prompts_done, prefilling, prefill_tokens, warmed = [], [], [], 0, []
         for removal in plan.removals:
             self.batch.pop(removal.sequence_id, None)
         for start in plan.starts:
             if isinstance(start, InsertBatch):
                 self.batch[start.sequence_id] = _Simulated(prefill_left=len(start.prompt_tokens),
-                                                           tokens_left=start.max_tokens)
+                                                           tokens_left=start.max_tokens, warm=start.warm)
         if plan.alone_chunk is not None:
             prefill_tokens += plan.alone_chunk.end - plan.alone_chunk.start
             if plan.alone_rest is None:
@@ -96,7 +98,11 @@ class SimulatedDevice:
                     ran = min(self.step, sequence.prefill_left)
                     sequence.prefill_left -= ran
                     prefill_tokens += ran
-                    (prompts_done if sequence.prefill_left == 0 else prefilling).append(sequence_id)
+                    if sequence.prefill_left == 0 and sequence.warm:
+                        warmed.append(sequence_id)  # snapshotted; the real device drops it here
+                        del self.batch[sequence_id]
+                    else:
+                        (prompts_done if sequence.prefill_left == 0 else prefilling).append(sequence_id)
                     break  # one prompt's chunk per step
         for start in plan.direct_starts:
             prefill_tokens += len(start.prompt_tokens)
@@ -106,7 +112,8 @@ class SimulatedDevice:
             if finish is None:
                 self.batch[start.sequence_id] = _Simulated(prefill_left=0, tokens_left=start.max_tokens - 1)
         return StepResult(step_number=self.steps, sampled=tuple(sampled), prompts_done=tuple(prompts_done),
-                          prefilling=tuple(prefilling), prefill_tokens=prefill_tokens, decode_batch_size=decode_batch)
+                          prefilling=tuple(prefilling), prefill_tokens=prefill_tokens, decode_batch_size=decode_batch,
+                          warmed=tuple(warmed))
 
 
 class Harness:
@@ -287,6 +294,29 @@ def test_warm_ups_run_only_while_idle_and_give_way_to_requests() -> None:
     assert started(plan) == [1]
     stats = harness.core.statistics()
     assert (stats.num_warm_started, stats.num_warm_preempted, stats.num_warm_steps_with_foreground) == (1, 1, 0)
+
+
+def test_the_next_turn_of_a_conversation_being_warmed_waits_for_its_warm_up() -> None:
+    """The warm-up computes the prefix that turn resumes from: preempting it would prefill it again."""
+    harness = Harness(snapshots=True)
+    harness.core.warm(WarmSession(context=CONTEXT, tokens=tuple(range(30))))
+    harness.step()
+    harness.add("next-turn", 40, context=CONTEXT)  # the warmed 30 tokens, then the new message
+    plans = []
+    while not any(start.sequence_id == 1 for plan in plans for start in plan.starts):
+        plans.append(harness.step())
+        assert len(plans) < 10
+    assert all(not plan.removals for plan in plans)  # never preempted
+    stats = harness.core.statistics()
+    assert (stats.num_warm_started, stats.num_warm_preempted, stats.num_warm_completed) == (1, 0, 1)
+    harness.run_until_idle()
+    # Another conversation's request still preempts a warm-up at once.
+    harness.core.warm(WarmSession(context=CONTEXT, tokens=tuple(range(90))))
+    harness.step()
+    harness.add("other", 10, first=500, context=attrs.evolve(CONTEXT, session_key="other"))
+    plan = harness.step()
+    assert [removal.sequence_id for removal in plan.removals] == [2]
+    assert harness.core.statistics().num_warm_preempted == 1
 
 
 class _GoneAfterFirstToken(Clients):
