@@ -1,9 +1,10 @@
 """What LoRA adapter configurations cost a decoding batch.
 
-Usage: python benchmarks/lora_configs.py [--streams 16] [--reply-tokens 64] [--repeats 3]
+Usage: python benchmarks/lora_configs.py [--model-path DIR] [--streams 16] [--reply-tokens 64] [--repeats 3]
 
-In-process engine on the llama fixture with two random adapters (`mlxcel
-fixture --lora`). N simultaneous streams decode --reply-tokens each, their
+In-process engine on the llama fixture (or --model-path) with two random
+adapters (`mlxcel fixture --lora`; written beside --model-path for another
+model). N simultaneous streams decode --reply-tokens each, their
 adapter scales spread over 1, 2 or 4 configurations (none; A; B; A+B). Each
 configuration runs as its own batch, one forward pass per configuration per
 step, so decode tokens/s falls as configurations are added; also shown:
@@ -67,8 +68,19 @@ async def run(arguments: argparse.Namespace, with_adapters: bool) -> dict[str, f
     from mlxcel.model.adapters import AdapterSpec
     from mlxcel.model.fixtures import fixture_path, lora_fixture_path
 
-    adapters = (AdapterSpec(path=lora_fixture_path(seed=1)), AdapterSpec(path=lora_fixture_path(seed=2)))
-    config = EngineConfig(model_path=fixture_path("llama"), prompt_cache=PromptCacheConfig(capacity_bytes=1 << 30),
+    if arguments.model_path is None:
+        model_path = fixture_path("llama")
+        folders = [lora_fixture_path(seed=1), lora_fixture_path(seed=2)]
+    else:
+        from mlxcel.model.fixtures import write_lora_fixture
+
+        model_path = Path(arguments.model_path)
+        folders = [model_path.parent / f"{model_path.name}-lora{seed}" for seed in (1, 2)]
+        for seed, folder in zip((1, 2), folders, strict=True):
+            if not (folder / "adapters.safetensors").exists():
+                write_lora_fixture(model_path, folder, seed=seed)
+    adapters = tuple(AdapterSpec(path=folder) for folder in folders)
+    config = EngineConfig(model_path=model_path, prompt_cache=PromptCacheConfig(capacity_bytes=1 << 30),
                           scheduler=SchedulerConfig(), lora=adapters if with_adapters else ())
     ways = {"1 configuration": 1, "2 configurations": 2, "4 configurations": 4} if with_adapters else {"no adapters": 0}
     rates: dict[str, list[float]] = {way: [] for way in ways}
@@ -83,6 +95,7 @@ async def run(arguments: argparse.Namespace, with_adapters: bool) -> dict[str, f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", default=None)
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--reply-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
