@@ -18,11 +18,11 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # structured_output's decode_rate
 
 from mlxcel.blas import describe_blas, reexec_with_optimized_blas  # noqa: E402
 
@@ -30,34 +30,16 @@ CONFIGS = [[], [{"id": 0, "scale": 1.0}], [{"id": 1, "scale": 1.0}], [{"id": 0, 
 
 
 async def decode_round(engine: Any, streams: int, num_configs: int, reply_tokens: int, round_index: int) -> float:
-    import trio
+    from structured_output import decode_rate
 
-    from mlxcel.http.validation import parse_chat_request
-
-    firsts: list[float] = []
-    finishes: list[float] = []
-    counted = [0]
-
-    async def one(index: int) -> None:
+    bodies: list[dict[str, Any]] = []
+    for index in range(streams):
         body: dict[str, Any] = {"messages": [{"role": "user", "content": f"Round {round_index}, stream {index}."}],
                                 "max_tokens": reply_tokens, "temperature": 1.0, "seed": index, "cache_prompt": False}
         if num_configs:
             body["lora"] = CONFIGS[index % num_configs]
-        first = None
-        async with engine.stream(parse_chat_request(body)) as deltas:
-            async for delta in deltas:
-                if first is None and delta.token_ids:
-                    first = time.perf_counter()
-                elif first is not None:
-                    counted[0] += len(delta.token_ids)
-        assert first is not None
-        firsts.append(first)
-        finishes.append(time.perf_counter())
-
-    async with trio.open_nursery() as nursery:
-        for index in range(streams):
-            nursery.start_soon(one, index)
-    return counted[0] / (max(finishes) - min(firsts))
+        bodies.append(body)
+    return await decode_rate(engine, bodies)
 
 
 async def run(arguments: argparse.Namespace, with_adapters: bool) -> dict[str, float]:

@@ -61,8 +61,8 @@ def agent_tools(count: int) -> list[dict[str, Any]]:
     return tools
 
 
-async def decode_round(engine: Any, streams: int, constrained: int, reply_tokens: int, round_index: int,
-                       schema: str = "bounded") -> float:
+async def decode_rate(engine: Any, bodies: list[dict[str, Any]]) -> float:
+    """Send the chat bodies at once; tokens/s = tokens after each stream's first / (last finish - first token)."""
     import trio
 
     from mlxcel.http.validation import parse_chat_request
@@ -71,17 +71,9 @@ async def decode_round(engine: Any, streams: int, constrained: int, reply_tokens
     firsts: list[float] = []
     tokens_after_first = [0]
 
-    async def one(index: int) -> None:
-        body: dict[str, Any] = {
-            "messages": [{"role": "user", "content": f"Round {round_index} stream {index}: list things."}],
-            "max_tokens": reply_tokens, "temperature": 1.0, "seed": index,
-        }
-        if index < constrained:
-            body["response_format"] = {"type": "json_schema",
-                                       "json_schema": {"name": "list", "schema": SCHEMAS[schema]}}
-        request = parse_chat_request(body)
+    async def one(body: dict[str, Any]) -> None:
         first = None
-        async with engine.stream(request) as deltas:
+        async with engine.stream(parse_chat_request(body)) as deltas:
             async for delta in deltas:
                 if first is None and (delta.text or delta.token_ids):
                     first = time.perf_counter()
@@ -92,9 +84,24 @@ async def decode_round(engine: Any, streams: int, constrained: int, reply_tokens
         finishes.append(time.perf_counter())
 
     async with trio.open_nursery() as nursery:
-        for index in range(streams):
-            nursery.start_soon(one, index)
+        for body in bodies:
+            nursery.start_soon(one, body)
     return tokens_after_first[0] / (max(finishes) - min(firsts))
+
+
+async def decode_round(engine: Any, streams: int, constrained: int, reply_tokens: int, round_index: int,
+                       schema: str = "bounded") -> float:
+    bodies: list[dict[str, Any]] = []
+    for index in range(streams):
+        body: dict[str, Any] = {
+            "messages": [{"role": "user", "content": f"Round {round_index} stream {index}: list things."}],
+            "max_tokens": reply_tokens, "temperature": 1.0, "seed": index,
+        }
+        if index < constrained:
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "list", "schema": SCHEMAS[schema]}}
+        bodies.append(body)
+    return await decode_rate(engine, bodies)
 
 
 def compile_costs(num_tools: int, tokenizer: Any) -> dict[str, float]:

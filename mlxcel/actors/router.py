@@ -35,7 +35,12 @@ from mlxcel.cache.key import (
 )
 from mlxcel.core.output import ReplyFormat
 from mlxcel.core.scheduler import NewRequest
-from mlxcel.core.tool_grammar import UnforceableToolChoice, forced_tool_grammar, tool_format_name
+from mlxcel.core.tool_grammar import (
+    UnforceableToolChoice,
+    forced_tool_grammar,
+    strict_tools_grammar,
+    tool_format_name,
+)
 from mlxcel.errors import InvalidRequest, ServerBusy
 from mlxcel.model.adapters import adapter_cache_id
 from mlxcel.model.chat_template import (
@@ -188,33 +193,37 @@ class PromptRenderer:
         return None
 
     def _tool_grammar(self, request: ChatRequest) -> str | None:
-        """The grammar that makes the reply a call to one of the forced tools, or None."""
+        """The grammar a request's tools put on its reply: a forced call, or `strict` tools' calls; or None."""
         names = forced_tool_names(request)
-        if not names:
+        strict = [index for index, tool in enumerate(request.tools or ())
+                  if tool["function"].get("strict") is True] if request.tool_choice != "none" else []
+        if not names and not strict:
             return None
+        # What a refusal names: the forced choice, or the first strict tool.
+        param = "tool_choice" if names else f"tools[{strict[0]}].function.strict"
         if request.sampling.grammar is not None:
             raise InvalidRequest(
-                "a forced tool_choice and response_format cannot both shape one reply; send one of them",
-                param="tool_choice", code="unsupported_value",
+                f"{'a forced tool_choice' if names else 'strict tools'} and response_format cannot both shape "
+                "one reply; send one of them", param=param, code="unsupported_value",
             )
         fmt = ReplyFormat.of(self._model.tokenizer)
         if fmt.tool_parser is None or fmt.tool_call_start is None:
             raise InvalidRequest(
-                "this model's chat template has no tool-call format, so a tool call cannot be forced",
-                param="tool_choice", code="unsupported_value",
+                "this model's chat template has no tool-call format, so its tool calls cannot be enforced",
+                param=param, code="unsupported_value",
             )
+        build = functools.partial(
+            forced_tool_grammar, names=names) if names else strict_tools_grammar
         try:
-            grammar = forced_tool_grammar(
-                format_name=tool_format_name(fmt.tool_parser), tools=request.tools or (), names=names,
-                parallel=request.parallel_tool_calls, start_marker=fmt.tool_call_start,
-                end_marker=fmt.tool_call_end, special_ids=self._special_ids,
-            )
+            grammar = build(format_name=tool_format_name(fmt.tool_parser), tools=request.tools or (),
+                            parallel=request.parallel_tool_calls, start_marker=fmt.tool_call_start,
+                            end_marker=fmt.tool_call_end, special_ids=self._special_ids)
         except UnforceableToolChoice as error:
-            raise InvalidRequest(str(error), param="tool_choice", code="unsupported_value") from None
+            raise InvalidRequest(str(error), param=param, code="unsupported_value") from None
         error_message = _grammar_error(grammar)
         if error_message is not None:
             raise InvalidRequest(
-                f"the forced tool's parameters cannot be enforced: {error_message}", param="tools",
+                f"the tools' parameters cannot be enforced: {error_message}", param="tools",
                 code="unsupported_value",
             )
         return grammar

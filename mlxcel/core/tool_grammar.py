@@ -49,30 +49,64 @@ def forced_tool_grammar(
     ``special_ids`` maps a marker that is one special token to its id: such a
     token is never spelled out by text, so the grammar names it by id.
     """
-    if format_name not in FORCEABLE_FORMATS:
-        raise UnforceableToolChoice(
-            f"forcing a tool call needs a tool-call format with a grammar ({', '.join(FORCEABLE_FORMATS)}); "
-            f"this model's is {format_name or 'unknown'}"
-        )
     by_name = {tool["function"]["name"]: tool["function"] for tool in tools}
     parameters = {name: by_name[name].get("parameters") or {"type": "object"} for name in names}
+    start, body, separator = _call_parts(format_name, parameters, start_marker, end_marker, special_ids)
+    rules = [f"start: call ({separator} call)*" if parallel else "start: call", f"call: {start} {body}"]
+    return "\n".join(rules) + "\n"
+
+
+def strict_tools_grammar(
+    *,
+    format_name: str | None,
+    tools: Sequence[Mapping[str, Any]],
+    parallel: bool,
+    start_marker: str,
+    end_marker: str | None,
+    special_ids: Mapping[str, int],
+) -> str:
+    """Free text, but a call the model starts must match: OpenAI's `strict` tools under `tool_choice: auto`.
+
+    The call's marker is a lazy trigger (llguidance's structural tags): text
+    is free until the marker appears, then the call follows the grammar; a
+    `strict` tool's arguments match its `parameters`, another tool's are any
+    JSON object.
+    """
+    parameters = {
+        tool["function"]["name"]: (tool["function"].get("parameters") or {"type": "object"})
+        if tool["function"].get("strict") is True else {"type": "object"}
+        for tool in tools
+    }
+    start, body, _separator = _call_parts(format_name, parameters, start_marker, end_marker, special_ids)
+    # A special-token marker cannot occur in text, so it needs no lazy lexeme.
+    if start.startswith("<["):
+        call_rules = [f"call: TEXT {start} {body}"]
+    else:
+        call_rules = [f"call: trigger {body}", f"trigger[lazy]: TEXT {start}"]
+    calls = "call*" if parallel else "call?"
+    return "\n".join(["%llguidance {}", f"start: {calls} tail", "tail: TEXT", "TEXT: /(.|\\n)*/", *call_rules]) + "\n"
+
+
+def _call_parts(
+    format_name: str | None, parameters: Mapping[str, Mapping[str, Any]], start_marker: str, end_marker: str | None,
+    special_ids: Mapping[str, int],
+) -> tuple[str, str, str]:
+    """A call in the model's format: its start marker, what follows it, and what separates two calls."""
+    if format_name not in FORCEABLE_FORMATS:
+        raise UnforceableToolChoice(
+            f"enforcing a tool call needs a tool-call format with a grammar ({', '.join(FORCEABLE_FORMATS)}); "
+            f"this model's is {format_name or 'unknown'}"
+        )
     start = _literal(start_marker, special_ids)
     if format_name == "json_tools":
-        body = _call_object(parameters)
         end = _literal(end_marker or "", special_ids)
         # The template's layout: the marker, a newline, the object, a newline, the end marker.
-        call = f'{start} "\\n" %json {json.dumps(body)} "\\n" {end}'
-        separator = '"\\n"'
-    else:
-        # mistral: [TOOL_CALLS]name[ARGS]{arguments}, repeated for several calls.
-        alternatives = " | ".join(
-            f'{json.dumps(name)} "[ARGS]" %json {json.dumps(_styled(parameters[name]))}' for name in names
-        )
-        call = f"{start} ({alternatives})"
-        separator = ""
-    rules = [f"start: call{f' ({separator} call)*' if separator else ' (call)*'}" if parallel else "start: call",
-             f"call: {call}"]
-    return "\n".join(rules) + "\n"
+        return start, f'"\\n" %json {json.dumps(_call_object(parameters))} "\\n" {end}', '"\\n"'
+    # mistral: [TOOL_CALLS]name[ARGS]{arguments}, repeated for several calls.
+    alternatives = " | ".join(
+        f'{json.dumps(name)} "[ARGS]" %json {json.dumps(_styled(schema))}' for name, schema in parameters.items()
+    )
+    return start, f"({alternatives})", ""
 
 
 def _call_object(parameters: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:

@@ -26,7 +26,7 @@ import functools
 import json
 import re
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, NoReturn
 
 import attrs
@@ -39,7 +39,11 @@ from mlxcel.http.validation import (
     Limits,
     _fail,
     _kind,
+    _list,
+    _nonempty_string as _nonempty,
     _object,
+    _required,
+    _string,
     parse_chat_request,
 )
 from mlxcel.types import ChatRequest, Delta, ToolCall, Usage
@@ -106,33 +110,6 @@ def error_body(error: MlxcelError) -> dict[str, Any]:
 
 
 # --- readers -----------------------------------------------------------------------
-
-
-def _list(value: object, path: str) -> list[Any]:
-    if not isinstance(value, list):
-        _fail(path, f"{path} must be a list, got {_kind(value)}", _TYPE)
-    return value
-
-
-def _string(value: object, path: str) -> str:
-    if not isinstance(value, str):
-        _fail(path, f"{path} must be a string, got {_kind(value)}", _TYPE)
-    return value
-
-
-def _nonempty(value: object, path: str) -> str:
-    text = _string(value, path)
-    if not text:
-        _fail(path, f"{path} must not be empty")
-    return text
-
-
-def _required(fields: Mapping[str, Any], key: str, prefix: str) -> Any:
-    value = fields.get(key)
-    if value is None:
-        path = f"{prefix}.{key}" if prefix else key
-        _fail(path, f"{path} is required", _MISSING)
-    return value
 
 
 def _only(fields: Mapping[str, Any], allowed: frozenset[str] | set[str], prefix: str, what: str) -> None:
@@ -340,7 +317,7 @@ def _system_text(value: object, breakpoints: _Breakpoints, patterns: tuple[str, 
 
 
 def _translate_messages(
-    raw_messages: list[Any], messages: list[dict[str, Any]], origins: list[tuple[str, str]],
+    raw_messages: Sequence[Any], messages: list[dict[str, Any]], origins: list[tuple[str, str]],
     breakpoints: _Breakpoints,
 ) -> None:
     # Tool calls made so far and not yet answered; every id ever used.
@@ -372,7 +349,7 @@ def _translate_messages(
 
 
 def _user_blocks(
-    blocks: list[Any], path: str, messages: list[dict[str, Any]], origins: list[tuple[str, str]],
+    blocks: Sequence[Any], path: str, messages: list[dict[str, Any]], origins: list[tuple[str, str]],
     breakpoints: _Breakpoints, open_calls: set[str],
 ) -> None:
     texts: list[str] = []
@@ -426,7 +403,7 @@ def _tool_result(
 
 
 def _assistant_blocks(
-    blocks: list[Any], path: str, messages: list[dict[str, Any]], origins: list[tuple[str, str]],
+    blocks: Sequence[Any], path: str, messages: list[dict[str, Any]], origins: list[tuple[str, str]],
     breakpoints: _Breakpoints, open_calls: set[str], call_ids: set[str],
 ) -> None:
     texts: list[str] = []
@@ -482,14 +459,13 @@ def _tools(value: object, breakpoints: _Breakpoints) -> list[dict[str, Any]]:
                   "name, description and input_schema", _UNSUPPORTED)
         _only(tool, {"type", "name", "description", "input_schema", "cache_control", "eager_input_streaming",
                      "strict"}, path, "a tool")
-        if tool.get("strict") is True:
-            _fail(f"{path}.strict", f"{path}.strict: strict tool schemas are not supported by this server",
-                  _UNSUPPORTED)
         breakpoints.read(tool, path)
         function: dict[str, Any] = {"name": _nonempty(_required(tool, "name", path), f"{path}.name")}
         if tool.get("description") is not None:
             function["description"] = tool["description"]
         function["parameters"] = _object(_required(tool, "input_schema", path), f"{path}.input_schema")
+        if tool.get("strict") is not None:
+            function["strict"] = tool["strict"]  # enforced as chat's strict tools are
         tools.append({"type": "function", "function": function})
     return tools
 
@@ -547,7 +523,7 @@ def _thinking(value: object, max_tokens: object) -> bool:
 
 _PATH_RULES: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"^tools\[(\d+)\]\.function\.parameters"), r"tools[\1].input_schema"),
-    (re.compile(r"^tools\[(\d+)\]\.function\.(name|description)"), r"tools[\1].\2"),
+    (re.compile(r"^tools\[(\d+)\]\.function\.(name|description|strict)"), r"tools[\1].\2"),
     (re.compile(r"^tool_choice\.function\.name"), "tool_choice.name"),
     (re.compile(r"^stop(?=\[|$)"), "stop_sequences"),
     (re.compile(r"^user$"), "metadata.user_id"),

@@ -45,6 +45,10 @@ from mlxcel.http.validation import (
     _bool,
     _fail,
     _kind,
+    _list,
+    _nonempty_string as _nonempty,
+    _required,
+    _string,
     parse_chat_request,
 )
 from mlxcel.types import ChatRequest, Delta, TokenLogprob, ToolCall, Usage
@@ -102,36 +106,9 @@ _VALUE = "invalid_value"
 _UNSUPPORTED = "unsupported_parameter"
 
 
-def _string(value: object, path: str) -> str:
-    if not isinstance(value, str):
-        _fail(path, f"{path} must be a string, got {_kind(value)}", _TYPE)
-    return value
-
-
-def _nonempty(value: object, path: str) -> str:
-    text = _string(value, path)
-    if not text:
-        _fail(path, f"{path} must not be empty")
-    return text
-
-
 def _object(value: object, path: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         _fail(path, f"{path} must be an object, got {_kind(value)}", _TYPE)
-    return value
-
-
-def _list(value: object, path: str) -> list[Any]:
-    if not isinstance(value, list):
-        _fail(path, f"{path} must be a list, got {_kind(value)}", _TYPE)
-    return value
-
-
-def _required(fields: Mapping[str, Any], key: str, prefix: str) -> Any:
-    value = fields.get(key)
-    if value is None:
-        path = f"{prefix}.{key}"
-        _fail(path, f"{path} is required", _MISSING)
     return value
 
 

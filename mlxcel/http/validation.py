@@ -1005,6 +1005,8 @@ def _tools(root: Mapping[str, Any], tenant: str) -> tuple[dict[str, Any], ...] |
             _fail(f"{function_path}.name", f"{function_path}.name: duplicate tool name {name!r}")
         names.add(name)
         _optional(function, "description", _string, prefix=function_path)
+        # OpenAI's strict function calling: enforced by a grammar on the calls (mlxcel/actors/router.py).
+        _optional(function, "strict", _bool, prefix=function_path)
         parameters = _optional(function, "parameters", _object, prefix=function_path)
         if parameters is not None:
             _check_json_schema(

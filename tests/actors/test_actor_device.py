@@ -314,3 +314,48 @@ def test_a_grammar_at_a_dead_end_lets_only_eos_through_and_warns(caplog: pytest.
         # Greedy over flat logits would pick token 0; only EOS is left.
         assert int(sampler(mx.zeros((1, 151646))).item()) == eos
     assert any("grammar matcher failed" in record.message for record in caplog.records)
+
+
+def test_a_strict_tools_grammar_constrains_a_call_once_its_marker_is_written() -> None:
+    """Text is free; after `<tool_call>` every sampled token keeps the call valid, whatever the logits."""
+
+    import jsonschema
+    import mlx.core as mx
+    from mlx_lm.tool_parsers import json_tools
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxcel.actors.device import _Grammars, _make_sampling
+    from mlxcel.core.tool_grammar import strict_tools_grammar
+
+    tokenizer = load_tokenizer(fixture_path("llama"))
+    parameters = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                                   "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+                  "required": ["city", "days"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "forecast", "strict": True, "parameters": parameters}}]
+    grammar = strict_tools_grammar(format_name="json_tools", tools=tools, parallel=False,
+                                   start_marker="<tool_call>", end_marker="</tool_call>", special_ids={})
+    grammars = _Grammars(tokenizer, frozenset({tokenizer.eos_token_id}))
+    sampler, processors = _make_sampling(SamplingParams(temperature=1.0, seed=3, grammar=grammar), grammars)
+    assert sampler is not None
+    assert processors is not None
+    history = [1, 2, 3]
+    written = tokenizer.encode("Let me look. <tool_call>")
+    random_logits = mx.random.normal((1, 151646), key=mx.random.key(0)) * 5
+    reply: list[int] = []
+    for step in range(120):
+        logits = random_logits
+        for processor in processors:
+            logits = processor(mx.array(history), logits)
+        # mlx-lm samples every sequence each step; the written text stands in for the first samples.
+        sampled = int(sampler(logits).item())
+        token = written[step] if step < len(written) else sampled
+        if token == tokenizer.eos_token_id:
+            break
+        history.append(token)
+        reply.append(token)
+    text = tokenizer.decode(reply)
+    assert text.startswith("Let me look. <tool_call>\n")
+    body = text.split("<tool_call>", 1)[1].split("</tool_call>", 1)[0]
+    call = json_tools.parse_tool_call(body)
+    assert call["name"] == "forecast"
+    jsonschema.validate(call["arguments"], parameters)

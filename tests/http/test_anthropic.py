@@ -305,6 +305,16 @@ async def test_tool_choice_translation(choice: dict[str, Any], translated: Any) 
     assert only_request(engine).tool_choice == translated
 
 
+async def test_a_strict_tool_is_chats_strict_tool_and_its_errors_name_the_messages_path() -> None:
+    translated = translate_messages_body({**BODY, "tools": [{**WEATHER_TOOL, "strict": True}]}).body
+    assert translated["tools"][0]["function"]["strict"] is True
+    engine = FakeEngine()
+    status, answer, _ = await post(client_for(engine), "/v1/messages",
+                                   {**BODY, "tools": [{**WEATHER_TOOL, "strict": "yes"}]})
+    assert status == 400
+    anthropic_error("invalid_request_error", "tools[0].strict", answer)
+
+
 def test_disable_parallel_tool_use_is_parallel_tool_calls_false() -> None:
     translated = translate_messages_body({**BODY, "tools": [WEATHER_TOOL], "tool_choice": {
         "type": "any", "disable_parallel_tool_use": True}}).body

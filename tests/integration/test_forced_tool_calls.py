@@ -80,6 +80,14 @@ async def create(client: openai.OpenAI, **kwargs: Any) -> Any:
     return await trio.to_thread.run_sync(partial(client.chat.completions.create, **kwargs))
 
 
+def parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
 def check_calls(calls: list[Any], allowed: set[str]) -> None:
     assert calls
     for call in calls:
@@ -185,3 +193,33 @@ async def test_forced_tool_use_through_the_anthropic_and_responses_apis(
                for tool in TOOLS]))
     [call] = [item for item in response.output if item.type == "function_call"]
     jsonschema.validate(json.loads(call.arguments), PARAMETERS[call.name])
+
+
+async def test_strict_tools_leave_text_free_and_refuse_what_they_cannot_honour(
+    nursery: trio.Nursery, start_server: Any, tmp_path: Path,
+) -> None:
+    """`strict: true` under `tool_choice: auto`: until the model writes the call marker the text is free
+    (valid UTF-8 is all the grammar asks of it); what follows the marker is tested on the device
+    (tests/actors/test_actor_device.py)."""
+    engine, base_url = await start(nursery, start_server, fixture_copy(tmp_path / "tools", template=TOOL_TEMPLATE))
+    client = client_for(base_url)
+    weather = TOOLS[0]
+    strict_tool = {"type": "function", "function": {**weather["function"], "strict": True}}
+    kwargs = {"model": engine.model_id, "temperature": 0, "max_tokens": 24}
+    strict = await create(client, tools=[strict_tool], **kwargs)
+    # Random weights write gibberish, not a call and not JSON: the grammar left the text alone.
+    assert not strict.choices[0].message.tool_calls
+    assert strict.choices[0].finish_reason == "length"
+    assert not parses(strict.choices[0].message.content)
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        both = await http.post("/v1/chat/completions", json={
+            "model": engine.model_id, "messages": MESSAGES, "tools": [strict_tool], "max_tokens": 4,
+            "response_format": {"type": "json_object"}})
+        assert both.status_code == 400
+        assert both.json()["error"]["param"] == "tools[0].function.strict"
+        typed = await http.post("/v1/chat/completions", json={
+            "model": engine.model_id, "messages": MESSAGES, "max_tokens": 4,
+            "tools": [{"type": "function", "function": {**weather["function"], "strict": "yes"}}]})
+        assert typed.status_code == 400
+        assert typed.json()["error"]["param"] == "tools[0].function.strict"
