@@ -156,6 +156,8 @@ class _DirectStart:
     token: Any
     logprobs: Any
     donation: DetachedSequence | None = None
+    # The stored prefix its caches began from (see _Sequence.base).
+    base: Any = None
 
 
 @attrs.define
@@ -165,6 +167,7 @@ class _AlonePrefill:
     caches: list[Any]
     tokens: tuple[int, ...]  # cached and prompt tokens
     adapter_scales: tuple[float, ...] = ()
+    base: Any = None
 
 
 @attrs.define
@@ -178,6 +181,9 @@ class _Sequence:
     warm: bool = False
     # Started outside the batch: its prompt was reported done then.
     direct: bool = False
+    # The stored prefix (a DetachedKV) its caches began from, or its prompt's donation: a later
+    # donation reuses these pieces and copies only the rows past them.
+    base: Any = None
 
 
 @attrs.define
@@ -394,7 +400,8 @@ class _StepWorker:
                 del self._by_uid[response.uid]
                 del self._uid_of[sequence.sequence_id]
                 if sequence.donate_on_finish and response.prompt_cache is not None:
-                    item = _detach(sequence.sequence_id, response.prompt_cache, response.all_tokens)
+                    item = _detach(sequence.sequence_id, response.prompt_cache, response.all_tokens,
+                                   base=sequence.base)
                     if item is not None:
                         report.detached.append(item)
 
@@ -416,9 +423,10 @@ class _StepWorker:
             report.prompts_done.append(sequence.sequence_id)
             if sequence.donate_prompt:
                 cache_list, tokens = self._generator.extract_cache([response.uid])[response.uid]
-                item = _detach(sequence.sequence_id, cache_list, tokens, final=False)
+                item = _detach(sequence.sequence_id, cache_list, tokens, final=False, base=sequence.base)
                 if item is not None:
                     report.detached.append(item)
+                    sequence.base = item.payload
 
     def _remove(self, removal: Removal, detached: list[DetachedSequence]) -> None:
         uid = self._uid_of.pop(removal.sequence_id, None)
@@ -431,7 +439,7 @@ class _StepWorker:
         caches = self._generator.remove([uid], return_prompt_caches=removal.donate)
         if removal.donate and uid in caches:
             cache_list, tokens = caches[uid]
-            item = _detach(sequence.sequence_id, cache_list, tokens)
+            item = _detach(sequence.sequence_id, cache_list, tokens, base=sequence.base)
             if item is not None:
                 detached.append(item)
 
@@ -443,7 +451,8 @@ class _StepWorker:
         if isinstance(start, StartAlone):
             own = _adopt(start.adopted, start.kept) if start.adopted is not None else make_prompt_cache(self._model)
             self._alone[start.sequence_id] = _AlonePrefill(caches=own, tokens=start.tokens,
-                                                           adapter_scales=start.adapter_scales)
+                                                           adapter_scales=start.adapter_scales,
+                                                           base=_base(start.adopted, start.kept))
             return None
         if isinstance(start, StartDirect) and start.restore is None:
             direct.append(self._start_direct(start))
@@ -493,6 +502,7 @@ class _StepWorker:
                 segments.append(prompt[-1:])
             points = [(tuple(cached + prompt[:point.after]), point.checkpoint) for point in start.snapshots]
         sampler, processors = _make_sampling(start.sampling, self._grammars)
+        base = _base(start.adopted, len(cached)) if start.restore is None and failure is None else None
         (uid,) = self._generator.insert_segments(
             [segments],
             config=start.sampling.adapter_scales,
@@ -510,6 +520,7 @@ class _StepWorker:
             donate_prompt=start.donate_prompt,
             snapshot_points=points,
             warm=isinstance(start, InsertBatch) and start.warm,
+            base=base,
         )
         self._uid_of[start.sequence_id] = uid
 
@@ -526,7 +537,7 @@ class _StepWorker:
             mx.eval([cache.state for cache in prefill.caches])
         if chunk.last:
             del self._alone[chunk.sequence_id]
-            self._alone_done[chunk.sequence_id] = detach(prefill.caches, chunk.end)
+            self._alone_done[chunk.sequence_id] = detach(prefill.caches, chunk.end, base=prefill.base)
         return chunk.end - chunk.start
 
     def _start_direct(self, start: StartDirect, caches: list[Any] | None = None) -> _DirectStart:
@@ -543,10 +554,14 @@ class _StepWorker:
         from mlx_lm.models.cache import make_prompt_cache
 
 
+        base = None
         if start.from_alone:
-            caches = _adopt(self._alone_done.pop(start.sequence_id), start.kept)
+            alone = self._alone_done.pop(start.sequence_id)
+            caches, base = _adopt(alone, start.kept), _base(alone, start.kept)
         elif start.adopted is not None and start.kept:
             caches = _adopt(start.adopted, start.kept)
+            # The rows past kept run again, but the stored ones are the same tokens' KV: reuse them.
+            base = _base(start.adopted, len(start.cached_tokens))
         if caches is None:
             caches = make_prompt_cache(self._model)
         cached, prompt = list(start.cached_tokens), list(start.prompt_tokens)
@@ -575,9 +590,12 @@ class _StepWorker:
             token = mx.argmax(logprobs, axis=-1) if sampler is None else sampler(logprobs)
         donation = None
         if start.donate_prompt:
-            donation = _detach(start.sequence_id, caches, all_tokens, final=False, evaluate=False)
+            donation = _detach(start.sequence_id, caches, all_tokens, final=False, evaluate=False, base=base)
+            if donation is not None:
+                base = donation.payload
         return _DirectStart(start=start, caches=caches, all_tokens=all_tokens, sampler=sampler,
-                            processors=processors, token=token, logprobs=logprobs[0], donation=donation)
+                            processors=processors, token=token, logprobs=logprobs[0], donation=donation,
+                            base=base)
 
     def _start_generating(self, direct: _DirectStart) -> tuple[SampledToken, DetachedSequence | None]:
         """Report a direct start's first token; it decodes on in the batch unless that ends it.
@@ -593,13 +611,13 @@ class _StepWorker:
             finish_reason = "length"
         sequence = _Sequence(
             sequence_id=start.sequence_id, sampling=start.sampling,
-            donate_on_finish=start.donate_on_finish, donate_prompt=False, direct=True,
+            donate_on_finish=start.donate_on_finish, donate_prompt=False, direct=True, base=direct.base,
         )
         sampled = _sampled_token(sequence, _FirstToken(token, direct.logprobs, finish_reason))
         if finish_reason is not None:
             done = None
             if start.donate_on_finish:
-                done = _detach(start.sequence_id, direct.caches, direct.all_tokens)
+                done = _detach(start.sequence_id, direct.caches, direct.all_tokens, base=direct.base)
             return sampled, done
         # The first token goes in as the prompt's last: its forward pass gives the second.
         (uid,) = self._generator.insert(
@@ -647,12 +665,12 @@ class _FirstToken:
 
 
 def _detach(
-    sequence_id: int, caches: Any, tokens: Any, *, final: bool = True, evaluate: bool = True
+    sequence_id: int, caches: Any, tokens: Any, *, final: bool = True, evaluate: bool = True, base: Any = None
 ) -> DetachedSequence | None:
     from mlxcel.model.kv import detach
 
     token_tuple = tuple(int(token) for token in tokens)
-    payload = detach(caches, len(token_tuple), evaluate=evaluate)
+    payload = detach(caches, len(token_tuple), evaluate=evaluate, base=base)
     if payload is None:
         return None
     return DetachedSequence(
@@ -888,6 +906,13 @@ def _bit_positions(vocab: int) -> tuple[Any, Any]:
 
     ids = mx.arange(vocab, dtype=mx.uint32)
     return ids >> 5, ids & 31
+
+
+def _base(handle: Any, num_tokens: int) -> Any:
+    """The first ``num_tokens`` of a stored prefix, as a later donation's base (None: nothing adopted)."""
+    if handle is None or num_tokens <= 0:
+        return None
+    return handle.cut(min(num_tokens, handle.length))
 
 
 def _adopt(handle: Any, num_tokens: int) -> list[Any]:

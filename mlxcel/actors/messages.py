@@ -285,6 +285,9 @@ class CacheStoreStats:
             return {"enabled": False, "entries": 0, "bytes": 0, "apc_enabled": False}
         body = attrs.asdict(self.store)
         body["enabled"] = True
+        # ``bytes`` counts each shared piece once; ``logical_bytes`` what the entries would take unshared.
+        body["unique_bytes"] = self.store.bytes
+        body["sharing_ratio"] = round(self.store.sharing_ratio, 4)
         if self.snapshots is not None:
             body["snapshots"] = attrs.asdict(self.snapshots)
         return body

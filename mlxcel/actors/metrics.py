@@ -61,8 +61,19 @@ class MetricsActor:
         for reason in EVICTION_REASONS:
             self._evictions.labels(reason=reason)
         self._bytes = Gauge(
-            "mlxcel_prompt_cache_bytes", "Bytes held by live prompt-cache entries", registry=self.registry
+            "mlxcel_prompt_cache_bytes",
+            "Unique bytes held by live prompt-cache entries (a piece shared by several counts once)",
+            registry=self.registry,
         )
+        self._logical_bytes = Gauge(
+            "mlxcel_prompt_cache_logical_bytes", "Bytes the live prompt-cache entries would take unshared",
+            registry=self.registry)
+        self._sharing_ratio = Gauge(
+            "mlxcel_prompt_cache_sharing_ratio", "Logical over unique prompt-cache bytes (1: nothing shared)",
+            registry=self.registry)
+        self._pieces = Gauge(
+            "mlxcel_prompt_cache_pieces", "KV pieces held by the prompt cache (each stored once, shared by entries)",
+            registry=self.registry)
         self._entries = Gauge("mlxcel_prompt_cache_entries", "Live prompt-cache entries", registry=self.registry)
         self._pinned_entries = Gauge(
             "mlxcel_prompt_cache_pinned_entries", "Prompt-cache entries pinned by a retention request",
@@ -136,6 +147,9 @@ class MetricsActor:
 
     def _apply_store(self, stats: StoreStats) -> None:
         self._bytes.set(stats.bytes)
+        self._logical_bytes.set(stats.logical_bytes)
+        self._sharing_ratio.set(stats.sharing_ratio)
+        self._pieces.set(stats.pieces)
         self._entries.set(stats.entries)
         self._pinned_entries.set(stats.pinned_entries)
         self._pinned_bytes.set(stats.pinned_bytes)

@@ -1,8 +1,16 @@
 """The detached KV set: a finished sequence's per-layer cache, outside any batch.
 
+A stored prefix is a list of *pieces*, each the keys and values of a run of
+consecutive tokens in every layer, in token order; the last one may be used
+only in part. A piece is written once and never again, so many stored
+prefixes can hold the same piece: a conversation that adopted a shared
+system prompt donates only what it added (``detach(..., base=adopted)``),
+and its entry reuses the system prompt's piece instead of a copy of it.
+
 Only the device thread calls ``detach`` and ``adopt`` (they touch MLX). The
-metadata (``length``, ``nbytes``, ``can_adopt``) is plain Python, so the
-scheduler and the cache store may read it without touching an array.
+metadata (``length``, ``nbytes``, ``pieces()``, ``can_adopt``) is plain
+Python, so the scheduler and the cache store may read it without touching an
+array.
 """
 
 from __future__ import annotations
@@ -18,69 +26,130 @@ class AdoptError(Exception):
     """A stored payload cannot seed a new sequence at the requested length."""
 
 
-class DetachedKV:
-    """Per-layer keys and values of ``length`` tokens, compact and immutable.
+class KvPiece:
+    """Per-layer keys and values of ``length`` consecutive tokens, in a buffer of their own."""
 
-    MLX arrays are values: a new sequence gets sliced views (no copy), and the
-    batch merge copies them into its own buffers, so the stored rows are never
-    written again.
-    """
-
-    __slots__ = ("layers", "length", "nbytes", "trimmable")
+    __slots__ = ("layers", "length", "nbytes")
 
     def __init__(self, layers: list[tuple[mx.array, mx.array]], length: int) -> None:
         self.layers = layers
         self.length = length
         self.nbytes = sum(keys.nbytes + values.nbytes for keys, values in layers)
+
+    def __repr__(self) -> str:
+        return f"KvPiece(length={self.length}, nbytes={self.nbytes})"
+
+
+class DetachedKV:
+    """A prefix of ``length`` tokens: ``segments`` are (piece, tokens used from its start), in order.
+
+    ``nbytes`` is what the prefix would take on its own (its logical bytes);
+    the pieces it holds, shared or not, are ``pieces()``. A piece used in
+    part stays whole in memory.
+    """
+
+    __slots__ = ("length", "nbytes", "segments", "trimmable")
+
+    def __init__(self, segments: Sequence[tuple[KvPiece, int]]) -> None:
+        self.segments = tuple(segments)
+        self.length = sum(used for _, used in self.segments)
+        self.nbytes = sum(piece.nbytes * used // piece.length for piece, used in self.segments)
         self.trimmable = True
 
+    @classmethod
+    def whole(cls, layers: list[tuple[mx.array, mx.array]], length: int) -> DetachedKV:
+        """A prefix held in one piece of its own."""
+        return cls([(KvPiece(layers, length), length)])
+
+    def pieces(self) -> tuple[KvPiece, ...]:
+        return tuple(piece for piece, _ in self.segments)
+
     def arrays(self) -> list[mx.array]:
-        return [array for pair in self.layers for array in pair]
+        return [array for piece in self.pieces() for pair in piece.layers for array in pair]
 
     def can_adopt(self, num_tokens: int) -> bool:
         return 0 < num_tokens <= self.length
 
+    def cut(self, num_tokens: int) -> DetachedKV:
+        """The first ``num_tokens`` tokens, on the same pieces (nothing is copied)."""
+        if not 0 <= num_tokens <= self.length:
+            raise AdoptError(f"cannot cut {num_tokens} tokens from an entry of {self.length}")
+        segments: list[tuple[KvPiece, int]] = []
+        left = num_tokens
+        for piece, used in self.segments:
+            if left <= 0:
+                break
+            segments.append((piece, min(used, left)))
+            left -= used
+        return DetachedKV(segments)
+
     def __repr__(self) -> str:
-        return f"DetachedKV(length={self.length}, nbytes={self.nbytes})"
+        return f"DetachedKV(length={self.length}, nbytes={self.nbytes}, pieces={len(self.segments)})"
 
 
-def detach(caches: Sequence[Any], num_tokens: int, *, evaluate: bool = True) -> DetachedKV | None:
+def detach(
+    caches: Sequence[Any], num_tokens: int, *, base: DetachedKV | None = None, evaluate: bool = True
+) -> DetachedKV | None:
     """Detach a single sequence's caches (as extracted from a batch).
 
-    Returns None for layer kinds that cannot be resumed from an arbitrary
-    prefix (rotating windows, recurrent state): those families go through
-    session snapshots instead. With ``evaluate=False`` the caller evaluates
-    ``arrays()`` itself (with other work, in one go).
+    ``base`` is a stored prefix the caches began from (what the sequence
+    adopted, or its prompt's earlier donation): its pieces are reused and
+    only the rows past it are copied into a new piece. Returns None for
+    layer kinds that cannot be resumed from an arbitrary prefix (rotating
+    windows, recurrent state): those families go through session snapshots
+    instead. With ``evaluate=False`` the caller evaluates ``arrays()``
+    itself (with other work, in one go).
     """
+    start = 0
+    if base is not None and base.length > 0:
+        start = min(base.length, num_tokens)
+        base = base.cut(start)
     layers = []
     for cache in caches:
         if type(cache) is not KVCache or cache.keys is None:
             return None
         if cache.offset < num_tokens:
             return None
-        keys = cache.keys[..., :num_tokens, :]
-        values = cache.values[..., :num_tokens, :]
+        if start == num_tokens:
+            continue
+        keys = cache.keys[..., start:num_tokens, :]
+        values = cache.values[..., start:num_tokens, :]
         if keys.shape[2] != cache.keys.shape[2]:
-            # Copy so the entry does not pin the larger step-padded buffer.
+            # A copy, so the piece owns its buffer instead of pinning the larger step-padded one.
             keys, values = mx.contiguous(keys), mx.contiguous(values)
         layers.append((keys, values))
-    detached = DetachedKV(layers, num_tokens)
+    segments = list(base.segments) if start else []
+    if start < num_tokens:
+        segments.append((KvPiece(layers, num_tokens - start), num_tokens - start))
+    detached = DetachedKV(segments)
     if evaluate:
         mx.eval(detached.arrays())
     return detached
 
 
 def adopt(detached: DetachedKV, num_tokens: int) -> list[KVCache]:
-    """Fresh per-layer caches holding the first ``num_tokens`` stored rows."""
+    """Fresh per-layer caches holding the first ``num_tokens`` stored rows.
+
+    From one piece they are views (no copy); from several, one
+    concatenation per layer.
+    """
     if not detached.can_adopt(num_tokens):
         raise AdoptError(
             f"cannot adopt {num_tokens} tokens from an entry of {detached.length}"
         )
+    segments = detached.cut(num_tokens).segments
     caches = []
-    for keys, values in detached.layers:
+    for layer in range(len(segments[0][0].layers)):
+        parts = [(piece.layers[layer], used) for piece, used in segments]
+        if len(parts) == 1:
+            (keys, values), used = parts[0]
+            keys, values = keys[..., :used, :], values[..., :used, :]
+        else:
+            keys = mx.concatenate([pair[0][..., :used, :] for pair, used in parts], axis=2)
+            values = mx.concatenate([pair[1][..., :used, :] for pair, used in parts], axis=2)
         cache = KVCache()
-        cache.keys = keys[..., :num_tokens, :]
-        cache.values = values[..., :num_tokens, :]
+        cache.keys = keys
+        cache.values = values
         cache.offset = num_tokens
         caches.append(cache)
     return caches
