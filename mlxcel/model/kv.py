@@ -118,7 +118,7 @@ def detach(
             # A copy, so the piece owns its buffer instead of pinning the larger step-padded one.
             keys, values = mx.contiguous(keys), mx.contiguous(values)
         layers.append((keys, values))
-    segments = list(base.segments) if start else []
+    segments = list(base.segments) if base is not None and start else []
     if start < num_tokens:
         segments.append((KvPiece(layers, num_tokens - start), num_tokens - start))
     detached = DetachedKV(segments)
