@@ -184,6 +184,8 @@ class _Sequence:
     # The stored prefix (a DetachedKV) its caches began from, or its prompt's donation: a later
     # donation reuses these pieces and copies only the rows past them.
     base: Any = None
+    # Cached plus prompt tokens: a finished sequence's donation is cut there into prompt and reply pieces.
+    prompt_len: int = 0
 
 
 @attrs.define
@@ -401,7 +403,7 @@ class _StepWorker:
                 del self._uid_of[sequence.sequence_id]
                 if sequence.donate_on_finish and response.prompt_cache is not None:
                     item = _detach(sequence.sequence_id, response.prompt_cache, response.all_tokens,
-                                   base=sequence.base)
+                                   base=sequence.base, split_at=sequence.prompt_len)
                     if item is not None:
                         report.detached.append(item)
 
@@ -439,7 +441,8 @@ class _StepWorker:
         caches = self._generator.remove([uid], return_prompt_caches=removal.donate)
         if removal.donate and uid in caches:
             cache_list, tokens = caches[uid]
-            item = _detach(sequence.sequence_id, cache_list, tokens, base=sequence.base)
+            item = _detach(sequence.sequence_id, cache_list, tokens, base=sequence.base,
+                           split_at=sequence.prompt_len)
             if item is not None:
                 detached.append(item)
 
@@ -521,6 +524,7 @@ class _StepWorker:
             snapshot_points=points,
             warm=isinstance(start, InsertBatch) and start.warm,
             base=base,
+            prompt_len=len(cached) + len(prompt),
         )
         self._uid_of[start.sequence_id] = uid
 
@@ -612,6 +616,7 @@ class _StepWorker:
         sequence = _Sequence(
             sequence_id=start.sequence_id, sampling=start.sampling,
             donate_on_finish=start.donate_on_finish, donate_prompt=False, direct=True, base=direct.base,
+            prompt_len=len(direct.all_tokens),
         )
         sampled = _sampled_token(sequence, _FirstToken(token, direct.logprobs, finish_reason))
         if finish_reason is not None:
@@ -665,12 +670,13 @@ class _FirstToken:
 
 
 def _detach(
-    sequence_id: int, caches: Any, tokens: Any, *, final: bool = True, evaluate: bool = True, base: Any = None
+    sequence_id: int, caches: Any, tokens: Any, *, final: bool = True, evaluate: bool = True, base: Any = None,
+    split_at: int | None = None,
 ) -> DetachedSequence | None:
     from mlxcel.model.kv import detach
 
     token_tuple = tuple(int(token) for token in tokens)
-    payload = detach(caches, len(token_tuple), evaluate=evaluate, base=base)
+    payload = detach(caches, len(token_tuple), evaluate=evaluate, base=base, split_at=split_at)
     if payload is None:
         return None
     return DetachedSequence(

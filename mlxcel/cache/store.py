@@ -344,8 +344,10 @@ class PromptCacheStore:
             nearest = walk.longest_common()
             if nearest is not None:
                 neighbor = self._entries[nearest[0]]
+                # A lookup of its own prompt is capped one token short, so a newer entry that parts from it
+                # at its prompt's last token still serves everything it could.
                 if (neighbor.owner is None and neighbor.context == context and neighbor.prompt_len is not None
-                        and neighbor.prompt_len <= nearest[1] < neighbor.num_tokens):
+                        and neighbor.prompt_len - 1 <= nearest[1] < neighbor.num_tokens):
                     dominated = neighbor
             for older_id, length in walk.prefix_matches(tag=context.session_key):
                 older = self._entries[older_id]

@@ -88,13 +88,17 @@ class DetachedKV:
 
 
 def detach(
-    caches: Sequence[Any], num_tokens: int, *, base: DetachedKV | None = None, evaluate: bool = True
+    caches: Sequence[Any], num_tokens: int, *, base: DetachedKV | None = None, split_at: int | None = None,
+    evaluate: bool = True,
 ) -> DetachedKV | None:
     """Detach a single sequence's caches (as extracted from a batch).
 
     ``base`` is a stored prefix the caches began from (what the sequence
     adopted, or its prompt's earlier donation): its pieces are reused and
-    only the rows past it are copied into a new piece. Returns None for
+    only the rows past it are copied into a new piece (two, split at
+    ``split_at`` when it falls inside them: a finished sequence's prompt and
+    reply, so the reply's rows can be freed once the next turn, which
+    re-renders the reply, no longer needs them). Returns None for
     layer kinds that cannot be resumed from an arbitrary prefix (rotating
     windows, recurrent state): those families go through session snapshots
     instead. With ``evaluate=False`` the caller evaluates ``arrays()``
@@ -104,23 +108,26 @@ def detach(
     if base is not None and base.length > 0:
         start = min(base.length, num_tokens)
         base = base.cut(start)
-    layers = []
+    edges = [start, num_tokens]
+    if split_at is not None and start < split_at < num_tokens:
+        edges.insert(1, split_at)
+    runs: list[list[tuple[mx.array, mx.array]]] = [[] for _ in edges[1:]]
     for cache in caches:
         if type(cache) is not KVCache or cache.keys is None:
             return None
         if cache.offset < num_tokens:
             return None
-        if start == num_tokens:
-            continue
-        keys = cache.keys[..., start:num_tokens, :]
-        values = cache.values[..., start:num_tokens, :]
-        if keys.shape[2] != cache.keys.shape[2]:
-            # A copy, so the piece owns its buffer instead of pinning the larger step-padded one.
-            keys, values = mx.contiguous(keys), mx.contiguous(values)
-        layers.append((keys, values))
+        for run, begin, end in zip(runs, edges, edges[1:], strict=False):
+            keys = cache.keys[..., begin:end, :]
+            values = cache.values[..., begin:end, :]
+            if keys.shape[2] != cache.keys.shape[2]:
+                # A copy, so the piece owns its buffer instead of pinning the larger step-padded one.
+                keys, values = mx.contiguous(keys), mx.contiguous(values)
+            run.append((keys, values))
     segments = list(base.segments) if base is not None and start else []
-    if start < num_tokens:
-        segments.append((KvPiece(layers, num_tokens - start), num_tokens - start))
+    for run, begin, end in zip(runs, edges, edges[1:], strict=False):
+        if begin < end:
+            segments.append((KvPiece(run, end - begin), end - begin))
     detached = DetachedKV(segments)
     if evaluate:
         mx.eval(detached.arrays())
