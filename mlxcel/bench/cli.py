@@ -243,6 +243,7 @@ def _run(namespace: argparse.Namespace, blas_library: str | None, blas: str) -> 
                               f"skipping it (see {by_name[runner.server].log_path})", file=sys.stderr, flush=True)
                         return False
 
+                    stats: dict[str, Any] = {}
                     try:
                         for turn in range(shape.turns):
                             for runner in (runners if turn % 2 == 0 else runners[::-1]):
@@ -253,6 +254,7 @@ def _run(namespace: argparse.Namespace, blas_library: str | None, blas: str) -> 
                             for runner in (runners if index % 2 == 0 else runners[::-1]):
                                 if alive(runner):
                                     runner.run_unseen(index)
+                        stats = {server.name: _cache_stats(server.base_url) for server in servers}
                     finally:
                         for runner in runners:
                             runner.close()
@@ -261,7 +263,7 @@ def _run(namespace: argparse.Namespace, blas_library: str | None, blas: str) -> 
                     servers_info[server.name] = {
                         "command": server.spec.command(str(Path(namespace.model_path).resolve()), 0),
                         "startup_s": server.startup_s, "log": str(server.log_path),
-                        "model_sent": server.spec.model_name,
+                        "model_sent": server.spec.model_name, "cache_stats": stats.get(server.name),
                     }
         else:
             with ConversationRunner(workload, server=namespace.name, base_url=namespace.url,
@@ -269,7 +271,8 @@ def _run(namespace: argparse.Namespace, blas_library: str | None, blas: str) -> 
                 runner.run_all(concurrency=namespace.concurrency)
                 for index in range(namespace.unseen):
                     runner.run_unseen(index)
-                servers_info[namespace.name] = {"url": namespace.url, "model_sent": runner.model}
+                servers_info[namespace.name] = {"url": namespace.url, "model_sent": runner.model,
+                                                "cache_stats": _cache_stats(namespace.url)}
 
     summary = summarize(records, peak_rss_bytes=peak_rss, floor=floor)
     summary.update({
@@ -290,6 +293,33 @@ def _run(namespace: argparse.Namespace, blas_library: str | None, blas: str) -> 
     if plots:
         written.append(write_plot(summary, out / "ttft.png", title=title))
     print(format_table(summary))
+    for name, info in servers_info.items():
+        line = _cache_line(info.get("cache_stats"))
+        if line:
+            print(f"{name}: {line}")
     print(f"wrote {', '.join(str(path) for path in written)}")
     errors = sum(figures["num_errors"] for figures in summary["servers"].values())
     return 1 if errors else 0
+
+
+def _cache_stats(base_url: str) -> dict[str, Any] | None:
+    """The server's ``/v1/cache/stats`` at the end of the run (None: it has none)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{base_url.rstrip('/')}/v1/cache/stats", timeout=10) as response:
+            body = json.loads(response.read())
+    except (OSError, ValueError, urllib.error.URLError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def _cache_line(stats: dict[str, Any] | None) -> str:
+    """mlxcel's store at the end: unique bytes against the budget, logical bytes, sharing ratio."""
+    if not stats or "logical_bytes" not in stats:
+        return ""
+    mib = 1 << 20
+    return (f"prompt cache at the end: {stats['bytes'] / mib:.1f} MiB unique of a {stats['capacity_bytes'] / mib:.1f}"
+            f" MiB budget, {stats['logical_bytes'] / mib:.1f} MiB logical (sharing {stats['sharing_ratio']:.2f}x), "
+            f"{stats['entries']} entries, {stats['pieces']} pieces, evictions {stats['evictions']}")
