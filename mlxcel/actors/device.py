@@ -559,11 +559,13 @@ class _StepWorker:
 
 
         base = None
+        # The rows this start writes, so a prefix assembled from several pieces is built with room for them.
+        room = len(start.cached_tokens) - start.kept + len(start.prompt_tokens) + start.padding
         if start.from_alone:
             alone = self._alone_done.pop(start.sequence_id)
-            caches, base = _adopt(alone, start.kept), _base(alone, start.kept)
+            caches, base = _adopt(alone, start.kept, room), _base(alone, start.kept)
         elif start.adopted is not None and start.kept:
-            caches = _adopt(start.adopted, start.kept)
+            caches = _adopt(start.adopted, start.kept, room)
             # The rows past kept run again, but the stored ones are the same tokens' KV: reuse them.
             base = _base(start.adopted, len(start.cached_tokens))
         if caches is None:
@@ -921,10 +923,10 @@ def _base(handle: Any, num_tokens: int) -> Any:
     return handle.cut(min(num_tokens, handle.length))
 
 
-def _adopt(handle: Any, num_tokens: int) -> list[Any]:
+def _adopt(handle: Any, num_tokens: int, room: int = 0) -> list[Any]:
     """Fresh caches holding a stored prefix's first ``num_tokens`` rows (the core's handle is a DetachedKV)."""
     from mlxcel.model.kv import DetachedKV, adopt
 
     if not isinstance(handle, DetachedKV):
         raise TypeError(f"not a stored KV prefix: {type(handle).__name__}")
-    return adopt(handle, num_tokens)
+    return adopt(handle, num_tokens, room=room)

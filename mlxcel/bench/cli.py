@@ -249,12 +249,13 @@ def _run(namespace: argparse.Namespace, blas_library: str | None, blas: str) -> 
                             for runner in (runners if turn % 2 == 0 else runners[::-1]):
                                 if alive(runner):
                                     runner.run_turn(turn, concurrency=namespace.concurrency)
+                        # After the chat turns, before the unseen prompts push them out.
+                        stats = {server.name: _cache_stats(server.base_url) for server in servers}
                         # While the servers are still up, after every chat turn.
                         for index in range(namespace.unseen):
                             for runner in (runners if index % 2 == 0 else runners[::-1]):
                                 if alive(runner):
                                     runner.run_unseen(index)
-                        stats = {server.name: _cache_stats(server.base_url) for server in servers}
                     finally:
                         for runner in runners:
                             runner.close()
@@ -269,10 +270,11 @@ def _run(namespace: argparse.Namespace, blas_library: str | None, blas: str) -> 
             with ConversationRunner(workload, server=namespace.name, base_url=namespace.url,
                                     model=namespace.model, progress=progress, on_record=keep) as runner:
                 runner.run_all(concurrency=namespace.concurrency)
+                cache_stats = _cache_stats(namespace.url)
                 for index in range(namespace.unseen):
                     runner.run_unseen(index)
                 servers_info[namespace.name] = {"url": namespace.url, "model_sent": runner.model,
-                                                "cache_stats": _cache_stats(namespace.url)}
+                                                "cache_stats": cache_stats}
 
     summary = summarize(records, peak_rss_bytes=peak_rss, floor=floor)
     summary.update({
@@ -303,7 +305,7 @@ def _run(namespace: argparse.Namespace, blas_library: str | None, blas: str) -> 
 
 
 def _cache_stats(base_url: str) -> dict[str, Any] | None:
-    """The server's ``/v1/cache/stats`` at the end of the run (None: it has none)."""
+    """The server's ``/v1/cache/stats`` after the chat turns (None: it has none)."""
     import urllib.error
     import urllib.request
 
@@ -320,6 +322,7 @@ def _cache_line(stats: dict[str, Any] | None) -> str:
     if not stats or "logical_bytes" not in stats:
         return ""
     mib = 1 << 20
-    return (f"prompt cache at the end: {stats['bytes'] / mib:.1f} MiB unique of a {stats['capacity_bytes'] / mib:.1f}"
-            f" MiB budget, {stats['logical_bytes'] / mib:.1f} MiB logical (sharing {stats['sharing_ratio']:.2f}x), "
-            f"{stats['entries']} entries, {stats['pieces']} pieces, evictions {stats['evictions']}")
+    unique, budget, logical = (stats[key] / mib for key in ("bytes", "capacity_bytes", "logical_bytes"))
+    return (f"prompt cache after the chat turns: {unique:.1f} MiB unique of a {budget:.1f} MiB budget, "
+            f"{logical:.1f} MiB logical (sharing {stats['sharing_ratio']:.2f}x), {stats['entries']} entries, "
+            f"{stats['pieces']} pieces, evictions {stats['evictions']}")

@@ -134,11 +134,14 @@ def detach(
     return detached
 
 
-def adopt(detached: DetachedKV, num_tokens: int) -> list[KVCache]:
+def adopt(detached: DetachedKV, num_tokens: int, *, room: int = 0) -> list[KVCache]:
     """Fresh per-layer caches holding the first ``num_tokens`` stored rows.
 
-    From one piece they are views (no copy); from several, one
-    concatenation per layer.
+    From one piece they are views (no copy; the cache copies them once,
+    when the first new token is written). From several, one concatenation
+    per layer, with ``room`` more rows (rounded up to the cache's step) so
+    that the tokens a direct start runs next are written in place rather
+    than copied once more.
     """
     if not detached.can_adopt(num_tokens):
         raise AdoptError(
@@ -152,11 +155,19 @@ def adopt(detached: DetachedKV, num_tokens: int) -> list[KVCache]:
             (keys, values), used = parts[0]
             keys, values = keys[..., :used, :], values[..., :used, :]
         else:
-            keys = mx.concatenate([pair[0][..., :used, :] for pair, used in parts], axis=2)
-            values = mx.concatenate([pair[1][..., :used, :] for pair, used in parts], axis=2)
+            spare = -(-room // KVCache.step) * KVCache.step
+            keys = _joined([pair[0][..., :used, :] for pair, used in parts], spare)
+            values = _joined([pair[1][..., :used, :] for pair, used in parts], spare)
         cache = KVCache()
         cache.keys = keys
         cache.values = values
         cache.offset = num_tokens
         caches.append(cache)
     return caches
+
+
+def _joined(parts: list[mx.array], spare: int) -> mx.array:
+    if spare:
+        batch, heads, _, dim = parts[0].shape
+        parts = [*parts, mx.zeros((batch, heads, spare, dim), parts[0].dtype)]
+    return mx.concatenate(parts, axis=2)

@@ -72,3 +72,19 @@ def test_cut_and_adopt_refuse_lengths_past_the_prefix() -> None:
         stored.cut(6)
     with pytest.raises(AdoptError):
         adopt(stored, 0)
+
+
+def test_a_prefix_of_several_pieces_is_adopted_with_room_for_the_next_tokens() -> None:
+    base = detach(caches_of(12), 5)
+    stored = detach(caches_of(12), 12, base=base)
+    assert stored is not None
+    (cache, *_) = adopt(stored, 12, room=3)
+    buffer = cache.keys.shape[2]
+    assert buffer >= 15
+    keys, _ = cache.update_and_fetch(mx.full((1, HEADS, 3, DIM), 99.0), mx.zeros((1, HEADS, 3, DIM)))
+    # Written into the adopted buffer, not a new one.
+    assert cache.keys.shape[2] == buffer
+    assert keys[0, 0, :, 0].tolist() == [*range(12), 99.0, 99.0, 99.0]
+    # One piece: views, no room needed (the cache copies once on its first write anyway).
+    (single, *_) = adopt(base, 5, room=3)
+    assert single.keys.shape[2] == 5
