@@ -77,11 +77,10 @@ def main() -> None:
         new_rows = rows(args.suffix)
         mx.eval([array for pair in new_rows for array in pair])
 
-        def adopt_and_write(stored=stored) -> None:
+        def adopt_and_write(stored=stored, new_rows=new_rows) -> None:
             # A direct start: adopt with room, then write its new tokens (what a hit really pays).
             caches = adopt(stored, stored.length, room=args.suffix)
-            mx.eval([cache.update_and_fetch(keys, values) for cache, (keys, values) in zip(caches, new_rows,
-                                                                                          strict=True)])
+            mx.eval([cache.update_and_fetch(*pair) for cache, pair in zip(caches, new_rows, strict=True)])
 
         ms = timed(adopt_all)
         written_ms = timed(adopt_and_write)
