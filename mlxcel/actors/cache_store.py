@@ -19,6 +19,7 @@ from typing import Any, cast
 
 import trio
 
+from mlxcel.actors.disk_tier import DiskTier
 from mlxcel.actors.messages import (
     CacheLookedUp,
     CacheStoreMsg,
@@ -30,8 +31,10 @@ from mlxcel.actors.messages import (
     LookupPrefix,
     LookupSnapshot,
     MetricsMsg,
+    PersistPieces,
     PrefixFound,
     PrefixMissing,
+    PrefixOnDisk,
     PublishBlockChanges,
     ReleasePayloads,
     ResetCache,
@@ -120,7 +123,12 @@ class CacheStoreActor:
         cross_session: bool = True,
         to_scheduler: trio.MemorySendChannel[Any] | None = None,
         to_kv_events: trio.MemorySendChannel[KvEventsMsg] | None = None,
+        disk: DiskTier | None = None,
+        to_device: trio.MemorySendChannel[Any] | None = None,
     ) -> None:
+        # The disk tier: a lookup tier after memory, and where stored prefixes are written behind (None: off).
+        self._disk = disk
+        self._to_device = to_device
         # The KV event publisher, fed the store's block changes (None: events are off).
         self._to_kv_events = to_kv_events
         # Where let-go payloads go, so MLX frees them on the device thread.
@@ -160,15 +168,16 @@ class CacheStoreActor:
                     message.context, message.tokens, now, max_len=message.max_len,
                     record=message.record, cross_session=self._cross_session,
                 )
-                reply: PrefixFound | PrefixMissing = PrefixMissing()
+                memory: PrefixFound | PrefixMissing = PrefixMissing()
                 if found is not None:
-                    reply = PrefixFound(
+                    memory = PrefixFound(
                         matched_len=found.matched_len,
                         # The store keeps payloads opaque; the device's donations are KV handles.
                         payload=cast(KVHandle, found.payload),
                         cross_session=found.cross_session,
                         partial=found.partial,
                     )
+                reply = self._disk_lookup(message, memory)
                 if message.record:
                     self._metric(CacheLookedUp(hit=found is not None, tokens_reused=found.matched_len if found else 0,
                                                tokens_queried=len(message.tokens)))
@@ -179,6 +188,8 @@ class CacheStoreActor:
                 if not outcome.stored:
                     logger.debug("prompt-cache donation not stored (%s)", outcome.reason)
                     self._unstored.append(message.payload)
+                else:
+                    self._disk_persist(message)
                 if outcome.pin_too_large:
                     logger.warning(
                         "a %d-byte prompt-cache entry asked to be retained for %g s is larger than the pinned "
@@ -206,6 +217,32 @@ class CacheStoreActor:
                 if snapshots_freed is not None:
                     freed["snapshots_freed"], freed["snapshot_bytes_freed"] = snapshots_freed
                 _reply(message.reply_to, freed)
+
+    # --- the disk tier -----------------------------------------------------------------
+
+    def _disk_lookup(self, message: LookupPrefix, memory: PrefixFound | PrefixMissing) -> Any:
+        """Memory's answer, or a disk plan when the disk tier holds more of the prompt."""
+        # Multimodal prompts adopt whole entries only, which disk pieces are not.
+        if self._disk is None or not message.record or message.context.is_multimodal:
+            return memory
+        memory_len = memory.matched_len if isinstance(memory, PrefixFound) else 0
+        plan = self._disk.probe(message.context, message.tokens, message.max_len, memory_len)
+        return memory if plan is None else PrefixOnDisk(memory=memory, plan=plan)
+
+    def _disk_persist(self, message: DonateSequence) -> None:
+        """A stored prefix's pieces that are not on disk go to the device, which writes them behind its steps."""
+        if self._disk is None or self._to_device is None or message.context.is_multimodal:
+            return
+        pieces = self._disk.plan_write(message.context, message.tokens)
+        if not pieces:
+            return
+        try:
+            self._to_device.send_nowait(PersistPieces(
+                payload=cast(KVHandle, message.payload), pieces=pieces, urgent=message.retain_seconds > 0))
+        except trio.WouldBlock:
+            self._disk.drop(len(pieces))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
 
     # --- session snapshots ---------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 import trio
 
+from mlxcel.cache.disk_index import DiskPlan, PieceSpec
 from mlxcel.cache.key import CacheContext
 from mlxcel.cache.kv_events import BlockChange
 from mlxcel.cache.snapshots import SnapshotStats
@@ -123,7 +124,43 @@ class RunStep:
     reply_to: trio.MemorySendChannel[StepResult] = attrs.field(repr=False)
 
 
-DeviceMsg = RunStep
+# --- the disk tier (anyone -> device): see mlxcel/model/disk_kv.py ----------------------
+
+
+@attrs.frozen(kw_only=True)
+class UseDiskTier:
+    """From the engine at start-up: the device writes and reads this disk tier (``actors/disk_tier.py``)."""
+
+    tier: Any = attrs.field(repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class PersistPieces:
+    """From the cache store: write these pieces of a stored payload to disk, behind the steps."""
+
+    payload: KVHandle = attrs.field(repr=False)
+    pieces: tuple[PieceSpec, ...] = attrs.field(repr=False)
+    # A retained prompt (cache_control, prompt_cache_retention): ahead of the queue.
+    urgent: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class LoadDiskPrefix:
+    """From the scheduler, between steps: build a disk hit's KV (the memory match's rows, then the pieces)."""
+
+    plan: DiskPlan
+    memory: KVHandle | None = attrs.field(default=None, repr=False)
+    reply_to: trio.MemorySendChannel[DiskPrefixLoaded] = attrs.field(repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class DiskPrefixLoaded:
+    # None: nothing usable was read (a piece vanished or was refused); the memory match stands.
+    payload: KVHandle | None = attrs.field(repr=False)
+    num_tokens: int = 0
+
+
+DeviceMsg = RunStep | UseDiskTier | PersistPieces | LoadDiskPrefix
 
 
 # --- scheduler <-> cache store ---------------------------------------------------------
@@ -136,7 +173,7 @@ class LookupPrefix:
     max_len: int
     # False: a peek that neither counts as a hit or miss nor refreshes recency.
     record: bool = True
-    reply_to: trio.MemorySendChannel[PrefixFound | PrefixMissing] = attrs.field(repr=False)
+    reply_to: trio.MemorySendChannel[PrefixFound | PrefixMissing | PrefixOnDisk] = attrs.field(repr=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -150,6 +187,14 @@ class PrefixFound:
 @attrs.frozen(kw_only=True)
 class PrefixMissing:
     pass
+
+
+@attrs.frozen(kw_only=True)
+class PrefixOnDisk:
+    """The disk tier holds more of the prompt than memory: the device loads ``plan`` (else ``memory`` stands)."""
+
+    memory: PrefixFound | PrefixMissing
+    plan: DiskPlan
 
 
 @attrs.frozen(kw_only=True)
@@ -214,6 +259,8 @@ class RenderMetrics:
     scheduler: SchedulerStats | None = None
     # The session snapshot store (None: not a snapshot family, or the cache is off).
     snapshots: SnapshotStats | None = None
+    # The disk tier (actors/disk_tier.py's DiskStats; None: off).
+    disk: Any = None
     reply_to: trio.MemorySendChannel[bytes] = attrs.field(repr=False)
 
 

@@ -26,12 +26,16 @@ from mlxcel.actors.messages import (
     CacheStoreMsg,
     CancelRequest,
     DeviceMsg,
+    DiskPrefixLoaded,
+    DonateSequence,
     GetSchedulerStats,
+    LoadDiskPrefix,
     LookupPrefix,
     LookupSnapshot,
     MetricsMsg,
     PrefixFound,
     PrefixMissing,
+    PrefixOnDisk,
     ReleasePayloads,
     RequestFailed,
     RunStep,
@@ -204,18 +208,20 @@ class SchedulerActor:
 
     async def _lookup(self, lookup: Lookup) -> LookupResult:
         assert self._to_cache_store is not None
-        found: PrefixFound | PrefixMissing | SnapshotFound | SnapshotMissing
+        found: PrefixFound | PrefixMissing | PrefixOnDisk | SnapshotFound | SnapshotMissing
         if lookup.kind in ("snapshot", "warm"):
             snapshot_to, snapshot_replies = trio.open_memory_channel[SnapshotFound | SnapshotMissing](1)
             await self._to_cache_store.send(LookupSnapshot(
                 context=lookup.context, tokens=lookup.tokens, record=lookup.record, reply_to=snapshot_to))
             found = await _answer(snapshot_replies, SnapshotMissing())
         else:
-            prefix_to, prefix_replies = trio.open_memory_channel[PrefixFound | PrefixMissing](1)
+            prefix_to, prefix_replies = trio.open_memory_channel[PrefixFound | PrefixMissing | PrefixOnDisk](1)
             await self._to_cache_store.send(LookupPrefix(
                 context=lookup.context, tokens=lookup.tokens, max_len=len(lookup.tokens) - 1,
                 record=lookup.record, reply_to=prefix_to))
             found = await _answer(prefix_replies, PrefixMissing())
+            if isinstance(found, PrefixOnDisk):
+                found = await self._load_from_disk(lookup, found)
         match found:
             case PrefixFound():
                 return Hit(length=found.matched_len, payload=found.payload)
@@ -224,6 +230,21 @@ class SchedulerActor:
             case SnapshotMissing():
                 return Miss(refusal=found.refusal)
         return Miss()
+
+    async def _load_from_disk(self, lookup: Lookup, found: PrefixOnDisk) -> PrefixFound | PrefixMissing:
+        """Have the device load a disk hit (no step is in flight now); memory's match if nothing was read."""
+        memory = found.memory
+        reply_to, replies = trio.open_memory_channel[DiskPrefixLoaded](1)
+        await self._to_device.send(LoadDiskPrefix(
+            plan=found.plan, memory=memory.payload if isinstance(memory, PrefixFound) else None, reply_to=reply_to))
+        loaded = await _answer(replies, DiskPrefixLoaded(payload=None))
+        if loaded.payload is None:
+            return memory
+        # Promoted into memory: the store owns it from now on (and frees it on the device thread).
+        self._send_nowait(self._to_cache_store, DonateSequence(
+            context=lookup.context, tokens=lookup.tokens[:loaded.num_tokens], payload=loaded.payload,
+            nbytes=loaded.payload.nbytes))
+        return PrefixFound(matched_len=loaded.num_tokens, payload=loaded.payload, cross_session=False, partial=True)
 
     # --- out -------------------------------------------------------------------
 

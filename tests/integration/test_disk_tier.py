@@ -1,0 +1,62 @@
+"""The disk tier end to end on the llama fixture: a conversation survives closing the engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import trio
+
+from mlxcel import ChatRequest, SamplingParams
+from mlxcel.types import CacheOptions
+from mlxcel.engine import open_engine
+from tests.support import evolve_cache, make_engine_config
+
+SYSTEM = "You are a careful assistant for a coding agent. " + " ".join(
+    f"tool_{index}(path, mode, options) edits file number {index} in place." for index in range(40))
+
+
+def turn(history: list[dict[str, str]], **fields: object) -> ChatRequest:
+    return ChatRequest(
+        messages=tuple(history),
+        sampling=SamplingParams(temperature=0.0, max_tokens=6, logprobs=True, top_logprobs=5),
+        **fields,
+    )
+
+
+def first_logprobs(completion) -> dict[str, float]:
+    return dict(completion.logprobs[0].top)
+
+
+async def wait_for_writes(engine, minimum: int) -> dict:
+    with trio.fail_after(30):
+        while True:
+            disk = (await engine.cache_stats())["disk"]
+            if disk["writes"] + disk["duplicates"] >= minimum and disk["entries"] >= minimum:
+                return disk
+            await trio.sleep(0.05)
+
+
+async def test_a_conversation_resumes_from_disk_after_a_restart(tmp_path: Path) -> None:
+    config = make_engine_config(prompt_cache=evolve_cache(disk_dir=tmp_path))
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Open the first file."}]
+    async with open_engine(config) as engine:
+        first = await engine.chat(turn(history))
+        stats = await wait_for_writes(engine, 1)
+        assert stats["write_errors"] == 0 and stats["bytes"] > 0
+    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Now the second."}]
+    assert any(path.name.startswith("kv-") for path in tmp_path.iterdir())
+
+    async with open_engine(config) as engine:
+        resumed = await engine.chat(turn(history))
+        disk = (await engine.cache_stats())["disk"]
+        cold = await engine.chat(turn(history, cache=CacheOptions(cache_prompt=False)))
+    # The first turn's prompt is covered, to its last whole 16-token block.
+    assert resumed.usage.cached_tokens >= (first.usage.prompt_tokens // 16) * 16 - 16
+    assert resumed.usage.cached_tokens > 256
+    assert cold.usage.cached_tokens == 0
+    assert disk["hits"] == 1 and disk["tokens_loaded"] > 0
+    hot, reference = first_logprobs(resumed), first_logprobs(cold)
+    assert hot.keys() == reference.keys()
+    for token, logprob in reference.items():
+        assert abs(hot[token] - logprob) < 1e-4, (token, hot[token], logprob)
+    assert resumed.text == cold.text
