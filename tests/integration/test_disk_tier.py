@@ -60,3 +60,21 @@ async def test_a_conversation_resumes_from_disk_after_a_restart(tmp_path: Path) 
     for token, logprob in reference.items():
         assert abs(hot[token] - logprob) < 1e-4, (token, hot[token], logprob)
     assert resumed.text == cold.text
+
+
+async def test_stats_metrics_and_a_reset_that_clears_the_disk(tmp_path: Path) -> None:
+    config = make_engine_config(prompt_cache=evolve_cache(disk_dir=tmp_path))
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "List the tools."}]
+    async with open_engine(config) as engine:
+        await engine.chat(turn(history))
+        written = await wait_for_writes(engine, 2)
+        text = (await engine.metrics_text()).decode()
+        assert f"mlxcel_prompt_cache_disk_entries {float(written['entries'])}" in text
+        assert "mlxcel_prompt_cache_disk_writes_total" in text
+        assert 'mlxcel_prompt_cache_disk_refusals_total{reason="checksum"} 0.0' in text
+        kept = await engine.reset_cache()
+        assert "disk_entries_freed" not in kept and (await engine.cache_stats())["disk"]["entries"] > 0
+        freed = await engine.reset_cache(disk=True)
+        assert freed["disk_entries_freed"] == written["entries"] and freed["disk_bytes_freed"] > 0
+        assert (await engine.cache_stats())["disk"]["entries"] == 0
+    assert not any(path.name.startswith("kv-") for path in tmp_path.iterdir())
