@@ -233,7 +233,7 @@ class CacheStoreActor:
         """A stored prefix's pieces that are not on disk go to the device, which writes them behind its steps."""
         if self._disk is None or self._to_device is None or message.context.is_multimodal:
             return
-        pieces = self._disk.plan_write(message.context, message.tokens)
+        pieces = self._disk.plan_write(message.context, message.tokens, message.prompt_len)
         if not pieces:
             return
         try:

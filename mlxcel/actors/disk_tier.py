@@ -214,12 +214,14 @@ class DiskTier:
             return None
         return DiskPlan(pieces=tuple(run), kept=start_block * block, num_tokens=end, memory_len=memory_len)
 
-    def plan_write(self, context: CacheContext, tokens: Sequence[int]) -> tuple[PieceSpec, ...]:
-        """The pieces of a stored prefix that are not on disk yet."""
+    def plan_write(self, context: CacheContext, tokens: Sequence[int], prompt_len: int | None = None
+                   ) -> tuple[PieceSpec, ...]:
+        """The pieces of a stored prefix that are not on disk yet (and one ending at its prompt, when told)."""
         if not self.writable or len(tokens) < max(self.settings.min_prefix, disk_index.BLOCK_TOKENS):
             return ()
         chain = self._hasher.chain(tokens, context.mm_digest)
-        pieces = disk_index.pieces_of(self.fingerprint(context), chain, self._hasher.root)
+        prompt_blocks = prompt_len // disk_index.BLOCK_TOKENS if prompt_len else None
+        pieces = disk_index.pieces_of(self.fingerprint(context), chain, self._hasher.root, prompt_blocks)
         try:
             return tuple(piece for piece in pieces if not self._exists(piece.filename))
         except OSError:

@@ -199,14 +199,24 @@ def piece_ranges(num_blocks: int, start_block: int = 0) -> list[tuple[int, int]]
     return ranges
 
 
-def pieces_of(fingerprint: str, chain: Sequence[bytes], root: bytes) -> list[PieceSpec]:
-    """Every piece of a stored prefix whose chain (of whole blocks) is chain."""
+def pieces_of(fingerprint: str, chain: Sequence[bytes], root: bytes, prompt_blocks: int | None = None
+              ) -> list[PieceSpec]:
+    """Every piece of a stored prefix whose chain (of whole blocks) is chain.
+
+    With ``prompt_blocks`` (the donating request's prompt, in whole blocks),
+    one more tail piece ends there: the next turn of a conversation resends
+    that prompt but re-renders the reply, so its tokens part from the stored
+    ones inside the reply, and the prompt's own tail is what it can reuse.
+    """
+    ranges = piece_ranges(len(chain))
+    if prompt_blocks is not None and 0 < prompt_blocks < len(chain) and prompt_blocks % PIECE_BLOCKS:
+        ranges.append((prompt_blocks - prompt_blocks % PIECE_BLOCKS, prompt_blocks))
     return [
         PieceSpec(
             name=PieceName(fingerprint=fingerprint, first_block=first, end_block=end, chain_hash=chain[end - 1]),
             parent=chain[first - 1] if first else root,
         )
-        for first, end in piece_ranges(len(chain))
+        for first, end in ranges
     ]
 
 

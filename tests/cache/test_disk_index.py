@@ -177,3 +177,18 @@ def test_a_file_for_another_piece_or_model_is_refused() -> None:
         disk_index.check_piece(spec, decoded, tensors, num_layers=2)
     assert refused.value.reason == "shape"
     assert PIECE_BLOCKS * disk_index.BLOCK_TOKENS == disk_index.PIECE_TOKENS
+
+
+def test_a_donation_also_writes_a_piece_ending_at_its_prompt() -> None:
+    hasher = disk_index.new_hasher()
+    tokens = list(range(700))
+    chain = hasher.chain(tokens, CONTEXT.mm_digest)
+    ends = [piece.name.end_block for piece in pieces_of("f" * 32, chain, hasher.root, prompt_blocks=20)]
+    assert ends == [16, 32, 43, 20]
+    # The next turn resends the prompt and re-renders the reply: the prompt's piece is what it finds.
+    next_turn = tokens[:320] + [9] * 200
+    stored = pieces_of("f" * 32, chain, hasher.root, prompt_blocks=20)
+    assert [piece.name.end_block for piece in _run(stored, next_turn, 0, 32)] == [16, 20]
+    # Aligned prompts and prompts past the end need no extra piece.
+    assert len(pieces_of("f" * 32, chain, hasher.root, prompt_blocks=16)) == 3
+    assert len(pieces_of("f" * 32, chain, hasher.root, prompt_blocks=43)) == 3
