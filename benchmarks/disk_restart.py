@@ -37,8 +37,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-WORDS = ("alpha beta gamma delta river stone cloud paper music garden window silver orange planet "
-         "market signal bridge forest engine letter castle winter summer number method").split()
+WORDS = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "paper", "music", "garden", "window", "silver", "orange", "planet", "market", "signal", "bridge", "forest", "engine", "letter", "castle", "winter", "summer", "number", "method"]
 
 
 def free_port() -> int:

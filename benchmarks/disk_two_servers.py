@@ -41,8 +41,7 @@ import trio
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-WORDS = ("alpha beta gamma delta river stone cloud paper music garden window silver orange planet "
-         "market signal bridge forest engine letter castle winter summer number method").split()
+WORDS = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "paper", "music", "garden", "window", "silver", "orange", "planet", "market", "signal", "bridge", "forest", "engine", "letter", "castle", "winter", "summer", "number", "method"]
 
 
 def free_port() -> int:
@@ -181,12 +180,11 @@ async def drive(urls: list[str], args: argparse.Namespace, directory: Path) -> F
     system_tokens: dict[int, int] = {}
     limits = httpx.Limits(max_connections=args.clients)
     async with httpx.AsyncClient(base_url=urls[0], timeout=600, limits=limits) as first, \
-            httpx.AsyncClient(base_url=urls[1], timeout=600, limits=limits) as second:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(sample_directory, directory, deadline, figures)
-            for index in range(args.clients):
-                nursery.start_soon(client_loop, index, [first, second], systems, args.turns, deadline, figures,
-                                   system_tokens, args.think_seconds)
+            httpx.AsyncClient(base_url=urls[1], timeout=600, limits=limits) as second, trio.open_nursery() as nursery:
+        nursery.start_soon(sample_directory, directory, deadline, figures)
+        for index in range(args.clients):
+            nursery.start_soon(client_loop, index, [first, second], systems, args.turns, deadline, figures,
+                               system_tokens, args.think_seconds)
     return figures
 
 

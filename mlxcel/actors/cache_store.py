@@ -178,7 +178,8 @@ class CacheStoreActor:
                         partial=found.partial,
                     )
                 reply = self._disk_lookup(message, memory)
-                if message.record:
+                # A disk plan's outcome is known after the device loads it: the scheduler reports that one.
+                if message.record and not isinstance(reply, PrefixOnDisk):
                     self._metric(CacheLookedUp(hit=found is not None, tokens_reused=found.matched_len if found else 0,
                                                tokens_queried=len(message.tokens)))
                 _reply(message.reply_to, reply)

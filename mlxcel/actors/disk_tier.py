@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 # Pieces the device may queue before the writer thread has written them: a second of the write budget.
 _MIN_BACKLOG_BYTES = 8 << 20
+# The writer's unit of work under the write budget.
+_WRITE_CHUNK = 1 << 20
 
 
 @attrs.frozen(kw_only=True)
@@ -112,6 +114,7 @@ class DiskTier:
         self._lock = threading.Lock()
         self._queue: queue.Queue[PieceData | None] = queue.Queue()
         self._pending_bytes = 0
+        self._next_write = 0.0
         self._writer: threading.Thread | None = None
         self.writable = False
         self._bytes = 0
@@ -245,13 +248,11 @@ class DiskTier:
         self._count("writes_dropped", count)
 
     def _write_loop(self) -> None:
-        rate = max(1, self.settings.write_bytes_per_second)
         while True:
             piece = self._queue.get()
             if piece is None:
                 return
             nbytes = piece.nbytes
-            started = time.monotonic()
             try:
                 self._write(piece)
             except Exception:  # noqa: BLE001 - a disk fault must never stop the server
@@ -260,10 +261,13 @@ class DiskTier:
             finally:
                 with self._lock:
                     self._pending_bytes -= nbytes
-            # The write budget: at most rate bytes a second, on average.
-            pause = nbytes / rate - (time.monotonic() - started)
-            if pause > 0:
-                time.sleep(pause)
+
+    def _throttle(self, nbytes: int) -> None:
+        """The write budget: at most write_bytes_per_second, a chunk at a time (so I/O comes in an even flow)."""
+        now = time.monotonic()
+        self._next_write = max(now, self._next_write) + nbytes / max(1, self.settings.write_bytes_per_second)
+        if self._next_write > now:
+            time.sleep(self._next_write - now)
 
     def _write(self, piece: PieceData) -> None:
         filename = piece.spec.filename
@@ -291,7 +295,11 @@ class DiskTier:
             with open(temp, "xb") as file:
                 file.write(header)
                 for *_rest, buffer in piece.tensors:
-                    file.write(buffer)
+                    view = memoryview(buffer)
+                    for offset in range(0, view.nbytes, _WRITE_CHUNK):
+                        chunk = view[offset : offset + _WRITE_CHUNK]
+                        file.write(chunk)
+                        self._throttle(chunk.nbytes)
                 file.flush()
                 os.fsync(file.fileno())
             os.replace(temp, final)

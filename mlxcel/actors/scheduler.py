@@ -23,6 +23,7 @@ import attrs
 import trio
 
 from mlxcel.actors.messages import (
+    CacheLookedUp,
     CacheStoreMsg,
     CancelRequest,
     DeviceMsg,
@@ -238,6 +239,10 @@ class SchedulerActor:
         await self._to_device.send(LoadDiskPrefix(
             plan=found.plan, memory=memory.payload if isinstance(memory, PrefixFound) else None, reply_to=reply_to))
         loaded = await _answer(replies, DiskPrefixLoaded(payload=None))
+        matched = loaded.num_tokens if loaded.payload is not None else (
+            memory.matched_len if isinstance(memory, PrefixFound) else 0)
+        self._send_nowait(self._to_metrics, CacheLookedUp(hit=matched > 0, tokens_reused=matched,
+                                                          tokens_queried=len(lookup.tokens)))
         if loaded.payload is None:
             return memory
         # Promoted into memory: the store owns it from now on (and frees it on the device thread).

@@ -76,8 +76,10 @@ def test_a_longer_prefix_reuses_the_shorter_ones_pieces() -> None:
     short = pieces_of("f" * 32, hasher.chain(tokens[:600], CONTEXT.mm_digest), hasher.root)
     long = pieces_of("f" * 32, hasher.chain(tokens, CONTEXT.mm_digest), hasher.root)
     assert [piece.filename for piece in short[:2]] == [piece.filename for piece in long[:2]]
-    assert short[2].name.end_block == 600 // 16 and short[2].filename not in {piece.filename for piece in long}
-    assert long[1].parent == long[0].name.chain_hash and long[0].parent == hasher.root
+    assert short[2].name.end_block == 600 // 16
+    assert short[2].filename not in {piece.filename for piece in long}
+    assert long[1].parent == long[0].name.chain_hash
+    assert long[0].parent == hasher.root
 
 
 def _run(stored: list[PieceSpec], tokens: list[int], start_block: int, cap_blocks: int) -> list[PieceSpec]:
@@ -141,7 +143,8 @@ def test_a_header_round_trips_and_passes_the_checks() -> None:
     spec = _spec()
     data, metadata = _file(spec)
     decoded, tensors, start = decode_header(data, len(data))
-    assert decoded == metadata and start % 8 == 0
+    assert decoded == metadata
+    assert start % 8 == 0
     assert [entry.name for entry in tensors] == ["keys.0", "values.0", "keys.1", "values.1"]
     disk_index.check_piece(spec, decoded, tensors, num_layers=2)
 

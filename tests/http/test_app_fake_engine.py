@@ -687,12 +687,14 @@ async def test_cache_stats_reset_and_metrics() -> None:
         "apc_enabled": True, "num_entries": 5, "nbytes": 1024, "scheduler": {"num_waiting": 2, "num_running": 1}}
     response = await client.post("/v1/cache/reset")
     assert json.loads(await response.get_data()) == {"num_entries_removed": 3}
-    assert engine.num_resets == 1 and not engine.reset_disk
+    assert engine.num_resets == 1
+    assert not engine.reset_disk
     # The disk tier is cleared only when asked: ?disk=true or {"disk": true}.
     await client.post("/v1/cache/reset?disk=true")
     assert engine.reset_disk
     await client.post("/v1/cache/reset", json={"disk": True})
-    assert engine.reset_disk and engine.num_resets == 3
+    assert engine.reset_disk
+    assert engine.num_resets == 3
     await client.post("/v1/cache/reset", json={"disk": "yes please"})
     assert not engine.reset_disk
     response = await client.get("/metrics")

@@ -7,8 +7,8 @@ from pathlib import Path
 import trio
 
 from mlxcel import ChatRequest, SamplingParams
-from mlxcel.types import CacheOptions
 from mlxcel.engine import open_engine
+from mlxcel.types import CacheOptions
 from tests.support import evolve_cache, make_engine_config
 
 SYSTEM = "You are a careful assistant for a coding agent. " + " ".join(
@@ -21,6 +21,10 @@ def turn(history: list[dict[str, str]], **fields: object) -> ChatRequest:
         sampling=SamplingParams(temperature=0.0, max_tokens=6, logprobs=True, top_logprobs=5),
         **fields,
     )
+
+
+def has_pieces(directory: Path) -> bool:
+    return any(path.name.startswith("kv-") for path in directory.iterdir())
 
 
 def first_logprobs(completion) -> dict[str, float]:
@@ -42,19 +46,25 @@ async def test_a_conversation_resumes_from_disk_after_a_restart(tmp_path: Path) 
     async with open_engine(config) as engine:
         first = await engine.chat(turn(history))
         stats = await wait_for_writes(engine, 1)
-        assert stats["write_errors"] == 0 and stats["bytes"] > 0
+        assert stats["write_errors"] == 0
+        assert stats["bytes"] > 0
     history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Now the second."}]
-    assert any(path.name.startswith("kv-") for path in tmp_path.iterdir())
+    assert has_pieces(tmp_path)
 
     async with open_engine(config) as engine:
         resumed = await engine.chat(turn(history))
         disk = (await engine.cache_stats())["disk"]
+        # The disk hit counts as a prompt-cache hit, with the tokens it reused.
+        metrics = (await engine.metrics_text()).decode()
+        assert "mlxcel_prompt_cache_hits_total 1.0" in metrics
+        assert f"mlxcel_prompt_cache_prefix_tokens_reused_total {float(resumed.usage.cached_tokens)}" in metrics
         cold = await engine.chat(turn(history, cache=CacheOptions(cache_prompt=False)))
     # The first turn's prompt is covered, to its last whole 16-token block.
     assert resumed.usage.cached_tokens >= (first.usage.prompt_tokens // 16) * 16 - 16
     assert resumed.usage.cached_tokens > 256
     assert cold.usage.cached_tokens == 0
-    assert disk["hits"] == 1 and disk["tokens_loaded"] > 0
+    assert disk["hits"] == 1
+    assert disk["tokens_loaded"] > 0
     hot, reference = first_logprobs(resumed), first_logprobs(cold)
     assert hot.keys() == reference.keys()
     for token, logprob in reference.items():
@@ -73,8 +83,10 @@ async def test_stats_metrics_and_a_reset_that_clears_the_disk(tmp_path: Path) ->
         assert "mlxcel_prompt_cache_disk_writes_total" in text
         assert 'mlxcel_prompt_cache_disk_refusals_total{reason="checksum"} 0.0' in text
         kept = await engine.reset_cache()
-        assert "disk_entries_freed" not in kept and (await engine.cache_stats())["disk"]["entries"] > 0
+        assert "disk_entries_freed" not in kept
+        assert (await engine.cache_stats())["disk"]["entries"] > 0
         freed = await engine.reset_cache(disk=True)
-        assert freed["disk_entries_freed"] == written["entries"] and freed["disk_bytes_freed"] > 0
+        assert freed["disk_entries_freed"] == written["entries"]
+        assert freed["disk_bytes_freed"] > 0
         assert (await engine.cache_stats())["disk"]["entries"] == 0
-    assert not any(path.name.startswith("kv-") for path in tmp_path.iterdir())
+    assert not has_pieces(tmp_path)

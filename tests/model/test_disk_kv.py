@@ -73,12 +73,16 @@ def test_pieces_round_trip_and_a_new_process_finds_them(tmp_path: Path, dtype) -
     assert tier.statistics().entries == 3
     request = (*TOKENS, 1, 2, 3)
     plan = tier.probe(CONTEXT, request, len(request) - 1, 0)
-    assert plan is not None and plan.num_tokens == 592 and plan.kept == 0
+    assert plan is not None
+    assert plan.num_tokens == 592
+    assert plan.kept == 0
     loaded = DeviceDisk(tier, LAYERS).load(plan, None)
     assert loaded is not None
     assert_rows_equal(loaded, stored, 592)
     stats = tier.statistics()
-    assert (stats.hits, stats.tokens_loaded) == (1, 592) and stats.bytes_read > 0 and stats.load_seconds > 0
+    assert (stats.hits, stats.tokens_loaded) == (1, 592)
+    assert stats.bytes_read > 0
+    assert stats.load_seconds > 0
     # Nothing left to write: every piece is there.
     assert tier.plan_write(CONTEXT, TOKENS) == ()
 
@@ -89,7 +93,9 @@ def test_memory_supplies_the_rows_up_to_its_last_piece_boundary(tmp_path: Path) 
     tier = open_tier(tmp_path)
     memory = DetachedKV([(keys[..., :300, :], values[..., :300, :]) for keys, values in stored.layers], 300)
     plan = tier.probe(CONTEXT, TOKENS, len(TOKENS) - 1, memory_len=300)
-    assert plan is not None and plan.kept == 256 and [piece.name.end_block for piece in plan.pieces] == [32, 37]
+    assert plan is not None
+    assert plan.kept == 256
+    assert [piece.name.end_block for piece in plan.pieces] == [32, 37]
     assert_rows_equal(DeviceDisk(tier, LAYERS).load(plan, memory), stored, 592)
     # Memory already has everything disk has: no plan, a disk miss.
     assert tier.probe(CONTEXT, TOKENS, len(TOKENS) - 1, memory_len=592) is None
@@ -131,7 +137,8 @@ def test_a_file_of_another_model_under_this_name_is_refused(tmp_path: Path) -> N
     ours.write_bytes(theirs.read_bytes())
     tier = open_tier(tmp_path)
     assert DeviceDisk(tier, LAYERS).load(tier.probe(CONTEXT, TOKENS, 599, 0), None) is None
-    assert tier.statistics().refusals["fingerprint"] == 1 and not ours.exists()
+    assert tier.statistics().refusals["fingerprint"] == 1
+    assert not ours.exists()
 
 
 def test_a_piece_that_vanishes_is_a_miss_not_an_error(tmp_path: Path) -> None:
@@ -156,7 +163,8 @@ def test_the_budget_keeps_the_most_recently_used_pieces(tmp_path: Path) -> None:
     tiny = tmp_path / "tiny"
     tier = open_tier(tiny, budget_bytes=1000)
     write(tier, stored)
-    assert pieces(tiny) == [] and tier.statistics().writes_dropped == 3
+    assert pieces(tiny) == []
+    assert tier.statistics().writes_dropped == 3
 
 
 def test_a_full_disk_leaves_no_file_behind(tmp_path: Path, monkeypatch, caplog) -> None:
@@ -189,7 +197,8 @@ def test_an_unwritable_directory_is_read_only(tmp_path: Path, monkeypatch, caplo
     fresh = tmp_path / "fresh"
     tier = open_tier(fresh)
     write(tier, payload())
-    assert not tier.writable and list(fresh.iterdir()) == []
+    assert not tier.writable
+    assert list(fresh.iterdir()) == []
     assert "no longer writable" in caplog.text
 
 
@@ -202,5 +211,18 @@ def test_a_temporary_file_of_a_killed_writer_is_ignored_and_cleaned(tmp_path: Pa
     live = tmp_path / disk_index.temp_name(name, os.getpid(), "live")
     live.write_bytes(b"our own write in progress")
     tier = open_tier(tmp_path)
-    assert not leftover.exists() and live.exists()
+    assert not leftover.exists()
+    assert live.exists()
     assert tier.statistics().entries == 3
+
+
+def test_the_writer_keeps_to_its_write_budget(tmp_path: Path) -> None:
+    import time
+
+    settings = DiskSettings(directory=tmp_path, budget_bytes=1 << 30, write_bytes_per_second=200_000)
+    tier = DiskTier(settings, "model-a")
+    tier.open()
+    started = time.monotonic()
+    write(tier, payload())  # 75,776 tensor bytes in three pieces
+    assert time.monotonic() - started >= 0.3
+    assert tier.statistics().writes == 3
