@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import queue
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -149,7 +150,8 @@ class DiskTier:
             "" if self.writable else "; READ-ONLY (the directory is not writable): nothing will be written",
         )
         if self.writable:
-            self._enforce_budget()
+            with self._directory_lock():
+                self._enforce_budget()
             self._writer = threading.Thread(target=self._write_loop, name="mlxcel-disk-writer", daemon=True)
             self._writer.start()
 
@@ -289,8 +291,6 @@ class DiskTier:
             [(name, dtype, shape, memoryview(buffer).nbytes) for name, dtype, shape, buffer in piece.tensors],
             metadata)
         temp = self.directory / disk_index.temp_name(filename, os.getpid(), secrets.token_hex(4))
-        # Room first, so the budget holds while the file is being written.
-        self._enforce_budget(incoming=len(header) + nbytes)
         try:
             with open(temp, "xb") as file:
                 file.write(header)
@@ -302,7 +302,11 @@ class DiskTier:
                         self._throttle(chunk.nbytes)
                 file.flush()
                 os.fsync(file.fileno())
-            os.replace(temp, final)
+            # Room first, then the rename, under the directory's lock: the pieces of every
+            # process together never exceed the budget, not even for a moment.
+            with self._directory_lock():
+                self._enforce_budget(incoming=len(header) + nbytes)
+                os.replace(temp, final)
         except OSError as error:
             with contextlib.suppress(OSError):
                 temp.unlink()
@@ -317,7 +321,16 @@ class DiskTier:
             return
         self._count("writes")
         self._count("bytes_written", len(header) + nbytes)
-        self._enforce_budget()
+
+    @contextlib.contextmanager
+    def _directory_lock(self) -> Iterator[None]:
+        """An exclusive advisory lock on DIR/.lock, shared by every process that writes to DIR."""
+        descriptor = os.open(self.directory / disk_index.LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(descriptor)  # closing releases the lock
 
     def _warn_once(self, key: str, message: str, *args: Any) -> None:
         # One warning per kind of fault: a full disk would otherwise log every piece.
@@ -349,7 +362,7 @@ class DiskTier:
                     with contextlib.suppress(OSError):
                         os.unlink(entry.path)
                         temps_removed += 1
-            else:
+            elif name != disk_index.LOCK_NAME:
                 foreign += 1
         return files, temps_removed, foreign
 

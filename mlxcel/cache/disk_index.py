@@ -43,6 +43,8 @@ PIECE_TOKENS = BLOCK_TOKENS * PIECE_BLOCKS
 HASH_ALGORITHM: HashAlgorithm = "sha256"
 SUFFIX = ".safetensors"
 TEMP_PREFIX = ".tmp-"
+# The advisory lock every writing process takes around its budget check and rename.
+LOCK_NAME = ".lock"
 FINGERPRINT_CHARS = 32
 
 # Why a file was refused (and deleted) instead of loaded.
