@@ -278,6 +278,14 @@ class DiskTier:
             self._count("duplicates")
             return
         nbytes = piece.nbytes
+        if not self.writable:
+            self._count("writes_dropped")
+            return
+        parent = disk_index.parent_piece(piece.spec)
+        if parent is not None and not (self.directory / parent).exists():
+            # Without its parent the piece could never be reached (evicted, or its write failed).
+            self._count("writes_dropped")
+            return
         if nbytes > self.settings.budget_bytes:
             self._warn_once("too_large", "prompt-cache disk tier: a %d-byte piece is larger than the whole budget "
                             "(%d bytes); raise --prompt-cache-disk-bytes", nbytes, self.settings.budget_bytes)
@@ -304,9 +312,17 @@ class DiskTier:
                 os.fsync(file.fileno())
             # Room first, then the rename, under the directory's lock: the pieces of every
             # process together never exceed the budget, not even for a moment.
+            incoming = IndexedFile(filename=filename, nbytes=len(header) + nbytes, last_used=time.time(),
+                                   depth=piece.spec.name.end_block)
             with self._directory_lock():
-                self._enforce_budget(incoming=len(header) + nbytes)
-                os.replace(temp, final)
+                fits = self._enforce_budget(incoming)
+                if fits:
+                    os.replace(temp, final)
+            if not fits:
+                temp.unlink()
+                self._count("writes_dropped")
+                logger.debug("prompt-cache disk tier: %s does not fit the budget before older pieces", filename)
+                return
         except OSError as error:
             with contextlib.suppress(OSError):
                 temp.unlink()
@@ -355,8 +371,10 @@ class DiskTier:
                 stat = entry.stat()
             except OSError:
                 continue  # evicted by another process meanwhile
-            if disk_index.parse_name(name) is not None:
-                files.append(IndexedFile(filename=name, nbytes=stat.st_size, last_used=stat.st_mtime))
+            parsed = disk_index.parse_name(name)
+            if parsed is not None:
+                files.append(IndexedFile(filename=name, nbytes=stat.st_size, last_used=stat.st_mtime,
+                                         depth=parsed.end_block))
             elif disk_index.temp_owner(name) is not None:
                 if clean and disk_index.stale_temp(name, now - stat.st_mtime, pid, _alive):
                     with contextlib.suppress(OSError):
@@ -366,21 +384,29 @@ class DiskTier:
                 foreign += 1
         return files, temps_removed, foreign
 
-    def _enforce_budget(self, incoming: int = 0) -> None:
-        """Re-list the directory (other processes write too) and delete least recently used pieces."""
+    def _enforce_budget(self, incoming: IndexedFile | None = None) -> bool:
+        """Re-list the directory (other processes write too) and delete least recently used pieces.
+
+        With ``incoming`` (a piece about to be renamed into place), it competes
+        too: False when it is the one that does not fit (nothing is deleted then).
+        """
         files, _removed, _foreign = self._scan(clean=True)
-        doomed = disk_index.over_budget(files, max(0, self.settings.budget_bytes - incoming))
+        candidates = files if incoming is None else [*files, incoming]
+        doomed = disk_index.over_budget(candidates, self.settings.budget_bytes)
+        if incoming is not None and incoming in doomed:
+            return False
         evicted = 0
         for item in doomed:
             with contextlib.suppress(FileNotFoundError, PermissionError):
                 os.unlink(self.directory / item.filename)
                 evicted += 1
         gone = {item.filename for item in doomed}
-        kept = [item for item in files if item.filename not in gone]
+        kept = [item for item in candidates if item.filename not in gone]
         with self._lock:
             self._bytes = sum(item.nbytes for item in kept)
             self._entries = len(kept)
             self._counts["evictions"] += evicted
+        return True
 
     # --- reading (the device thread) -----------------------------------------------------------
 

@@ -178,6 +178,15 @@ def parse_name(filename: str) -> PieceName | None:
     return PieceName(fingerprint=match[1], first_block=first, end_block=end, chain_hash=bytes.fromhex(match[4]))
 
 
+def parent_piece(spec: PieceSpec) -> str | None:
+    """The file name of the piece that ends where this one begins (None: it begins at the root)."""
+    first = spec.name.first_block
+    if first == 0:
+        return None
+    return PieceName(fingerprint=spec.name.fingerprint, first_block=first - PIECE_BLOCKS, end_block=first,
+                     chain_hash=spec.parent).filename
+
+
 def temp_name(filename: str, pid: int, token: str) -> str:
     """Where a piece is written before it is renamed into place."""
     return f"{TEMP_PREFIX}{pid}-{token}-{filename}"
@@ -270,13 +279,20 @@ class IndexedFile:
     nbytes: int
     # The file's mtime: touched on every hit, so it is its last use.
     last_used: float
+    # The piece's end block: of pieces used in the same second, the deepest goes first.
+    depth: int = 0
 
 
 def over_budget(
     files: Iterable[IndexedFile], budget_bytes: int, keep: frozenset[str] = frozenset()
 ) -> list[IndexedFile]:
-    """The least recently used files to delete so the rest fit budget_bytes (``keep`` stays)."""
-    ordered = sorted(files, key=lambda item: (item.last_used, item.filename))
+    """The least recently used files to delete so the rest fit budget_bytes (``keep`` stays).
+
+    A prefix's pieces are written and touched together, and a piece is
+    useless without those before it, so among pieces last used in the same
+    second the deepest goes first: the budget keeps a prefix's beginning.
+    """
+    ordered = sorted(files, key=lambda item: (int(item.last_used), -item.depth, item.last_used, item.filename))
     total = sum(item.nbytes for item in ordered)
     doomed = []
     for item in ordered:

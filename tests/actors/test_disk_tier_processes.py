@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from mlxcel.actors.disk_tier import DiskSettings, DiskTier
 from mlxcel.cache import disk_index
@@ -27,14 +29,15 @@ def settings(directory: Path) -> DiskSettings:
     return DiskSettings(directory=directory, budget_bytes=BUDGET, write_bytes_per_second=1 << 30)
 
 
-def write_pieces(directory: str, writer: int) -> None:
+def write_pieces(directory: str, writer: int, start: Any) -> None:
     tier = DiskTier(settings(Path(directory)), "model")
     tier.open()
+    start.wait(30)  # both write at once, interleaved
     for index in range(NUM_PIECES):
         buffer = bytes([writer, index]) * (TENSOR_BYTES // 2)
         tensors = tuple((name, "F32", (1, 2, PIECE_TOKENS, 8), buffer) for name in disk_index.layer_names(0))
         tier.submit(PieceData(spec=spec(writer, index), tensors=tensors, num_layers=1))
-        time.sleep(0.002)
+        time.sleep(0.01)
     tier.close()
 
 
@@ -42,18 +45,18 @@ def piece_bytes(directory: Path) -> int:
     total = 0
     for entry in os.scandir(directory):
         if disk_index.parse_name(entry.name):
-            try:
+            with contextlib.suppress(FileNotFoundError):  # evicted meanwhile
                 total += entry.stat().st_size
-            except FileNotFoundError:
-                pass
     return total
 
 
 def test_two_writers_keep_one_budget_and_read_each_others_pieces(tmp_path: Path) -> None:
     context = multiprocessing.get_context("spawn")
-    writers = [context.Process(target=write_pieces, args=(str(tmp_path), writer)) for writer in (1, 2)]
+    start = context.Event()
+    writers = [context.Process(target=write_pieces, args=(str(tmp_path), writer, start)) for writer in (1, 2)]
     for process in writers:
         process.start()
+    start.set()
     peak = 0
     while any(process.is_alive() for process in writers):
         peak = max(peak, piece_bytes(tmp_path))
@@ -67,7 +70,8 @@ def test_two_writers_keep_one_budget_and_read_each_others_pieces(tmp_path: Path)
     reader.open()
     found = {writer: [index for index in range(NUM_PIECES) if (tmp_path / spec(writer, index).filename).exists()]
              for writer in (1, 2)}
-    assert found[1] and found[2]
+    assert found[1]
+    assert found[2]
     for writer, indices in found.items():
         for index in indices:
             _metadata, tensors = reader.read(spec(writer, index), num_layers=1)

@@ -113,6 +113,12 @@ def test_the_budget_deletes_the_least_recently_used_first() -> None:
     assert [item.filename for item in over_budget(reversed(files), 399)] == ["f0", "f1"]
     assert [item.filename for item in over_budget(files, 300, keep=frozenset({"f0"}))] == ["f1", "f2"]
     assert len(over_budget(files, 0)) == 5
+    # Used in the same second: the deepest piece of a prefix goes first, its beginning stays.
+    prefix = [IndexedFile(filename=f"p{depth}", nbytes=100, last_used=10.2 + depth / 100, depth=depth)
+              for depth in (16, 32, 48)]
+    assert [item.filename for item in over_budget(prefix, 150)] == ["p48", "p32"]
+    assert disk_index.parent_piece(pieces_of("f" * 32, disk_index.new_hasher().chain(list(range(600)), b"\0" * 32),
+                                             disk_index.new_hasher().root)[0]) is None
 
 
 def test_a_temporary_file_is_stale_when_its_writer_is_gone() -> None:

@@ -161,9 +161,14 @@ def test_the_budget_keeps_the_most_recently_used_pieces(tmp_path: Path) -> None:
     piece_bytes = LAYERS * 2 * (2 * 256 * 4 * 4)
     write(open_tier(tmp_path, budget_bytes=int(1.5 * piece_bytes)), stored)
     left = pieces(tmp_path)
-    # The first piece was written first, so it was the least recently used one.
+    # The second piece does not fit beside the first, which it would need: it is not written, nor the
+    # tail after it (it could never be reached). The prefix's beginning stays.
     assert sum(path.stat().st_size for path in left) <= 1.5 * piece_bytes
-    assert [disk_index.parse_name(path.name).end_block for path in left] == [32, 37]
+    assert [disk_index.parse_name(path.name).end_block for path in left] == [16]
+    # Used again later, its first piece stays and an older prefix's pieces go instead.
+    other = payload(seed=3)
+    write(open_tier(tmp_path, budget_bytes=int(1.5 * piece_bytes)), other, tokens=tuple(range(1000, 1600)))
+    assert len(pieces(tmp_path)) == 1
     # A budget smaller than one piece: nothing is written, and it says so.
     tiny = tmp_path / "tiny"
     tier = open_tier(tiny, budget_bytes=1000)
@@ -181,7 +186,9 @@ def test_a_full_disk_leaves_no_file_behind(tmp_path: Path, monkeypatch, caplog) 
     with caplog.at_level(logging.WARNING):
         write(tier, payload())
     assert entries(tmp_path) == []  # neither pieces nor temporary files
-    assert tier.statistics().write_errors == 3
+    # The first piece fails; the others are not even tried, as they need it.
+    assert tier.statistics().write_errors == 1
+    assert tier.statistics().writes_dropped == 2
     assert sum("No space left" in record.getMessage() for record in caplog.records) == 1  # one line, not three
 
 
