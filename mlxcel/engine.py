@@ -313,15 +313,13 @@ def _build_snapshot_store(config: EngineConfig, model: ModelInfo) -> SnapshotSto
     ))
 
 
-async def _open_disk(config: EngineConfig, model: ModelInfo, kv_prefixes: bool) -> DiskTier | None:
+async def _open_disk(config: EngineConfig, model: ModelInfo, cache_on: bool) -> DiskTier | None:
     """The disk tier (--prompt-cache-dir), fingerprinted and indexed in a worker thread; None when off."""
     cache = config.prompt_cache
     if cache.disk_dir is None:
         return None
-    if not kv_prefixes:
-        logger.warning("--prompt-cache-dir is ignored: the disk tier holds KV prefixes, and %s",
-                       "the prompt cache is off" if not cache.enabled else
-                       f"{model.family.model_type} resumes from session snapshots (not persisted yet)")
+    if not cache_on:
+        logger.warning("--prompt-cache-dir is ignored: the prompt cache is off")
         return None
     settings = DiskSettings(directory=cache.disk_dir, budget_bytes=cache.disk_bytes,
                             write_bytes_per_second=cache.disk_write_bytes_per_second,
@@ -385,7 +383,7 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             apc_enabled = False
         store = _build_store(config, model, apc_enabled)
         snapshots = _build_snapshot_store(config, model) if store is not None else None
-        disk = await _open_disk(config, model, store is not None and snapshots is None)
+        disk = await _open_disk(config, model, store is not None)
         if disk is not None:
             await to_device.send(UseDiskTier(tier=disk))
         renderer = PromptRenderer(

@@ -32,6 +32,7 @@ from mlxcel.actors.messages import (
     LookupSnapshot,
     MetricsMsg,
     PersistPieces,
+    PersistSnapshot,
     PrefixFound,
     PrefixMissing,
     PrefixOnDisk,
@@ -41,6 +42,7 @@ from mlxcel.actors.messages import (
     ShedCache,
     SnapshotFound,
     SnapshotMissing,
+    SnapshotOnDisk,
     SnapshotRestoreFailed,
 )
 from mlxcel.cache.key import CacheContext
@@ -256,6 +258,13 @@ class CacheStoreActor:
                                   partial=result.partial, cross_session=result.cross_session)
         elif isinstance(result, SnapshotRefused):
             reply = SnapshotMissing(refusal=result.cause.value)
+        if self._disk is not None and message.record and not message.context.is_multimodal:
+            on_disk = self._disk.probe_snapshot(message.context, message.tokens,
+                                                result.num_tokens if isinstance(result, SnapshotHit) else 0)
+            if on_disk is not None:
+                # The scheduler reports the lookup once the device has loaded it.
+                _reply(message.reply_to, SnapshotOnDisk(memory=reply, name=on_disk))
+                return
         if message.record:
             self._metric(CacheLookedUp(
                 hit=isinstance(result, SnapshotHit),
@@ -268,6 +277,15 @@ class CacheStoreActor:
     def _donate_snapshot(self, message: DonateSnapshot, now: float) -> None:
         stored = self._snapshots.insert(message.context, message.tokens, message.payload, message.nbytes, now,
                                         checkpoint=message.checkpoint, cuttable=message.cuttable)
+        if stored and self._disk is not None and self._to_device is not None and not message.context.is_multimodal:
+            name = self._disk.plan_snapshot(message.context, message.tokens)
+            if name is not None:
+                try:
+                    self._to_device.send_nowait(PersistSnapshot(payload=message.payload, name=name))
+                except trio.WouldBlock:
+                    self._disk.drop()
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
         if not stored and message.nbytes > self._snapshot_capacity_bytes:
             logger.warning(
                 "a %d-byte session snapshot is larger than the whole snapshot store (%d bytes); "

@@ -24,7 +24,15 @@ import attrs
 import trio
 
 from mlxcel.actors.adapter_batches import AdapterBatches
-from mlxcel.actors.messages import DeviceMsg, LoadDiskPrefix, PersistPieces, RunStep, UseDiskTier
+from mlxcel.actors.messages import (
+    DeviceMsg,
+    LoadDiskPrefix,
+    LoadDiskSnapshot,
+    PersistPieces,
+    PersistSnapshot,
+    RunStep,
+    UseDiskTier,
+)
 from mlxcel.core.plan import (
     AloneChunk,
     Capabilities,
@@ -138,8 +146,8 @@ class DeviceActor:
                         trio.from_thread.run_sync(_reply, message.reply_to, done)
                         # Drops the released payloads here, so MLX frees them on this thread.
                         del message, done
-                    case UseDiskTier() | PersistPieces() | LoadDiskPrefix():
-                        disk = _disk_message(disk, message, worker.num_layers)
+                    case UseDiskTier() | PersistPieces() | LoadDiskPrefix() | PersistSnapshot() | LoadDiskSnapshot():
+                        disk = _disk_message(disk, message, worker)
                         del message
                     case _:
                         raise AssertionError(f"unexpected device message {message!r}")
@@ -168,14 +176,27 @@ async def _receive_within(inbox: trio.MemoryReceiveChannel[DeviceMsg], seconds: 
     return None
 
 
-def _disk_message(disk: Any, message: UseDiskTier | PersistPieces | LoadDiskPrefix, num_layers: int) -> Any:
+def _disk_message(disk: Any, message: UseDiskTier | PersistPieces | LoadDiskPrefix | PersistSnapshot
+                  | LoadDiskSnapshot, worker: _StepWorker) -> Any:
     """The disk tier's messages (mlxcel/model/disk_kv.py does the work); returns the device's DeviceDisk."""
     from mlxcel.actors.messages import DiskPrefixLoaded
     from mlxcel.model.disk_kv import DeviceDisk
 
     match message:
         case UseDiskTier():
-            return DeviceDisk(message.tier, num_layers)
+            return DeviceDisk(message.tier, worker.num_layers, worker.family)
+        case PersistSnapshot():
+            if disk is not None:
+                disk.persist_snapshot(message.payload, message.name)
+        case LoadDiskSnapshot():
+            snapshot = None
+            if disk is not None:
+                try:
+                    snapshot = disk.load_snapshot(message.name)
+                except Exception:  # noqa: BLE001 - a disk fault must never stop the device
+                    logger.exception("prompt-cache disk tier: loading a snapshot failed")
+            trio.from_thread.run_sync(_reply, message.reply_to, DiskPrefixLoaded(
+                payload=snapshot, num_tokens=snapshot.length if snapshot is not None else 0))
         case PersistPieces():
             if disk is not None:
                 disk.persist(message.payload, message.pieces, urgent=message.urgent)
@@ -293,6 +314,7 @@ class _StepWorker:
         self._eos_token_ids = frozenset(eos_token_ids)
         self._grammars = _Grammars(tokenizer, self._eos_token_ids)
         self._family = family
+        self.family = family
         self._settings = settings
         assert settings.prefill_step_size is not None, "resolved before the worker is made"
         self._step = settings.prefill_step_size

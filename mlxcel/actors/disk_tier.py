@@ -41,6 +41,7 @@ from mlxcel.cache.disk_index import (
     PieceData,
     PieceRefused,
     PieceSpec,
+    SnapshotName,
     TensorEntry,
 )
 from mlxcel.cache.key import CacheContext
@@ -49,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 # Pieces the device may queue before the writer thread has written them: a second of the write budget.
 _MIN_BACKLOG_BYTES = 8 << 20
+# How stale the list of snapshot files may be when a lookup reads it.
+_SNAPSHOT_LISTING_SECONDS = 1.0
 # The writer's unit of work under the write budget.
 _WRITE_CHUNK = 1 << 20
 
@@ -116,6 +119,9 @@ class DiskTier:
         self._queue: queue.Queue[PieceData | None] = queue.Queue()
         self._pending_bytes = 0
         self._next_write = 0.0
+        # Snapshot files by fingerprint: the lengths present at the last listing (a lookup needs them).
+        self._snapshot_lengths: dict[str, set[int]] = {}
+        self._snapshots_listed = 0.0
         self._writer: threading.Thread | None = None
         self.writable = False
         self._bytes = 0
@@ -232,6 +238,40 @@ class DiskTier:
         except OSError:
             return ()
 
+    # --- session snapshots (snapshot families) ------------------------------------------------
+
+    def probe_snapshot(self, context: CacheContext, tokens: Sequence[int], memory_len: int
+                       ) -> SnapshotName | None:
+        """The longest snapshot on disk whose tokens begin tokens[:-1], if longer than memory's memory_len."""
+        if time.monotonic() - self._snapshots_listed > _SNAPSHOT_LISTING_SECONDS:
+            self._scan()  # other processes write snapshots too: a cheap listing at most once a second
+        fingerprint = self.fingerprint(context)
+        with self._lock:
+            lengths = sorted(self._snapshot_lengths.get(fingerprint, ()), reverse=True)
+        lengths = [length for length in lengths if memory_len < length <= len(tokens) - 1]
+        if not lengths:
+            return None
+        chain = self._hasher.chain(tokens[: lengths[0]], context.mm_digest)
+        for length in lengths:
+            name = SnapshotName(fingerprint=fingerprint, num_tokens=length,
+                                digest=disk_index.snapshot_digest(chain, self._hasher.root, tokens[:length]))
+            if self._exists(name.filename):
+                return name
+        self._count("misses")
+        return None
+
+    def plan_snapshot(self, context: CacheContext, tokens: Sequence[int]) -> SnapshotName | None:
+        """The name a stored snapshot of tokens takes on disk; None when it is there already (or not writable)."""
+        if not self.writable or len(tokens) < max(self.settings.min_prefix, 1):
+            return None
+        chain = self._hasher.chain(tokens, context.mm_digest)
+        name = SnapshotName(fingerprint=self.fingerprint(context), num_tokens=len(tokens),
+                            digest=disk_index.snapshot_digest(chain, self._hasher.root, tokens))
+        try:
+            return None if self._exists(name.filename) else name
+        except OSError:
+            return None
+
     # --- writing (the device thread submits; the writer thread writes) -------------------------
 
     def has_room(self) -> bool:
@@ -281,7 +321,8 @@ class DiskTier:
         if not self.writable:
             self._count("writes_dropped")
             return
-        parent = disk_index.parent_piece(piece.spec)
+        spec = piece.spec
+        parent = disk_index.parent_piece(spec) if isinstance(spec, PieceSpec) else None
         if parent is not None and not (self.directory / parent).exists():
             # Without its parent the piece could never be reached (evicted, or its write failed).
             self._count("writes_dropped")
@@ -294,7 +335,10 @@ class DiskTier:
         checksum = blake3.blake3()
         for *_rest, buffer in piece.tensors:
             checksum.update(buffer)
-        metadata = disk_index.piece_metadata(piece.spec, checksum=checksum.hexdigest(), num_layers=piece.num_layers)
+        if isinstance(spec, PieceSpec):
+            metadata = disk_index.piece_metadata(spec, checksum=checksum.hexdigest(), num_layers=piece.num_layers)
+        else:
+            metadata = disk_index.snapshot_metadata(spec, checksum=checksum.hexdigest(), extra=piece.extra)
         header = disk_index.encode_header(
             [(name, dtype, shape, memoryview(buffer).nbytes) for name, dtype, shape, buffer in piece.tensors],
             metadata)
@@ -313,7 +357,7 @@ class DiskTier:
             # Room first, then the rename, under the directory's lock: the pieces of every
             # process together never exceed the budget, not even for a moment.
             incoming = IndexedFile(filename=filename, nbytes=len(header) + nbytes, last_used=time.time(),
-                                   depth=piece.spec.name.end_block)
+                                   depth=spec.name.end_block if isinstance(spec, PieceSpec) else 0)
             with self._directory_lock():
                 fits = self._enforce_budget(incoming)
                 if fits:
@@ -359,6 +403,7 @@ class DiskTier:
     def _scan(self, *, clean: bool = False) -> tuple[list[IndexedFile], int, int]:
         """The pieces in the directory (name, size, mtime); temporary files of dead writers are removed."""
         files, temps_removed, foreign = [], 0, 0
+        snapshots: dict[str, set[int]] = {}
         now = time.time()
         pid = os.getpid()
         try:
@@ -372,9 +417,12 @@ class DiskTier:
             except OSError:
                 continue  # evicted by another process meanwhile
             parsed = disk_index.parse_name(name)
-            if parsed is not None:
+            snapshot = disk_index.parse_snapshot_name(name) if parsed is None else None
+            if parsed is not None or snapshot is not None:
                 files.append(IndexedFile(filename=name, nbytes=stat.st_size, last_used=stat.st_mtime,
-                                         depth=parsed.end_block))
+                                         depth=parsed.end_block if parsed is not None else 0))
+                if snapshot is not None:
+                    snapshots.setdefault(snapshot.fingerprint, set()).add(snapshot.num_tokens)
             elif disk_index.temp_owner(name) is not None:
                 if clean and disk_index.stale_temp(name, now - stat.st_mtime, pid, _alive):
                     with contextlib.suppress(OSError):
@@ -382,6 +430,8 @@ class DiskTier:
                         temps_removed += 1
             elif name != disk_index.LOCK_NAME:
                 foreign += 1
+        with self._lock:
+            self._snapshot_lengths, self._snapshots_listed = snapshots, time.monotonic()
         return files, temps_removed, foreign
 
     def _enforce_budget(self, incoming: IndexedFile | None = None) -> bool:
@@ -415,22 +465,41 @@ class DiskTier:
     ) -> tuple[dict[str, str], list[tuple[TensorEntry, memoryview]]]:
         """A piece's verified tensors. Raises PieceRefused (bad file) or FileNotFoundError (gone)."""
         path = self.directory / spec.filename
-        with open(path, "rb") as file:
+        metadata, view, tensors, data_start = self._read_verified(spec.filename)
+        disk_index.check_piece(spec, metadata, tensors, num_layers)
+        self._check_sum(metadata, view, data_start)
+        with contextlib.suppress(OSError):
+            os.utime(path)  # its last use, for every process's LRU budget
+        return metadata, [(entry, view[data_start + entry.start : data_start + entry.end]) for entry in tensors]
+
+    def read_snapshot(self, name: SnapshotName, num_layers: int | None
+                      ) -> tuple[dict[str, str], list[dict[str, Any]], dict[str, tuple[TensorEntry, memoryview]]]:
+        """A snapshot file's metadata, layer layout and verified tensors (by name); raises as ``read``."""
+        metadata, view, tensors, data_start = self._read_verified(name.filename)
+        layout = disk_index.check_snapshot(name, metadata, tensors, num_layers)
+        self._check_sum(metadata, view, data_start)
+        with contextlib.suppress(OSError):
+            os.utime(self.directory / name.filename)
+        return metadata, layout, {entry.name: (entry, view[data_start + entry.start : data_start + entry.end])
+                                  for entry in tensors}
+
+    def _read_verified(self, filename: str) -> tuple[dict[str, str], memoryview, list[TensorEntry], int]:
+        with open(self.directory / filename, "rb") as file:
             size = os.fstat(file.fileno()).st_size
             data = file.read()
         if len(data) != size:
             raise PieceRefused("truncated", f"read {len(data)} of {size} bytes")
         view = memoryview(data)
         metadata, tensors, data_start = disk_index.decode_header(view, size)
-        disk_index.check_piece(spec, metadata, tensors, num_layers)
+        return metadata, view, tensors, data_start
+
+    @staticmethod
+    def _check_sum(metadata: dict[str, str], view: memoryview, data_start: int) -> None:
         checksum = blake3.blake3(view[data_start:]).hexdigest()
         if checksum != metadata.get("checksum"):
             raise PieceRefused("checksum", f"data digest {checksum[:16]}... is not the recorded one")
-        with contextlib.suppress(OSError):
-            os.utime(path)  # its last use, for every process's LRU budget
-        return metadata, [(entry, view[data_start + entry.start : data_start + entry.end]) for entry in tensors]
 
-    def refuse(self, spec: PieceSpec, error: PieceRefused) -> None:
+    def refuse(self, spec: PieceSpec | SnapshotName, error: PieceRefused) -> None:
         """Log, count and delete a file that must not be loaded."""
         with self._lock:
             self._refusals[error.reason] += 1
@@ -444,7 +513,7 @@ class DiskTier:
         logger.warning("prompt-cache disk tier: refused %s (%s: %s)%s", spec.filename, error.reason, error.detail,
                        "; deleted" if deleted else "; could not delete it")
 
-    def vanished(self, spec: PieceSpec) -> None:
+    def vanished(self, spec: PieceSpec | SnapshotName) -> None:
         logger.debug("prompt-cache disk tier: %s vanished (evicted by another process)", spec.filename)
         self._count("vanished")
 

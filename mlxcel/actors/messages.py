@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 import trio
 
-from mlxcel.cache.disk_index import DiskPlan, PieceSpec
+from mlxcel.cache.disk_index import DiskPlan, PieceSpec, SnapshotName
 from mlxcel.cache.key import CacheContext
 from mlxcel.cache.kv_events import BlockChange
 from mlxcel.cache.snapshots import SnapshotStats
@@ -154,13 +154,29 @@ class LoadDiskPrefix:
 
 
 @attrs.frozen(kw_only=True)
+class PersistSnapshot:
+    """From the cache store: write a stored session snapshot to disk, behind the steps."""
+
+    payload: Any = attrs.field(repr=False)
+    name: SnapshotName
+
+
+@attrs.frozen(kw_only=True)
+class LoadDiskSnapshot:
+    """From the scheduler, between steps: read a session snapshot back from disk."""
+
+    name: SnapshotName
+    reply_to: trio.MemorySendChannel[DiskPrefixLoaded] = attrs.field(repr=False)
+
+
+@attrs.frozen(kw_only=True)
 class DiskPrefixLoaded:
     # None: nothing usable was read (a piece vanished or was refused); the memory match stands.
     payload: KVHandle | None = attrs.field(repr=False)
     num_tokens: int = 0
 
 
-DeviceMsg = RunStep | UseDiskTier | PersistPieces | LoadDiskPrefix
+DeviceMsg = RunStep | UseDiskTier | PersistPieces | LoadDiskPrefix | PersistSnapshot | LoadDiskSnapshot
 
 
 # --- scheduler <-> cache store ---------------------------------------------------------
@@ -203,7 +219,7 @@ class LookupSnapshot:
     tokens: tuple[int, ...] = attrs.field(repr=False)
     # False: a peek for the warmer that counts nothing.
     record: bool = True
-    reply_to: trio.MemorySendChannel[SnapshotFound | SnapshotMissing] = attrs.field(repr=False)
+    reply_to: trio.MemorySendChannel[SnapshotFound | SnapshotMissing | SnapshotOnDisk] = attrs.field(repr=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -219,6 +235,14 @@ class SnapshotFound:
 class SnapshotMissing:
     # None: no snapshot for the session; else why the stored one was refused.
     refusal: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class SnapshotOnDisk:
+    """A longer snapshot is on disk: the device loads ``name`` (else ``memory`` stands)."""
+
+    memory: SnapshotFound | SnapshotMissing
+    name: SnapshotName
 
 
 @attrs.frozen(kw_only=True)

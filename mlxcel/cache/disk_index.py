@@ -31,11 +31,12 @@ import attrs
 import blake3
 
 from mlxcel.cache.apc import BlockHasher, HashAlgorithm
-from mlxcel.cache.key import CacheContext, length_prefixed
+from mlxcel.cache.key import CacheContext, length_prefixed, pack_tokens
 
 FORMAT = "mlxcel-kv-v1"
 FINGERPRINT_DOMAIN = b"mlxcel:disk-tier:context:v1"
 MODEL_DOMAIN = b"mlxcel:disk-tier:model:v1"
+SNAPSHOT_DOMAIN = b"mlxcel:disk-tier:snapshot:v1"
 # The disk tier's own block chain: independent of --apc-* so a changed APC setting keeps the files valid.
 BLOCK_TOKENS = 16
 PIECE_BLOCKS = 16
@@ -51,6 +52,7 @@ FINGERPRINT_CHARS = 32
 REFUSAL_REASONS = ("truncated", "malformed", "fingerprint", "shape", "checksum")
 
 _NAME = re.compile(r"^kv-([0-9a-f]{32})-(\d{7})-(\d{7})-([0-9a-f]{64})\.safetensors$")
+_SNAPSHOT_NAME = re.compile(r"^snap-([0-9a-f]{32})-(\d{9})-([0-9a-f]{64})\.safetensors$")
 _TEMP = re.compile(r"^\.tmp-(\d+)-[0-9a-f]+-")
 _HEADER_LENGTH = struct.Struct("<Q")
 # A header larger than this is not one of ours (64 layers x 2 tensors take ~10 KiB).
@@ -154,17 +156,54 @@ class DiskPlan:
 
 
 @attrs.frozen(kw_only=True)
-class PieceData:
-    """A piece's tensors in host memory, in file order: (name, dtype, shape, buffer)."""
+class SnapshotName:
+    """A session snapshot on disk: the whole state after exactly num_tokens tokens."""
 
-    spec: PieceSpec
+    fingerprint: str
+    num_tokens: int
+    # snapshot_digest of its tokens.
+    digest: bytes
+
+    @property
+    def filename(self) -> str:
+        return f"snap-{self.fingerprint}-{self.num_tokens:09d}-{self.digest.hex()}{SUFFIX}"
+
+
+@attrs.frozen(kw_only=True)
+class PieceData:
+    """A piece's (or a snapshot's) tensors in host memory, in file order: (name, dtype, shape, buffer)."""
+
+    spec: PieceSpec | SnapshotName
     tensors: tuple[tuple[str, str, tuple[int, ...], Any], ...] = attrs.field(repr=False)
     num_layers: int
+    # A snapshot's layer layout and family (snapshot_metadata's fields), as metadata strings.
+    extra: Mapping[str, str] = attrs.field(factory=dict)
 
     @property
     def nbytes(self) -> int:
         return sum(memoryview(buffer).nbytes for *_rest, buffer in self.tensors)
 
+
+
+def snapshot_digest(chain: Sequence[bytes], root: bytes, tokens: Sequence[int]) -> bytes:
+    """A snapshot's digest from the tokens' block chain (its whole blocks) and the tokens after the last one.
+
+    Computed from the request's chain, so checking every stored snapshot
+    length against one request costs a hash of at most 15 tokens each.
+    """
+    whole = len(tokens) // BLOCK_TOKENS
+    hasher = blake3.blake3(SNAPSHOT_DOMAIN)
+    hasher.update(chain[whole - 1] if whole else root)
+    hasher.update(struct.pack("<Q", len(tokens)))
+    hasher.update(pack_tokens(tokens[whole * BLOCK_TOKENS :]))
+    return hasher.digest()
+
+
+def parse_snapshot_name(filename: str) -> SnapshotName | None:
+    match = _SNAPSHOT_NAME.match(filename)
+    if match is None or int(match[2]) < 1:
+        return None
+    return SnapshotName(fingerprint=match[1], num_tokens=int(match[2]), digest=bytes.fromhex(match[3]))
 
 
 def parse_name(filename: str) -> PieceName | None:
@@ -431,3 +470,51 @@ def check_piece(spec: PieceSpec, metadata: Mapping[str, str], tensors: Sequence[
                 count *= dim
             if entry.end - entry.start != count * size:
                 raise PieceRefused("shape", f"{tensor_name} holds {entry.end - entry.start} bytes, not {count * size}")
+
+
+# --- snapshot files ------------------------------------------------------------------------
+
+
+def snapshot_metadata(name: SnapshotName, *, checksum: str, extra: Mapping[str, str]) -> dict[str, str]:
+    return {
+        **extra,
+        "format": FORMAT,
+        "kind": "snapshot",
+        "fingerprint": name.fingerprint,
+        "num_tokens": str(name.num_tokens),
+        "digest": name.digest.hex(),
+        "checksum": checksum,
+    }
+
+
+def check_snapshot(name: SnapshotName, metadata: Mapping[str, str], tensors: Sequence[TensorEntry],
+                   num_layers: int | None) -> list[dict[str, Any]]:
+    """Refuse a snapshot file that is not the one its name says; returns its layer layout."""
+    if metadata.get("format") != FORMAT or metadata.get("kind") != "snapshot":
+        raise PieceRefused("fingerprint", f"format {metadata.get('format')!r}, kind {metadata.get('kind')!r}")
+    for field, expected in (("fingerprint", name.fingerprint), ("digest", name.digest.hex())):
+        if metadata.get(field) != expected:
+            raise PieceRefused("fingerprint", f"{field} {metadata.get(field)!r} is not {expected!r}")
+    if metadata.get("num_tokens") != str(name.num_tokens):
+        raise PieceRefused("shape", f"num_tokens {metadata.get('num_tokens')!r} is not {name.num_tokens}")
+    try:
+        layout = json.loads(metadata["layers"])
+    except (KeyError, ValueError):
+        layout = None
+    if not isinstance(layout, list) or not all(isinstance(layer, dict) for layer in layout):
+        raise PieceRefused("malformed", "no readable layer layout")
+    if num_layers is not None and len(layout) != num_layers:
+        raise PieceRefused("shape", f"{len(layout)} layers, the model has {num_layers}")
+    names = {entry.name for entry in tensors}
+    for entry in tensors:
+        if entry.dtype not in DTYPE_SIZES:
+            raise PieceRefused("shape", f"{entry.name} has dtype {entry.dtype}")
+        count = 1
+        for dim in entry.shape:
+            count *= dim
+        if entry.end - entry.start != count * DTYPE_SIZES[entry.dtype]:
+            raise PieceRefused("shape", f"{entry.name} holds {entry.end - entry.start} bytes for shape {entry.shape}")
+    wanted = {tensor for layer in layout for tensor in layer.get("tensors", [])}
+    if wanted != names:
+        raise PieceRefused("shape", f"tensors {sorted(names ^ wanted)[:4]} do not match the layout")
+    return layout

@@ -15,6 +15,7 @@ stored payload is known here and nowhere else in the disk tier.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -23,8 +24,9 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from mlxcel.cache.disk_index import DiskPlan, PieceData, PieceRefused, PieceSpec, layer_names
+from mlxcel.cache.disk_index import DiskPlan, PieceData, PieceRefused, PieceSpec, SnapshotName, layer_names
 from mlxcel.model.kv import DetachedKV
+from mlxcel.model.snapshot import SessionSnapshot
 
 if TYPE_CHECKING:
     from mlxcel.actors.disk_tier import DiskTier
@@ -76,13 +78,67 @@ class _Job:
     tensors: list[tuple[str, str, tuple[int, ...], Any]] = attrs.Factory(list)
 
 
+@attrs.define
+class _SnapshotJob:
+    """A session snapshot on its way to disk, a layer at a time."""
+
+    snapshot: SessionSnapshot
+    name: SnapshotName
+    layer: int = 0
+    tensors: list[tuple[str, str, tuple[int, ...], Any]] = attrs.Factory(list)
+    layouts: list[dict[str, Any]] = attrs.Factory(list)
+
+
+def _layer_state(index: int, layer: Any) -> tuple[dict[str, Any], list[tuple[str, mx.array]]]:
+    """A snapshot layer's scalars (its layout) and arrays, by tensor name."""
+    from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+
+    arrays: list[tuple[str, Any]]
+    if isinstance(layer, ArraysCache):
+        arrays = [(f"layer.{index}.state.{slot}", array) for slot, array in enumerate(layer.cache) if array is not None]
+        layout: dict[str, Any] = {"kind": "arrays", "size": len(layer.cache)}
+    else:
+        arrays = [] if layer.keys is None else [(f"layer.{index}.keys", layer.keys),
+                                                (f"layer.{index}.values", layer.values)]
+        layout = {"kind": "kv", "offset": int(layer.offset)}
+        if isinstance(layer, RotatingKVCache):
+            layout.update(kind="rotating", idx=int(layer._idx), max_size=int(layer.max_size), keep=int(layer.keep))
+    layout["tensors"] = [name for name, _array in arrays]
+    return layout, arrays
+
+
+def _layer_from(layout: dict[str, Any], arrays: dict[str, mx.array]) -> Any:
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+    layer: Any
+    if layout["kind"] == "arrays":
+        layer = ArraysCache(int(layout["size"]))
+        layer.cache = [None] * int(layout["size"])
+        for name in layout["tensors"]:
+            layer.cache[int(name.rsplit(".", 1)[1])] = arrays[name]
+        return layer
+    if layout["kind"] == "rotating":
+        layer = RotatingKVCache(int(layout["max_size"]), int(layout["keep"]))
+        layer._idx = int(layout["idx"])
+    elif layout["kind"] == "kv":
+        layer = KVCache()
+    else:
+        raise PieceRefused("shape", f"unknown layer kind {layout['kind']!r}")
+    names = layout["tensors"]
+    if names:
+        layer.keys, layer.values = arrays[names[0]], arrays[names[1]]
+    layer.offset = int(layout["offset"])
+    return layer
+
+
 class DeviceDisk:
     """Owned by the device thread: the write-behind queue and disk-hit loading."""
 
-    def __init__(self, tier: DiskTier, num_layers: int) -> None:
+    def __init__(self, tier: DiskTier, num_layers: int, family: str = "") -> None:
         self.tier = tier
         self._num_layers = num_layers
-        self._jobs: collections.deque[_Job] = collections.deque()
+        self._family = family
+        self._jobs: collections.deque[_Job | _SnapshotJob] = collections.deque()
 
     # --- writing ---------------------------------------------------------------------------
 
@@ -96,7 +152,15 @@ class DeviceDisk:
             self._jobs.append(job)
         while len(self._jobs) > MAX_JOBS:
             dropped = self._jobs.pop()
-            self.tier.drop(len(dropped.pieces) - dropped.piece)
+            self.tier.drop(len(dropped.pieces) - dropped.piece if isinstance(dropped, _Job) else 1)
+
+    def persist_snapshot(self, snapshot: Any, name: SnapshotName) -> None:
+        if not isinstance(snapshot, SessionSnapshot):
+            return
+        self._jobs.append(_SnapshotJob(snapshot=snapshot, name=name))
+        while len(self._jobs) > MAX_JOBS:
+            self._jobs.pop()
+            self.tier.drop()
 
     def has_work(self) -> bool:
         return bool(self._jobs)
@@ -109,6 +173,9 @@ class DeviceDisk:
         done = 0
         while self._jobs and done < max_bytes:
             job = self._jobs[0]
+            if isinstance(job, _SnapshotJob):
+                done += self._work_snapshot(job)
+                continue
             spec = job.pieces[job.piece]
             count = num_layers(job.payload)
             if spec.name.end_token > job.payload.length:
@@ -127,6 +194,55 @@ class DeviceDisk:
             if job.piece >= len(job.pieces):
                 self._jobs.popleft()  # the payload is let go here, on the device thread
 
+    def _work_snapshot(self, job: _SnapshotJob) -> int:
+        """Convert one layer of a snapshot; the last one sends the file to the writer."""
+        snapshot = job.snapshot
+        done = 0
+        if job.layer < len(snapshot.layers):
+            layout, arrays = _layer_state(job.layer, snapshot.layers[job.layer])
+            for name, array in arrays:
+                dtype, host = _host(array)
+                layout.setdefault("shapes", {})[name] = list(array.shape)
+                job.tensors.append((name, dtype, tuple(array.shape), host))
+                done += host.nbytes
+            job.layouts.append(layout)
+            job.layer += 1
+        if job.layer >= len(snapshot.layers):
+            extra = {"family": snapshot.family, "layers": json.dumps(job.layouts, separators=(",", ":"))}
+            self.tier.submit(PieceData(spec=job.name, tensors=tuple(job.tensors), num_layers=len(snapshot.layers),
+                                       extra=extra))
+            self._jobs.popleft()
+        return max(done, 1)
+
+    def load_snapshot(self, name: SnapshotName) -> SessionSnapshot | None:
+        """A session snapshot read back from disk, checked (None: refused or gone)."""
+        started = time.perf_counter()
+        try:
+            metadata, layout, tensors = self.tier.read_snapshot(name, self._num_layers)
+            if self._family and metadata.get("family") != self._family:
+                raise PieceRefused("shape", f"a {metadata.get('family')!r} snapshot for a {self._family!r} model")
+            arrays = {tensor_name: _device(entry.dtype, entry.shape, buffer)
+                      for tensor_name, (entry, buffer) in tensors.items()}
+            try:
+                layers = [_layer_from(layer, arrays) for layer in layout]
+            except (KeyError, ValueError, TypeError, IndexError) as error:
+                raise PieceRefused("malformed", f"layer layout ({error})") from None
+        except PieceRefused as error:
+            self.tier.refuse(name, error)
+            return None
+        except FileNotFoundError:
+            self.tier.vanished(name)
+            self.tier.record_miss()
+            return None
+        except OSError as error:
+            logger.warning("prompt-cache disk tier: cannot read %s (%s)", name.filename, error.strerror or error)
+            return None
+        snapshot = SessionSnapshot(metadata["family"], layers, name.num_tokens)
+        mx.eval(list(arrays.values()))
+        nbytes = sum(buffer.nbytes for _entry, buffer in tensors.values())
+        self.tier.record_load(nbytes=nbytes, seconds=time.perf_counter() - started, tokens=name.num_tokens)
+        return snapshot
+
     def flush(self, deadline_seconds: float = 10.0) -> None:
         """Shutting down: convert what is queued (within the deadline), then let the writer finish."""
         end = time.monotonic() + deadline_seconds
@@ -136,7 +252,7 @@ class DeviceDisk:
             else:
                 time.sleep(0.01)
         if self._jobs:
-            self.tier.drop(sum(len(job.pieces) - job.piece for job in self._jobs))
+            self.tier.drop(sum(len(job.pieces) - job.piece if isinstance(job, _Job) else 1 for job in self._jobs))
             self._jobs.clear()
         self.tier.close(max(1.0, end - time.monotonic()))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import trio
 
 from mlxcel import ChatRequest, SamplingParams
@@ -23,8 +24,8 @@ def turn(history: list[dict[str, str]], **fields: object) -> ChatRequest:
     )
 
 
-def has_pieces(directory: Path) -> bool:
-    return any(path.name.startswith("kv-") for path in directory.iterdir())
+def has_pieces(directory: Path, prefix: str = "kv-") -> bool:
+    return any(path.name.startswith(prefix) for path in directory.iterdir())
 
 
 def first_logprobs(completion) -> dict[str, float]:
@@ -90,3 +91,29 @@ async def test_stats_metrics_and_a_reset_that_clears_the_disk(tmp_path: Path) ->
         assert freed["disk_bytes_freed"] > 0
         assert (await engine.cache_stats())["disk"]["entries"] == 0
     assert not has_pieces(tmp_path)
+
+
+@pytest.mark.parametrize("family", ["hybrid", "gemma3"])
+async def test_session_snapshots_resume_from_disk_after_a_restart(tmp_path: Path, family: str) -> None:
+    config = make_engine_config(family, prompt_cache=evolve_cache(disk_dir=tmp_path))
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Open the first file."}]
+    async with open_engine(config) as engine:
+        first = await engine.chat(turn(history))
+        with trio.fail_after(60):
+            while (await engine.scheduler_stats()).num_warm_completed < 1:
+                await trio.sleep(0.02)
+        await wait_for_writes(engine, 2)
+    assert has_pieces(tmp_path, "snap-")
+    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Now the second."}]
+    async with open_engine(config) as engine:
+        resumed = await engine.chat(turn(history))
+        disk = (await engine.cache_stats())["disk"]
+        cold = await engine.chat(turn(history, cache=CacheOptions(cache_prompt=False)))
+    # The warm-up's snapshot covered turn 1's reply: only the new message is prefilled.
+    assert resumed.usage.cached_tokens > first.usage.prompt_tokens
+    assert disk["hits"] == 1
+    assert sum(disk["refusals"].values()) == 0
+    hot, reference = first_logprobs(resumed), first_logprobs(cold)
+    assert hot.keys() == reference.keys()
+    for token, logprob in reference.items():
+        assert abs(hot[token] - logprob) < 1e-4, (token, hot[token], logprob)

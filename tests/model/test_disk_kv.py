@@ -238,3 +238,56 @@ def test_the_writer_keeps_to_its_write_budget(tmp_path: Path) -> None:
     write(tier, payload())  # 75,776 tensor bytes in three pieces
     assert time.monotonic() - started >= 0.3
     assert tier.statistics().writes == 3
+
+
+def snapshot_of_three_kinds(length: int = 40):
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+    from mlxcel.model.snapshot import SessionSnapshot
+
+    generator = np.random.default_rng(5)
+
+    def array(*shape):
+        return mx.array(generator.standard_normal(shape, dtype=np.float32))
+
+    plain = KVCache()
+    plain.keys, plain.values, plain.offset = array(1, 2, length, 4), array(1, 2, length, 4), length
+    window = RotatingKVCache(16, 0)
+    window.keys, window.values, window.offset, window._idx = array(1, 2, 16, 4), array(1, 2, 16, 4), length, 8
+    recurrent = ArraysCache(2)
+    recurrent.cache = [array(1, 3, 4), None]
+    snapshot = SessionSnapshot("mixed", [plain, window, recurrent], length)
+    mx.eval([plain.keys, plain.values, window.keys, window.values, recurrent.cache[0]])
+    return snapshot
+
+
+def test_a_session_snapshot_round_trips_through_disk(tmp_path: Path) -> None:
+    snapshot = snapshot_of_three_kinds()
+    tokens = tuple(range(40))
+    tier = open_tier(tmp_path)
+    name = tier.plan_snapshot(CONTEXT, tokens)
+    device = DeviceDisk(tier, 3, "mixed")
+    device.persist_snapshot(snapshot, name)
+    while device.has_work():
+        device.work()
+    tier.close()
+    tier = open_tier(tmp_path)
+    assert tier.plan_snapshot(CONTEXT, tokens) is None  # on disk already
+    found = tier.probe_snapshot(CONTEXT, (*tokens, 7, 8), memory_len=0)
+    assert found == name
+    assert tier.probe_snapshot(CONTEXT, (*tokens[:-1], 99, 7), memory_len=0) is None  # another history
+    assert tier.probe_snapshot(CONTEXT, (*tokens, 7), memory_len=40) is None  # memory has as much
+    loaded = DeviceDisk(tier, 3, "mixed").load_snapshot(found)
+    assert loaded is not None
+    assert (loaded.length, loaded.family, loaded.cuttable) == (40, "mixed", False)
+    plain, window, recurrent = loaded.layers
+    assert plain.offset == 40
+    assert np.array_equal(np.array(plain.keys), np.array(snapshot.layers[0].keys))
+    assert (window.max_size, window.offset, window._idx) == (16, 40, 8)
+    assert np.array_equal(np.array(window.values), np.array(snapshot.layers[1].values))
+    assert recurrent.cache[1] is None
+    assert np.array_equal(np.array(recurrent.cache[0]), np.array(snapshot.layers[2].cache[0]))
+    # Another family's model, or a damaged file: refused, deleted, never loaded.
+    assert DeviceDisk(tier, 3, "other").load_snapshot(found) is None
+    assert tier.statistics().refusals["shape"] == 1
+    assert not (tmp_path / found.filename).exists()
