@@ -327,7 +327,13 @@ async def _open_disk(config: EngineConfig, model: ModelInfo, cache_on: bool) -> 
     adapters = [spec.path for spec in config.lora]
     # The served name is in every context's bucket already; the scales change the KV too.
     extra = [repr([spec.scale for spec in config.lora]), str(not config.lora_init_without_apply)]
-    return await trio.to_thread.run_sync(partial(open_disk_tier, settings, model.path, adapters, extra))
+    try:
+        return await trio.to_thread.run_sync(partial(open_disk_tier, settings, model.path, adapters, extra))
+    except OSError as error:
+        # The server keeps serving on any disk fault, this one included.
+        logger.error("prompt-cache disk tier: cannot fingerprint the model at %s (%s); the disk tier is off",
+                     model.path, error.strerror or error)
+        return None
 
 
 async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engine] = trio.TASK_STATUS_IGNORED) -> None:

@@ -150,7 +150,7 @@ class CacheStoreActor:
         self._to_metrics = to_metrics
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        with self.inbox:
+        with self.inbox, self._to_device if self._to_device is not None else contextlib.nullcontext():
             task_status.started()
             async for message in self.inbox:
                 self._handle(message)
