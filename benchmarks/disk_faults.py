@@ -112,9 +112,12 @@ def main() -> None:
         directory, log = scratch / "truncated", scratch / "truncated.log"
         reply = first_turn(model, directory, log)
         target = pieces(directory)[2]
-        target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
-        results["truncated"] = {**serve_after_fault(model, directory, log, reply), "target_deleted":
-                                not target.exists(), "log": log_lines(log, "refused")}
+        whole = target.stat().st_size
+        target.write_bytes(target.read_bytes()[: whole // 2])
+        outcome = serve_after_fault(model, directory, log, reply)
+        # Deleted when refused; the turn then prefilled those tokens and wrote the piece anew, whole.
+        results["truncated"] = {**outcome, "piece_now_whole": target.exists() and target.stat().st_size == whole,
+                                "log": log_lines(log, "refused")}
 
         # Another model's piece under this model's name.
         directory, log = scratch / "other", scratch / "other.log"
@@ -169,9 +172,9 @@ def main() -> None:
         process.send_signal(signal.SIGKILL)
         process.wait()
         outcome = serve_after_fault(model, directory, log, reply)
+        left = [path.name for path in directory.iterdir() if path.name.startswith(".tmp-")]
         results["sigkill"] = {"temps_at_kill": len(temps), "complete_pieces_at_kill": complete, **outcome,
-                              "temps_left": [path.name for path in directory.iterdir() if path.name.startswith(".tmp-")],
-                              "log": log_lines(log, "temporary files")}
+                              "temps_left": left, "log": log_lines(log, "temporary files")}
     for name, result in results.items():
         print(f"{name}: {json.dumps(result)}")
     if args.json:
