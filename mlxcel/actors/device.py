@@ -24,7 +24,15 @@ import attrs
 import trio
 
 from mlxcel.actors.adapter_batches import AdapterBatches
-from mlxcel.actors.messages import DeviceMsg, RunStep
+from mlxcel.actors.messages import (
+    DeviceMsg,
+    LoadDiskPrefix,
+    LoadDiskSnapshot,
+    PersistPieces,
+    PersistSnapshot,
+    RunStep,
+    UseDiskTier,
+)
 from mlxcel.core.plan import (
     AloneChunk,
     Capabilities,
@@ -122,23 +130,89 @@ class DeviceActor:
         if mx.default_device() != mx.cpu if warm_up is None else warm_up:
             logger.info("device warm-up took %.2f s", worker.warm_up(info))
         trio.from_thread.run_sync(task_status.started, info)
-        while True:
-            try:
-                message = trio.from_thread.run(self.inbox.receive)
-            except (trio.EndOfChannel, trio.ClosedResourceError):
-                return
-            match message:
-                case RunStep():
-                    done = worker.run_step(message.plan)
-                    self._num_steps = done.step_number
-                    trio.from_thread.run_sync(_reply, message.reply_to, done)
-                    # Drops the released payloads here, so MLX frees them on this thread.
-                    del message, done
-                case _:
-                    raise AssertionError(f"unexpected device message {message!r}")
+        disk: Any = None  # model/disk_kv.py's DeviceDisk, once the engine hands over a disk tier
+        try:
+            while True:
+                try:
+                    message = self._receive(disk)
+                except (trio.EndOfChannel, trio.ClosedResourceError):
+                    return
+                match message:
+                    case None:
+                        continue
+                    case RunStep():
+                        done = worker.run_step(message.plan)
+                        self._num_steps = done.step_number
+                        trio.from_thread.run_sync(_reply, message.reply_to, done)
+                        # Drops the released payloads here, so MLX frees them on this thread.
+                        del message, done
+                    case UseDiskTier() | PersistPieces() | LoadDiskPrefix() | PersistSnapshot() | LoadDiskSnapshot():
+                        disk = _disk_message(disk, message, worker)
+                        del message
+                    case _:
+                        raise AssertionError(f"unexpected device message {message!r}")
+        finally:
+            if disk is not None:
+                disk.flush()
+
+    def _receive(self, disk: Any) -> DeviceMsg | None:
+        """The next message; with disk writes queued, None after converting a slice of them when none waits."""
+        if disk is None or not disk.has_work():
+            return trio.from_thread.run(self.inbox.receive)
+        try:
+            return trio.from_thread.run_sync(self.inbox.receive_nowait)
+        except trio.WouldBlock:
+            pass
+        if disk.can_work():
+            disk.work()
+            return None
+        # The writer is behind (its write budget): wait for a message a little, then look again.
+        return trio.from_thread.run(_receive_within, self.inbox, 0.05)
 
 
-def _reply(reply_to: trio.MemorySendChannel[StepResult], done: StepResult) -> None:
+async def _receive_within(inbox: trio.MemoryReceiveChannel[DeviceMsg], seconds: float) -> DeviceMsg | None:
+    with trio.move_on_after(seconds):
+        return await inbox.receive()
+    return None
+
+
+def _disk_message(disk: Any, message: UseDiskTier | PersistPieces | LoadDiskPrefix | PersistSnapshot
+                  | LoadDiskSnapshot, worker: _StepWorker) -> Any:
+    """The disk tier's messages (mlxcel/model/disk_kv.py does the work); returns the device's DeviceDisk."""
+    from mlxcel.actors.messages import DiskPrefixLoaded
+    from mlxcel.model.disk_kv import DeviceDisk
+
+    match message:
+        case UseDiskTier():
+            return DeviceDisk(message.tier, worker.num_layers, worker.family)
+        case PersistSnapshot():
+            if disk is not None:
+                disk.persist_snapshot(message.payload, message.name)
+        case LoadDiskSnapshot():
+            snapshot = None
+            if disk is not None:
+                try:
+                    snapshot = disk.load_snapshot(message.name)
+                except Exception:  # noqa: BLE001 - a disk fault must never stop the device
+                    logger.exception("prompt-cache disk tier: loading a snapshot failed")
+            trio.from_thread.run_sync(_reply, message.reply_to, DiskPrefixLoaded(
+                payload=snapshot, num_tokens=snapshot.length if snapshot is not None else 0))
+        case PersistPieces():
+            if disk is not None:
+                disk.persist(message.payload, message.pieces, urgent=message.urgent)
+        case LoadDiskPrefix():
+            payload = None
+            if disk is not None:
+                try:
+                    payload = disk.load(message.plan, message.memory)
+                except Exception:  # noqa: BLE001 - a disk fault must never stop the device
+                    logger.exception("prompt-cache disk tier: loading a disk hit failed")
+            loaded = DiskPrefixLoaded(payload=payload, num_tokens=payload.length if payload is not None else 0)
+            trio.from_thread.run_sync(_reply, message.reply_to, loaded)
+    return disk
+
+
+def _reply(reply_to: trio.MemorySendChannel[Any], done: Any) -> None:
     # The scheduler may have gone away (shutdown).
     with reply_to, contextlib.suppress(trio.BrokenResourceError, trio.WouldBlock):
         reply_to.send_nowait(done)
@@ -244,9 +318,11 @@ class _StepWorker:
         # Only plain KV caches can be cut and trimmed: other layer kinds run unbucketed.
         self.bucket_starts = ((mx.cuda.is_available() if bucket is None else bucket)
                               and all(type(cache) is KVCache for cache in make_prompt_cache(model)))
+        self.num_layers = len(make_prompt_cache(model))
         self._eos_token_ids = frozenset(eos_token_ids)
         self._grammars = _Grammars(tokenizer, self._eos_token_ids)
         self._family = family
+        self.family = family
         self._settings = settings
         assert settings.prefill_step_size is not None, "resolved before the worker is made"
         self._step = settings.prefill_step_size
