@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxcel.cache.disk_index import DiskPlan, PieceData, PieceRefused, PieceSpec, SnapshotName, layer_names
-from mlxcel.model.kv import DetachedKV
+from mlxcel.model.kv import DetachedKV, KvPiece
 from mlxcel.model.snapshot import SessionSnapshot
 
 if TYPE_CHECKING:
@@ -46,16 +46,15 @@ def rows(payload: Any, start: int, end: int, layers: range | None = None) -> lis
     """Per layer (all, or those in ``layers``), the (keys, values) of the payload's token rows [start, end)."""
     if not isinstance(payload, DetachedKV):
         raise TypeError(f"not a stored KV prefix: {type(payload).__name__}")
-    chosen = payload.layers if layers is None else payload.layers[layers.start : layers.stop]
-    return [(keys[..., start:end, :], values[..., start:end, :]) for keys, values in chosen]
+    return payload.rows(start, end, layers)
 
 
 def num_layers(payload: DetachedKV) -> int:
-    return len(payload.layers)
+    return len(payload.segments[0][0].layers)
 
 
 def dtype_of(payload: DetachedKV) -> Any:
-    return payload.layers[0][0].dtype
+    return payload.segments[0][0].layers[0][0].dtype
 
 
 def _host(array: mx.array) -> tuple[str, np.ndarray]:
@@ -261,13 +260,11 @@ class DeviceDisk:
     def load(self, plan: DiskPlan, memory: Any) -> DetachedKV | None:
         """The memory match's first plan.kept rows, then the plan's pieces, as one KV set (None: nothing read).
 
-        A refused or vanished piece ends the run there: what came before it is used.
+        The memory part keeps the memory entry's pieces (shared, not copied); each file read is a
+        piece of its own. A refused or vanished piece ends the run there: what came before it is used.
         """
         started = time.perf_counter()
-        parts: list[list[tuple[mx.array, mx.array]]] = [[] for _ in range(self._num_layers)]
-        if plan.kept:
-            for index, pair in enumerate(rows(memory, 0, plan.kept)):
-                parts[index].append(pair)
+        segments: list[tuple[KvPiece, int]] = list(memory.cut(plan.kept).segments) if plan.kept else []
         reference = dtype_of(memory) if plan.kept else None
         length, nbytes = plan.kept, 0
         for spec in plan.pieces:
@@ -287,20 +284,14 @@ class DeviceDisk:
             except OSError as error:
                 logger.warning("prompt-cache disk tier: cannot read %s (%s)", spec.filename, error.strerror or error)
                 break
-            for index in range(self._num_layers):
-                key_name, value_name = layer_names(index)
-                parts[index].append((arrays[key_name], arrays[value_name]))
+            piece_layers = [(arrays[key], arrays[value]) for key, value in map(layer_names, range(self._num_layers))]
+            segments.append((KvPiece(piece_layers, spec.name.end_token - length), spec.name.end_token - length))
             nbytes += sum(buffer.nbytes for _entry, buffer in tensors)
             length = spec.name.end_token
         if length <= plan.memory_len:
             self.tier.record_miss()
             return None
-        layers = [
-            (mx.concatenate([keys for keys, _values in pairs], axis=2),
-             mx.concatenate([values for _keys, values in pairs], axis=2)) if len(pairs) > 1 else pairs[0]
-            for pairs in parts
-        ]
-        detached = DetachedKV(layers, length)
+        detached = DetachedKV(segments)
         mx.eval(detached.arrays())
         seconds = time.perf_counter() - started
         self.tier.record_load(nbytes=nbytes, seconds=seconds, tokens=length - plan.kept)

@@ -83,6 +83,31 @@ class DetachedKV:
             left -= used
         return DetachedKV(segments)
 
+    def rows(self, start: int, end: int, layers: range | None = None) -> list[tuple[mx.array, mx.array]]:
+        """Per layer (all, or those in ``layers``), the keys and values of token rows [start, end).
+
+        Views where the rows lie in one piece, else one concatenation per layer.
+        """
+        if not 0 <= start <= end <= self.length:
+            raise AdoptError(f"no rows [{start}, {end}) in an entry of {self.length}")
+        spans: list[tuple[KvPiece, int, int]] = []
+        offset = 0
+        for piece, used in self.segments:
+            begin, stop = max(start, offset), min(end, offset + used)
+            if begin < stop:
+                spans.append((piece, begin - offset, stop - offset))
+            offset += used
+        chosen = []
+        for layer in layers if layers is not None else range(len(self.segments[0][0].layers)):
+            parts = [(piece.layers[layer][0][..., begin:stop, :], piece.layers[layer][1][..., begin:stop, :])
+                     for piece, begin, stop in spans]
+            if len(parts) == 1:
+                chosen.append(parts[0])
+            else:
+                chosen.append((mx.concatenate([keys for keys, _ in parts], axis=2),
+                               mx.concatenate([values for _, values in parts], axis=2)))
+        return chosen
+
     def __repr__(self) -> str:
         return f"DetachedKV(length={self.length}, nbytes={self.nbytes}, pieces={len(self.segments)})"
 

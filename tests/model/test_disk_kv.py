@@ -30,7 +30,7 @@ def payload(length: int = len(TOKENS), dtype=mx.float32, seed: int = 0) -> Detac
         keys, values = (mx.array(generator.standard_normal((1, 2, length, 4), dtype=np.float32)).astype(dtype)
                         for _ in range(2))
         layers.append((keys, values))
-    detached = DetachedKV(layers, length)
+    detached = DetachedKV.whole(layers, length)
     mx.eval(detached.arrays())
     return detached
 
@@ -63,7 +63,7 @@ def entries(directory: Path) -> list[str]:
 
 def assert_rows_equal(loaded: DetachedKV, stored: DetachedKV, length: int) -> None:
     assert loaded.length == length
-    for (keys, values), (want_keys, want_values) in zip(loaded.layers, rows(stored, 0, length), strict=True):
+    for (keys, values), (want_keys, want_values) in zip(rows(loaded, 0, length), rows(stored, 0, length), strict=True):
         assert np.array_equal(np.array(keys.astype(mx.float32)), np.array(want_keys.astype(mx.float32)))
         assert np.array_equal(np.array(values.astype(mx.float32)), np.array(want_values.astype(mx.float32)))
 
@@ -96,7 +96,7 @@ def test_memory_supplies_the_rows_up_to_its_last_piece_boundary(tmp_path: Path) 
     stored = payload()
     write(open_tier(tmp_path), stored)
     tier = open_tier(tmp_path)
-    memory = DetachedKV([(keys[..., :300, :], values[..., :300, :]) for keys, values in stored.layers], 300)
+    memory = DetachedKV.whole([(keys[..., :300, :], values[..., :300, :]) for keys, values in rows(stored, 0, 300)], 300)
     plan = tier.probe(CONTEXT, TOKENS, len(TOKENS) - 1, memory_len=300)
     assert plan is not None
     assert plan.kept == 256
