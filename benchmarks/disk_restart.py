@@ -112,6 +112,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--serve-flag", action="append", default=[], help="one more `mlxcel serve` flag")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--settle", type=float, default=0.0,
+                        help="seconds to wait after turn 1 before SIGTERM (default 0: at once)")
     args = parser.parse_args()
     from mlxcel.model.fixtures import fixture_path
 
@@ -122,6 +124,7 @@ def main() -> None:
         history = [{"role": "system", "content": system}, {"role": "user", "content": "Summarise the rules."}]
         process, base_url = start_server(model, directory, log, args.serve_flag)
         first = chat(base_url, history, max_tokens=16)
+        time.sleep(args.settle)
         shutdown_s = stop_server(process)
         files = sorted(path for path in directory.iterdir() if path.name.startswith("kv-"))
         piece_bytes = sum(path.stat().st_size for path in files)

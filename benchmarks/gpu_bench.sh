@@ -24,6 +24,7 @@ for mode in $modes; do
     all3) python3 -m mlxcel bench "${common[@]}" --conversations 16 --turns 3 --concurrency all --out "$out/$shape-all3" ;;
     all3before) python3 -m mlxcel bench "${common[@]}" --peer none --peer-command "$before" --conversations 16 --turns 3 --concurrency all --out "$out/$shape-all3before" ;;
     all64) python3 -m mlxcel bench "${common[@]}" --peer none --conversations 64 --turns 3 --concurrency all --out "$out/$shape-all64" ;;
+    diskrestart) python3 benchmarks/disk_restart.py --model-path "$model" --system-words 32000 --repeats 2 --settle 5 --serve-flag=--prompt-cache-disk-write-bytes-per-second=4294967296 --json "$out/$shape-diskrestart.json" ;;
     sharedkv) python3 benchmarks/shared_kv.py | tee "$out/$shape-sharedkv.jsonl" ;;
     lora) python3 benchmarks/lora_configs.py --model-path "$model" | tee "$out/$shape-lora.txt" ;;
     structured) python3 benchmarks/structured_output.py --model-path "$model" | tee "$out/$shape-structured.txt" ;;
