@@ -53,6 +53,9 @@ from mlxcel.types import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# Steps that prefilled at least this many tokens measure the prefill rate (see prefill_seconds_per_token).
+PREFILL_RATE_MIN_TOKENS = 128
+
 
 @attrs.frozen(kw_only=True)
 class DeviceStats:
@@ -204,7 +207,7 @@ def _disk_message(disk: Any, message: UseDiskTier | PersistPieces | LoadDiskPref
             payload = None
             if disk is not None:
                 try:
-                    payload = disk.load(message.plan, message.memory)
+                    payload = disk.load(message.plan, message.memory, worker.prefill_seconds_per_token)
                 except Exception:  # noqa: BLE001 - a disk fault must never stop the device
                     logger.exception("prompt-cache disk tier: loading a disk hit failed")
             loaded = DiskPrefixLoaded(payload=payload, num_tokens=payload.length if payload is not None else 0)
@@ -342,6 +345,9 @@ class _StepWorker:
         self._alone: dict[int, _AlonePrefill] = {}
         self._alone_done: dict[int, Any] = {}
         self._step_number = 0
+        # Seconds a prefilled token costs, measured (None until measured): a disk hit reads from disk
+        # only while that is faster than prefilling.
+        self.prefill_seconds_per_token: float | None = None
 
     def warm_up(self, info: ModelInfo) -> float:
         """Run a direct start, a chunked prefill and decoding once, on throwaway prompts.
@@ -384,14 +390,32 @@ class _StepWorker:
         self._alone.clear()
         self._alone_done.clear()
         self._step_number = 0
+        self.prefill_seconds_per_token = self._time_a_prefill_chunk()
         mx.clear_cache()
         return time.perf_counter() - start
+
+    def _time_a_prefill_chunk(self) -> float:
+        """Seconds per token of one prefill chunk on a fresh cache, once its shapes are compiled."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        tokens = mx.array([10 + i % 1000 for i in range(self._step)])[None]
+        seconds = 0.0
+        for _ in range(2):  # the first compiles
+            caches = make_prompt_cache(self._model)
+            started = time.perf_counter()
+            with mx.stream(self._generator.stream):
+                self._model(tokens, cache=caches)
+                mx.eval([cache.state for cache in caches])
+            seconds = time.perf_counter() - started
+        return seconds / self._step
 
     def run_step(self, plan: StepPlan) -> StepResult:
         """Carry the plan out in its order; any error fails everything the device holds."""
         self._step_number += 1
         report = _Report()
         direct: list[_DirectStart] = []
+        step_started = time.perf_counter()
         try:
             prompt_responses, generation_responses = self._execute(plan, report, direct)
             started = [self._start_generating(start) for start in direct]
@@ -400,6 +424,11 @@ class _StepWorker:
         self._report_direct(direct, started, report)
         self._report_decoded(generation_responses, report)
         self._report_prefilled(prompt_responses, report)
+        if report.prefill_tokens >= PREFILL_RATE_MIN_TOKENS:
+            # The whole step over its prefill tokens: an over-estimate when it also decoded.
+            sample = (time.perf_counter() - step_started) / report.prefill_tokens
+            known = self.prefill_seconds_per_token
+            self.prefill_seconds_per_token = sample if known is None else 0.8 * known + 0.2 * sample
         return report.result(self._step_number, decode_batch_size=len(generation_responses),
                              grammar=self._grammars.take_work())
 

@@ -86,6 +86,8 @@ class DiskStats:
     bytes_read: int
     load_seconds: float
     vanished: int
+    # Disk hits that stopped reading early because prefilling the rest was projected to be faster.
+    loads_cut_short: int = 0
 
     @property
     def load_ms_per_mib(self) -> float:
@@ -128,7 +130,7 @@ class DiskTier:
         self._entries = 0
         self._counts = dict.fromkeys(
             ("hits", "misses", "tokens_loaded", "writes", "bytes_written", "write_errors", "writes_dropped",
-             "duplicates", "evictions", "bytes_read", "vanished"), 0)
+             "duplicates", "evictions", "bytes_read", "vanished", "loads_cut_short"), 0)
         self._load_seconds = 0.0
         self._refusals = dict.fromkeys(REFUSAL_REASONS, 0)
         self._warned: set[str] = set()
@@ -526,6 +528,9 @@ class DiskTier:
 
     def record_miss(self) -> None:
         self._count("misses")
+
+    def record_cut_short(self) -> None:
+        self._count("loads_cut_short")
 
     # --- stats and reset (the engine, off the Trio thread) ----------------------------------------
 

@@ -214,6 +214,8 @@ class _DiskSeries:
         ("write_errors", "mlxcel_prompt_cache_disk_write_errors", "Disk-tier writes that failed"),
         ("writes_dropped", "mlxcel_prompt_cache_disk_writes_dropped", "Pieces not written (queue or budget)"),
         ("evictions", "mlxcel_prompt_cache_disk_evictions", "Pieces this process deleted for the budget"),
+        ("loads_cut_short", "mlxcel_prompt_cache_disk_loads_cut_short",
+         "Disk hits that stopped reading where prefilling the rest was projected to be faster"),
     )
 
     def __init__(self, registry: CollectorRegistry) -> None:

@@ -257,11 +257,15 @@ class DeviceDisk:
 
     # --- reading ---------------------------------------------------------------------------
 
-    def load(self, plan: DiskPlan, memory: Any) -> DetachedKV | None:
+    def load(self, plan: DiskPlan, memory: Any, prefill_seconds_per_token: float | None = None) -> DetachedKV | None:
         """The memory match's first plan.kept rows, then the plan's pieces, as one KV set (None: nothing read).
 
         The memory part keeps the memory entry's pieces (shared, not copied); each file read is a
         piece of its own. A refused or vanished piece ends the run there: what came before it is used.
+
+        With the device's prefill rate known, reading stops where the rest would take longer to read,
+        at the rate measured so far, than to prefill: on an H200 an 8B model prefills 32k tokens in
+        about 1.3 s, while reading their 4 GiB back from the page cache took 7 s.
         """
         started = time.perf_counter()
         segments: list[tuple[KvPiece, int]] = list(memory.cut(plan.kept).segments) if plan.kept else []
@@ -288,6 +292,14 @@ class DeviceDisk:
             segments.append((KvPiece(piece_layers, spec.name.end_token - length), spec.name.end_token - length))
             nbytes += sum(buffer.nbytes for _entry, buffer in tensors)
             length = spec.name.end_token
+            read_seconds_per_token = (time.perf_counter() - started) / (length - plan.kept)
+            if (prefill_seconds_per_token is not None and spec is not plan.pieces[-1]
+                    and read_seconds_per_token > prefill_seconds_per_token):
+                self.tier.record_cut_short()
+                logger.info("prompt-cache disk hit cut short after %d tokens: reading took %.3f ms a token, "
+                            "prefilling takes %.3f", length, 1000 * read_seconds_per_token,
+                            1000 * prefill_seconds_per_token)
+                break
         if length <= plan.memory_len:
             self.tier.record_miss()
             return None

@@ -92,11 +92,31 @@ def test_pieces_round_trip_and_a_new_process_finds_them(tmp_path: Path, dtype) -
     assert tier.plan_write(CONTEXT, TOKENS) == ()
 
 
+def test_reading_stops_where_prefilling_the_rest_is_faster(tmp_path: Path) -> None:
+    stored = payload()
+    write(open_tier(tmp_path), stored)
+    tier = open_tier(tmp_path)
+    request = (*TOKENS, 1, 2, 3)
+    plan = tier.probe(CONTEXT, request, len(request) - 1, 0)
+    assert plan is not None
+    assert len(plan.pieces) == 3
+    # Prefilling costs next to nothing: the first piece is read (it measures the disk), then no more.
+    cut = DeviceDisk(tier, LAYERS).load(plan, None, prefill_seconds_per_token=1e-12)
+    assert cut is not None
+    assert_rows_equal(cut, stored, 256)
+    assert tier.statistics().loads_cut_short == 1
+    # Prefilling is slow (a Mac prefilling a long agent prompt): every piece is read.
+    whole = DeviceDisk(tier, LAYERS).load(plan, None, prefill_seconds_per_token=10.0)
+    assert whole is not None
+    assert whole.length == 592
+    assert tier.statistics().loads_cut_short == 1
+
+
 def test_memory_supplies_the_rows_up_to_its_last_piece_boundary(tmp_path: Path) -> None:
     stored = payload()
     write(open_tier(tmp_path), stored)
     tier = open_tier(tmp_path)
-    memory = DetachedKV.whole([(keys[..., :300, :], values[..., :300, :]) for keys, values in rows(stored, 0, 300)], 300)
+    memory = DetachedKV.whole(rows(stored, 0, 300), 300)
     plan = tier.probe(CONTEXT, TOKENS, len(TOKENS) - 1, memory_len=300)
     assert plan is not None
     assert plan.kept == 256
