@@ -94,6 +94,8 @@ class NewRequest:
     # Keep the stored prompt against eviction this long (cache_control ttl, prompt_cache_retention);
     # > 0 also donates the prompt's KV at the end of its prefill, so a cancel during decoding keeps it.
     retain_seconds: float = 0.0
+    # The request's images (mlxcel.vision.processing.VisionInputs; its `end` is past the last image token).
+    vision: Any = attrs.field(default=None, repr=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -452,8 +454,13 @@ class SchedulerCore:
                 matched, adopted = found.length, found.payload
         if self._trace is not None and self._snapshots and request.cache_context is not None:
             self._trace_snapshot(request, found)
+        vision = request.vision
+        if vision is not None and matched < vision.end:
+            # Image rows come only from the vision tower: a prefix that stops short of them is not adopted.
+            matched, adopted, restore = 0, None, None
         sequence_id = self._new_sequence_id()
-        snapshots = self._snapshot_points(request, matched) if self._snapshots and self._boundary_snapshots else ()
+        snapshots = (self._snapshot_points(request, matched)
+                     if self._snapshots and self._boundary_snapshots and vision is None else ())
         output = RequestOutput(tokenizer=self._tokenizer, sampling=request.sampling,
                                eos_token_ids=self._eos_token_ids, prompt_tokens=len(prompt),
                                submitted_at=now, keep_text=self._keep_reply_text,
@@ -472,6 +479,7 @@ class SchedulerCore:
             max_tokens=request.max_tokens,
             donate_on_finish=request.cache_context is not None and self._cache_enabled,
             donate_prompt=request.cache_context is not None and (self._prompt_donation or self._retains(request)),
+            vision=vision if matched == 0 else None,
         ))
 
     def _snapshot_points(self, request: NewRequest, matched: int) -> tuple[SnapshotPoint, ...]:
@@ -599,8 +607,9 @@ class SchedulerCore:
                         run_batch=run_batch)
 
     def _starts_directly(self, pending: _Pending) -> bool:
+        # A prompt with images runs its vision tower and its prefill in one direct start, whatever its length.
         return (not pending.snapshots and not pending.warm
-                and len(pending.prompt_tokens) <= self.capabilities.prefill_step_size)
+                and (len(pending.prompt_tokens) <= self.capabilities.prefill_step_size or pending.vision is not None))
 
     def _prefills_alone(self, pending: _Pending) -> bool:
         """Longer than one chunk, with buckets: prefilled outside the batch, a chunk per step.
@@ -614,7 +623,7 @@ class SchedulerCore:
         1-START_PREFIX_ALIGN tokens then start directly like a hit's new turn.
         """
         step = self.capabilities.prefill_step_size
-        return (self.capabilities.bucket_starts and pending.restore is None
+        return (self.capabilities.bucket_starts and pending.restore is None and pending.vision is None
                 and not pending.snapshots and not pending.warm
                 and len(pending.prompt_tokens) > step >= START_PREFIX_ALIGN)
 
