@@ -81,6 +81,10 @@ def _fetch(url: str, source: ImageSource) -> bytes:
     try:
         with urllib.request.urlopen(request, timeout=source.timeout_s) as response:  # noqa: S310 - scheme checked
             data = response.read(source.max_bytes + 1)
+    except urllib.error.HTTPError as error:
+        error.close()  # it holds the response's socket
+        raise InvalidRequest(f"{source.param}: cannot fetch the image: HTTP {error.code}",
+                             param=source.param, code="invalid_value") from None
     except (urllib.error.URLError, OSError, ValueError) as error:
         reason = getattr(error, "reason", None) or error
         raise InvalidRequest(f"{source.param}: cannot fetch the image: {reason}",

@@ -7,6 +7,7 @@ import io
 from functools import partial
 
 import numpy as np
+import httpx
 import openai
 import pytest
 import trio
@@ -117,3 +118,78 @@ async def test_other_images_miss_and_the_same_bytes_hit(serve_vision, family, tm
     # The first image by another URL (a file holding the same bytes): the same digest, the whole entry.
     hit = await create(client, model, follow_up(part(f"file://{tmp_path / 'one.png'}"), part(data_url(two))))
     assert cached(hit) >= first.usage.prompt_tokens
+
+
+async def post(base_url: str, body: dict) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=60) as client:
+        return await client.post(f"{base_url}/v1/chat/completions", json=body)
+
+
+async def test_bad_images_and_text_models_get_a_400_naming_the_part(start_engine, start_server, nursery) -> None:
+    text_engine = await start_engine("llama")
+    response = await post(await start_server(text_engine), {"messages": [user("what is this?", png(1))]})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("messages[0].content[0].image_url.url", "unsupported_content")
+    assert error["message"] == "multimodal input is not supported by this model"
+
+    config = EngineConfig(model_path=vision_fixture_path("llava"), prompt_cache=TEST_CACHE,
+                          scheduler=SchedulerConfig(prefill_step_size=512, device_warmup="false"))
+    engine = await nursery.start(run_engine, config)
+    base_url = await start_server(engine)
+    truncated = png(1)[:80]
+    response = await post(base_url, {"messages": [user("a", png(2), truncated)], "max_tokens": 1})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "messages[0].content[1].image_url.url"
+    assert "cannot be decoded" in response.json()["error"]["message"]
+    # The text spelling the placeholder itself would take an image's place.
+    response = await post(base_url, {"messages": [user("a <image> here", png(2))], "max_tokens": 1})
+    assert response.status_code == 400
+    assert "placeholder" in response.json()["error"]["message"]
+    # The server keeps serving.
+    response = await post(base_url, {"messages": [user("fine", png(2))], "max_tokens": 1})
+    assert response.status_code == 200
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_the_split_model_gives_mlx_vlm_s_logits(family) -> None:
+    """mlx-vlm's tower into mlx-lm's text model: the logits of mlx-vlm's whole model, on two images."""
+    import mlx.core as mx
+    from mlx_vlm.utils import load_model as load_vlm
+
+    from mlxcel.model.loader import load_model
+    from mlxcel.vision.encoder import VisionEncoder
+    from mlxcel.vision.images import decode
+    from mlxcel.vision.processing import ImagePreparer, expand
+
+    folder = vision_fixture_path(family)
+    loaded = load_model(folder)
+    assert loaded.vision is not None
+    preparer = ImagePreparer(loaded.vision)
+    images = [preparer.prepare(decode(png(seed), "p")) for seed in (1, 2)]
+    placeholder = loaded.vision.image_token_id
+    tokens, vision = expand([1, 2, placeholder, 3, placeholder, 4, 5], loaded.vision, images)
+    assert len(tokens) == 5 + sum(len(image.tokens) for image in images)
+    embeddings = VisionEncoder(folder, loaded.model).embed(list(tokens), vision)
+    ours = loaded.model(mx.array(tokens)[None], input_embeddings=embeddings)
+    reference = load_vlm(folder)
+    rows = []
+    for (start, end), image in zip(vision.spans, vision.images, strict=True):
+        rows.append((start, end, reference.get_input_embeddings(
+            mx.array(tokens[start:end])[None], mx.array(image.pixel_values),
+            **{name: mx.array(value) for name, value in image.extras}).inputs_embeds))
+    table = reference.language_model.model.embed_tokens(mx.array(tokens)[None])
+    for start, end, features in rows:
+        table = mx.concatenate([table[:, :start], features, table[:, end:]], axis=1)
+    expected = reference.language_model(mx.array(tokens)[None], inputs_embeds=table).logits
+    assert float(mx.abs(ours - expected).max()) < 1e-4
+    # One image: mlx-vlm's whole model (its own merge over the whole prompt) agrees too.
+    single, alone = expand([1, 2, placeholder, 3], loaded.vision, images[:1])
+    whole = reference(mx.array(single)[None], mx.array(images[0].pixel_values), mask=None,
+                      **{name: mx.array(value) for name, value in images[0].extras}).logits
+    split = loaded.model(mx.array(single)[None], input_embeddings=VisionEncoder(folder, loaded.model).embed(
+        list(single), alone))
+    assert float(mx.abs(split - whole).max()) < 1e-4
+    # The images change the output (the tower is not bypassed).
+    text_only = loaded.model(mx.array(tokens)[None])
+    assert float(mx.abs(ours - text_only).max()) > 1e-3
