@@ -193,3 +193,37 @@ def test_the_split_model_gives_mlx_vlm_s_logits(family) -> None:
     # The images change the output (the tower is not bypassed).
     text_only = loaded.model(mx.array(tokens)[None])
     assert float(mx.abs(ours - text_only).max()) > 1e-3
+
+
+async def test_anthropic_image_blocks_reach_the_cache(serve_vision) -> None:
+    """The same image as an OpenAI data URL, then as an Anthropic base64 block: one digest, one entry."""
+    import anthropic
+
+    engine, openai_client = await serve_vision("mistral3")
+    client = anthropic.Anthropic(base_url=str(openai_client.base_url).removesuffix("/v1/"), api_key="unused",
+                                 max_retries=0, timeout=120)
+    screenshot = png(4)
+    (ok,) = engine.model.tokenizer.encode("ok")
+    first = await create(openai_client, engine.model_id, [{"role": "system", "content": SYSTEM},
+                                                          user("what is shown?", screenshot)],
+                         logit_bias={str(ok): 100}, max_tokens=1)
+
+    def block(data: bytes) -> dict:
+        return {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                            "data": base64.b64encode(data).decode()}}
+
+    async def send(messages: list):
+        return await trio.to_thread.run_sync(partial(client.messages.create, model=engine.model_id, system=SYSTEM,
+                                                     messages=messages, max_tokens=1))
+
+    def follow_up(data: bytes) -> list:
+        return [{"role": "user", "content": [block(data), {"type": "text", "text": "what is shown?"}]},
+                {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and then?"}]
+
+    hit = await send(follow_up(screenshot))
+    assert hit.usage.cache_read_input_tokens >= first.usage.prompt_tokens
+    missed = await send(follow_up(png(5)))
+    assert missed.usage.cache_read_input_tokens == 0
+    with pytest.raises(anthropic.BadRequestError, match="media_type"):
+        await send([{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/tiff", "data": "AAAA"}}]}])
