@@ -130,3 +130,14 @@ def test_the_digest_covers_the_bytes_in_order() -> None:
     assert multimodal_digest([one]) != multimodal_digest([two])
     # Length prefixes: moving bytes from one image to the next changes the digest.
     assert multimodal_digest([b"ab", b"c"]) != multimodal_digest([b"a", b"bc"])
+
+
+def test_the_image_flags_reach_the_request_limits(tmp_path) -> None:
+    from mlxcel.cli import request_limits
+    from mlxcel.config import ServerConfig
+
+    limits = request_limits(ServerConfig(max_images=2, max_image_bytes=1000, allow_image_files=str(tmp_path),
+                                         allow_image_urls=True, image_fetch_timeout=3.0))
+    assert (limits.max_images, limits.max_image_bytes, limits.image_file_root, limits.allow_image_urls,
+            limits.image_fetch_timeout_s) == (2, 1000, str(tmp_path), True, 3.0)
+    assert (Limits().image_file_root, Limits().allow_image_urls) == (None, False)
