@@ -597,7 +597,8 @@ class _StepWorker:
 
         if self._vision is None:
             raise ValueError("this model has no vision tower")
-        assert start.kept == 0 and not start.cached_tokens, "the core starts prompts with images cold"
+        assert start.kept == 0, "the core starts prompts with images cold"
+        assert not start.cached_tokens, "the core starts prompts with images cold"
         embeddings = self._vision.embed(run, start.vision)
         if padding:
             embeddings = mx.concatenate([embeddings, mx.repeat(embeddings[:, -1:], padding, axis=1)], axis=1)

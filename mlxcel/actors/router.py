@@ -54,8 +54,8 @@ from mlxcel.model.chat_template import (
 from mlxcel.model.info import ModelInfo
 from mlxcel.model.tokenize import SegmentTokenizer, max_chars_per_token, vocabulary_size
 from mlxcel.types import ChatRequest, CompletionRequest
-from mlxcel.vision.prompt import ImagePrompts
 from mlxcel.vision.processing import VisionInputs
+from mlxcel.vision.prompt import ImagePrompts
 
 logger = logging.getLogger(__name__)
 

@@ -99,8 +99,8 @@ def write_vision_fixture(family: str, out_dir: Path, *, seed: int = 0) -> Path:
     model_config = update_module_configs(model_config, model_module, settings, ["text", "vision", "projector"])
     mx.random.seed(seed)
     model = model_module.Model(model_config)
-    weights = {name: value.astype(mx.float32) for name, value in tree_flatten(model.parameters())
-               if not name.endswith("lm_head.weight")}
+    flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    weights = {name: value.astype(mx.float32) for name, value in flat if not name.endswith("lm_head.weight")}
     mx.eval(weights)
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     return out_dir

@@ -106,8 +106,8 @@ def vision_spec(config: dict[str, Any], folder: Path, tokenizer: Any) -> VisionS
                           tokens_per_image=side * side + extra, processor_config=processor_config)
     patch = int(vision.get("patch_size", 14)) * int(config.get("spatial_merge_size", 2))
     return VisionSpec(family=family, image_token_id=image_token_id, placeholder="[IMG]",
-                      break_token_id=_token_id(tokenizer, "[IMG_BREAK]"), end_token_id=_token_id(tokenizer, "[IMG_END]"),
-                      patch=patch, processor_config=processor_config)
+                      break_token_id=_token_id(tokenizer, "[IMG_BREAK]"),
+                      end_token_id=_token_id(tokenizer, "[IMG_END]"), patch=patch, processor_config=processor_config)
 
 
 _PROCESSOR_KEYS = ("do_resize", "size", "resample", "do_center_crop", "crop_size", "do_rescale", "rescale_factor",
@@ -141,7 +141,8 @@ class ImagePreparer:
                               patch_size={"height": spec.patch, "width": spec.patch})
         height, width = (int(value) for value in out["image_sizes"][0])
         rows, columns = height // spec.patch, width // spec.patch
-        assert spec.break_token_id is not None and spec.end_token_id is not None
+        assert spec.break_token_id is not None
+        assert spec.end_token_id is not None
         tokens: list[int] = []
         for row in range(rows):
             tokens += [spec.image_token_id] * columns

@@ -40,9 +40,9 @@ def data_url(data: bytes, media_type: str = "image/png") -> str:
     return f"data:{media_type};base64," + base64.b64encode(data).decode()
 
 
-def refused(request: dict, limits: Limits = Limits()) -> InvalidRequest:
+def refused(request: dict, limits: Limits | None = None) -> InvalidRequest:
     with pytest.raises(InvalidRequest) as caught:
-        parse_chat_request(request, limits=limits)
+        parse_chat_request(request, limits=limits or Limits())
     assert caught.value.status == 400
     return caught.value
 

@@ -6,8 +6,8 @@ import base64
 import io
 from functools import partial
 
-import numpy as np
 import httpx
+import numpy as np
 import openai
 import pytest
 import trio
