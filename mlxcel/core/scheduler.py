@@ -455,8 +455,9 @@ class SchedulerCore:
         if self._trace is not None and self._snapshots and request.cache_context is not None:
             self._trace_snapshot(request, found)
         vision = request.vision
-        if vision is not None and matched < vision.end:
-            # Image rows come only from the vision tower: a prefix that stops short of them is not adopted.
+        if vision is not None and (matched < vision.end or self._cut(matched) < vision.end):
+            # Image rows come only from the vision tower: a prefix that stops short of them (or that a
+            # bucketed start would cut back into them) is not adopted.
             matched, adopted, restore = 0, None, None
         sequence_id = self._new_sequence_id()
         snapshots = (self._snapshot_points(request, matched)
