@@ -227,3 +227,16 @@ async def test_anthropic_image_blocks_reach_the_cache(serve_vision) -> None:
     with pytest.raises(anthropic.BadRequestError, match="media_type"):
         await send([{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/tiff", "data": "AAAA"}}]}])
+
+
+async def test_responses_input_images_and_previous_response_id_reuse_the_entry(serve_vision) -> None:
+    engine, client = await serve_vision("llava")
+    image = {"type": "input_image", "image_url": data_url(png(6))}
+    create = partial(client.responses.create, model=engine.model_id, instructions=SYSTEM, temperature=0,
+                     max_output_tokens=1)
+    first = await trio.to_thread.run_sync(partial(create, input=[
+        {"role": "user", "content": [image, {"type": "input_text", "text": "what is shown?"}]}]))
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    # The stored conversation carries the image: the next turn has the same digest and adopts the first turn.
+    second = await trio.to_thread.run_sync(partial(create, previous_response_id=first.id, input="and then?"))
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
