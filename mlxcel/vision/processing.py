@@ -97,8 +97,11 @@ def vision_spec(config: dict[str, Any], folder: Path, tokenizer: Any) -> VisionS
         return VisionSpec(family=family, refusal=reason)
     preprocessor_file = folder / "preprocessor_config.json"
     processor_config = json.loads(preprocessor_file.read_text()) if preprocessor_file.is_file() else {}
-    vision = config["vision_config"]
+    vision = config["vision_config"] if isinstance(config["vision_config"], dict) else {}
     image_token_id = int(config.get("image_token_index", config.get("image_token_id", -1)))
+    if family == "llava" and vision.get("model_type", "clip_vision_model") != "clip_vision_model":
+        return VisionSpec(family=family, refusal=f"llava with a {vision.get('model_type')!r} vision tower is not "
+                                                 "served (only CLIP's)")
     if family == "llava":
         side = int(vision.get("image_size", 336)) // int(vision.get("patch_size", 14))
         extra = 0 if config.get("vision_feature_select_strategy", "default") == "default" else 1
