@@ -104,10 +104,14 @@ class DeviceActor:
         step = self._settings.prefill_step_size or default_prefill_step_size()
         self._settings = attrs.evolve(self._settings, prefill_step_size=step, context_size=context_size)
         vision = None
+        if loaded.vision is not None and loaded.vision.mrope and adapters is not None:
+            # mlx-vlm's layers prefill M-RoPE prompts, and the adapters sit in mlx-lm's only.
+            loaded = attrs.evolve(loaded, vision=attrs.evolve(
+                loaded.vision, refusal="images are not served on this model while LoRA adapters are loaded"))
         if loaded.vision is not None and loaded.vision.refusal is None:
             from mlxcel.vision.encoder import VisionEncoder
 
-            vision = VisionEncoder(loaded.path, loaded.model)
+            vision = VisionEncoder(loaded.path, loaded.model, mrope=loaded.vision.mrope)
         worker = _StepWorker(loaded.model, loaded.eos_token_ids, self._settings, loaded.family.model_type,
                              tokenizer=loaded.tokenizer, adapters=adapters, vision=vision)
         info = ModelInfo(
@@ -599,13 +603,21 @@ class _StepWorker:
             raise ValueError("this model has no vision tower")
         assert start.kept == 0, "the core starts prompts with images cold"
         assert not start.cached_tokens, "the core starts prompts with images cold"
-        embeddings = self._vision.embed(run, start.vision)
+        vision = self._vision
+        embeddings, positions = vision.embed(run, start.vision)
         if padding:
             embeddings = mx.concatenate([embeddings, mx.repeat(embeddings[:, -1:], padding, axis=1)], axis=1)
+            if positions is not None:
+                # The text after the last image sits at its index (see mlxcel/vision/processing.py).
+                extra = mx.arange(len(run), len(run) + padding, dtype=positions.dtype)
+                positions = mx.concatenate([positions, mx.broadcast_to(extra, (3, 1, padding))], axis=2)
 
         def forward(tokens: Any, *, cache: list[Any], offset: int = 0) -> Any:
-            rows = embeddings[:, offset:offset + tokens.shape[1]]
-            return self._model(tokens, cache=cache, input_embeddings=rows)
+            end = offset + tokens.shape[1]
+            rows = embeddings[:, offset:end]
+            if positions is None:
+                return self._model(tokens, cache=cache, input_embeddings=rows)
+            return vision.forward(tokens, rows, positions[:, :, offset:end], cache)
 
         return forward
 

@@ -1,10 +1,11 @@
 """Random-weight vision-language model folders that mlx-lm (text) and mlx-vlm (vision) both load.
 
-Tiny float32 shapes of two families mlx-vlm serves: ``llava`` (a CLIP
-tower, 16 tokens an image) and ``mistral3`` (Pixtral's tower with a 2x2 patch
-merger, rows of ``[IMG]`` tokens). The tokenizer is the text fixtures' Qwen
+Tiny float32 shapes of three families mlx-vlm serves: ``llava`` (a CLIP
+tower, 16 tokens an image), ``mistral3`` (Pixtral's tower with a 2x2 patch
+merger, rows of ``[IMG]`` tokens) and ``qwen2_vl`` (Qwen2-VL's tower and its
+M-RoPE text model, 16 or more ``<|image_pad|>`` tokens an image). The tokenizer is the text fixtures' Qwen
 BPE with the families' image tokens added; the image processors are
-transformers' own (CLIP's, Pixtral's), configured by the folder's
+transformers' own (CLIP's, Pixtral's, Qwen2-VL's), configured by the folder's
 ``preprocessor_config.json``. Written once into the fixture cache
 (`mlxcel.model.fixtures.cache_dir`) or wherever the caller asks.
 """
@@ -17,11 +18,13 @@ from typing import Any
 
 from mlxcel.model import fixtures
 
-VISION_FAMILIES = ("llava", "mistral3")
+VISION_FAMILIES = ("llava", "mistral3", "qwen2_vl")
 VISION_FIXTURE_VERSION = "v1"
 _FIRST_ADDED_ID = fixtures.VOCAB_SIZE  # 151,646
-_IMAGE_TOKENS = {"llava": ("<image>",), "mistral3": ("[IMG]", "[IMG_BREAK]", "[IMG_END]")}
+_IMAGE_TOKENS = {"llava": ("<image>",), "mistral3": ("[IMG]", "[IMG_BREAK]", "[IMG_END]"),
+                 "qwen2_vl": ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>")}
 VOCAB_SIZE = _FIRST_ADDED_ID + 3
+_QWEN_VOCAB_SIZE = _FIRST_ADDED_ID + 4
 _CLIP_MEAN, _CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
 
 _TEXT: dict[str, Any] = {
@@ -58,6 +61,23 @@ def vision_fixture_config(family: str) -> tuple[dict[str, Any], dict[str, Any]]:
                      "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": _CLIP_MEAN,
                      "image_std": _CLIP_STD, "do_convert_rgb": True}
         return config, processor
+    if family == "qwen2_vl":
+        # Qwen2-VL keeps the text model's fields at the root of its config.
+        config = {**common, **_TEXT, "vocab_size": _QWEN_VOCAB_SIZE, "model_type": "qwen2_vl",
+                  "architectures": ["Qwen2VLForConditionalGeneration"],
+                  "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+                  "vision_config": {"model_type": "qwen2_vl", "depth": 2, "embed_dim": 32, "hidden_size": 64,
+                                    "num_heads": 2, "patch_size": 14, "spatial_patch_size": 14,
+                                    "spatial_merge_size": 2, "temporal_patch_size": 2, "mlp_ratio": 2,
+                                    "in_channels": 3},
+                  "image_token_id": _FIRST_ADDED_ID, "vision_start_token_id": _FIRST_ADDED_ID + 1,
+                  "vision_end_token_id": _FIRST_ADDED_ID + 2, "video_token_id": _FIRST_ADDED_ID + 3}
+        del config["image_token_index"], config["head_dim"]
+        processor = {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 112 * 112,
+                     "max_pixels": 112 * 112 * 4, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+                     "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": _CLIP_MEAN,
+                     "image_std": _CLIP_STD, "do_convert_rgb": True}
+        return config, processor
     raise ValueError(f"unknown vision fixture family {family!r}; choose one of {', '.join(VISION_FAMILIES)}")
 
 
@@ -65,9 +85,7 @@ def _tokenizer_files(family: str, out_dir: Path) -> None:
     from tokenizers import AddedToken, Tokenizer
 
     tokenizer = Tokenizer.from_file(str(fixtures.tokenizer_json_path()))
-    added = ("<image>", "[IMG]", "[IMG_BREAK]", "[IMG_END]") if family == "llava" else _IMAGE_TOKENS[family]
-    # Every family gets three ids past the text vocabulary; llava uses the first.
-    names = added[:1] if family == "llava" else added
+    names = _IMAGE_TOKENS[family]
     tokenizer.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in names])
     for offset, name in enumerate(names):
         if tokenizer.token_to_id(name) != _FIRST_ADDED_ID + offset:

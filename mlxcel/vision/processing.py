@@ -8,13 +8,20 @@ prompt. The router renders each image part as the family's placeholder,
 tokenizes, and `expand` replaces every placeholder token with that image's
 run; the device later writes the vision tower's features over those rows.
 
-Families served: ``llava`` (a CLIP tower, a fixed number of tokens per image)
-and ``mistral3`` (Pixtral's tower, rows of ``[IMG]`` split by ``[IMG_BREAK]``
-and closed by ``[IMG_END]``). Both run a plain-RoPE language model, so a
-prefix of their KV depends on the tokens before it and nothing else. Other
-vision families are refused by name (``refusal``): Qwen2-VL and its kin
-rotate image rows by 3-D positions (M-RoPE) that shift every later token,
-which the text decode path does not carry.
+Families served: ``llava`` (a CLIP tower, a fixed number of tokens per image),
+``mistral3`` (Pixtral's tower, rows of ``[IMG]`` split by ``[IMG_BREAK]``
+and closed by ``[IMG_END]``), and ``qwen2_vl`` / ``qwen2_5_vl`` (a run of
+``<|image_pad|>`` between ``<|vision_start|>`` and ``<|vision_end|>``, one
+token per 2x2 merged patches). The first two run a plain-RoPE language
+model. The Qwen families rotate with M-RoPE: an image's tokens take 3-D
+(time, row, column) positions and the text after an image continues from
+the largest of them, behind its index by the prompt's ``rope_delta``. The
+device prefills such a prompt with every position moved up by that delta
+(attention sees only differences of positions, so the logits are the
+same), which puts the text after the last image at its own index, where
+mlx-lm's text model rotates it when it decodes or extends the prompt.
+Other vision families are refused by name (``refusal``): Qwen3-VL feeds
+image features into later layers too (deepstack), not only the embeddings.
 """
 
 from __future__ import annotations
@@ -28,12 +35,12 @@ import attrs
 
 from mlxcel.errors import InvalidRequest
 
-SUPPORTED_FAMILIES = ("llava", "mistral3")
+SUPPORTED_FAMILIES = ("llava", "mistral3", "qwen2_vl", "qwen2_5_vl")
+# The families whose image tokens take multi-axis positions (see the module's docstring).
+MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 _REFUSALS = {
-    "qwen2_vl": "Qwen2-VL rotates image tokens with 3-D positions (M-RoPE) that the text decode path cannot carry",
-    "qwen2_5_vl": "Qwen2.5-VL rotates image tokens with 3-D positions (M-RoPE) that the text decode path cannot "
-                  "carry",
-    "qwen3_vl": "Qwen3-VL rotates image tokens with 3-D positions (M-RoPE) that the text decode path cannot carry",
+    "qwen3_vl": "Qwen3-VL adds image features inside later layers (deepstack), which the text model cannot take",
+    "qwen3_vl_moe": "Qwen3-VL adds image features inside later layers (deepstack), which the text model cannot take",
 }
 
 
@@ -49,9 +56,12 @@ class VisionSpec:
     placeholder: str = ""
     break_token_id: int | None = None
     end_token_id: int | None = None
-    # llava: the tokens of every image; mistral3: the side of one token's square of pixels.
+    # llava: the tokens of every image; mistral3: the side of one token's square of pixels;
+    # qwen: patches merged into one token (merge_size squared).
     tokens_per_image: int = 0
     patch: int = 0
+    # Image tokens take M-RoPE positions (the Qwen families).
+    mrope: bool = False
     processor_config: dict[str, Any] = attrs.field(factory=dict, repr=False, eq=False)
 
 
@@ -99,6 +109,11 @@ def vision_spec(config: dict[str, Any], folder: Path, tokenizer: Any) -> VisionS
     processor_config = json.loads(preprocessor_file.read_text()) if preprocessor_file.is_file() else {}
     vision = config["vision_config"] if isinstance(config["vision_config"], dict) else {}
     image_token_id = int(config.get("image_token_index", config.get("image_token_id", -1)))
+    if family in MROPE_FAMILIES:
+        merge = int(vision.get("spatial_merge_size", 2))
+        return VisionSpec(family=family, image_token_id=int(config.get("image_token_id", 151655)),
+                          placeholder="<|vision_start|><|image_pad|><|vision_end|>", patch=merge * merge, mrope=True,
+                          processor_config=processor_config)
     if family == "llava" and vision.get("model_type", "clip_vision_model") != "clip_vision_model":
         return VisionSpec(family=family, refusal=f"llava with a {vision.get('model_type')!r} vision tower is not "
                                                  "served (only CLIP's)")
@@ -115,6 +130,7 @@ def vision_spec(config: dict[str, Any], folder: Path, tokenizer: Any) -> VisionS
 
 _PROCESSOR_KEYS = ("do_resize", "size", "resample", "do_center_crop", "crop_size", "do_rescale", "rescale_factor",
                    "do_normalize", "image_mean", "image_std", "do_convert_rgb")
+_QWEN_PROCESSOR_KEYS = ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size")
 
 
 class ImagePreparer:
@@ -124,11 +140,16 @@ class ImagePreparer:
         if spec.refusal is not None:
             raise ValueError(spec.refusal)
         self.spec = spec
-        config = {key: spec.processor_config[key] for key in _PROCESSOR_KEYS if key in spec.processor_config}
+        keys = _PROCESSOR_KEYS + (_QWEN_PROCESSOR_KEYS if spec.mrope else ())
+        config = {key: spec.processor_config[key] for key in keys if key in spec.processor_config}
         if spec.family == "llava":
             from transformers import CLIPImageProcessorPil
 
             self._processor: Any = CLIPImageProcessorPil(**config)
+        elif spec.mrope:
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+            self._processor = Qwen2VLImageProcessorPil(**config)
         else:
             from transformers import PixtralImageProcessorPil
 
@@ -140,6 +161,12 @@ class ImagePreparer:
             pixels = self._processor(images=[image], return_tensors="np")["pixel_values"]
             return PreparedImage(pixel_values=pixels.astype("float32"),
                                  tokens=(spec.image_token_id,) * spec.tokens_per_image)
+        if spec.mrope:
+            out = self._processor(images=[image], return_tensors="np")
+            grid = out["image_grid_thw"][:1]
+            count = int(grid[0].prod()) // spec.patch
+            return PreparedImage(pixel_values=out["pixel_values"].astype("float32"),
+                                 extras=(("image_grid_thw", grid),), tokens=(spec.image_token_id,) * count)
         out = self._processor(images=[image], return_tensors="np",
                               patch_size={"height": spec.patch, "width": spec.patch})
         height, width = (int(value) for value in out["image_sizes"][0])

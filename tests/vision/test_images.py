@@ -147,25 +147,28 @@ def test_vision_families_not_served_are_refused_by_name(tmp_path) -> None:
     from mlxcel.vision.processing import vision_spec
 
     assert vision_spec({"model_type": "llama"}, tmp_path, None) is None
-    qwen = vision_spec({"model_type": "qwen2_5_vl", "vision_config": {}}, tmp_path, None)
+    qwen = vision_spec({"model_type": "qwen3_vl", "vision_config": {}}, tmp_path, None)
     assert qwen is not None
     assert qwen.refusal is not None
-    assert "M-RoPE" in qwen.refusal
+    assert "deepstack" in qwen.refusal
+    served = vision_spec({"model_type": "qwen2_5_vl", "vision_config": {}}, tmp_path, None)
+    assert served is not None
+    assert (served.refusal, served.mrope) == (None, True)
     pixtral_llava = vision_spec({"model_type": "llava", "vision_config": {"model_type": "pixtral"}}, tmp_path, None)
     assert pixtral_llava is not None
     assert "'pixtral' vision tower" in (pixtral_llava.refusal or "")
     other = vision_spec({"model_type": "idefics3", "vision_config": {}}, tmp_path, None)
     assert other is not None
-    assert "served: llava, mistral3" in (other.refusal or "")
+    assert "served: llava, mistral3, qwen2_vl, qwen2_5_vl" in (other.refusal or "")
 
 
 def test_a_refused_family_answers_images_with_its_reason() -> None:
     from mlxcel.vision.processing import VisionSpec
     from mlxcel.vision.prompt import ImagePrompts
 
-    prompts = ImagePrompts(VisionSpec(family="qwen2_vl", refusal="Qwen2-VL rotates image tokens with M-RoPE"))
+    prompts = ImagePrompts(VisionSpec(family="qwen3_vl", refusal="Qwen3-VL adds image features inside later layers"))
     with pytest.raises(InvalidRequest) as caught:
         prompts.read([ImageSource(param="messages[0].content[1].image_url.url", data=png())])
     assert caught.value.code == "unsupported_content"
     assert caught.value.param == "messages[0].content[1].image_url.url"
-    assert caught.value.message.endswith(": Qwen2-VL rotates image tokens with M-RoPE")
+    assert caught.value.message.endswith(": Qwen3-VL adds image features inside later layers")

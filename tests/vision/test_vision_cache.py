@@ -153,7 +153,8 @@ async def test_bad_images_and_text_models_get_a_400_naming_the_part(start_engine
 
 @pytest.mark.parametrize("family", VISION_FAMILIES)
 def test_the_split_model_gives_mlx_vlm_s_logits(family) -> None:
-    """mlx-vlm's tower into mlx-lm's text model: the logits of mlx-vlm's whole model, on two images."""
+    """mlx-vlm's tower into mlx-lm's text model (M-RoPE families: mlx-vlm's layers at shifted positions):
+    the logits of mlx-vlm's whole model, on two images and on one."""
     import mlx.core as mx
     from mlx_vlm.utils import load_model as load_vlm
 
@@ -165,34 +166,80 @@ def test_the_split_model_gives_mlx_vlm_s_logits(family) -> None:
     folder = vision_fixture_path(family)
     loaded = load_model(folder)
     assert loaded.vision is not None
+    encoder = VisionEncoder(folder, loaded.model, mrope=loaded.vision.mrope)
+
+    def ours(tokens, vision):
+        embeddings, positions = encoder.embed(list(tokens), vision)
+        ids = mx.array(tokens)[None]
+        if positions is None:
+            return loaded.model(ids, input_embeddings=embeddings)
+        return encoder.forward(ids, embeddings, positions, cache=None)
+
+    def extras(image) -> dict:
+        return {name: mx.array(value) for name, value in image.extras}
+
     preparer = ImagePreparer(loaded.vision)
     images = [preparer.prepare(decode(png(seed), "p")) for seed in (1, 2)]
     placeholder = loaded.vision.image_token_id
     tokens, vision = expand([1, 2, placeholder, 3, placeholder, 4, 5], loaded.vision, images)
     assert len(tokens) == 5 + sum(len(image.tokens) for image in images)
-    embeddings = VisionEncoder(folder, loaded.model).embed(list(tokens), vision)
-    ours = loaded.model(mx.array(tokens)[None], input_embeddings=embeddings)
     reference = load_vlm(folder)
-    rows = []
-    for (start, end), image in zip(vision.spans, vision.images, strict=True):
-        rows.append((start, end, reference.get_input_embeddings(
-            mx.array(tokens[start:end])[None], mx.array(image.pixel_values),
-            **{name: mx.array(value) for name, value in image.extras}).inputs_embeds))
     table = reference.language_model.model.embed_tokens(mx.array(tokens)[None])
-    for start, end, features in rows:
+    for (start, end), image in zip(vision.spans, vision.images, strict=True):
+        features = reference.get_input_embeddings(mx.array(tokens[start:end])[None], mx.array(image.pixel_values),
+                                                  **extras(image)).inputs_embeds
         table = mx.concatenate([table[:, :start], features, table[:, end:]], axis=1)
-    expected = reference.language_model(mx.array(tokens)[None], inputs_embeds=table).logits
-    assert float(mx.abs(ours - expected).max()) < 1e-4
+    grids = {}
+    if loaded.vision.mrope:
+        grids = {"image_grid_thw": mx.concatenate([extras(image)["image_grid_thw"] for image in images])}
+    expected = reference.language_model(mx.array(tokens)[None], inputs_embeds=table, **grids).logits
+    split = ours(tokens, vision)
+    assert float(mx.abs(split - expected).max()) < 1e-4
     # One image: mlx-vlm's whole model (its own merge over the whole prompt) agrees too.
     single, alone = expand([1, 2, placeholder, 3], loaded.vision, images[:1])
     whole = reference(mx.array(single)[None], mx.array(images[0].pixel_values), mask=None,
-                      **{name: mx.array(value) for name, value in images[0].extras}).logits
-    split = loaded.model(mx.array(single)[None], input_embeddings=VisionEncoder(folder, loaded.model).embed(
-        list(single), alone))
-    assert float(mx.abs(split - whole).max()) < 1e-4
+                      **extras(images[0])).logits
+    assert float(mx.abs(ours(single, alone) - whole).max()) < 1e-4
     # The images change the output (the tower is not bypassed).
-    text_only = loaded.model(mx.array(tokens)[None])
-    assert float(mx.abs(ours - text_only).max()) > 1e-3
+    assert float(mx.abs(split - loaded.model(mx.array(tokens)[None])).max()) > 1e-3
+
+
+def test_an_mrope_prefill_decodes_on_in_mlx_lm_as_mlx_vlm_does() -> None:
+    """Qwen2-VL: after a prefill at shifted positions, mlx-lm's text model at the cache index gives the
+    logits mlx-vlm's own decode gives at the true position (index plus the rope delta)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_vlm.utils import load_model as load_vlm
+
+    from mlxcel.model.loader import load_model
+    from mlxcel.vision.encoder import VisionEncoder
+    from mlxcel.vision.images import decode
+    from mlxcel.vision.processing import ImagePreparer, expand
+
+    folder = vision_fixture_path("qwen2_vl")
+    loaded = load_model(folder)
+    assert loaded.vision is not None
+    image = ImagePreparer(loaded.vision).prepare(decode(png(3, size=(90, 40)), "p"))
+    # The placeholder as the template renders it: <|vision_start|><|image_pad|><|vision_end|>.
+    placeholder = loaded.tokenizer.encode(loaded.vision.placeholder)
+    assert len(placeholder) == 3
+    tokens, vision = expand([1, 2, *placeholder, 3], loaded.vision, [image])
+    encoder = VisionEncoder(folder, loaded.model, mrope=True)
+    embeddings, positions = encoder.embed(list(tokens), vision)
+    ours_cache = make_prompt_cache(loaded.model)
+    encoder.forward(mx.array(tokens)[None], embeddings, positions, ours_cache)
+    reference = load_vlm(folder)
+    reference_cache = make_prompt_cache(loaded.model)
+    grid = mx.array(dict(image.extras)["image_grid_thw"])
+    reference(mx.array(tokens)[None], mx.array(image.pixel_values), mask=None, cache=reference_cache,
+              image_grid_thw=grid)
+    delta = int(reference.language_model._rope_deltas.reshape(-1)[0].item())
+    assert delta < 0  # the image takes fewer positions than tokens
+    for token in (7, 8):
+        step = mx.array([[token]])
+        ours = loaded.model(step, cache=ours_cache)
+        expected = reference.language_model(step, cache=reference_cache).logits
+        assert float(mx.abs(ours - expected).max()) < 1e-4
 
 
 async def test_anthropic_image_blocks_reach_the_cache(serve_vision) -> None:
