@@ -1,11 +1,12 @@
 """Random-weight vision-language model folders that mlx-lm (text) and mlx-vlm (vision) both load.
 
-Tiny float32 shapes of three families mlx-vlm serves: ``llava`` (a CLIP
+Tiny float32 shapes of four families mlx-vlm serves: ``llava`` (a CLIP
 tower, 16 tokens an image), ``mistral3`` (Pixtral's tower with a 2x2 patch
-merger, rows of ``[IMG]`` tokens) and ``qwen2_vl`` (Qwen2-VL's tower and its
-M-RoPE text model, 16 or more ``<|image_pad|>`` tokens an image). The tokenizer is the text fixtures' Qwen
+merger, rows of ``[IMG]`` tokens), ``qwen2_vl`` and ``qwen2_5_vl`` (their
+towers, the latter with windowed attention, and the M-RoPE text model; 16
+or more ``<|image_pad|>`` tokens an image). The tokenizer is the text fixtures' Qwen
 BPE with the families' image tokens added; the image processors are
-transformers' own (CLIP's, Pixtral's, Qwen2-VL's), configured by the folder's
+transformers' own (CLIP's, Pixtral's, Qwen2-VL's for both Qwen families), configured by the folder's
 ``preprocessor_config.json``. Written once into the fixture cache
 (`mlxcel.model.fixtures.cache_dir`) or wherever the caller asks.
 """
@@ -18,11 +19,12 @@ from typing import Any
 
 from mlxcel.model import fixtures
 
-VISION_FAMILIES = ("llava", "mistral3", "qwen2_vl")
+VISION_FAMILIES = ("llava", "mistral3", "qwen2_vl", "qwen2_5_vl")
 VISION_FIXTURE_VERSION = "v1"
 _FIRST_ADDED_ID = fixtures.VOCAB_SIZE  # 151,646
 _IMAGE_TOKENS = {"llava": ("<image>",), "mistral3": ("[IMG]", "[IMG_BREAK]", "[IMG_END]"),
-                 "qwen2_vl": ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>")}
+                 "qwen2_vl": ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"),
+                 "qwen2_5_vl": ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>")}
 VOCAB_SIZE = _FIRST_ADDED_ID + 3
 _QWEN_VOCAB_SIZE = _FIRST_ADDED_ID + 4
 _CLIP_MEAN, _CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
@@ -61,15 +63,23 @@ def vision_fixture_config(family: str) -> tuple[dict[str, Any], dict[str, Any]]:
                      "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": _CLIP_MEAN,
                      "image_std": _CLIP_STD, "do_convert_rgb": True}
         return config, processor
-    if family == "qwen2_vl":
-        # Qwen2-VL keeps the text model's fields at the root of its config.
-        config = {**common, **_TEXT, "vocab_size": _QWEN_VOCAB_SIZE, "model_type": "qwen2_vl",
-                  "architectures": ["Qwen2VLForConditionalGeneration"],
+    if family in ("qwen2_vl", "qwen2_5_vl"):
+        # The Qwen families keep the text model's fields at the root of their config.
+        vision: dict[str, Any] = {"model_type": family, "depth": 2, "num_heads": 2, "patch_size": 14,
+                                  "spatial_patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                                  "in_channels": 3}
+        if family == "qwen2_vl":
+            vision.update(embed_dim=32, hidden_size=64, mlp_ratio=2)
+        else:
+            # Windowed attention in block 0, full attention in block 1, as Qwen2.5-VL alternates them.
+            vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=56,
+                          fullatt_block_indexes=[1])
+        architecture = "Qwen2VLForConditionalGeneration" if family == "qwen2_vl" else (
+            "Qwen2_5_VLForConditionalGeneration")
+        config = {**common, **_TEXT, "vocab_size": _QWEN_VOCAB_SIZE, "model_type": family,
+                  "architectures": [architecture],
                   "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
-                  "vision_config": {"model_type": "qwen2_vl", "depth": 2, "embed_dim": 32, "hidden_size": 64,
-                                    "num_heads": 2, "patch_size": 14, "spatial_patch_size": 14,
-                                    "spatial_merge_size": 2, "temporal_patch_size": 2, "mlp_ratio": 2,
-                                    "in_channels": 3},
+                  "vision_config": vision,
                   "image_token_id": _FIRST_ADDED_ID, "vision_start_token_id": _FIRST_ADDED_ID + 1,
                   "vision_end_token_id": _FIRST_ADDED_ID + 2, "video_token_id": _FIRST_ADDED_ID + 3}
         del config["image_token_index"], config["head_dim"]

@@ -204,8 +204,9 @@ def test_the_split_model_gives_mlx_vlm_s_logits(family) -> None:
     assert float(mx.abs(split - loaded.model(mx.array(tokens)[None])).max()) > 1e-3
 
 
-def test_an_mrope_prefill_decodes_on_in_mlx_lm_as_mlx_vlm_does() -> None:
-    """Qwen2-VL: after a prefill at shifted positions, mlx-lm's text model at the cache index gives the
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_an_mrope_prefill_decodes_on_in_mlx_lm_as_mlx_vlm_does(family) -> None:
+    """Qwen2-VL and Qwen2.5-VL: after a prefill at shifted positions, mlx-lm's text model at the cache index gives the
     logits mlx-vlm's own decode gives at the true position (index plus the rope delta)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -216,7 +217,7 @@ def test_an_mrope_prefill_decodes_on_in_mlx_lm_as_mlx_vlm_does() -> None:
     from mlxcel.vision.images import decode
     from mlxcel.vision.processing import ImagePreparer, expand
 
-    folder = vision_fixture_path("qwen2_vl")
+    folder = vision_fixture_path(family)
     loaded = load_model(folder)
     assert loaded.vision is not None
     image = ImagePreparer(loaded.vision).prepare(decode(png(3, size=(90, 40)), "p"))
