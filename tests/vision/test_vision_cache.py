@@ -268,6 +268,10 @@ async def test_anthropic_image_blocks_reach_the_cache(serve_vision) -> None:
         return [{"role": "user", "content": [block(data), {"type": "text", "text": "what is shown?"}]},
                 {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and then?"}]
 
+    counted = await trio.to_thread.run_sync(partial(client.messages.count_tokens, model=engine.model_id, system=SYSTEM,
+                                                    messages=follow_up(screenshot)[:1]))
+    # The image counts as its run of placeholder tokens, as in the OpenAI request's usage.
+    assert counted.input_tokens == first.usage.prompt_tokens
     hit = await send(follow_up(screenshot))
     assert hit.usage.cache_read_input_tokens >= first.usage.prompt_tokens
     missed = await send(follow_up(png(5)))
