@@ -172,6 +172,8 @@ class _Pending(Admission):
     snapshots: tuple[SnapshotPoint, ...] = ()
     warm: bool = False
     from_alone: bool = False
+    # Past the last image token of an adopted prefix: a bucketed start never cuts it back below this.
+    image_end: int = 0
 
 
 def _admission_fields(pending: _Pending) -> dict[str, Any]:
@@ -455,9 +457,8 @@ class SchedulerCore:
         if self._trace is not None and self._snapshots and request.cache_context is not None:
             self._trace_snapshot(request, found)
         vision = request.vision
-        if vision is not None and (matched < vision.end or self._cut(matched) < vision.end):
-            # Image rows come only from the vision tower: a prefix that stops short of them (or that a
-            # bucketed start would cut back into them) is not adopted.
+        if vision is not None and matched < vision.end:
+            # Image rows come only from the vision tower: a prefix that stops short of them is not adopted.
             matched, adopted, restore = 0, None, None
         sequence_id = self._new_sequence_id()
         snapshots = (self._snapshot_points(request, matched)
@@ -481,6 +482,7 @@ class SchedulerCore:
             donate_on_finish=request.cache_context is not None and self._cache_enabled,
             donate_prompt=request.cache_context is not None and (self._prompt_donation or self._retains(request)),
             vision=vision if matched == 0 else None,
+            image_end=vision.end if vision is not None and matched else 0,
         ))
 
     def _snapshot_points(self, request: NewRequest, matched: int) -> tuple[SnapshotPoint, ...]:
@@ -568,7 +570,7 @@ class SchedulerCore:
                 has_direct = True
                 starts.append(self._direct(pending))
             elif self._prefills_alone(pending):
-                kept = self._cut(len(pending.cached_tokens)) if pending.adopted is not None else 0
+                kept = self._kept(pending, len(pending.cached_tokens)) if pending.adopted is not None else 0
                 tokens = pending.cached_tokens + pending.prompt_tokens
                 self._alone.append(_Alone(pending=pending, tokens=tokens, done=kept))
                 starts.append(StartAlone(sequence_id=pending.sequence_id, tokens=tokens,
@@ -632,10 +634,15 @@ class SchedulerCore:
         """The adopted prefix a bucketed start keeps (the cut tokens run again)."""
         return cached - cached % START_PREFIX_ALIGN if self.capabilities.bucket_starts else cached
 
+    def _kept(self, pending: _Pending, cached: int) -> int:
+        """`_cut`, except that image rows never run again as text: such a start keeps its whole prefix."""
+        cut = self._cut(cached)
+        return cached if cut < pending.image_end else cut
+
     def _direct(self, pending: _Pending) -> StartDirect:
         cached = len(pending.cached_tokens)
         # A restored snapshot covers every cached token; an adopted prefix may be cut.
-        kept = self._cut(cached) if (pending.adopted is not None or pending.from_alone) else cached
+        kept = self._kept(pending, cached) if (pending.adopted is not None or pending.from_alone) else cached
         return StartDirect(
             **{**_admission_fields(pending), "adopted": pending.adopted if kept else None},
             kept=kept, padding=self._padding(kept, cached - kept + len(pending.prompt_tokens)),

@@ -40,9 +40,9 @@ def user(text: str, *images: bytes) -> dict:
 
 @pytest.fixture
 def serve_vision(nursery, start_server):
-    async def start(family: str, **serve_options):
+    async def start(family: str, scheduler: SchedulerConfig | None = None, **serve_options):
         config = EngineConfig(model_path=vision_fixture_path(family), prompt_cache=TEST_CACHE,
-                              scheduler=SchedulerConfig(prefill_step_size=512, device_warmup="false"))
+                              scheduler=scheduler or SchedulerConfig(prefill_step_size=512, device_warmup="false"))
         engine = await nursery.start(run_engine, config)
         return engine, openai.OpenAI(base_url=f"{await start_server(engine, **serve_options)}/v1", api_key="unused",
                                      max_retries=0, timeout=120)
@@ -292,3 +292,29 @@ async def test_responses_input_images_and_previous_response_id_reuse_the_entry(s
     # The stored conversation carries the image: the next turn has the same digest and adopts the first turn.
     second = await trio.to_thread.run_sync(partial(create, previous_response_id=first.id, input="and then?"))
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+async def test_bucketed_starts_answer_images_as_the_plain_path_does(serve_vision, family, monkeypatch) -> None:
+    """CUDA's shape buckets, forced on with small buckets: a padded cold start over embeddings (and, for
+    M-RoPE, positions) and a cut hit give the plain path's first-token logprobs."""
+    from mlxcel.core import scheduler as core_scheduler
+
+    monkeypatch.setattr(core_scheduler, "START_PREFIX_ALIGN", 16)
+    monkeypatch.setattr(core_scheduler, "START_QUERY_BUCKET", 32)
+    servers = {buckets: await serve_vision(family, scheduler=SchedulerConfig(
+        prefill_step_size=64, device_warmup="false", start_buckets=buckets)) for buckets in ("false", "true")}
+    replies: dict[str, list] = {}
+    for buckets, (engine, client) in servers.items():
+        (ok,) = engine.model.tokenizer.encode("ok")
+        messages = [{"role": "system", "content": SYSTEM}, user("what is on the screen?", png(7))]
+        first = await create(client, engine.model_id, messages, logit_bias={str(ok): 100}, max_tokens=1,
+                             logprobs=True, top_logprobs=5)
+        follow_up = [*messages, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and then?"}]
+        replies[buckets] = [first, await create(client, engine.model_id, follow_up, logprobs=True, top_logprobs=5)]
+    for bucketed, plain in zip(replies["true"], replies["false"], strict=True):
+        assert cached(bucketed) == cached(plain)
+        hot, reference = first_logprobs(bucketed), first_logprobs(plain)
+        assert hot.keys() == reference.keys()
+        assert max(abs(hot[token] - value) for token, value in reference.items()) < 1e-4
+    assert cached(replies["true"][1]) >= replies["true"][0].usage.prompt_tokens - 16

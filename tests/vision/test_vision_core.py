@@ -7,7 +7,7 @@ import pytest
 
 from mlxcel.cache.key import CacheContext, multimodal_digest
 from mlxcel.core import scheduler as core_scheduler
-from mlxcel.core.plan import StartDirect
+from mlxcel.core.plan import StartAlone, StartDirect
 from mlxcel.core.scheduler import Hit, NewRequest
 from tests.core.test_scheduler_core import GREEDY, Harness, _Payload
 
@@ -52,10 +52,22 @@ def test_a_long_prompt_with_images_still_starts_directly() -> None:
     assert start.vision is not None
 
 
-def test_a_bucketed_cut_back_into_the_images_declines_the_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bucketed_start_never_cuts_back_into_the_images(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(core_scheduler, "START_PREFIX_ALIGN", 8)
-    # 34 cached tokens would be cut to 32, under the image end at 33: cold instead.
+    # 34 cached tokens would be cut to 32, under the image end at 33: the whole prefix is kept instead.
     start = start_with(40, image_end=33, hit=34, bucket_starts=True)
-    assert (start.cached_tokens, start.vision) == ((), Images(end=33))
-    # An end at 32 survives the cut.
+    assert (len(start.cached_tokens), start.kept, start.vision) == (34, 34, None)
+    # An end at 32 survives the cut: the aligned start, as for text.
     assert start_with(40, image_end=32, hit=34, bucket_starts=True).kept == 32
+
+
+def test_a_long_hit_prefilled_alone_keeps_the_image_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(core_scheduler, "START_PREFIX_ALIGN", 8)
+    harness = Harness(bucket_starts=True)
+    prompt = tuple(range(80))
+    harness.found[repr(prompt)] = Hit(length=34, payload=_Payload(length=34))
+    harness.core.add(NewRequest(request_id="r", prompt_tokens=prompt, sampling=GREEDY, max_tokens=4,
+                                cache_context=CONTEXT, vision=Images(end=33)), harness.clients)
+    (start,) = harness.step().starts
+    assert isinstance(start, StartAlone)
+    assert (start.kept, start.adopted is not None) == (34, True)
