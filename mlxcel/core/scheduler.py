@@ -480,7 +480,8 @@ class SchedulerCore:
             sampling=request.sampling,
             max_tokens=request.max_tokens,
             donate_on_finish=request.cache_context is not None and self._cache_enabled,
-            donate_prompt=request.cache_context is not None and (self._prompt_donation or self._retains(request)),
+            donate_prompt=request.cache_context is not None and (
+                self._prompt_donation or self._retains(request) or self._keeps_image_prompt(request)),
             vision=vision if matched == 0 else None,
             image_end=vision.end if vision is not None and matched else 0,
         ))
@@ -682,9 +683,19 @@ class SchedulerCore:
                 or pending.sequence_id in self._parked):
             return pending
         running = self._running.get(pending.sequence_id)
-        if running is not None and self._retains(running.request):
+        if running is not None and (self._retains(running.request) or self._keeps_image_prompt(running.request)):
             return pending
         return attrs.evolve(pending, donate_prompt=False)
+
+    def _keeps_image_prompt(self, request: NewRequest) -> bool:
+        """An image prompt is stored at the end of its prefill as well as with its reply.
+
+        It adopts whole entries only, so a next turn whose re-rendered reply
+        parts from the stored one could use none of the final entry; the
+        prompt's own entry (an alias once the reply supersedes it) still covers
+        the images and the history before the reply.
+        """
+        return request.vision is not None and self._cache_enabled and not self._snapshots
 
     # --- what came of it ------------------------------------------------------------------
 
