@@ -32,7 +32,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 stamp=.venv/.mlxcel-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ]; then
   echo "setup: installing mlxcel and its dependencies into .venv (first run takes a minute)" >&2
   .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
   .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
