@@ -21,6 +21,10 @@ for mode in $modes; do
     seqbefore) python3 -m mlxcel bench "${common[@]}" --peer none --peer-command "$before" --conversations 4 --turns 4 --out "$out/$shape-seqbefore" ;;
     allbefore) python3 -m mlxcel bench "${common[@]}" --peer none --peer-command "$before" --conversations 16 --turns 2 --concurrency all --out "$out/$shape-allbefore" ;;
     firstanswer) python3 benchmarks/first_answer.py --model "$model" --no-peer --repeats 1 --mlxcel-flags "" --mlxcel-flags "--device-warmup false" | tee "$out/$shape-firstanswer.txt" ;;
+    all3) python3 -m mlxcel bench "${common[@]}" --conversations 16 --turns 3 --concurrency all --out "$out/$shape-all3" ;;
+    all3before) python3 -m mlxcel bench "${common[@]}" --peer none --peer-command "$before" --conversations 16 --turns 3 --concurrency all --out "$out/$shape-all3before" ;;
+    all64) python3 -m mlxcel bench "${common[@]}" --peer none --conversations 64 --turns 3 --concurrency all --out "$out/$shape-all64" ;;
+    sharedkv) python3 benchmarks/shared_kv.py | tee "$out/$shape-sharedkv.jsonl" ;;
     lora) python3 benchmarks/lora_configs.py --model-path "$model" | tee "$out/$shape-lora.txt" ;;
     structured) python3 benchmarks/structured_output.py --model-path "$model" | tee "$out/$shape-structured.txt" ;;
     throughput) python3 benchmarks/scheduler_throughput.py --model-path "$model" --out "$out/$shape-throughput" ;;

@@ -58,6 +58,12 @@ class PromptCacheConfig:
     warmup: bool = True
     # One log line per snapshot decision (MLXCEL_APC_TRACE=1).
     trace: bool = False
+    # The disk tier: a directory of content-addressed KV pieces, shared by the processes on a host (None: off).
+    disk_dir: Path | None = None
+    # Its byte budget, least recently used pieces deleted first, kept by whichever process writes.
+    disk_bytes: int = 20 << 30
+    # At most this many bytes a second written to it (SSD wear, and the device's host copies).
+    disk_write_bytes_per_second: int = 256 << 20
 
 
 @attrs.frozen(kw_only=True)
@@ -325,6 +331,16 @@ def parse_session_key_scope(text: str) -> str:
     return value
 
 
+def parse_directory(text: str) -> Path:
+    """A directory to use (created at start-up if missing); not an existing file."""
+    if not text.strip():
+        raise ValueError("expected a directory, got an empty string")
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{str(path)!r} exists and is not a directory")
+    return path
+
+
 @attrs.frozen
 class Setting:
     """One flag with its environment variables, in precedence order."""
@@ -385,6 +401,14 @@ PROMPT_CACHE_SETTINGS = (
     Setting("cross_session", "--prompt-cache-cross-session", ("MLXCEL_PROMPT_CACHE_CROSS_SESSION",),
             parse_bool, "let a request reuse another session's prefix (default true; false isolates tenants)",
             optional_value=True),
+    Setting("disk_dir", "--prompt-cache-dir", ("MLXCEL_PROMPT_CACHE_DIR",), parse_directory,
+            "keep prompt-cache KV in this directory too, so it survives restarts and is shared by the "
+            "servers on this host (default: off)"),
+    Setting("disk_bytes", "--prompt-cache-disk-bytes", ("MLXCEL_PROMPT_CACHE_DISK_BYTES",), parse_positive_int,
+            "byte budget of --prompt-cache-dir, least recently used pieces deleted first (default 20 GiB)"),
+    Setting("disk_write_bytes_per_second", "--prompt-cache-disk-write-bytes-per-second",
+            ("MLXCEL_PROMPT_CACHE_DISK_WRITE_BYTES_PER_SECOND",), parse_positive_int,
+            "most bytes a second written to --prompt-cache-dir (default 256 MiB)"),
 )
 
 SERVER_SETTINGS = (

@@ -22,6 +22,7 @@ import trio
 
 from mlxcel.actors.cache_store import CacheStoreActor
 from mlxcel.actors.device import DeviceActor, DeviceSettings, ModelInfo
+from mlxcel.actors.disk_tier import DiskSettings, DiskTier, open_disk_tier
 from mlxcel.actors.messages import (
     AdapterScales,
     CacheStoreStats,
@@ -36,6 +37,7 @@ from mlxcel.actors.messages import (
     RouterMsg,
     SchedulerStats,
     StreamEvent,
+    UseDiskTier,
 )
 from mlxcel.actors.metrics import MetricsActor
 from mlxcel.actors.router import PromptRenderer, RouterActor
@@ -116,8 +118,10 @@ class Engine:
         to_cache_store: trio.MemorySendChannel[Any],
         to_metrics: trio.MemorySendChannel[Any],
         apc_enabled: bool,
+        disk: DiskTier | None = None,
     ) -> None:
         self.model = model
+        self._disk = disk
         self.config = config
         self.served_model_names = config.served_model_names
         self.apc_enabled = apc_enabled
@@ -208,10 +212,17 @@ class Engine:
         stats: CacheStoreStats = await self._ask(self._to_cache_store, GetCacheStats)
         body = stats.to_json()
         body["apc_enabled"] = body["apc_enabled"] and self.apc_enabled
+        body["disk"] = {"enabled": False}
+        if self._disk is not None:
+            body["disk"] = {"enabled": True, **(await trio.to_thread.run_sync(self._disk.statistics)).to_json()}
         return body
 
-    async def reset_cache(self) -> dict[str, int]:
-        return await self._ask(self._to_cache_store, ResetCache)
+    async def reset_cache(self, *, disk: bool = False) -> dict[str, int]:
+        """Empty the memory stores; with ``disk``, delete the disk tier's files too (every process's)."""
+        freed: dict[str, int] = await self._ask(self._to_cache_store, ResetCache)
+        if disk and self._disk is not None:
+            freed["disk_entries_freed"], freed["disk_bytes_freed"] = await trio.to_thread.run_sync(self._disk.clear)
+        return freed
 
     async def scheduler_stats(self) -> SchedulerStats:
         return await self._ask(self._to_scheduler, GetSchedulerStats)
@@ -220,8 +231,9 @@ class Engine:
         # The store's and the queue's gauges are pulled now rather than pushed after every change.
         stats: CacheStoreStats = await self._ask(self._to_cache_store, GetCacheStats)
         scheduler: SchedulerStats = await self._ask(self._to_scheduler, GetSchedulerStats)
+        disk = await trio.to_thread.run_sync(self._disk.statistics) if self._disk is not None else None
         return await self._ask(self._to_metrics, RenderMetrics, store=stats.store, snapshots=stats.snapshots,
-                               scheduler=scheduler)
+                               scheduler=scheduler, disk=disk)
 
     async def _ask(self, channel: trio.MemorySendChannel[Any], message_type: Any, **fields: Any) -> Any:
         reply_to, replies = trio.open_memory_channel[Any](1)
@@ -301,6 +313,29 @@ def _build_snapshot_store(config: EngineConfig, model: ModelInfo) -> SnapshotSto
     ))
 
 
+async def _open_disk(config: EngineConfig, model: ModelInfo, cache_on: bool) -> DiskTier | None:
+    """The disk tier (--prompt-cache-dir), fingerprinted and indexed in a worker thread; None when off."""
+    cache = config.prompt_cache
+    if cache.disk_dir is None:
+        return None
+    if not cache_on:
+        logger.warning("--prompt-cache-dir is ignored: the prompt cache is off")
+        return None
+    settings = DiskSettings(directory=cache.disk_dir, budget_bytes=cache.disk_bytes,
+                            write_bytes_per_second=cache.disk_write_bytes_per_second,
+                            session_scoped=not cache.cross_session, min_prefix=cache.min_prefix)
+    adapters = [spec.path for spec in config.lora]
+    # The served name is in every context's bucket already; the scales change the KV too.
+    extra = [repr([spec.scale for spec in config.lora]), str(not config.lora_init_without_apply)]
+    try:
+        return await trio.to_thread.run_sync(partial(open_disk_tier, settings, model.path, adapters, extra))
+    except OSError as error:
+        # The server keeps serving on any disk fault, this one included.
+        logger.error("prompt-cache disk tier: cannot fingerprint the model at %s (%s); the disk tier is off",
+                     model.path, error.strerror or error)
+        return None
+
+
 async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engine] = trio.TASK_STATUS_IGNORED) -> None:
     """Run every actor until cancelled; ``task_status.started`` hands out the Engine."""
     model_path = config.model_path
@@ -312,7 +347,8 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             "no --model given: serving the built-in demo model at %s, which has RANDOM WEIGHTS "
             "and answers with gibberish (for trying the server, not for use)", model_path,
         )
-    to_device, device_inbox = trio.open_memory_channel[Any](1)
+    # Room for the disk tier's write jobs beside the scheduler's one step in flight.
+    to_device, device_inbox = trio.open_memory_channel[Any](64)
     to_cache_store, cache_inbox = trio.open_memory_channel[Any](_INBOX_SIZE)
     to_metrics, metrics_inbox = trio.open_memory_channel[Any](_INBOX_SIZE)
     to_warmer, warmer_inbox = trio.open_memory_channel[Any](_INBOX_SIZE)
@@ -353,6 +389,9 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             apc_enabled = False
         store = _build_store(config, model, apc_enabled)
         snapshots = _build_snapshot_store(config, model) if store is not None else None
+        disk = await _open_disk(config, model, store is not None)
+        if disk is not None:
+            await to_device.send(UseDiskTier(tier=disk))
         renderer = PromptRenderer(
             model,
             default_template_kwargs=config.chat_template_kwargs,
@@ -383,6 +422,7 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             cross_session=config.prompt_cache.cross_session,
             to_scheduler=to_scheduler.clone(),
             to_kv_events=to_kv_events,
+            disk=disk, to_device=to_device.clone() if disk is not None else None,
         ).run)
         warm = snapshots is not None and config.prompt_cache.warmup
         await nursery.start(WarmerActor(
@@ -430,6 +470,7 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             to_cache_store=to_cache_store,
             to_metrics=to_metrics,
             apc_enabled=apc_enabled,
+            disk=disk,
         ))
 
 

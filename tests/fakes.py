@@ -185,8 +185,9 @@ class FakeEngine(Engine):
     async def scheduler_stats(self) -> SchedulerStats:
         return self._scheduler_stats
 
-    async def reset_cache(self) -> dict[str, int]:
+    async def reset_cache(self, *, disk: bool = False) -> dict[str, int]:
         self.num_resets += 1
+        self.reset_disk = disk
         return {"num_entries_removed": 3}
 
     async def metrics_text(self) -> bytes:

@@ -29,6 +29,18 @@ def test_flags_win_over_environment_and_defaults_hold() -> None:
     assert engine.prompt_cache.apc_block_size == 32
 
 
+def test_the_disk_tier_is_off_until_a_directory_is_given(tmp_path) -> None:
+    engine, _ = configs([])
+    assert engine.prompt_cache.disk_dir is None
+    engine, _ = configs(["--prompt-cache-dir", str(tmp_path / "a"), "--prompt-cache-disk-bytes", "1000"],
+                        {"MLXCEL_PROMPT_CACHE_DIR": str(tmp_path / "b")})
+    assert (engine.prompt_cache.disk_dir, engine.prompt_cache.disk_bytes) == (tmp_path / "a", 1000)
+    engine, _ = configs([], {"MLXCEL_PROMPT_CACHE_DIR": str(tmp_path / "b"),
+                             "MLXCEL_PROMPT_CACHE_DISK_WRITE_BYTES_PER_SECOND": "4096"})
+    assert engine.prompt_cache.disk_dir == tmp_path / "b"
+    assert engine.prompt_cache.disk_write_bytes_per_second == 4096
+
+
 @pytest.mark.parametrize(("argv", "environ", "enabled"), [
     (["--prompt-cache-enabled=false"], {"MLXCEL_PROMPT_CACHE_ENABLED": "true"}, False),
     (["--prompt-cache-enabled"], {"MLXCEL_PROMPT_CACHE_ENABLED": "0"}, True),
@@ -84,6 +96,9 @@ def test_bad_environment_values_name_the_variable() -> None:
     (["serve", "--apc-hash", "md5"], {}, "--apc-hash"),
     (["serve", "--start-buckets", "sometimes"], {}, "--start-buckets"),
     (["serve", "--bogus-flag"], {}, "unrecognized"),
+    (["serve", "--prompt-cache-dir", "/etc/hostname"], {}, "exists and is not a directory"),
+    (["serve", "--prompt-cache-disk-bytes", "0"], {}, "--prompt-cache-disk-bytes"),
+    (["serve"], {"MLXCEL_PROMPT_CACHE_DISK_BYTES": "lots"}, "MLXCEL_PROMPT_CACHE_DISK_BYTES"),
     (["serve"], {"MLXCEL_PROMPT_CACHE_MAX_ENTRIES": "x"}, "MLXCEL_PROMPT_CACHE_MAX_ENTRIES"),
     (["serve", "-m", "/nonexistent/model"], {}, "model folder not found"),
     (["serve", "-m", "some-org/missing-model"], {"HF_HOME": "/nonexistent/hf"},

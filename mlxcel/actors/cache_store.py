@@ -19,6 +19,7 @@ from typing import Any, cast
 
 import trio
 
+from mlxcel.actors.disk_tier import DiskTier
 from mlxcel.actors.messages import (
     CacheLookedUp,
     CacheStoreMsg,
@@ -30,14 +31,18 @@ from mlxcel.actors.messages import (
     LookupPrefix,
     LookupSnapshot,
     MetricsMsg,
+    PersistPieces,
+    PersistSnapshot,
     PrefixFound,
     PrefixMissing,
+    PrefixOnDisk,
     PublishBlockChanges,
     ReleasePayloads,
     ResetCache,
     ShedCache,
     SnapshotFound,
     SnapshotMissing,
+    SnapshotOnDisk,
     SnapshotRestoreFailed,
 )
 from mlxcel.cache.key import CacheContext
@@ -120,7 +125,12 @@ class CacheStoreActor:
         cross_session: bool = True,
         to_scheduler: trio.MemorySendChannel[Any] | None = None,
         to_kv_events: trio.MemorySendChannel[KvEventsMsg] | None = None,
+        disk: DiskTier | None = None,
+        to_device: trio.MemorySendChannel[Any] | None = None,
     ) -> None:
+        # The disk tier: a lookup tier after memory, and where stored prefixes are written behind (None: off).
+        self._disk = disk
+        self._to_device = to_device
         # The KV event publisher, fed the store's block changes (None: events are off).
         self._to_kv_events = to_kv_events
         # Where let-go payloads go, so MLX frees them on the device thread.
@@ -140,7 +150,7 @@ class CacheStoreActor:
         self._to_metrics = to_metrics
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        with self.inbox:
+        with self.inbox, self._to_device if self._to_device is not None else contextlib.nullcontext():
             task_status.started()
             async for message in self.inbox:
                 self._handle(message)
@@ -160,16 +170,18 @@ class CacheStoreActor:
                     message.context, message.tokens, now, max_len=message.max_len,
                     record=message.record, cross_session=self._cross_session,
                 )
-                reply: PrefixFound | PrefixMissing = PrefixMissing()
+                memory: PrefixFound | PrefixMissing = PrefixMissing()
                 if found is not None:
-                    reply = PrefixFound(
+                    memory = PrefixFound(
                         matched_len=found.matched_len,
                         # The store keeps payloads opaque; the device's donations are KV handles.
                         payload=cast(KVHandle, found.payload),
                         cross_session=found.cross_session,
                         partial=found.partial,
                     )
-                if message.record:
+                reply = self._disk_lookup(message, memory)
+                # A disk plan's outcome is known after the device loads it: the scheduler reports that one.
+                if message.record and not isinstance(reply, PrefixOnDisk):
                     self._metric(CacheLookedUp(hit=found is not None, tokens_reused=found.matched_len if found else 0,
                                                tokens_queried=len(message.tokens)))
                 _reply(message.reply_to, reply)
@@ -179,6 +191,8 @@ class CacheStoreActor:
                 if not outcome.stored:
                     logger.debug("prompt-cache donation not stored (%s)", outcome.reason)
                     self._unstored.append(message.payload)
+                else:
+                    self._disk_persist(message)
                 if outcome.pin_too_large:
                     logger.warning(
                         "a %d-byte prompt-cache entry asked to be retained for %g s is larger than the pinned "
@@ -207,6 +221,32 @@ class CacheStoreActor:
                     freed["snapshots_freed"], freed["snapshot_bytes_freed"] = snapshots_freed
                 _reply(message.reply_to, freed)
 
+    # --- the disk tier -----------------------------------------------------------------
+
+    def _disk_lookup(self, message: LookupPrefix, memory: PrefixFound | PrefixMissing) -> Any:
+        """Memory's answer, or a disk plan when the disk tier holds more of the prompt."""
+        # Multimodal prompts adopt whole entries only, which disk pieces are not.
+        if self._disk is None or not message.record or message.context.is_multimodal:
+            return memory
+        memory_len = memory.matched_len if isinstance(memory, PrefixFound) else 0
+        plan = self._disk.probe(message.context, message.tokens, message.max_len, memory_len)
+        return memory if plan is None else PrefixOnDisk(memory=memory, plan=plan)
+
+    def _disk_persist(self, message: DonateSequence) -> None:
+        """A stored prefix's pieces that are not on disk go to the device, which writes them behind its steps."""
+        if self._disk is None or self._to_device is None or message.context.is_multimodal:
+            return
+        pieces = self._disk.plan_write(message.context, message.tokens, message.prompt_len)
+        if not pieces:
+            return
+        try:
+            self._to_device.send_nowait(PersistPieces(
+                payload=cast(KVHandle, message.payload), pieces=pieces, urgent=message.retain_seconds > 0))
+        except trio.WouldBlock:
+            self._disk.drop(len(pieces))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
     # --- session snapshots ---------------------------------------------------------------
 
     def _lookup_snapshot(self, message: LookupSnapshot, now: float) -> None:
@@ -218,6 +258,13 @@ class CacheStoreActor:
                                   partial=result.partial, cross_session=result.cross_session)
         elif isinstance(result, SnapshotRefused):
             reply = SnapshotMissing(refusal=result.cause.value)
+        if self._disk is not None and message.record and not message.context.is_multimodal:
+            on_disk = self._disk.probe_snapshot(message.context, message.tokens,
+                                                result.num_tokens if isinstance(result, SnapshotHit) else 0)
+            if on_disk is not None:
+                # The scheduler reports the lookup once the device has loaded it.
+                _reply(message.reply_to, SnapshotOnDisk(memory=reply, name=on_disk))
+                return
         if message.record:
             self._metric(CacheLookedUp(
                 hit=isinstance(result, SnapshotHit),
@@ -230,6 +277,15 @@ class CacheStoreActor:
     def _donate_snapshot(self, message: DonateSnapshot, now: float) -> None:
         stored = self._snapshots.insert(message.context, message.tokens, message.payload, message.nbytes, now,
                                         checkpoint=message.checkpoint, cuttable=message.cuttable)
+        if stored and self._disk is not None and self._to_device is not None and not message.context.is_multimodal:
+            name = self._disk.plan_snapshot(message.context, message.tokens)
+            if name is not None:
+                try:
+                    self._to_device.send_nowait(PersistSnapshot(payload=message.payload, name=name))
+                except trio.WouldBlock:
+                    self._disk.drop()
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
         if not stored and message.nbytes > self._snapshot_capacity_bytes:
             logger.warning(
                 "a %d-byte session snapshot is larger than the whole snapshot store (%d bytes); "

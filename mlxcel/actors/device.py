@@ -24,7 +24,15 @@ import attrs
 import trio
 
 from mlxcel.actors.adapter_batches import AdapterBatches
-from mlxcel.actors.messages import DeviceMsg, RunStep
+from mlxcel.actors.messages import (
+    DeviceMsg,
+    LoadDiskPrefix,
+    LoadDiskSnapshot,
+    PersistPieces,
+    PersistSnapshot,
+    RunStep,
+    UseDiskTier,
+)
 from mlxcel.core.plan import (
     AloneChunk,
     Capabilities,
@@ -132,23 +140,89 @@ class DeviceActor:
         if mx.default_device() != mx.cpu if warm_up is None else warm_up:
             logger.info("device warm-up took %.2f s", worker.warm_up(info))
         trio.from_thread.run_sync(task_status.started, info)
-        while True:
-            try:
-                message = trio.from_thread.run(self.inbox.receive)
-            except (trio.EndOfChannel, trio.ClosedResourceError):
-                return
-            match message:
-                case RunStep():
-                    done = worker.run_step(message.plan)
-                    self._num_steps = done.step_number
-                    trio.from_thread.run_sync(_reply, message.reply_to, done)
-                    # Drops the released payloads here, so MLX frees them on this thread.
-                    del message, done
-                case _:
-                    raise AssertionError(f"unexpected device message {message!r}")
+        disk: Any = None  # model/disk_kv.py's DeviceDisk, once the engine hands over a disk tier
+        try:
+            while True:
+                try:
+                    message = self._receive(disk)
+                except (trio.EndOfChannel, trio.ClosedResourceError):
+                    return
+                match message:
+                    case None:
+                        continue
+                    case RunStep():
+                        done = worker.run_step(message.plan)
+                        self._num_steps = done.step_number
+                        trio.from_thread.run_sync(_reply, message.reply_to, done)
+                        # Drops the released payloads here, so MLX frees them on this thread.
+                        del message, done
+                    case UseDiskTier() | PersistPieces() | LoadDiskPrefix() | PersistSnapshot() | LoadDiskSnapshot():
+                        disk = _disk_message(disk, message, worker)
+                        del message
+                    case _:
+                        raise AssertionError(f"unexpected device message {message!r}")
+        finally:
+            if disk is not None:
+                disk.flush()
+
+    def _receive(self, disk: Any) -> DeviceMsg | None:
+        """The next message; with disk writes queued, None after converting a slice of them when none waits."""
+        if disk is None or not disk.has_work():
+            return trio.from_thread.run(self.inbox.receive)
+        try:
+            return trio.from_thread.run_sync(self.inbox.receive_nowait)
+        except trio.WouldBlock:
+            pass
+        if disk.can_work():
+            disk.work()
+            return None
+        # The writer is behind (its write budget): wait for a message a little, then look again.
+        return trio.from_thread.run(_receive_within, self.inbox, 0.05)
 
 
-def _reply(reply_to: trio.MemorySendChannel[StepResult], done: StepResult) -> None:
+async def _receive_within(inbox: trio.MemoryReceiveChannel[DeviceMsg], seconds: float) -> DeviceMsg | None:
+    with trio.move_on_after(seconds):
+        return await inbox.receive()
+    return None
+
+
+def _disk_message(disk: Any, message: UseDiskTier | PersistPieces | LoadDiskPrefix | PersistSnapshot
+                  | LoadDiskSnapshot, worker: _StepWorker) -> Any:
+    """The disk tier's messages (mlxcel/model/disk_kv.py does the work); returns the device's DeviceDisk."""
+    from mlxcel.actors.messages import DiskPrefixLoaded
+    from mlxcel.model.disk_kv import DeviceDisk
+
+    match message:
+        case UseDiskTier():
+            return DeviceDisk(message.tier, worker.num_layers, worker.family)
+        case PersistSnapshot():
+            if disk is not None:
+                disk.persist_snapshot(message.payload, message.name)
+        case LoadDiskSnapshot():
+            snapshot = None
+            if disk is not None:
+                try:
+                    snapshot = disk.load_snapshot(message.name)
+                except Exception:  # noqa: BLE001 - a disk fault must never stop the device
+                    logger.exception("prompt-cache disk tier: loading a snapshot failed")
+            trio.from_thread.run_sync(_reply, message.reply_to, DiskPrefixLoaded(
+                payload=snapshot, num_tokens=snapshot.length if snapshot is not None else 0))
+        case PersistPieces():
+            if disk is not None:
+                disk.persist(message.payload, message.pieces, urgent=message.urgent)
+        case LoadDiskPrefix():
+            payload = None
+            if disk is not None:
+                try:
+                    payload = disk.load(message.plan, message.memory)
+                except Exception:  # noqa: BLE001 - a disk fault must never stop the device
+                    logger.exception("prompt-cache disk tier: loading a disk hit failed")
+            loaded = DiskPrefixLoaded(payload=payload, num_tokens=payload.length if payload is not None else 0)
+            trio.from_thread.run_sync(_reply, message.reply_to, loaded)
+    return disk
+
+
+def _reply(reply_to: trio.MemorySendChannel[Any], done: Any) -> None:
     # The scheduler may have gone away (shutdown).
     with reply_to, contextlib.suppress(trio.BrokenResourceError, trio.WouldBlock):
         reply_to.send_nowait(done)
@@ -166,6 +240,8 @@ class _DirectStart:
     token: Any
     logprobs: Any
     donation: DetachedSequence | None = None
+    # The stored prefix its caches began from (see _Sequence.base).
+    base: Any = None
 
 
 @attrs.define
@@ -175,6 +251,7 @@ class _AlonePrefill:
     caches: list[Any]
     tokens: tuple[int, ...]  # cached and prompt tokens
     adapter_scales: tuple[float, ...] = ()
+    base: Any = None
 
 
 @attrs.define
@@ -188,6 +265,11 @@ class _Sequence:
     warm: bool = False
     # Started outside the batch: its prompt was reported done then.
     direct: bool = False
+    # The stored prefix (a DetachedKV) its caches began from, or its prompt's donation: a later
+    # donation reuses these pieces and copies only the rows past them.
+    base: Any = None
+    # Cached plus prompt tokens: a finished sequence's donation is cut there into prompt and reply pieces.
+    prompt_len: int = 0
 
 
 @attrs.define
@@ -246,9 +328,11 @@ class _StepWorker:
         # Only plain KV caches can be cut and trimmed: other layer kinds run unbucketed.
         self.bucket_starts = ((mx.cuda.is_available() if bucket is None else bucket)
                               and all(type(cache) is KVCache for cache in make_prompt_cache(model)))
+        self.num_layers = len(make_prompt_cache(model))
         self._eos_token_ids = frozenset(eos_token_ids)
         self._grammars = _Grammars(tokenizer, self._eos_token_ids)
         self._family = family
+        self.family = family
         self._settings = settings
         assert settings.prefill_step_size is not None, "resolved before the worker is made"
         self._step = settings.prefill_step_size
@@ -406,7 +490,8 @@ class _StepWorker:
                 del self._by_uid[response.uid]
                 del self._uid_of[sequence.sequence_id]
                 if sequence.donate_on_finish and response.prompt_cache is not None:
-                    item = _detach(sequence.sequence_id, response.prompt_cache, response.all_tokens)
+                    item = _detach(sequence.sequence_id, response.prompt_cache, response.all_tokens,
+                                   base=sequence.base, split_at=sequence.prompt_len)
                     if item is not None:
                         report.detached.append(item)
 
@@ -428,9 +513,10 @@ class _StepWorker:
             report.prompts_done.append(sequence.sequence_id)
             if sequence.donate_prompt:
                 cache_list, tokens = self._generator.extract_cache([response.uid])[response.uid]
-                item = _detach(sequence.sequence_id, cache_list, tokens, final=False)
+                item = _detach(sequence.sequence_id, cache_list, tokens, final=False, base=sequence.base)
                 if item is not None:
                     report.detached.append(item)
+                    sequence.base = item.payload
 
     def _remove(self, removal: Removal, detached: list[DetachedSequence]) -> None:
         uid = self._uid_of.pop(removal.sequence_id, None)
@@ -443,7 +529,8 @@ class _StepWorker:
         caches = self._generator.remove([uid], return_prompt_caches=removal.donate)
         if removal.donate and uid in caches:
             cache_list, tokens = caches[uid]
-            item = _detach(sequence.sequence_id, cache_list, tokens)
+            item = _detach(sequence.sequence_id, cache_list, tokens, base=sequence.base,
+                           split_at=sequence.prompt_len)
             if item is not None:
                 detached.append(item)
 
@@ -455,7 +542,8 @@ class _StepWorker:
         if isinstance(start, StartAlone):
             own = _adopt(start.adopted, start.kept) if start.adopted is not None else make_prompt_cache(self._model)
             self._alone[start.sequence_id] = _AlonePrefill(caches=own, tokens=start.tokens,
-                                                           adapter_scales=start.adapter_scales)
+                                                           adapter_scales=start.adapter_scales,
+                                                           base=_base(start.adopted, start.kept))
             return None
         if isinstance(start, StartDirect) and start.restore is None:
             direct.append(self._start_direct(start))
@@ -505,6 +593,7 @@ class _StepWorker:
                 segments.append(prompt[-1:])
             points = [(tuple(cached + prompt[:point.after]), point.checkpoint) for point in start.snapshots]
         sampler, processors = _make_sampling(start.sampling, self._grammars)
+        base = _base(start.adopted, len(cached)) if start.restore is None and failure is None else None
         (uid,) = self._generator.insert_segments(
             [segments],
             config=start.sampling.adapter_scales,
@@ -522,6 +611,8 @@ class _StepWorker:
             donate_prompt=start.donate_prompt,
             snapshot_points=points,
             warm=isinstance(start, InsertBatch) and start.warm,
+            base=base,
+            prompt_len=len(cached) + len(prompt),
         )
         self._uid_of[start.sequence_id] = uid
 
@@ -538,7 +629,7 @@ class _StepWorker:
             mx.eval([cache.state for cache in prefill.caches])
         if chunk.last:
             del self._alone[chunk.sequence_id]
-            self._alone_done[chunk.sequence_id] = detach(prefill.caches, chunk.end)
+            self._alone_done[chunk.sequence_id] = detach(prefill.caches, chunk.end, base=prefill.base)
         return chunk.end - chunk.start
 
     def _start_direct(self, start: StartDirect, caches: list[Any] | None = None) -> _DirectStart:
@@ -555,10 +646,16 @@ class _StepWorker:
         from mlx_lm.models.cache import make_prompt_cache
 
 
+        base = None
+        # The rows this start writes, so a prefix assembled from several pieces is built with room for them.
+        room = len(start.cached_tokens) - start.kept + len(start.prompt_tokens) + start.padding
         if start.from_alone:
-            caches = _adopt(self._alone_done.pop(start.sequence_id), start.kept)
+            alone = self._alone_done.pop(start.sequence_id)
+            caches, base = _adopt(alone, start.kept, room), _base(alone, start.kept)
         elif start.adopted is not None and start.kept:
-            caches = _adopt(start.adopted, start.kept)
+            caches = _adopt(start.adopted, start.kept, room)
+            # The rows past kept run again, but the stored ones are the same tokens' KV: reuse them.
+            base = _base(start.adopted, len(start.cached_tokens))
         if caches is None:
             caches = make_prompt_cache(self._model)
         cached, prompt = list(start.cached_tokens), list(start.prompt_tokens)
@@ -588,9 +685,12 @@ class _StepWorker:
             token = mx.argmax(logprobs, axis=-1) if sampler is None else sampler(logprobs)
         donation = None
         if start.donate_prompt:
-            donation = _detach(start.sequence_id, caches, all_tokens, final=False, evaluate=False)
+            donation = _detach(start.sequence_id, caches, all_tokens, final=False, evaluate=False, base=base)
+            if donation is not None:
+                base = donation.payload
         return _DirectStart(start=start, caches=caches, all_tokens=all_tokens, sampler=sampler,
-                            processors=processors, token=token, logprobs=logprobs[0], donation=donation)
+                            processors=processors, token=token, logprobs=logprobs[0], donation=donation,
+                            base=base)
 
     def _text_forward(self, tokens: Any, *, cache: list[Any], offset: int = 0) -> Any:
         return self._model(tokens, cache=cache)
@@ -635,13 +735,14 @@ class _StepWorker:
             finish_reason = "length"
         sequence = _Sequence(
             sequence_id=start.sequence_id, sampling=start.sampling,
-            donate_on_finish=start.donate_on_finish, donate_prompt=False, direct=True,
+            donate_on_finish=start.donate_on_finish, donate_prompt=False, direct=True, base=direct.base,
+            prompt_len=len(direct.all_tokens),
         )
         sampled = _sampled_token(sequence, _FirstToken(token, direct.logprobs, finish_reason))
         if finish_reason is not None:
             done = None
             if start.donate_on_finish:
-                done = _detach(start.sequence_id, direct.caches, direct.all_tokens)
+                done = _detach(start.sequence_id, direct.caches, direct.all_tokens, base=direct.base)
             return sampled, done
         # The first token goes in as the prompt's last: its forward pass gives the second.
         (uid,) = self._generator.insert(
@@ -689,12 +790,13 @@ class _FirstToken:
 
 
 def _detach(
-    sequence_id: int, caches: Any, tokens: Any, *, final: bool = True, evaluate: bool = True
+    sequence_id: int, caches: Any, tokens: Any, *, final: bool = True, evaluate: bool = True, base: Any = None,
+    split_at: int | None = None,
 ) -> DetachedSequence | None:
     from mlxcel.model.kv import detach
 
     token_tuple = tuple(int(token) for token in tokens)
-    payload = detach(caches, len(token_tuple), evaluate=evaluate)
+    payload = detach(caches, len(token_tuple), evaluate=evaluate, base=base, split_at=split_at)
     if payload is None:
         return None
     return DetachedSequence(
@@ -932,10 +1034,17 @@ def _bit_positions(vocab: int) -> tuple[Any, Any]:
     return ids >> 5, ids & 31
 
 
-def _adopt(handle: Any, num_tokens: int) -> list[Any]:
+def _base(handle: Any, num_tokens: int) -> Any:
+    """The first ``num_tokens`` of a stored prefix, as a later donation's base (None: nothing adopted)."""
+    if handle is None or num_tokens <= 0:
+        return None
+    return handle.cut(min(num_tokens, handle.length))
+
+
+def _adopt(handle: Any, num_tokens: int, room: int = 0) -> list[Any]:
     """Fresh caches holding a stored prefix's first ``num_tokens`` rows (the core's handle is a DetachedKV)."""
     from mlxcel.model.kv import DetachedKV, adopt
 
     if not isinstance(handle, DetachedKV):
         raise TypeError(f"not a stored KV prefix: {type(handle).__name__}")
-    return adopt(handle, num_tokens)
+    return adopt(handle, num_tokens, room=room)

@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 import trio
 
+from mlxcel.cache.disk_index import DiskPlan, PieceSpec, SnapshotName
 from mlxcel.cache.key import CacheContext
 from mlxcel.cache.kv_events import BlockChange
 from mlxcel.cache.snapshots import SnapshotStats
@@ -123,7 +124,59 @@ class RunStep:
     reply_to: trio.MemorySendChannel[StepResult] = attrs.field(repr=False)
 
 
-DeviceMsg = RunStep
+# --- the disk tier (anyone -> device): see mlxcel/model/disk_kv.py ----------------------
+
+
+@attrs.frozen(kw_only=True)
+class UseDiskTier:
+    """From the engine at start-up: the device writes and reads this disk tier (``actors/disk_tier.py``)."""
+
+    tier: Any = attrs.field(repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class PersistPieces:
+    """From the cache store: write these pieces of a stored payload to disk, behind the steps."""
+
+    payload: KVHandle = attrs.field(repr=False)
+    pieces: tuple[PieceSpec, ...] = attrs.field(repr=False)
+    # A retained prompt (cache_control, prompt_cache_retention): ahead of the queue.
+    urgent: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class LoadDiskPrefix:
+    """From the scheduler, between steps: build a disk hit's KV (the memory match's rows, then the pieces)."""
+
+    plan: DiskPlan
+    memory: KVHandle | None = attrs.field(default=None, repr=False)
+    reply_to: trio.MemorySendChannel[DiskPrefixLoaded] = attrs.field(repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class PersistSnapshot:
+    """From the cache store: write a stored session snapshot to disk, behind the steps."""
+
+    payload: Any = attrs.field(repr=False)
+    name: SnapshotName
+
+
+@attrs.frozen(kw_only=True)
+class LoadDiskSnapshot:
+    """From the scheduler, between steps: read a session snapshot back from disk."""
+
+    name: SnapshotName
+    reply_to: trio.MemorySendChannel[DiskPrefixLoaded] = attrs.field(repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class DiskPrefixLoaded:
+    # None: nothing usable was read (a piece vanished or was refused); the memory match stands.
+    payload: KVHandle | None = attrs.field(repr=False)
+    num_tokens: int = 0
+
+
+DeviceMsg = RunStep | UseDiskTier | PersistPieces | LoadDiskPrefix | PersistSnapshot | LoadDiskSnapshot
 
 
 # --- scheduler <-> cache store ---------------------------------------------------------
@@ -136,7 +189,7 @@ class LookupPrefix:
     max_len: int
     # False: a peek that neither counts as a hit or miss nor refreshes recency.
     record: bool = True
-    reply_to: trio.MemorySendChannel[PrefixFound | PrefixMissing] = attrs.field(repr=False)
+    reply_to: trio.MemorySendChannel[PrefixFound | PrefixMissing | PrefixOnDisk] = attrs.field(repr=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -153,12 +206,20 @@ class PrefixMissing:
 
 
 @attrs.frozen(kw_only=True)
+class PrefixOnDisk:
+    """The disk tier holds more of the prompt than memory: the device loads ``plan`` (else ``memory`` stands)."""
+
+    memory: PrefixFound | PrefixMissing
+    plan: DiskPlan
+
+
+@attrs.frozen(kw_only=True)
 class LookupSnapshot:
     context: CacheContext
     tokens: tuple[int, ...] = attrs.field(repr=False)
     # False: a peek for the warmer that counts nothing.
     record: bool = True
-    reply_to: trio.MemorySendChannel[SnapshotFound | SnapshotMissing] = attrs.field(repr=False)
+    reply_to: trio.MemorySendChannel[SnapshotFound | SnapshotMissing | SnapshotOnDisk] = attrs.field(repr=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -174,6 +235,14 @@ class SnapshotFound:
 class SnapshotMissing:
     # None: no snapshot for the session; else why the stored one was refused.
     refusal: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class SnapshotOnDisk:
+    """A longer snapshot is on disk: the device loads ``name`` (else ``memory`` stands)."""
+
+    memory: SnapshotFound | SnapshotMissing
+    name: SnapshotName
 
 
 @attrs.frozen(kw_only=True)
@@ -214,6 +283,8 @@ class RenderMetrics:
     scheduler: SchedulerStats | None = None
     # The session snapshot store (None: not a snapshot family, or the cache is off).
     snapshots: SnapshotStats | None = None
+    # The disk tier (actors/disk_tier.py's DiskStats; None: off).
+    disk: Any = None
     reply_to: trio.MemorySendChannel[bytes] = attrs.field(repr=False)
 
 
@@ -285,6 +356,9 @@ class CacheStoreStats:
             return {"enabled": False, "entries": 0, "bytes": 0, "apc_enabled": False}
         body = attrs.asdict(self.store)
         body["enabled"] = True
+        # ``bytes`` counts each shared piece once; ``logical_bytes`` what the entries would take unshared.
+        body["unique_bytes"] = self.store.bytes
+        body["sharing_ratio"] = round(self.store.sharing_ratio, 4)
         if self.snapshots is not None:
             body["snapshots"] = attrs.asdict(self.snapshots)
         return body

@@ -15,6 +15,7 @@ are (docs/scaling.md).
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -46,6 +47,8 @@ class MetricsActor:
     ) -> None:
         self.inbox = inbox
         self.registry = CollectorRegistry()
+        # Registered on the first stats of a disk tier (off: no disk series at all).
+        self._disk: _DiskSeries | None = None
         self._vllm = _VllmSeries(self.registry, model_name=model_name, block_size=block_size,
                                  num_blocks=num_blocks, prefix_caching=prefix_caching)
         self._hits = Counter("mlxcel_prompt_cache_hits", "Successful prompt-cache adoptions", registry=self.registry)
@@ -61,8 +64,19 @@ class MetricsActor:
         for reason in EVICTION_REASONS:
             self._evictions.labels(reason=reason)
         self._bytes = Gauge(
-            "mlxcel_prompt_cache_bytes", "Bytes held by live prompt-cache entries", registry=self.registry
+            "mlxcel_prompt_cache_bytes",
+            "Unique bytes held by live prompt-cache entries (a piece shared by several counts once)",
+            registry=self.registry,
         )
+        self._logical_bytes = Gauge(
+            "mlxcel_prompt_cache_logical_bytes", "Bytes the live prompt-cache entries would take unshared",
+            registry=self.registry)
+        self._sharing_ratio = Gauge(
+            "mlxcel_prompt_cache_sharing_ratio", "Logical over unique prompt-cache bytes (1: nothing shared)",
+            registry=self.registry)
+        self._pieces = Gauge(
+            "mlxcel_prompt_cache_pieces", "KV pieces held by the prompt cache (each stored once, shared by entries)",
+            registry=self.registry)
         self._entries = Gauge("mlxcel_prompt_cache_entries", "Live prompt-cache entries", registry=self.registry)
         self._pinned_entries = Gauge(
             "mlxcel_prompt_cache_pinned_entries", "Prompt-cache entries pinned by a retention request",
@@ -131,11 +145,18 @@ class MetricsActor:
                 self._vllm.apply(message.store, message.scheduler)
                 if message.snapshots is not None:
                     self._apply_snapshots(message.snapshots)
+                if message.disk is not None:
+                    if self._disk is None:
+                        self._disk = _DiskSeries(self.registry)
+                    self._disk.apply(message.disk)
                 with message.reply_to, contextlib.suppress(trio.BrokenResourceError):
                     message.reply_to.send_nowait(generate_latest(self.registry))
 
     def _apply_store(self, stats: StoreStats) -> None:
         self._bytes.set(stats.bytes)
+        self._logical_bytes.set(stats.logical_bytes)
+        self._sharing_ratio.set(stats.sharing_ratio)
+        self._pieces.set(stats.pieces)
         self._entries.set(stats.entries)
         self._pinned_entries.set(stats.pinned_entries)
         self._pinned_bytes.set(stats.pinned_bytes)
@@ -179,6 +200,53 @@ class MetricsActor:
             if grown > 0:
                 self._snapshot_evictions.labels(reason=reason).inc(grown)
             self._seen_snapshot_evictions[reason] = total
+
+
+class _DiskSeries:
+    """The disk tier's gauges and counters (actors/disk_tier.py's DiskStats, cumulative since start)."""
+
+    _COUNTERS = (
+        ("hits", "mlxcel_prompt_cache_disk_hits", "Lookups answered from the disk tier"),
+        ("misses", "mlxcel_prompt_cache_disk_misses", "Lookups the disk tier could not extend"),
+        ("writes", "mlxcel_prompt_cache_disk_writes", "Pieces written to the disk tier"),
+        ("bytes_written", "mlxcel_prompt_cache_disk_written_bytes", "Bytes written to the disk tier"),
+        ("bytes_read", "mlxcel_prompt_cache_disk_read_bytes", "Bytes of disk-tier pieces loaded"),
+        ("write_errors", "mlxcel_prompt_cache_disk_write_errors", "Disk-tier writes that failed"),
+        ("writes_dropped", "mlxcel_prompt_cache_disk_writes_dropped", "Pieces not written (queue or budget)"),
+        ("evictions", "mlxcel_prompt_cache_disk_evictions", "Pieces this process deleted for the budget"),
+    )
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        from mlxcel.cache.disk_index import REFUSAL_REASONS
+
+        self._bytes = Gauge("mlxcel_prompt_cache_disk_bytes", "Bytes of pieces in the disk tier's directory",
+                            registry=registry)
+        self._entries = Gauge("mlxcel_prompt_cache_disk_entries", "Pieces in the disk tier's directory",
+                              registry=registry)
+        self._counters = {field: Counter(name, documentation, registry=registry)
+                          for field, name, documentation in self._COUNTERS}
+        self._load_seconds = Counter("mlxcel_prompt_cache_disk_load_seconds", "Seconds spent loading disk hits",
+                                     registry=registry)
+        self._refusals = Counter("mlxcel_prompt_cache_disk_refusals", "Disk-tier files refused (and deleted)",
+                                 ["reason"], registry=registry)
+        for reason in REFUSAL_REASONS:
+            self._refusals.labels(reason=reason)
+        self._seen: dict[str, float] = {}
+
+    def _grow(self, key: str, total: float, counter: Any) -> None:
+        grown = total - self._seen.get(key, 0)
+        if grown > 0:
+            counter.inc(grown)
+        self._seen[key] = total
+
+    def apply(self, stats: Any) -> None:
+        self._bytes.set(stats.bytes)
+        self._entries.set(stats.entries)
+        for field, counter in self._counters.items():
+            self._grow(field, getattr(stats, field), counter)
+        self._grow("load_seconds", stats.load_seconds, self._load_seconds)
+        for reason, total in stats.refusals.items():
+            self._grow(f"refusal/{reason}", total, self._refusals.labels(reason=reason))
 
 
 class _VllmSeries:

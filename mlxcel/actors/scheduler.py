@@ -23,21 +23,29 @@ import attrs
 import trio
 
 from mlxcel.actors.messages import (
+    CacheLookedUp,
     CacheStoreMsg,
     CancelRequest,
     DeviceMsg,
+    DiskPrefixLoaded,
+    DonateSequence,
+    DonateSnapshot,
     GetSchedulerStats,
+    LoadDiskPrefix,
+    LoadDiskSnapshot,
     LookupPrefix,
     LookupSnapshot,
     MetricsMsg,
     PrefixFound,
     PrefixMissing,
+    PrefixOnDisk,
     ReleasePayloads,
     RequestFailed,
     RunStep,
     SchedulerStats,
     SnapshotFound,
     SnapshotMissing,
+    SnapshotOnDisk,
     StreamEvent,
     SubmitRequest,
     WarmerMsg,
@@ -204,18 +212,23 @@ class SchedulerActor:
 
     async def _lookup(self, lookup: Lookup) -> LookupResult:
         assert self._to_cache_store is not None
-        found: PrefixFound | PrefixMissing | SnapshotFound | SnapshotMissing
+        found: PrefixFound | PrefixMissing | PrefixOnDisk | SnapshotFound | SnapshotMissing | SnapshotOnDisk
         if lookup.kind in ("snapshot", "warm"):
-            snapshot_to, snapshot_replies = trio.open_memory_channel[SnapshotFound | SnapshotMissing](1)
+            snapshot_to, snapshot_replies = trio.open_memory_channel[
+                SnapshotFound | SnapshotMissing | SnapshotOnDisk](1)
             await self._to_cache_store.send(LookupSnapshot(
                 context=lookup.context, tokens=lookup.tokens, record=lookup.record, reply_to=snapshot_to))
             found = await _answer(snapshot_replies, SnapshotMissing())
+            if isinstance(found, SnapshotOnDisk):
+                found = await self._load_snapshot_from_disk(lookup, found)
         else:
-            prefix_to, prefix_replies = trio.open_memory_channel[PrefixFound | PrefixMissing](1)
+            prefix_to, prefix_replies = trio.open_memory_channel[PrefixFound | PrefixMissing | PrefixOnDisk](1)
             await self._to_cache_store.send(LookupPrefix(
                 context=lookup.context, tokens=lookup.tokens, max_len=len(lookup.tokens) - 1,
                 record=lookup.record, reply_to=prefix_to))
             found = await _answer(prefix_replies, PrefixMissing())
+            if isinstance(found, PrefixOnDisk):
+                found = await self._load_from_disk(lookup, found)
         match found:
             case PrefixFound():
                 return Hit(length=found.matched_len, payload=found.payload)
@@ -224,6 +237,43 @@ class SchedulerActor:
             case SnapshotMissing():
                 return Miss(refusal=found.refusal)
         return Miss()
+
+    async def _load_from_disk(self, lookup: Lookup, found: PrefixOnDisk) -> PrefixFound | PrefixMissing:
+        """Have the device load a disk hit (no step is in flight now); memory's match if nothing was read."""
+        memory = found.memory
+        reply_to, replies = trio.open_memory_channel[DiskPrefixLoaded](1)
+        await self._to_device.send(LoadDiskPrefix(
+            plan=found.plan, memory=memory.payload if isinstance(memory, PrefixFound) else None, reply_to=reply_to))
+        loaded = await _answer(replies, DiskPrefixLoaded(payload=None))
+        matched = loaded.num_tokens if loaded.payload is not None else (
+            memory.matched_len if isinstance(memory, PrefixFound) else 0)
+        self._send_nowait(self._to_metrics, CacheLookedUp(hit=matched > 0, tokens_reused=matched,
+                                                          tokens_queried=len(lookup.tokens)))
+        if loaded.payload is None:
+            return memory
+        # Promoted into memory: the store owns it from now on (and frees it on the device thread).
+        self._send_nowait(self._to_cache_store, DonateSequence(
+            context=lookup.context, tokens=lookup.tokens[:loaded.num_tokens], payload=loaded.payload,
+            nbytes=loaded.payload.nbytes))
+        return PrefixFound(matched_len=loaded.num_tokens, payload=loaded.payload, cross_session=False, partial=True)
+
+    async def _load_snapshot_from_disk(self, lookup: Lookup, found: SnapshotOnDisk) -> SnapshotFound | SnapshotMissing:
+        """Have the device read a session snapshot from disk; memory's answer if it cannot."""
+        memory = found.memory
+        reply_to, replies = trio.open_memory_channel[DiskPrefixLoaded](1)
+        await self._to_device.send(LoadDiskSnapshot(name=found.name, reply_to=reply_to))
+        loaded = await _answer(replies, DiskPrefixLoaded(payload=None))
+        matched = loaded.num_tokens if loaded.payload is not None else (
+            memory.num_tokens if isinstance(memory, SnapshotFound) else 0)
+        self._send_nowait(self._to_metrics, CacheLookedUp(hit=matched > 0, tokens_reused=matched,
+                                                          tokens_queried=len(lookup.tokens)))
+        if loaded.payload is None:
+            return memory
+        # Promoted into the snapshot store, which owns it from now on.
+        self._send_nowait(self._to_cache_store, DonateSnapshot(
+            context=lookup.context, tokens=lookup.tokens[:loaded.num_tokens], payload=loaded.payload,
+            nbytes=loaded.payload.nbytes, cuttable=bool(getattr(loaded.payload, "cuttable", False))))
+        return SnapshotFound(num_tokens=loaded.num_tokens, payload=loaded.payload)
 
     # --- out -------------------------------------------------------------------
 

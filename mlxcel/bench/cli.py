@@ -243,11 +243,14 @@ def _run(namespace: argparse.Namespace, blas_library: str | None, blas: str) -> 
                               f"skipping it (see {by_name[runner.server].log_path})", file=sys.stderr, flush=True)
                         return False
 
+                    stats: dict[str, Any] = {}
                     try:
                         for turn in range(shape.turns):
                             for runner in (runners if turn % 2 == 0 else runners[::-1]):
                                 if alive(runner):
                                     runner.run_turn(turn, concurrency=namespace.concurrency)
+                        # After the chat turns, before the unseen prompts push them out.
+                        stats = {server.name: _cache_stats(server.base_url) for server in servers}
                         # While the servers are still up, after every chat turn.
                         for index in range(namespace.unseen):
                             for runner in (runners if index % 2 == 0 else runners[::-1]):
@@ -261,15 +264,17 @@ def _run(namespace: argparse.Namespace, blas_library: str | None, blas: str) -> 
                     servers_info[server.name] = {
                         "command": server.spec.command(str(Path(namespace.model_path).resolve()), 0),
                         "startup_s": server.startup_s, "log": str(server.log_path),
-                        "model_sent": server.spec.model_name,
+                        "model_sent": server.spec.model_name, "cache_stats": stats.get(server.name),
                     }
         else:
             with ConversationRunner(workload, server=namespace.name, base_url=namespace.url,
                                     model=namespace.model, progress=progress, on_record=keep) as runner:
                 runner.run_all(concurrency=namespace.concurrency)
+                cache_stats = _cache_stats(namespace.url)
                 for index in range(namespace.unseen):
                     runner.run_unseen(index)
-                servers_info[namespace.name] = {"url": namespace.url, "model_sent": runner.model}
+                servers_info[namespace.name] = {"url": namespace.url, "model_sent": runner.model,
+                                                "cache_stats": cache_stats}
 
     summary = summarize(records, peak_rss_bytes=peak_rss, floor=floor)
     summary.update({
@@ -290,6 +295,34 @@ def _run(namespace: argparse.Namespace, blas_library: str | None, blas: str) -> 
     if plots:
         written.append(write_plot(summary, out / "ttft.png", title=title))
     print(format_table(summary))
+    for name, info in servers_info.items():
+        line = _cache_line(info.get("cache_stats"))
+        if line:
+            print(f"{name}: {line}")
     print(f"wrote {', '.join(str(path) for path in written)}")
     errors = sum(figures["num_errors"] for figures in summary["servers"].values())
     return 1 if errors else 0
+
+
+def _cache_stats(base_url: str) -> dict[str, Any] | None:
+    """The server's ``/v1/cache/stats`` after the chat turns (None: it has none)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{base_url.rstrip('/')}/v1/cache/stats", timeout=10) as response:
+            body = json.loads(response.read())
+    except (OSError, ValueError, urllib.error.URLError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def _cache_line(stats: dict[str, Any] | None) -> str:
+    """mlxcel's store at the end: unique bytes against the budget, logical bytes, sharing ratio."""
+    if not stats or "logical_bytes" not in stats:
+        return ""
+    mib = 1 << 20
+    unique, budget, logical = (stats[key] / mib for key in ("bytes", "capacity_bytes", "logical_bytes"))
+    return (f"prompt cache after the chat turns: {unique:.1f} MiB unique of a {budget:.1f} MiB budget, "
+            f"{logical:.1f} MiB logical (sharing {stats['sharing_ratio']:.2f}x), {stats['entries']} entries, "
+            f"{stats['pieces']} pieces, evictions {stats['evictions']}")

@@ -4,6 +4,14 @@ Synchronous and deterministic: time is passed in as `now` (monotonic
 seconds, never decreasing) and payloads are opaque objects handed back
 untouched.
 
+Entries share storage. A payload that has ``pieces()`` (model/kv.py's
+DetachedKV) is made of immutable pieces that other entries may hold too (a
+conversation's entry holds the system prompt's piece that every other
+conversation holds, plus pieces of its own). The store counts each piece's
+bytes once, while any entry holds it: the byte budget is a budget of
+*unique* bytes. An entry's ``nbytes`` is its logical size, what it would
+take unshared. Any other payload is one piece of its own.
+
 A donation may ask to be retained for a number of seconds (Anthropic's
 `cache_control` ttl, OpenAI's `prompt_cache_retention`). Its entry is then
 *pinned* until that time: LRU pressure and the TTL pass it by, as long as
@@ -17,7 +25,7 @@ from __future__ import annotations
 import struct
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 import attrs
 
@@ -33,6 +41,37 @@ REFUSAL_REASONS = ("too_short", "too_large")
 DERIVED_BLOCKS_PER_ENTRY = 256
 
 _non_negative = attrs.validators.ge(0)
+
+
+class _Piece(Protocol):
+    @property
+    def nbytes(self) -> int: ...
+
+
+@runtime_checkable
+class SharedPayload(Protocol):
+    """A payload made of pieces that other payloads may share (model/kv.py's DetachedKV)."""
+
+    def pieces(self) -> Sequence[_Piece]: ...
+
+
+@attrs.define(eq=False)
+class _PieceRecord:
+    piece: object = attrs.field(repr=False)
+    nbytes: int
+    # Entries holding it, and how many of them are pinned.
+    refs: int = 0
+    pinned_refs: int = 0
+
+
+def _pieces_of(payload: object, nbytes: int) -> list[tuple[int, object, int]]:
+    """(key, piece, bytes) of each distinct piece a payload holds."""
+    if not isinstance(payload, SharedPayload):
+        return [(id(payload), payload, nbytes)]
+    found: dict[int, tuple[int, object, int]] = {}
+    for piece in payload.pieces():
+        found.setdefault(id(piece), (id(piece), piece, piece.nbytes))
+    return list(found.values())
 
 
 @attrs.frozen(kw_only=True)
@@ -119,6 +158,14 @@ class StoreStats:
     pinned_capacity_bytes: int = 0
     # Pins given up: past the pinned share (soonest-ending first), to fit a limit, or too large to pin.
     pins_dropped: int = 0
+    # What the entries would take unshared (``bytes`` counts each shared piece once), and the pieces held.
+    logical_bytes: int = 0
+    pieces: int = 0
+
+    @property
+    def sharing_ratio(self) -> float:
+        """Logical over unique bytes: 1.0 when nothing is shared."""
+        return self.logical_bytes / self.bytes if self.bytes else 1.0
 
 
 @attrs.frozen(kw_only=True)
@@ -153,6 +200,8 @@ class _Entry:
     aliases: dict[bytes, _Entry] = attrs.Factory(dict)
     # How many leading tokens were the donating request's prompt (None: not told).
     prompt_len: int | None = None
+    # Owners: the keys of the pieces its payload holds (aliases hold none).
+    piece_keys: tuple[int, ...] = ()
 
     def packed(self) -> bytes:
         owner = self.owner or self
@@ -212,7 +261,10 @@ class PromptCacheStore:
         self._released: list[object] = []
         self._tries: dict[tuple, RadixTrie[bytes]] = {}
         self._block_refs: dict[bytes, int] = {}
+        # Unique bytes (each held piece once) and logical bytes (each owner's nbytes).
         self._bytes = 0
+        self._logical_bytes = 0
+        self._pieces: dict[int, _PieceRecord] = {}
         self._total_blocks = 0
         self._apc_active = 0
         self._hits = 0
@@ -262,7 +314,8 @@ class PromptCacheStore:
         retain_until = now + retain_seconds if retain_seconds > 0 else 0.0
         if len(tokens) < self.limits.min_prefix:
             return self._refuse("too_short", evictions)
-        if nbytes > self.limits.capacity_bytes:
+        pieces = _pieces_of(payload, nbytes)
+        if sum(piece_bytes for _, _, piece_bytes in pieces) > self.limits.capacity_bytes:
             return self._refuse("too_large", evictions)
 
         token_bytes = pack_tokens(tokens)
@@ -291,8 +344,10 @@ class PromptCacheStore:
             nearest = walk.longest_common()
             if nearest is not None:
                 neighbor = self._entries[nearest[0]]
+                # A lookup of its own prompt is capped one token short, so a newer entry that parts from it
+                # at its prompt's last token still serves everything it could.
                 if (neighbor.owner is None and neighbor.context == context and neighbor.prompt_len is not None
-                        and neighbor.prompt_len <= nearest[1] < neighbor.num_tokens):
+                        and neighbor.prompt_len - 1 <= nearest[1] < neighbor.num_tokens):
                     dominated = neighbor
             for older_id, length in walk.prefix_matches(tag=context.session_key):
                 older = self._entries[older_id]
@@ -321,12 +376,14 @@ class PromptCacheStore:
             chain=chain,
             num_blocks=len(chain),
             prompt_len=prompt_len,
+            piece_keys=tuple(key for key, _, _ in pieces),
         )
         trie.insert(token_bytes, entry_id, tag=context.session_key)
         self._entries[entry_id] = entry
         self._recency[entry_id] = None
         self._owner_recency[entry_id] = None
-        self._bytes += nbytes
+        self._hold_pieces(pieces)
+        self._logical_bytes += nbytes
         self._count_chain(entry.num_blocks, +1)
         self._inserts += 1
         # The longest superseded chain is a prefix of the new one: hand its
@@ -366,8 +423,9 @@ class PromptCacheStore:
         references_moved: bool,
     ) -> None:
         """Turn older into a zero-byte alias of newer, which holds its tokens and more."""
-        self._bytes -= older.nbytes
-        evictions.append(("superseded", older.nbytes))
+        freed = self._release_pieces(older)
+        self._logical_bytes -= older.nbytes
+        evictions.append(("superseded", freed))
         self._evictions["superseded"] += 1
         # Its chain is a prefix of newer's, so its num_blocks stays valid.
         if not references_moved:
@@ -396,18 +454,35 @@ class PromptCacheStore:
             self._evict(self._victim(self._recency, keep), "lru", evictions)
         # Aliases cost no bytes or blocks, so byte and block pressure evicts owners.
         while self._bytes > limits.capacity_bytes:
-            self._evict(self._victim(self._owner_recency, keep), "lru", evictions)
+            self._evict(self._victim(self._owner_recency, keep, freeing=True), "lru", evictions)
         while len(self._block_refs) > self._block_cap:
             self._evict(self._victim(self._owner_recency, keep), "capacity", evictions)
 
-    def _victim(self, order: OrderedDict[bytes, None], keep: _Entry) -> _Entry:
-        """The least recently used entry of order that is neither pinned nor keep."""
+    def _victim(self, order: OrderedDict[bytes, None], keep: _Entry | None, *, freeing: bool = False) -> _Entry:
+        """The least recently used entry of order that is neither pinned nor keep.
+
+        ``freeing``: byte pressure. Leaves go first: the least recently used
+        owner whose eviction frees a piece (one no other entry holds). Only
+        when every candidate shares all it holds does the plain least
+        recently used one go, so the pieces it shares get closer to free.
+        """
         while True:
+            fallback = None
             for entry_id in order:
                 entry = self._entries[entry_id]
-                if entry is not keep and (entry.owner or entry).entry_id not in self._pins:
+                if entry is keep or (entry.owner or entry).entry_id in self._pins:
+                    continue
+                if not freeing or self._frees_bytes(entry):
                     return entry
+                fallback = fallback or entry
+            if fallback is not None:
+                return fallback
             self._drop_pin(self._soonest_pin())
+
+    def _frees_bytes(self, owner: _Entry) -> bool:
+        pieces = self._pieces
+        # Its own pieces are usually its last ones (what it added to a shared prefix).
+        return any(pieces[key].refs == 1 for key in reversed(owner.piece_keys))
 
     # Pins
 
@@ -416,12 +491,16 @@ class PromptCacheStore:
         budget = self.limits.pinned_capacity_bytes
         if not budget:
             return True  # retention is off: nothing to pin, nothing to report
-        if owner.nbytes > budget:
+        if self._unique_bytes_of(owner) > budget:
             self._pins_dropped += 1
             return False
         current = self._pins.get(owner.entry_id)
         if current is None:
-            self._pinned_bytes += owner.nbytes
+            for key in owner.piece_keys:
+                record = self._pieces[key]
+                if not record.pinned_refs:
+                    self._pinned_bytes += record.nbytes
+                record.pinned_refs += 1
             self._pins[owner.entry_id] = until
         else:
             self._pins[owner.entry_id] = max(current, until)
@@ -432,7 +511,11 @@ class PromptCacheStore:
         until = self._pins.pop(owner.entry_id, None)
         if until is None:
             return 0.0
-        self._pinned_bytes -= owner.nbytes
+        for key in owner.piece_keys:
+            record = self._pieces[key]
+            record.pinned_refs -= 1
+            if not record.pinned_refs:
+                self._pinned_bytes -= record.nbytes
         return until
 
     def _drop_pin(self, entry_id: bytes) -> None:
@@ -603,9 +686,7 @@ class PromptCacheStore:
         evictions: list[tuple[EvictionReason, int]] = []
         # Memory pressure outranks retention: unpinned entries go first, then pins ending soonest.
         while self._bytes > target_bytes and self._owner_recency:
-            unpinned = next((entry_id for entry_id in self._owner_recency if entry_id not in self._pins), None)
-            entry_id = unpinned if unpinned is not None else self._soonest_pin()
-            self._evict(self._entries[entry_id], "capacity", evictions)
+            self._evict(self._victim(self._owner_recency, None, freeing=True), "capacity", evictions)
         return tuple(evictions)
 
     def shed_half(self, now: float) -> tuple[int, int]:
@@ -627,6 +708,8 @@ class PromptCacheStore:
         self._pins.clear()
         self._pinned_bytes = 0
         self._bytes = 0
+        self._logical_bytes = 0
+        self._pieces.clear()
         self._total_blocks = 0
         self._apc_active = 0
         if self._block_log is not None:
@@ -652,15 +735,17 @@ class PromptCacheStore:
         del self._entries[entry_id]
         del self._recency[entry_id]
         self._count_chain(entry.num_blocks, -1)
+        freed = 0
         if entry.owner is None:
             del self._owner_recency[entry_id]
             self._unpin(entry)
             self._drop_blocks(entry.chain)
-            self._bytes -= entry.nbytes
+            freed = self._release_pieces(entry)
+            self._logical_bytes -= entry.nbytes
             self._released.append(entry.payload)
         else:
             del entry.owner.aliases[entry_id]
-        evictions.append((reason, entry.nbytes))
+        evictions.append((reason, freed))
         self._evictions[reason] += 1
 
     # Bookkeeping
@@ -675,6 +760,32 @@ class PromptCacheStore:
             owner.last_used = now
             self._recency.move_to_end(owner.entry_id)
             self._owner_recency.move_to_end(owner.entry_id)
+
+    def _hold_pieces(self, pieces: list[tuple[int, object, int]]) -> None:
+        records = self._pieces
+        for key, piece, nbytes in pieces:
+            record = records.get(key)
+            if record is None:
+                record = records[key] = _PieceRecord(piece=piece, nbytes=nbytes)
+                self._bytes += nbytes
+            record.refs += 1
+
+    def _release_pieces(self, owner: _Entry) -> int:
+        """Let go of owner's pieces; returns the bytes of those no other entry holds (now freed)."""
+        records = self._pieces
+        freed = 0
+        for key in owner.piece_keys:
+            record = records[key]
+            record.refs -= 1
+            if not record.refs:
+                del records[key]
+                freed += record.nbytes
+        owner.piece_keys = ()
+        self._bytes -= freed
+        return freed
+
+    def _unique_bytes_of(self, owner: _Entry) -> int:
+        return sum(self._pieces[key].nbytes for key in owner.piece_keys)
 
     def _chain_of(self, entry: _Entry) -> tuple[list[bytes], int]:
         owner = entry.owner or entry
@@ -751,6 +862,8 @@ class PromptCacheStore:
             pinned_bytes=self._pinned_bytes,
             pinned_capacity_bytes=self.limits.pinned_capacity_bytes,
             pins_dropped=self._pins_dropped,
+            logical_bytes=self._logical_bytes,
+            pieces=len(self._pieces),
         )
 
     def entries_by_recency(self) -> list[EntryInfo]:

@@ -12,7 +12,8 @@ here and only here:
   chunk: prefilled on its own cache, first token in this step), alone
   (longer than a chunk, with buckets: chunks on its own cache, then its rest
   starts directly) or in the batch (chunked prefill, then decode);
-- the token budget of direct starts (a chunk's worth per step; the rest wait)
+- the token budget of direct starts (a chunk's worth per step, with a charge
+  per start on CUDA; the rest wait)
   and the batch hold (decode waits for them at most MAX_BATCH_HOLDS steps);
 - bucketing: the prefix cut of a start and the padding of its tokens;
 - donation of prompt KV (early, for parked requests and retaining ones) and of finished replies;
@@ -67,6 +68,12 @@ MAX_BATCH_HOLDS = 4
 # of random lengths, median 31.2 vs 23.0 ms once planned (benchmarks/start_shapes.py).
 START_PREFIX_ALIGN = 128
 START_QUERY_BUCKET = 128
+# With bucket_starts (CUDA), what a direct start costs beyond its own tokens, in tokens of
+# the per-step budget: each is a forward pass of its own (the weights are read again,
+# attention runs over its whole adopted prefix). Counting only its tokens put 12 hits of
+# 154 new tokens on an 8k prefix into one 0.49 s step on the H200 (8B), so the first
+# tokens of all twelve waited for the slowest; at 256, four go per step.
+DIRECT_START_TOKENS = 256
 # Warm-ups waiting for an idle device, newest per session; older ones are dropped.
 MAX_PENDING_WARMUPS = 64
 # Cancels remembered for requests not yet submitted (the cancel overtook them).
@@ -562,9 +569,10 @@ class SchedulerCore:
         candidates, self._admitted, self._deferred = [*self._deferred, *admitted], [], []
         starts: list[Start] = []
         direct_tokens, has_direct = 0, False
+        charge = DIRECT_START_TOKENS if self.capabilities.bucket_starts else 0
         for pending in candidates:
             if self._starts_directly(pending):
-                direct_tokens += len(pending.prompt_tokens)
+                direct_tokens += len(pending.prompt_tokens) + charge
                 if has_direct and direct_tokens > step:
                     self._deferred.append(pending)
                     continue
@@ -591,10 +599,10 @@ class SchedulerCore:
                 self._alone.pop(0)
                 rest = attrs.evolve(prefill.pending, cached_tokens=prefill.tokens[:end],
                                     prompt_tokens=prefill.tokens[end:], adopted=None, from_alone=True)
-                if has_direct and direct_tokens + len(rest.prompt_tokens) > step:
+                if has_direct and direct_tokens + len(rest.prompt_tokens) + charge > step:
                     self._deferred.append(rest)
                 else:
-                    direct_tokens += len(rest.prompt_tokens)
+                    direct_tokens += len(rest.prompt_tokens) + charge
                     alone_rest = self._direct(rest)
         run_batch = False
         if self._in_batch or has_direct or alone_rest is not None:

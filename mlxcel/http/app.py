@@ -556,7 +556,11 @@ def create_app(
 
     @app.post("/v1/cache/reset")
     async def cache_reset() -> Response:
-        return json_response(await engine.reset_cache())
+        # ?disk=true (or {"disk": true}) clears the disk tier too.
+        body = await request.get_json(force=True, silent=True)
+        disk = request.args.get("disk", "").lower() in ("1", "true", "yes") or (
+            isinstance(body, dict) and body.get("disk") is True)
+        return json_response(await engine.reset_cache(disk=disk))
 
     if metrics:
         @app.get("/metrics")

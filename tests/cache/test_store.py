@@ -241,6 +241,25 @@ def test_an_entry_whose_whole_prompt_a_newer_entry_covers_is_dropped() -> None:
     assert (match.payload, match.matched_len) == ("new", len(new_prompt))
 
 
+def test_an_entry_parted_from_at_its_prompts_last_token_is_dropped_too() -> None:
+    """The reply's first characters merge with the prompt's last token when re-rendered (BPE)."""
+    store = _store()
+    old_prompt, reply = SHARED[:50], _tokens(3000, 8)
+    old = store.insert(TEXT, old_prompt + reply, "old", 580, now=0, prompt_len=len(old_prompt))
+    new_prompt = old_prompt[:-1] + _tokens(4000, 30)
+    outcome = store.insert(TEXT, new_prompt + _tokens(8000, 5), "new", 830, now=1, prompt_len=len(new_prompt))
+    assert outcome.evictions == (("superseded", 580),)
+    # A resend of the old prompt is capped one token short: the newer entry serves all of it.
+    match = store.lookup(TEXT, old_prompt, now=2, max_len=len(old_prompt) - 1)
+    assert match is not None
+    assert (match.payload, match.matched_len) == ("new", len(old_prompt) - 1)
+    assert old.entry_id not in {info.entry_id for info in store.entries_by_recency()}
+    # Two tokens short is another branch: it stays.
+    kept = store.insert(TEXT, SHARED[:60] + reply, "kept", 580, now=3, prompt_len=60)
+    store.insert(TEXT, SHARED[:58] + _tokens(5000, 30), "branch", 830, now=4, prompt_len=88)
+    assert kept.entry_id in {info.entry_id for info in store.entries_by_recency()}
+
+
 def test_other_sessions_are_not_superseded() -> None:
     store = _store()
     store.insert(BOB, SHARED[:40], "bob", 400, now=0)

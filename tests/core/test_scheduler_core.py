@@ -252,6 +252,20 @@ def test_a_long_prompt_in_bucketed_shapes_is_prefilled_alone_then_starts_its_res
     assert started(harness.step()) == [0]
 
 
+def test_bucketed_direct_starts_are_charged_for_their_own_forward_pass() -> None:
+    """On CUDA each direct start costs a forward pass beyond its tokens: fewer go per step."""
+    def per_step(bucket: bool) -> list[list[int]]:
+        harness = Harness(bucket_starts=bucket, prefill_step_size=1024)
+        for index in range(6):
+            harness.add(f"r{index}", 100, first=1000 * index)
+        return [started(harness.step()) for _ in range(3)]
+
+    assert per_step(False) == [[0, 1, 2, 3, 4, 5], [], []]
+    # 100 tokens + DIRECT_START_TOKENS each: two fit a 1024-token step.
+    assert core_scheduler.DIRECT_START_TOKENS == 256
+    assert per_step(True) == [[0, 1], [2, 3], [4, 5]]
+
+
 def test_a_start_removed_before_it_ran_never_reaches_the_device() -> None:
     harness = Harness()
     harness.add("r0", 10)

@@ -688,6 +688,15 @@ async def test_cache_stats_reset_and_metrics() -> None:
     response = await client.post("/v1/cache/reset")
     assert json.loads(await response.get_data()) == {"num_entries_removed": 3}
     assert engine.num_resets == 1
+    assert not engine.reset_disk
+    # The disk tier is cleared only when asked: ?disk=true or {"disk": true}.
+    await client.post("/v1/cache/reset?disk=true")
+    assert engine.reset_disk
+    await client.post("/v1/cache/reset", json={"disk": True})
+    assert engine.reset_disk
+    assert engine.num_resets == 3
+    await client.post("/v1/cache/reset", json={"disk": "yes please"})
+    assert not engine.reset_disk
     response = await client.get("/metrics")
     assert response.status_code == 200
     assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")

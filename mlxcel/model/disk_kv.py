@@ -1,0 +1,306 @@
+"""The device thread's half of the disk tier: KV rows to host buffers, and verified pieces back to KV.
+
+Only the device thread calls into this module (it touches MLX). Writing is
+write-behind: a ``PersistPieces`` job only queues the payload; the device
+converts a slice of it (a few layers, at most ``SLICE_BYTES``) whenever its
+inbox is empty, and hands each finished piece, as host buffers that no
+longer reference MLX, to the tier's writer thread. A step that arrives
+waits for at most one slice. Reading happens when the scheduler asks for a
+disk hit (``LoadDiskPrefix``): between steps, measured.
+
+``rows`` is the one function that reads a payload's rows: the layout of a
+stored payload is known here and nowhere else in the disk tier.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from mlxcel.cache.disk_index import DiskPlan, PieceData, PieceRefused, PieceSpec, SnapshotName, layer_names
+from mlxcel.model.kv import DetachedKV, KvPiece
+from mlxcel.model.snapshot import SessionSnapshot
+
+if TYPE_CHECKING:
+    from mlxcel.actors.disk_tier import DiskTier
+
+logger = logging.getLogger(__name__)
+
+# The most host bytes converted between two looks at the device's inbox.
+SLICE_BYTES = 4 << 20
+# Jobs (stored prefixes) waiting for conversion; past this the oldest is dropped.
+MAX_JOBS = 64
+
+_TO_SAFETENSORS = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16"}
+_HOST = {"F32": (np.float32, None), "F16": (np.float16, None), "BF16": (np.uint16, mx.bfloat16)}
+
+
+def rows(payload: Any, start: int, end: int, layers: range | None = None) -> list[tuple[mx.array, mx.array]]:
+    """Per layer (all, or those in ``layers``), the (keys, values) of the payload's token rows [start, end)."""
+    if not isinstance(payload, DetachedKV):
+        raise TypeError(f"not a stored KV prefix: {type(payload).__name__}")
+    return payload.rows(start, end, layers)
+
+
+def num_layers(payload: DetachedKV) -> int:
+    return len(payload.segments[0][0].layers)
+
+
+def dtype_of(payload: DetachedKV) -> Any:
+    return payload.segments[0][0].layers[0][0].dtype
+
+
+def _host(array: mx.array) -> tuple[str, np.ndarray]:
+    dtype = _TO_SAFETENSORS.get(array.dtype)
+    if dtype is None:
+        raise TypeError(f"cannot persist a {array.dtype} KV")
+    if array.dtype == mx.bfloat16:
+        array = array.view(mx.uint16)  # numpy has no bfloat16: the bits travel as uint16
+    # Flat bytes: the writer thread checksums and writes them without knowing numpy.
+    return dtype, np.ascontiguousarray(np.array(array, copy=True)).reshape(-1).view(np.uint8)
+
+
+@attrs.define
+class _Job:
+    payload: Any
+    pieces: list[PieceSpec]
+    # Where the conversion stands: the piece, its next layer, its tensors so far.
+    piece: int = 0
+    layer: int = 0
+    tensors: list[tuple[str, str, tuple[int, ...], Any]] = attrs.Factory(list)
+
+
+@attrs.define
+class _SnapshotJob:
+    """A session snapshot on its way to disk, a layer at a time."""
+
+    snapshot: SessionSnapshot
+    name: SnapshotName
+    layer: int = 0
+    tensors: list[tuple[str, str, tuple[int, ...], Any]] = attrs.Factory(list)
+    layouts: list[dict[str, Any]] = attrs.Factory(list)
+
+
+def _layer_state(index: int, layer: Any) -> tuple[dict[str, Any], list[tuple[str, mx.array]]]:
+    """A snapshot layer's scalars (its layout) and arrays, by tensor name."""
+    from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+
+    arrays: list[tuple[str, Any]]
+    if isinstance(layer, ArraysCache):
+        arrays = [(f"layer.{index}.state.{slot}", array) for slot, array in enumerate(layer.cache) if array is not None]
+        layout: dict[str, Any] = {"kind": "arrays", "size": len(layer.cache)}
+    else:
+        arrays = [] if layer.keys is None else [(f"layer.{index}.keys", layer.keys),
+                                                (f"layer.{index}.values", layer.values)]
+        layout = {"kind": "kv", "offset": int(layer.offset)}
+        if isinstance(layer, RotatingKVCache):
+            layout.update(kind="rotating", idx=int(layer._idx), max_size=int(layer.max_size), keep=int(layer.keep))
+    layout["tensors"] = [name for name, _array in arrays]
+    return layout, arrays
+
+
+def _layer_from(layout: dict[str, Any], arrays: dict[str, mx.array]) -> Any:
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+    layer: Any
+    if layout["kind"] == "arrays":
+        layer = ArraysCache(int(layout["size"]))
+        layer.cache = [None] * int(layout["size"])
+        for name in layout["tensors"]:
+            layer.cache[int(name.rsplit(".", 1)[1])] = arrays[name]
+        return layer
+    if layout["kind"] == "rotating":
+        layer = RotatingKVCache(int(layout["max_size"]), int(layout["keep"]))
+        layer._idx = int(layout["idx"])
+    elif layout["kind"] == "kv":
+        layer = KVCache()
+    else:
+        raise PieceRefused("shape", f"unknown layer kind {layout['kind']!r}")
+    names = layout["tensors"]
+    if names:
+        layer.keys, layer.values = arrays[names[0]], arrays[names[1]]
+    layer.offset = int(layout["offset"])
+    return layer
+
+
+class DeviceDisk:
+    """Owned by the device thread: the write-behind queue and disk-hit loading."""
+
+    def __init__(self, tier: DiskTier, num_layers: int, family: str = "") -> None:
+        self.tier = tier
+        self._num_layers = num_layers
+        self._family = family
+        self._jobs: collections.deque[_Job | _SnapshotJob] = collections.deque()
+
+    # --- writing ---------------------------------------------------------------------------
+
+    def persist(self, payload: Any, pieces: tuple[PieceSpec, ...], *, urgent: bool) -> None:
+        if not pieces or not isinstance(payload, DetachedKV):
+            return
+        job = _Job(payload=payload, pieces=list(pieces))
+        if urgent:
+            self._jobs.appendleft(job)
+        else:
+            self._jobs.append(job)
+        while len(self._jobs) > MAX_JOBS:
+            dropped = self._jobs.pop()
+            self.tier.drop(len(dropped.pieces) - dropped.piece if isinstance(dropped, _Job) else 1)
+
+    def persist_snapshot(self, snapshot: Any, name: SnapshotName) -> None:
+        if not isinstance(snapshot, SessionSnapshot):
+            return
+        self._jobs.append(_SnapshotJob(snapshot=snapshot, name=name))
+        while len(self._jobs) > MAX_JOBS:
+            self._jobs.pop()
+            self.tier.drop()
+
+    def has_work(self) -> bool:
+        return bool(self._jobs)
+
+    def can_work(self) -> bool:
+        return bool(self._jobs) and self.tier.has_room()
+
+    def work(self, max_bytes: int = SLICE_BYTES) -> None:
+        """Convert up to max_bytes of the first job's rows; a finished piece goes to the writer."""
+        done = 0
+        while self._jobs and done < max_bytes:
+            job = self._jobs[0]
+            if isinstance(job, _SnapshotJob):
+                done += self._work_snapshot(job)
+                continue
+            spec = job.pieces[job.piece]
+            count = num_layers(job.payload)
+            if spec.name.end_token > job.payload.length:
+                job.piece = len(job.pieces)  # cannot happen for a planned piece; never write it wrong
+            else:
+                ((keys, values),) = rows(job.payload, spec.name.first_token, spec.name.end_token,
+                                         range(job.layer, job.layer + 1))
+                for name, array in zip(layer_names(job.layer), (keys, values), strict=True):
+                    dtype, host = _host(array)
+                    job.tensors.append((name, dtype, tuple(array.shape), host))
+                    done += host.nbytes
+                job.layer += 1
+                if job.layer == count:
+                    self.tier.submit(PieceData(spec=spec, tensors=tuple(job.tensors), num_layers=count))
+                    job.piece, job.layer, job.tensors = job.piece + 1, 0, []
+            if job.piece >= len(job.pieces):
+                self._jobs.popleft()  # the payload is let go here, on the device thread
+
+    def _work_snapshot(self, job: _SnapshotJob) -> int:
+        """Convert one layer of a snapshot; the last one sends the file to the writer."""
+        snapshot = job.snapshot
+        done = 0
+        if job.layer < len(snapshot.layers):
+            layout, arrays = _layer_state(job.layer, snapshot.layers[job.layer])
+            for name, array in arrays:
+                dtype, host = _host(array)
+                layout.setdefault("shapes", {})[name] = list(array.shape)
+                job.tensors.append((name, dtype, tuple(array.shape), host))
+                done += host.nbytes
+            job.layouts.append(layout)
+            job.layer += 1
+        if job.layer >= len(snapshot.layers):
+            extra = {"family": snapshot.family, "layers": json.dumps(job.layouts, separators=(",", ":"))}
+            self.tier.submit(PieceData(spec=job.name, tensors=tuple(job.tensors), num_layers=len(snapshot.layers),
+                                       extra=extra))
+            self._jobs.popleft()
+        return max(done, 1)
+
+    def load_snapshot(self, name: SnapshotName) -> SessionSnapshot | None:
+        """A session snapshot read back from disk, checked (None: refused or gone)."""
+        started = time.perf_counter()
+        try:
+            metadata, layout, tensors = self.tier.read_snapshot(name, self._num_layers)
+            if self._family and metadata.get("family") != self._family:
+                raise PieceRefused("shape", f"a {metadata.get('family')!r} snapshot for a {self._family!r} model")
+            arrays = {tensor_name: _device(entry.dtype, entry.shape, buffer)
+                      for tensor_name, (entry, buffer) in tensors.items()}
+            try:
+                layers = [_layer_from(layer, arrays) for layer in layout]
+            except (KeyError, ValueError, TypeError, IndexError) as error:
+                raise PieceRefused("malformed", f"layer layout ({error})") from None
+        except PieceRefused as error:
+            self.tier.refuse(name, error)
+            return None
+        except FileNotFoundError:
+            self.tier.vanished(name)
+            self.tier.record_miss()
+            return None
+        except OSError as error:
+            logger.warning("prompt-cache disk tier: cannot read %s (%s)", name.filename, error.strerror or error)
+            return None
+        snapshot = SessionSnapshot(metadata["family"], layers, name.num_tokens)
+        mx.eval(list(arrays.values()))
+        nbytes = sum(buffer.nbytes for _entry, buffer in tensors.values())
+        self.tier.record_load(nbytes=nbytes, seconds=time.perf_counter() - started, tokens=name.num_tokens)
+        return snapshot
+
+    def flush(self, deadline_seconds: float = 10.0) -> None:
+        """Shutting down: convert what is queued (within the deadline), then let the writer finish."""
+        end = time.monotonic() + deadline_seconds
+        while self._jobs and time.monotonic() < end:
+            if self.tier.has_room():
+                self.work()
+            else:
+                time.sleep(0.01)
+        if self._jobs:
+            self.tier.drop(sum(len(job.pieces) - job.piece if isinstance(job, _Job) else 1 for job in self._jobs))
+            self._jobs.clear()
+        self.tier.close(max(1.0, end - time.monotonic()))
+
+    # --- reading ---------------------------------------------------------------------------
+
+    def load(self, plan: DiskPlan, memory: Any) -> DetachedKV | None:
+        """The memory match's first plan.kept rows, then the plan's pieces, as one KV set (None: nothing read).
+
+        The memory part keeps the memory entry's pieces (shared, not copied); each file read is a
+        piece of its own. A refused or vanished piece ends the run there: what came before it is used.
+        """
+        started = time.perf_counter()
+        segments: list[tuple[KvPiece, int]] = list(memory.cut(plan.kept).segments) if plan.kept else []
+        reference = dtype_of(memory) if plan.kept else None
+        length, nbytes = plan.kept, 0
+        for spec in plan.pieces:
+            try:
+                metadata, tensors = self.tier.read(spec, self._num_layers)
+                arrays = {entry.name: _device(entry.dtype, entry.shape, buffer) for entry, buffer in tensors}
+                dtypes = {array.dtype for array in arrays.values()}
+                if len(dtypes) != 1 or (reference is not None and reference not in dtypes):
+                    raise PieceRefused("shape", f"dtypes {sorted(map(str, dtypes))} do not match the model's KV")
+                reference = next(iter(dtypes))
+            except PieceRefused as error:
+                self.tier.refuse(spec, error)
+                break
+            except FileNotFoundError:
+                self.tier.vanished(spec)
+                break
+            except OSError as error:
+                logger.warning("prompt-cache disk tier: cannot read %s (%s)", spec.filename, error.strerror or error)
+                break
+            piece_layers = [(arrays[key], arrays[value]) for key, value in map(layer_names, range(self._num_layers))]
+            segments.append((KvPiece(piece_layers, spec.name.end_token - length), spec.name.end_token - length))
+            nbytes += sum(buffer.nbytes for _entry, buffer in tensors)
+            length = spec.name.end_token
+        if length <= plan.memory_len:
+            self.tier.record_miss()
+            return None
+        detached = DetachedKV(segments)
+        mx.eval(detached.arrays())
+        seconds = time.perf_counter() - started
+        self.tier.record_load(nbytes=nbytes, seconds=seconds, tokens=length - plan.kept)
+        logger.debug("prompt-cache disk hit: %d tokens (%d from memory), %d bytes read in %.1f ms",
+                     length, plan.kept, nbytes, 1000 * seconds)
+        return detached
+
+
+def _device(dtype: str, shape: tuple[int, ...], buffer: memoryview) -> mx.array:
+    host_type, view_as = _HOST[dtype]
+    array = mx.array(np.frombuffer(buffer, dtype=host_type).reshape(shape))
+    return array.view(view_as) if view_as is not None else array
