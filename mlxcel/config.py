@@ -165,6 +165,14 @@ class ServerConfig:
     # Bounds of the stored /v1/responses replies behind `previous_response_id` (LRU past either).
     responses_store_entries: int = 1024
     responses_store_bytes: int = 64 << 20
+    # Image parts: at most this many a request, this many bytes each (decoded).
+    max_images: int = 8
+    max_image_bytes: int = 20 << 20
+    # `file://` image URLs are read under this folder only; None: refused.
+    allow_image_files: str | None = None
+    # `http(s)://` image URLs are fetched, each within max_image_bytes and image_fetch_timeout seconds.
+    allow_image_urls: bool = False
+    image_fetch_timeout: float = 10.0
 
 
 # --- value parsers ------------------------------------------------------------
@@ -309,6 +317,13 @@ def parse_kv_event_format(text: str) -> str:
     return value
 
 
+def parse_folder(text: str) -> str:
+    folder = Path(text.strip()).expanduser()
+    if not folder.is_dir():
+        raise ValueError(f"not a folder: {text!r}")
+    return str(folder.resolve())
+
+
 def parse_session_key_scope(text: str) -> str:
     value = text.strip().lower()
     if value not in ("client", "user"):
@@ -431,6 +446,17 @@ SERVER_SETTINGS = (
     Setting("responses_store_bytes", "--responses-store-bytes", ("MLXCEL_RESPONSES_STORE_BYTES",),
             parse_positive_int, "byte bound of those stored replies, each with its whole conversation, "
             "as JSON (default 64 MiB)"),
+    Setting("max_images", "--max-images", ("MLXCEL_MAX_IMAGES",), parse_non_negative_int,
+            "image parts one request may carry; 0 refuses images (default 8)"),
+    Setting("max_image_bytes", "--max-image-bytes", ("MLXCEL_MAX_IMAGE_BYTES",), parse_positive_int,
+            "largest image part, decoded (default 20 MiB)"),
+    Setting("allow_image_files", "--allow-image-files", ("MLXCEL_ALLOW_IMAGE_FILES",), parse_folder,
+            "read file:// image URLs, only under this folder (default: refused)", metavar="DIR"),
+    Setting("allow_image_urls", "--allow-image-urls", ("MLXCEL_ALLOW_IMAGE_URLS",), parse_bool,
+            "fetch http(s):// image URLs, each within --max-image-bytes and --image-fetch-timeout "
+            "(default false)", optional_value=True),
+    Setting("image_fetch_timeout", "--image-fetch-timeout", ("MLXCEL_IMAGE_FETCH_TIMEOUT",), parse_seconds,
+            "seconds a remote image may take to fetch (default 10)"),
 )
 
 SCHEDULER_SETTINGS = (

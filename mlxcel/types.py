@@ -82,6 +82,18 @@ class CacheOptions:
 
 
 @attrs.frozen(kw_only=True)
+class ImageSource:
+    """One image part of a request, in arrival order: its bytes now, or where to read them."""
+
+    # The part's place in the request, e.g. "messages[1].content[0]" (what a 400 names).
+    param: str
+    data: bytes | None = attrs.field(default=None, repr=False)
+    url: str | None = None
+    max_bytes: int = 20 << 20
+    timeout_s: float = 10.0
+
+
+@attrs.frozen(kw_only=True)
 class ChatRequest:
     messages: tuple[Mapping[str, Any], ...] = attrs.field(repr=False)
     sampling: SamplingParams = SamplingParams()
@@ -99,6 +111,8 @@ class ChatRequest:
     # llama.cpp's per-request `lora`: (adapter id, scale) pairs, every adapter not named at 0;
     # None: the server-wide scales (GET/POST /lora-adapters).
     lora: tuple[tuple[int, float], ...] | None = None
+    # The image parts, in arrival order; each stands at a `mlxcel.vision.images.IMAGE_SENTINEL` in its content.
+    images: tuple[ImageSource, ...] = attrs.field(default=(), repr=False)
 
 
 @attrs.frozen(kw_only=True)

@@ -7,6 +7,8 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 python=${PYTHON:-python3}
+# Pinned like mlx-lm; installed with --no-deps below.
+MLX_VLM_VERSION=0.7.10
 
 as_root() {
   if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else return 1; fi
@@ -30,10 +32,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 stamp=.venv/.mlxcel-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ]; then
   echo "setup: installing mlxcel and its dependencies into .venv (first run takes a minute)" >&2
   .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
   .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+  # mlx-vlm without its declared dependencies (see pyproject.toml: what it imports is listed there).
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "mlx-vlm==${MLX_VLM_VERSION}"
   touch "$stamp"
 fi
 

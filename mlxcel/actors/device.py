@@ -114,8 +114,17 @@ class DeviceActor:
         context_size = self._settings.context_size or loaded.family.context_size or 4096
         step = self._settings.prefill_step_size or default_prefill_step_size()
         self._settings = attrs.evolve(self._settings, prefill_step_size=step, context_size=context_size)
+        vision = None
+        if loaded.vision is not None and loaded.vision.mrope and adapters is not None:
+            # mlx-vlm's layers prefill M-RoPE prompts, and the adapters sit in mlx-lm's only.
+            loaded = attrs.evolve(loaded, vision=attrs.evolve(
+                loaded.vision, refusal="images are not served on this model while LoRA adapters are loaded"))
+        if loaded.vision is not None and loaded.vision.refusal is None:
+            from mlxcel.vision.encoder import VisionEncoder
+
+            vision = VisionEncoder(loaded.path, loaded.model, mrope=loaded.vision.mrope)
         worker = _StepWorker(loaded.model, loaded.eos_token_ids, self._settings, loaded.family.model_type,
-                             tokenizer=loaded.tokenizer, adapters=adapters)
+                             tokenizer=loaded.tokenizer, adapters=adapters, vision=vision)
         info = ModelInfo(
             model_id=loaded.model_id,
             path=loaded.path,
@@ -128,6 +137,7 @@ class DeviceActor:
             prefill_step_size=step,
             bucket_starts=worker.bucket_starts,
             adapters=adapters.infos if adapters is not None else (),
+            vision=loaded.vision,
         )
         warm_up = self._settings.warm_up
         if mx.default_device() != mx.cpu if warm_up is None else warm_up:
@@ -304,7 +314,7 @@ class _StepWorker:
 
     def __init__(
         self, model: Any, eos_token_ids: frozenset[int] | set[int], settings: DeviceSettings, family: str = "",
-        *, tokenizer: Any = None, adapters: LoadedAdapters | None = None,
+        *, tokenizer: Any = None, adapters: LoadedAdapters | None = None, vision: Any = None,
     ) -> None:
         import mlx.core as mx
         from mlx_lm.generate import BatchGenerator
@@ -337,6 +347,8 @@ class _StepWorker:
             prefill_step_size=self._step,
         )
         self._adapters = adapters
+        # A vision model's tower (mlxcel.vision.encoder.VisionEncoder); None for a text model.
+        self._vision = vision
         # One BatchGenerator per adapter configuration (only one without adapters).
         self._generator = AdapterBatches(self._make_generator, adapters)
         self._by_uid: dict[int, _Sequence] = {}
@@ -683,12 +695,13 @@ class _StepWorker:
         self._generator.apply(start.sampling.adapter_scales)
         with mx.stream(self._generator.stream):
             tokens = mx.array(run + run[-1:] * padding)[None]
+            forward = self._text_forward if start.vision is None else self._embedded_forward(run, padding, start)
             if len(run) > 1 and not (self._one_pass_starts or padding):
                 # All but the last token only fill the cache: their logits are never computed.
-                self._model(tokens[:, :-1], cache=caches)
-                logits = self._model(tokens[:, -1:], cache=caches)[:, -1, :]
+                forward(tokens[:, :-1], cache=caches)
+                logits = forward(tokens[:, -1:], cache=caches, offset=len(run) - 1)[:, -1, :]
             else:
-                logits = self._model(tokens, cache=caches)[:, len(run) - 1, :]
+                logits = forward(tokens, cache=caches)[:, len(run) - 1, :]
                 if padding:
                     for cache in caches:
                         cache.trim(padding)  # the padding's keys and values are dropped
@@ -707,6 +720,35 @@ class _StepWorker:
         return _DirectStart(start=start, caches=caches, all_tokens=all_tokens, sampler=sampler,
                             processors=processors, token=token, logprobs=logprobs[0], donation=donation,
                             base=base)
+
+    def _text_forward(self, tokens: Any, *, cache: list[Any], offset: int = 0) -> Any:
+        return self._model(tokens, cache=cache)
+
+    def _embedded_forward(self, run: list[int], padding: int, start: StartDirect) -> Callable[..., Any]:
+        """The text model over the prompt's input embeddings, image features in place (a cold start only)."""
+        import mlx.core as mx
+
+        if self._vision is None:
+            raise ValueError("this model has no vision tower")
+        assert start.kept == 0, "the core starts prompts with images cold"
+        assert not start.cached_tokens, "the core starts prompts with images cold"
+        vision = self._vision
+        embeddings, positions = vision.embed(run, start.vision)
+        if padding:
+            embeddings = mx.concatenate([embeddings, mx.repeat(embeddings[:, -1:], padding, axis=1)], axis=1)
+            if positions is not None:
+                # The text after the last image sits at its index (see mlxcel/vision/processing.py).
+                extra = mx.arange(len(run), len(run) + padding, dtype=positions.dtype)
+                positions = mx.concatenate([positions, mx.broadcast_to(extra, (3, 1, padding))], axis=2)
+
+        def forward(tokens: Any, *, cache: list[Any], offset: int = 0) -> Any:
+            end = offset + tokens.shape[1]
+            rows = embeddings[:, offset:end]
+            if positions is None:
+                return self._model(tokens, cache=cache, input_embeddings=rows)
+            return vision.forward(tokens, rows, positions[:, :, offset:end], cache)
+
+        return forward
 
     def _start_generating(self, direct: _DirectStart) -> tuple[SampledToken, DetachedSequence | None]:
         """Report a direct start's first token; it decodes on in the batch unless that ends it.

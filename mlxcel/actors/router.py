@@ -28,6 +28,7 @@ from mlxcel.actors.messages import (
     SubmitRequest,
 )
 from mlxcel.cache.key import (
+    TEXT_ONLY_MM_DIGEST,
     CacheContext,
     effective_tool_choice,
     rope_regime_for,
@@ -53,6 +54,8 @@ from mlxcel.model.chat_template import (
 from mlxcel.model.info import ModelInfo
 from mlxcel.model.tokenize import SegmentTokenizer, max_chars_per_token, vocabulary_size
 from mlxcel.types import ChatRequest, CompletionRequest
+from mlxcel.vision.processing import VisionInputs
+from mlxcel.vision.prompt import ImagePrompts
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +79,9 @@ class RenderedPrompt:
     shared_prefix: int | None = None
     # The grammar a forced tool_choice puts on the reply (None: the request's own, if any).
     tool_grammar: str | None = None
+    # The request's images: their digest (part of the cache key) and what the device encodes.
+    mm_digest: bytes = TEXT_ONLY_MM_DIGEST
+    vision: VisionInputs | None = attrs.field(default=None, repr=False)
 
 
 def rendered_tools(request: ChatRequest) -> list[Any] | None:
@@ -133,6 +139,7 @@ class PromptRenderer:
         # Snapshot families split prefill where the conversation history ends.
         self._history_boundaries = history_boundaries
         self._default_template_kwargs = dict(default_template_kwargs)
+        self._images = ImagePrompts(model.vision)
         # A template that can drop earlier reasoning would re-render history
         # differently each turn; keeping it makes the prefix stable.
         if cache_enabled and "preserve_thinking" in self._chat_template:
@@ -152,6 +159,8 @@ class PromptRenderer:
         kwargs = self._template_kwargs(request)
         tools = rendered_tools(request)
         namespace = self._memo_namespace(request)
+        if request.images:
+            return self._render_images(request, kwargs, tools, namespace)
         tokens = self._chat_tokens(request.messages, tools, kwargs, add_generation_prompt=True, namespace=namespace)
         tool_choice = effective_tool_choice(request.tool_choice, tools)
         template_sig = template_signature(self._chat_template, kwargs, tool_choice, tools)
@@ -165,6 +174,22 @@ class PromptRenderer:
         shared = self._shared_prefix(request, tokens, tools, kwargs, namespace) if self._history_boundaries else None
         return RenderedPrompt(tokens=tokens, template_sig=template_sig, history_boundary=boundary,
                               shared_prefix=shared, tool_grammar=self._tool_grammar(request))
+
+    def _render_images(self, request: ChatRequest, kwargs: dict[str, Any], tools: list[Any] | None,
+                       namespace: tuple[str, str | None]) -> RenderedPrompt:
+        """A prompt with images: each rendered as the model's placeholder, then expanded to its token run.
+
+        No history boundary or shared prefix: snapshots decline multimodal
+        prompts, and the prefix store serves them whole entries only.
+        """
+        images = self._images.read(request.images)
+        messages = self._images.placeholders(request.messages)
+        tokens = self._chat_tokens(messages, tools, kwargs, add_generation_prompt=True, namespace=namespace)
+        tokens, vision = self._images.expand(tokens, images)
+        tool_choice = effective_tool_choice(request.tool_choice, tools)
+        return RenderedPrompt(tokens=tokens, template_sig=template_signature(self._chat_template, kwargs, tool_choice,
+                                                                             tools),
+                              tool_grammar=self._tool_grammar(request), mm_digest=images.digest, vision=vision)
 
     def _shared_prefix(
         self, request: ChatRequest, tokens: tuple[int, ...], tools: list[Any] | None, kwargs: Mapping[str, Any],
@@ -469,6 +494,7 @@ class RouterActor:
                 template_sig=rendered.template_sig,
                 session_key=request.cache.session_key,
                 rope_regime=rope_regime_for(num_prompt, self._model.family.longrope_original_max_positions),
+                mm_digest=rendered.mm_digest,
                 cache_salt=request.cache.cache_salt,
             )
         sampling = request.sampling
@@ -487,4 +513,5 @@ class RouterActor:
             chat=request if isinstance(request, ChatRequest) else None,
             more_pending=self.inbox.statistics().current_buffer_used > 0 or self._num_in_flight > 1,
             retain_seconds=request.cache.retain_seconds if cache_context is not None else 0.0,
+            vision=rendered.vision,
         ), events=message.events)

@@ -33,6 +33,18 @@ TEXT_ONLY_MM_DIGEST: bytes = blake3.blake3(
 ).digest()
 
 
+def multimodal_digest(images: Sequence[bytes]) -> bytes:
+    """``mm_digest`` of a request's decoded image bytes, in the order they arrived.
+
+    The separator, the image and audio counts, then each image length-prefixed;
+    no images gives `TEXT_ONLY_MM_DIGEST`.
+    """
+    hasher = blake3.blake3(MULTIMODAL_DOMAIN_SEPARATOR + u64le(len(images)) + u64le(0))
+    for data in images:
+        hasher.update(length_prefixed(data))
+    return hasher.digest()
+
+
 def pack_tokens(tokens: Sequence[int]) -> bytes:
     """Token ids as consecutive signed 32-bit little-endian integers."""
     # struct's "<" fixes both size and byte order, whatever the host is.

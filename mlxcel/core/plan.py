@@ -62,6 +62,9 @@ class Admission:
     donate_on_finish: bool = False
     # Also detach the prompt's KV as soon as its prefill ends, for requests waiting on the same prefix.
     donate_prompt: bool = False
+    # The images whose features the prompt's image tokens take (mlxcel.vision.processing.VisionInputs):
+    # set only on a cold start, which runs the vision tower over the whole prompt in one direct start.
+    vision: Any = attrs.field(default=None, repr=False)
 
 
 @attrs.frozen(kw_only=True)

@@ -101,6 +101,8 @@ class NewRequest:
     # Keep the stored prompt against eviction this long (cache_control ttl, prompt_cache_retention);
     # > 0 also donates the prompt's KV at the end of its prefill, so a cancel during decoding keeps it.
     retain_seconds: float = 0.0
+    # The request's images (mlxcel.vision.processing.VisionInputs; its `end` is past the last image token).
+    vision: Any = attrs.field(default=None, repr=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -177,6 +179,8 @@ class _Pending(Admission):
     snapshots: tuple[SnapshotPoint, ...] = ()
     warm: bool = False
     from_alone: bool = False
+    # Past the last image token of an adopted prefix: a bucketed start never cuts it back below this.
+    image_end: int = 0
 
 
 def _admission_fields(pending: _Pending) -> dict[str, Any]:
@@ -459,8 +463,13 @@ class SchedulerCore:
                 matched, adopted = found.length, found.payload
         if self._trace is not None and self._snapshots and request.cache_context is not None:
             self._trace_snapshot(request, found)
+        vision = request.vision
+        if vision is not None and matched < vision.end:
+            # Image rows come only from the vision tower: a prefix that stops short of them is not adopted.
+            matched, adopted, restore = 0, None, None
         sequence_id = self._new_sequence_id()
-        snapshots = self._snapshot_points(request, matched) if self._snapshots and self._boundary_snapshots else ()
+        snapshots = (self._snapshot_points(request, matched)
+                     if self._snapshots and self._boundary_snapshots and vision is None else ())
         output = RequestOutput(tokenizer=self._tokenizer, sampling=request.sampling,
                                eos_token_ids=self._eos_token_ids, prompt_tokens=len(prompt),
                                submitted_at=now, keep_text=self._keep_reply_text,
@@ -478,7 +487,10 @@ class SchedulerCore:
             sampling=request.sampling,
             max_tokens=request.max_tokens,
             donate_on_finish=request.cache_context is not None and self._cache_enabled,
-            donate_prompt=request.cache_context is not None and (self._prompt_donation or self._retains(request)),
+            donate_prompt=request.cache_context is not None and (
+                self._prompt_donation or self._retains(request) or self._keeps_image_prompt(request)),
+            vision=vision if matched == 0 else None,
+            image_end=vision.end if vision is not None and matched else 0,
         ))
 
     def _snapshot_points(self, request: NewRequest, matched: int) -> tuple[SnapshotPoint, ...]:
@@ -567,7 +579,7 @@ class SchedulerCore:
                 has_direct = True
                 starts.append(self._direct(pending))
             elif self._prefills_alone(pending):
-                kept = self._cut(len(pending.cached_tokens)) if pending.adopted is not None else 0
+                kept = self._kept(pending, len(pending.cached_tokens)) if pending.adopted is not None else 0
                 tokens = pending.cached_tokens + pending.prompt_tokens
                 self._alone.append(_Alone(pending=pending, tokens=tokens, done=kept))
                 starts.append(StartAlone(sequence_id=pending.sequence_id, tokens=tokens,
@@ -607,8 +619,9 @@ class SchedulerCore:
                         run_batch=run_batch)
 
     def _starts_directly(self, pending: _Pending) -> bool:
+        # A prompt with images runs its vision tower and its prefill in one direct start, whatever its length.
         return (not pending.snapshots and not pending.warm
-                and len(pending.prompt_tokens) <= self.capabilities.prefill_step_size)
+                and (len(pending.prompt_tokens) <= self.capabilities.prefill_step_size or pending.vision is not None))
 
     def _prefills_alone(self, pending: _Pending) -> bool:
         """Longer than one chunk, with buckets: prefilled outside the batch, a chunk per step.
@@ -622,7 +635,7 @@ class SchedulerCore:
         1-START_PREFIX_ALIGN tokens then start directly like a hit's new turn.
         """
         step = self.capabilities.prefill_step_size
-        return (self.capabilities.bucket_starts and pending.restore is None
+        return (self.capabilities.bucket_starts and pending.restore is None and pending.vision is None
                 and not pending.snapshots and not pending.warm
                 and len(pending.prompt_tokens) > step >= START_PREFIX_ALIGN)
 
@@ -630,10 +643,15 @@ class SchedulerCore:
         """The adopted prefix a bucketed start keeps (the cut tokens run again)."""
         return cached - cached % START_PREFIX_ALIGN if self.capabilities.bucket_starts else cached
 
+    def _kept(self, pending: _Pending, cached: int) -> int:
+        """`_cut`, except that image rows never run again as text: such a start keeps its whole prefix."""
+        cut = self._cut(cached)
+        return cached if cut < pending.image_end else cut
+
     def _direct(self, pending: _Pending) -> StartDirect:
         cached = len(pending.cached_tokens)
         # A restored snapshot covers every cached token; an adopted prefix may be cut.
-        kept = self._cut(cached) if (pending.adopted is not None or pending.from_alone) else cached
+        kept = self._kept(pending, cached) if (pending.adopted is not None or pending.from_alone) else cached
         return StartDirect(
             **{**_admission_fields(pending), "adopted": pending.adopted if kept else None},
             kept=kept, padding=self._padding(kept, cached - kept + len(pending.prompt_tokens)),
@@ -673,9 +691,19 @@ class SchedulerCore:
                 or pending.sequence_id in self._parked):
             return pending
         running = self._running.get(pending.sequence_id)
-        if running is not None and self._retains(running.request):
+        if running is not None and (self._retains(running.request) or self._keeps_image_prompt(running.request)):
             return pending
         return attrs.evolve(pending, donate_prompt=False)
+
+    def _keeps_image_prompt(self, request: NewRequest) -> bool:
+        """An image prompt is stored at the end of its prefill as well as with its reply.
+
+        It adopts whole entries only, so a next turn whose re-rendered reply
+        parts from the stored one could use none of the final entry; the
+        prompt's own entry (an alias once the reply supersedes it) still covers
+        the images and the history before the reply.
+        """
+        return request.vision is not None and self._cache_enabled and not self._snapshots
 
     # --- what came of it ------------------------------------------------------------------
 

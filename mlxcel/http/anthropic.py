@@ -75,7 +75,8 @@ _COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice"
                            "context_management"})
 # One tier here; both values Anthropic accepts ask for nothing more than it.
 _SERVICE_TIERS = ("auto", "standard_only")
-_MEDIA_BLOCKS = frozenset({"image", "document", "search_result", "container_upload"})
+_MEDIA_BLOCKS = frozenset({"document", "search_result", "container_upload"})
+_IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 _ROLES = ("user", "assistant")
 
 _MISSING = "missing_required_parameter"
@@ -293,7 +294,7 @@ def _block(value: object, path: str) -> tuple[Mapping[str, Any], str]:
 
 
 def _unknown_block(block_type: str, path: str, role: str) -> NoReturn:
-    known = {"user": "text, tool_result", "assistant": "text, tool_use, thinking, redacted_thinking",
+    known = {"user": "text, image, tool_result", "assistant": "text, tool_use, thinking, redacted_thinking",
              "system": "text", "tool_result": "text"}[role]
     _fail(f"{path}.type", f"{path}.type: unknown or unsupported block type {block_type!r} here; "
           f"expected one of {known}")
@@ -353,21 +354,57 @@ def _user_blocks(
     breakpoints: _Breakpoints, open_calls: set[str],
 ) -> None:
     texts: list[str] = []
+    # Text and image blocks in order (the chat message's content parts when there is an image).
+    parts: list[dict[str, Any]] = []
     for number, item in enumerate(blocks):
         block_path = f"{path}.content[{number}]"
         block, block_type = _block(item, block_path)
         if block_type == "text":
             texts.append(_text_block(block, block_path, breakpoints))
+            parts.append({"type": "text", "text": (TEXT_JOIN if parts and parts[-1]["type"] == "text" else "")
+                          + texts[-1]})
+        elif block_type == "image":
+            parts.append(_image_block(block, block_path, breakpoints))
         elif block_type == "tool_result":
-            if texts:
+            if parts:
                 _fail(block_path, f"{block_path}: tool_result blocks must come before any text in a user message")
             messages.append(_tool_result(block, block_path, breakpoints, open_calls))
             origins.append((block_path, f"{block_path}.content"))
         else:
             _unknown_block(block_type, block_path, "user")
-    if texts:
+    if any(part["type"] == "image_url" for part in parts):
+        messages.append({"role": "user", "content": parts})
+        origins.append((path, f"{path}.content"))
+    elif texts:
         messages.append({"role": "user", "content": TEXT_JOIN.join(texts)})
         origins.append((path, f"{path}.content"))
+
+
+def _image_block(block: Mapping[str, Any], path: str, breakpoints: _Breakpoints) -> dict[str, Any]:
+    """An ``image`` block as a chat ``image_url`` part: base64 as a data URL, a URL as itself (if allowed)."""
+    _only(block, {"type", "source", "cache_control"}, path, "an image block")
+    breakpoints.read(block, path)
+    source_path = f"{path}.source"
+    source = _object(_required(block, "source", path), source_path)
+    kind = _required(source, "type", source_path)
+    if kind == "base64":
+        _only(source, {"type", "media_type", "data"}, source_path, "a base64 image source")
+        media_type = _required(source, "media_type", source_path)
+        if media_type not in _IMAGE_MEDIA_TYPES:
+            _fail(f"{source_path}.media_type", f"{source_path}.media_type must be one of "
+                  f"{', '.join(_IMAGE_MEDIA_TYPES)}, got {_kind(media_type)}")
+        data = _required(source, "data", source_path)
+        if not isinstance(data, str):
+            _fail(f"{source_path}.data", f"{source_path}.data must be a base64 string, got {_kind(data)}", _TYPE)
+        url = f"data:{media_type};base64,{data}"
+    elif kind == "url":
+        _only(source, {"type", "url"}, source_path, "a URL image source")
+        url = _required(source, "url", source_path)
+        if not isinstance(url, str):
+            _fail(f"{source_path}.url", f"{source_path}.url must be a string, got {_kind(url)}", _TYPE)
+    else:
+        _fail(f"{source_path}.type", f"{source_path}.type must be 'base64' or 'url', got {_kind(kind)}")
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _tool_result(

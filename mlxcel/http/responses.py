@@ -95,7 +95,7 @@ SUPPORTED_INCLUDES = (INCLUDE_ENCRYPTED_REASONING, INCLUDE_LOGPROBS)
 # Reasoning handed back as `encrypted_content` is not encrypted: it is the text, base64, behind this tag.
 ENCRYPTED_PREFIX = "mlxcel-reasoning-v1:"
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
-MEDIA_PARTS = frozenset({"input_image", "input_file", "input_audio"})
+MEDIA_PARTS = frozenset({"input_file", "input_audio"})
 TEXT_PARTS = frozenset({"input_text", "output_text"})
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 MAX_METADATA_KEYS = 16
@@ -438,7 +438,10 @@ def _input_item(value: object, path: str) -> dict[str, Any]:
     if item_type == "message":
         role = _one_of(_required(item, "role", path), f"{path}.role", MESSAGE_ROLES)
         content = _required(item, "content", path)
-        _message_text(content, f"{path}.content")
+        if role == "assistant":
+            _message_text(content, f"{path}.content")
+        else:
+            _message_content(content, f"{path}.content")
         return {"type": "message", "role": role, "content": content}
     if item_type == "function_call":
         call = {
@@ -473,22 +476,48 @@ def _message_text(content: object, path: str) -> str:
     if isinstance(content, str):
         return content
     parts = _list(content, path)
-    pieces = []
+    return "".join(_part_text(value, f"{path}[{index}]") for index, value in enumerate(parts))
+
+
+def _part_text(value: object, part_path: str) -> str:
+    part = _object(value, part_path)
+    part_type = part.get("type")
+    if part_type in TEXT_PARTS:
+        return _string(_required(part, "text", part_path), f"{part_path}.text")
+    if part_type == "refusal":
+        return _string(_required(part, "refusal", part_path), f"{part_path}.refusal")
+    if part_type in MEDIA_PARTS:
+        raise InvalidRequest(f"{part_path}: {part_type} is not supported by this model (text only)",
+                             param=part_path, code="unsupported_content")
+    _fail(f"{part_path}.type", f"{part_path}.type: unknown content part type {_kind(part_type)}; "
+          "expected 'input_text' or 'output_text'")
+
+
+def _message_content(content: object, path: str) -> str | list[dict[str, Any]]:
+    """A user, system or developer message's content: its text, or chat parts when it has an `input_image`."""
+    if isinstance(content, str):
+        return content
+    parts = _list(content, path)
+    if not any(isinstance(part, Mapping) and part.get("type") == "input_image" for part in parts):
+        return _message_text(content, path)
+    out: list[dict[str, Any]] = []
     for index, value in enumerate(parts):
         part_path = f"{path}[{index}]"
-        part = _object(value, part_path)
-        part_type = part.get("type")
-        if part_type in TEXT_PARTS:
-            pieces.append(_string(_required(part, "text", part_path), f"{part_path}.text"))
-        elif part_type == "refusal":
-            pieces.append(_string(_required(part, "refusal", part_path), f"{part_path}.refusal"))
-        elif part_type in MEDIA_PARTS:
-            raise InvalidRequest(f"{part_path}: {part_type} is not supported by this model (text only)",
-                                 param=part_path, code="unsupported_content")
+        if isinstance(value, Mapping) and value.get("type") == "input_image":
+            out.append(_input_image(value, part_path))
         else:
-            _fail(f"{part_path}.type", f"{part_path}.type: unknown content part type {_kind(part_type)}; "
-                  "expected 'input_text' or 'output_text'")
-    return "".join(pieces)
+            out.append({"type": "text", "text": _part_text(value, part_path)})
+    return out
+
+
+def _input_image(part: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """An `input_image` part as a chat `image_url` part (the chat rules then check the URL and detail)."""
+    if part.get("file_id") is not None:
+        _fail(f"{path}.file_id", f"{path}.file_id: uploaded files are not supported; send image_url", _UNSUPPORTED)
+    image: dict[str, Any] = {"url": _string(_required(part, "image_url", path), f"{path}.image_url")}
+    if part.get("detail") is not None:
+        image["detail"] = part["detail"]
+    return {"type": "image_url", "image_url": image}
 
 
 def _output_text(output: object, path: str) -> str:
@@ -558,7 +587,7 @@ class _Translation:
                 open_turn = None
                 # OpenAI's developer role is the system role; many templates render no other.
                 role = "system" if item["role"] == "developer" else item["role"]
-                messages.append({"role": role, "content": _message_text(item["content"], path)})
+                messages.append({"role": role, "content": _message_content(item["content"], path)})
                 self.paths.append({"": path, ".content": sub(".content")})
             elif item_type == "function_call_output":
                 open_turn = None

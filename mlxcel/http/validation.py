@@ -16,9 +16,11 @@ Shared conventions (the choices the OpenAI spec leaves open):
 
 from __future__ import annotations
 
+import binascii
 import functools
 import json
 import math
+import os
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn, TypeGuard, TypeVar, overload
 
@@ -26,7 +28,8 @@ import attrs
 
 from mlxcel.core.output import REASONING_FORMATS
 from mlxcel.errors import InvalidRequest
-from mlxcel.types import CacheOptions, ChatRequest, CompletionRequest, SamplingParams
+from mlxcel.types import CacheOptions, ChatRequest, CompletionRequest, ImageSource, SamplingParams
+from mlxcel.vision.images import IMAGE_SENTINEL, check_bytes
 
 __all__ = [
     "DEFAULT_VOLATILE_SYSTEM_PATTERNS",
@@ -40,9 +43,9 @@ __all__ = [
 _T = TypeVar("_T")
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-# Content parts that carry media: refused with code "unsupported_content".
+# Content parts that carry media other than images: refused with code "unsupported_content".
 MULTIMODAL_PART_TYPES = frozenset(
-    {"image_url", "input_audio", "file", "video_url", "audio_url"}
+    {"input_audio", "file", "video_url", "audio_url"}
 )
 TOOL_CHOICE_MODES = ("auto", "none", "required")
 MAX_CACHE_SALT_CHARS = 256
@@ -92,6 +95,14 @@ class Limits:
     # prompt before rendering, so a per-request line does not change the prompt's prefix.
     # Empty: nothing is cut (`--no-normalize-volatile-system`).
     volatile_system_patterns: tuple[str, ...] = DEFAULT_VOLATILE_SYSTEM_PATTERNS
+    # Image parts: how many one request may carry, and the bytes of each (decoded).
+    max_images: int = attrs.field(default=8, validator=attrs.validators.ge(0))
+    max_image_bytes: int = attrs.field(default=20 << 20, validator=attrs.validators.ge(1))
+    # `file://` image URLs are read only under this folder (`--allow-image-files DIR`); None: refused.
+    image_file_root: str | None = None
+    # `http(s)://` image URLs are fetched (`--allow-image-urls`), within max_image_bytes and this time.
+    allow_image_urls: bool = False
+    image_fetch_timeout_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
 
 
 DEFAULT_LIMITS = Limits()
@@ -165,7 +176,8 @@ def decode_json_body(raw: bytes, *, max_bytes: int, allow_list: bool = False) ->
 def parse_chat_request(body: object, *, limits: Limits = DEFAULT_LIMITS) -> ChatRequest:
     """Validate a `POST /v1/chat/completions` body."""
     root = _root(body)
-    messages = _messages(root, limits)  # first, so a body missing them says so first
+    images: list[ImageSource] = []
+    messages = _messages(root, limits, images)  # first, so a body missing them says so first
     extra = _extra_body(root)
     cache = _cache_options(root, extra, user_scopes_session=limits.user_scopes_session, retention=True)
     tools = _tools(root, _tenant(cache))
@@ -183,6 +195,7 @@ def parse_chat_request(body: object, *, limits: Limits = DEFAULT_LIMITS) -> Chat
         include_usage=include_usage,
         reasoning_format=_optional(root, "reasoning_format", _reasoning_format, "auto"),
         lora=_lora(root, extra),
+        images=tuple(images),
     )
 
 
@@ -867,16 +880,16 @@ def _chat_template_kwargs(
 # --- chat messages ------------------------------------------------------------
 
 
-def _messages(root: Mapping[str, Any], limits: Limits) -> tuple[dict[str, Any], ...]:
+def _messages(root: Mapping[str, Any], limits: Limits, images: list[ImageSource]) -> tuple[dict[str, Any], ...]:
     items = _list(_required(root, "messages"), "messages")
     if not items:
         _fail("messages", "messages must hold at least one message")
     if len(items) > limits.max_messages:
         _fail("messages", f"messages may hold at most {limits.max_messages} messages")
-    return tuple(_message(item, f"messages[{index}]") for index, item in enumerate(items))
+    return tuple(_message(item, f"messages[{index}]", limits, images) for index, item in enumerate(items))
 
 
-def _message(value: object, path: str) -> dict[str, Any]:
+def _message(value: object, path: str, limits: Limits, images: list[ImageSource]) -> dict[str, Any]:
     message = _object(value, path)
     role = _string(_required(message, "role", path), f"{path}.role")
     if role not in ROLES:
@@ -898,7 +911,7 @@ def _message(value: object, path: str) -> dict[str, Any]:
     result: dict[str, Any] = {
         "role": role,
         # Templates concatenate message['content']: null (a tool-call turn) renders as "", as in mlx_lm.server.
-        "content": "" if content is None else _content(content, f"{path}.content"),
+        "content": "" if content is None else _content(content, f"{path}.content", limits, images),
     }
     if tool_calls:
         result["tool_calls"] = [_template_tool_call(call) for call in tool_calls]
@@ -909,7 +922,7 @@ def _message(value: object, path: str) -> dict[str, Any]:
     return result
 
 
-def _content(value: object, path: str) -> str:
+def _content(value: object, path: str, limits: Limits, images: list[ImageSource]) -> str:
     if isinstance(value, str):
         return _text(value, path)
     if not _is_list(value):
@@ -925,6 +938,9 @@ def _content(value: object, path: str) -> str:
         part_type = _required(part, "type", part_path)
         if part_type == "text":
             pieces.append(_string(_required(part, "text", part_path), f"{part_path}.text"))
+        elif part_type == "image_url":
+            images.append(_image_url_part(part, part_path, limits, len(images)))
+            pieces.append(IMAGE_SENTINEL)
         elif isinstance(part_type, str) and part_type in MULTIMODAL_PART_TYPES:
             raise InvalidRequest(
                 "multimodal input is not supported by this model",
@@ -934,9 +950,63 @@ def _content(value: object, path: str) -> str:
         else:
             _fail(
                 f"{part_path}.type",
-                f"{part_path}.type: unknown content part type {_kind(part_type)}; expected 'text'",
+                f"{part_path}.type: unknown content part type {_kind(part_type)}; expected 'text' or 'image_url'",
             )
     return "".join(pieces)
+
+
+def _image_url_part(part: Mapping[str, Any], path: str, limits: Limits, num_before: int) -> ImageSource:
+    """An OpenAI ``image_url`` part: a data URL decoded now; a file or remote URL only where a flag allows it."""
+    if num_before >= limits.max_images:
+        _fail(path, f"{path}: a request may carry at most {limits.max_images} images")
+    image_path = f"{path}.image_url"
+    image = _object(_required(part, "image_url", path), image_path)
+    detail = _optional(image, "detail", _string, prefix=image_path)
+    if detail not in (None, "auto"):
+        _fail(f"{image_path}.detail", f"{image_path}.detail: only 'auto' is supported, got {detail!r}", _UNSUPPORTED)
+    url = _string(_required(image, "url", image_path), f"{image_path}.url")
+    return image_source(url, f"{image_path}.url", limits)
+
+
+def image_source(url: str, path: str, limits: Limits) -> ImageSource:
+    """The image behind a URL as validation leaves it: bytes of a data URL, else the URL to read later."""
+    if url.startswith("data:"):
+        header, comma, payload = url.partition(",")
+        media_type = header.removeprefix("data:").split(";")[0].strip().lower()
+        if not comma or not header.endswith(";base64"):
+            _fail(path, f"{path}: a data URL must be base64 (data:image/...;base64,...)")
+        if not media_type.startswith("image/"):
+            _fail(path, f"{path}: the data URL's media type must be image/*, got {media_type!r}")
+        return ImageSource(param=path, data=_base64_image(payload, path, limits.max_image_bytes))
+    if url.startswith("file://"):
+        root = limits.image_file_root
+        if root is None:
+            _fail(path, f"{path}: file:// image URLs are off on this server (--allow-image-files DIR turns them on)",
+                  _UNSUPPORTED)
+        file = os.path.realpath(url.removeprefix("file://"))
+        if os.path.commonpath([file, os.path.realpath(root)]) != os.path.realpath(root):
+            _fail(path, f"{path}: the image file is outside the folder this server reads images from")
+        return ImageSource(param=path, url=f"file://{file}", max_bytes=limits.max_image_bytes)
+    if url.startswith(("http://", "https://")):
+        if not limits.allow_image_urls:
+            _fail(path, f"{path}: remote image URLs are off on this server (--allow-image-urls turns them on)",
+                  _UNSUPPORTED)
+        return ImageSource(param=path, url=url, max_bytes=limits.max_image_bytes,
+                           timeout_s=limits.image_fetch_timeout_s)
+    _fail(path, f"{path}: an image URL must be a base64 data URL" + (
+        ", a file:// URL" if limits.image_file_root is not None else "") + (
+        " or an http(s) URL" if limits.allow_image_urls else ""))
+
+
+def _base64_image(payload: str, path: str, max_bytes: int) -> bytes:
+    # Base64 is 4 characters for every 3 bytes: refuse before decoding what cannot fit.
+    if len(payload) > (max_bytes + 2) // 3 * 4 + 4:
+        _fail(path, f"{path}: the image is over this server's limit of {max_bytes} bytes")
+    try:
+        data = binascii.a2b_base64(payload.strip(), strict_mode=True)
+    except (binascii.Error, ValueError):
+        _fail(path, f"{path}: the data URL is not valid base64")
+    return check_bytes(data, path, max_bytes)
 
 
 def _tool_calls(value: object, path: str) -> list[Any]:

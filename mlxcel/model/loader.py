@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from mlxcel.model.family import ModelFamily, detect_family
+from mlxcel.vision.processing import VisionSpec, vision_spec
 
 if TYPE_CHECKING:
     import mlx.nn as nn
@@ -61,6 +62,7 @@ class LoadedModel:
     family: ModelFamily
     chat_template: str = attrs.field(repr=False)
     eos_token_ids: frozenset[int]
+    vision: VisionSpec | None = None
 
 
 def _is_repo_id(text: str) -> bool:
@@ -185,6 +187,10 @@ def load_model(path: str | Path) -> LoadedModel:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelLoadError(f"cannot load model from {folder}: {first_line}") from error
 
+    try:
+        vision = vision_spec(config, folder, tokenizer)
+    except (ValueError, OSError) as error:
+        raise ModelLoadError(f"cannot read the vision settings of {folder}: {error}") from error
     chat_template = read_chat_template(folder)
     if not chat_template:
         fallback = getattr(tokenizer, "chat_template", None)
@@ -199,4 +205,5 @@ def load_model(path: str | Path) -> LoadedModel:
         family=detect_family(config),
         chat_template=chat_template,
         eos_token_ids=frozenset(int(token_id) for token_id in tokenizer.eos_token_ids),
+        vision=vision,
     )

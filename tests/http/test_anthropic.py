@@ -493,7 +493,7 @@ BAD = [
      "system[0].cache_control.ttl must be '5m' or '1h'"),
     ({**BODY, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBO"}}]}]},
-     "image blocks are not supported: this server's model takes text only"),
+     "not an image this server reads"),
     ({**BODY, "container": "c1"}, "`container` is not supported on /v1/messages"),
     ({**BODY, "mcp_servers": []}, "`mcp_servers` is not supported"),
     ({**BODY, "service_tier": "priority"}, "service_tier must be one of auto, standard_only"),
@@ -504,7 +504,7 @@ BAD = [
     ({**BODY, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
      "Anthropic's server tools (web_search_20250305) are not supported"),
     ({**BODY, "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "n", "input": {}}]}]},
-     "unknown or unsupported block type 'tool_use' here; expected one of text, tool_result"),
+     "unknown or unsupported block type 'tool_use' here; expected one of text, image, tool_result"),
     ({**BODY, "tool_choice": {"type": "tool"}}, "tool_choice.name is required"),
     ({**BODY, "tools": [WEATHER_TOOL], "tool_choice": {"type": "tool", "name": "nope"}},
      "tool_choice names 'nope', which is not in tools"),

@@ -238,8 +238,8 @@ BAD_CHAT_ONLY: list[tuple[object, str | None, str]] = [
                 },
             ]
         },
-        "messages[1].content[1]",
-        "unsupported_content",
+        "messages[1].content[1].image_url.url",
+        VALUE,
     ),
     (
         message(role="user", content=[{"type": "input_audio", "input_audio": {}}]),
@@ -461,7 +461,7 @@ def test_error_messages_name_the_field_and_the_problem() -> None:
     assert "assistant" in error.message
     error = expect_invalid(
         parse_chat_request,
-        message(role="user", content=[{"type": "image_url", "image_url": {}}]),
+        message(role="user", content=[{"type": "input_audio", "input_audio": {}}]),
         "messages[0].content[0]",
         "unsupported_content",
     )

@@ -1,0 +1,73 @@
+"""The scheduling core with images: a prompt with images starts cold and whole unless a prefix covers them."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from mlxcel.cache.key import CacheContext, multimodal_digest
+from mlxcel.core import scheduler as core_scheduler
+from mlxcel.core.plan import StartAlone, StartDirect
+from mlxcel.core.scheduler import Hit, NewRequest
+from tests.core.test_scheduler_core import GREEDY, Harness, _Payload
+
+CONTEXT = CacheContext(model_id="m", template_sig="sig", session_key="s", mm_digest=multimodal_digest([b"png"]))
+
+
+@attrs.frozen
+class Images:
+    """What the core reads of mlxcel.vision.processing.VisionInputs."""
+
+    end: int
+
+
+def start_with(prompt_length: int, image_end: int, hit: int | None, **capabilities) -> StartDirect:
+    harness = Harness(**capabilities)
+    prompt = tuple(range(prompt_length))
+    if hit is not None:
+        harness.found[repr(prompt)] = Hit(length=hit, payload=_Payload(length=hit))
+    harness.core.add(NewRequest(request_id="r", prompt_tokens=prompt, sampling=GREEDY, max_tokens=4,
+                                cache_context=CONTEXT, vision=Images(end=image_end)), harness.clients)
+    (start,) = harness.step().starts
+    assert isinstance(start, StartDirect)
+    return start
+
+
+def test_a_prefix_short_of_the_images_is_declined_and_the_prompt_runs_whole() -> None:
+    start = start_with(40, image_end=30, hit=20)
+    assert (start.cached_tokens, len(start.prompt_tokens), start.adopted) == ((), 40, None)
+    assert start.vision == Images(end=30)
+
+
+def test_a_prefix_past_the_images_is_adopted_and_only_text_runs() -> None:
+    start = start_with(40, image_end=30, hit=34)
+    assert (len(start.cached_tokens), len(start.prompt_tokens), start.kept) == (34, 6, 34)
+    assert start.vision is None
+
+
+def test_a_long_prompt_with_images_still_starts_directly() -> None:
+    # Longer than the 16-token chunk: a text prompt would prefill in the batch.
+    start = start_with(100, image_end=60, hit=None)
+    assert len(start.prompt_tokens) == 100
+    assert start.vision is not None
+
+
+def test_a_bucketed_start_never_cuts_back_into_the_images(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(core_scheduler, "START_PREFIX_ALIGN", 8)
+    # 34 cached tokens would be cut to 32, under the image end at 33: the whole prefix is kept instead.
+    start = start_with(40, image_end=33, hit=34, bucket_starts=True)
+    assert (len(start.cached_tokens), start.kept, start.vision) == (34, 34, None)
+    # An end at 32 survives the cut: the aligned start, as for text.
+    assert start_with(40, image_end=32, hit=34, bucket_starts=True).kept == 32
+
+
+def test_a_long_hit_prefilled_alone_keeps_the_image_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(core_scheduler, "START_PREFIX_ALIGN", 8)
+    harness = Harness(bucket_starts=True)
+    prompt = tuple(range(80))
+    harness.found[repr(prompt)] = Hit(length=34, payload=_Payload(length=34))
+    harness.core.add(NewRequest(request_id="r", prompt_tokens=prompt, sampling=GREEDY, max_tokens=4,
+                                cache_context=CONTEXT, vision=Images(end=33)), harness.clients)
+    (start,) = harness.step().starts
+    assert isinstance(start, StartAlone)
+    assert (start.kept, start.adopted is not None) == (34, True)
