@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,50 +31,23 @@ from typing import Any
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-WORDS = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "paper", "music", "garden", "window", "silver", "orange", "planet", "market", "signal", "bridge", "forest", "engine", "letter", "castle", "winter", "summer", "number", "method"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving import (  # noqa: E402
+    WORDS,
+    start_mlxcel,
+    stop_server as _stop,  # noqa: E402
+    wait_healthy,
+)
 
 
 def start_server(model: Path, directory: Path, log: Path, extra: list[str]) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    command = [sys.executable, "-m", "mlxcel", "serve", "-m", str(model), "--host", "127.0.0.1",
-               "--port", str(port), "--log-level", "info", "--prompt-cache-dir", str(directory), *extra]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    handle = open(log, "ab")
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=handle, stderr=handle)
-    base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited with status {process.returncode} during start-up (see {log})")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return process, base_url
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            raise SystemExit("the server did not answer /health within 180 s")
-        time.sleep(0.2)
+    process, base_url = start_mlxcel(model, ["--prompt-cache-dir", str(directory), *extra], log=log)
+    wait_healthy(process, base_url)
+    return process, base_url
 
 
 def stop_server(process: subprocess.Popen[bytes]) -> float:
-    started = time.monotonic()
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(timeout=10)
-    return time.monotonic() - started
+    return _stop(process)[1]
 
 
 def chat(base_url: str, messages: list[dict[str, str]], *, max_tokens: int, cache_prompt: bool = True

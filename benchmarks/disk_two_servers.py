@@ -25,8 +25,6 @@ import argparse
 import json
 import os
 import random
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,52 +36,23 @@ from typing import Any
 import httpx
 import trio
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-WORDS = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "paper", "music", "garden", "window", "silver", "orange", "planet", "market", "signal", "bridge", "forest", "engine", "letter", "castle", "winter", "summer", "number", "method"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving import (  # noqa: E402
+    WORDS,
+    start_mlxcel,
+    stop_server as _stop,  # noqa: E402
+    wait_healthy,
+)
 
 
 def start_server(model: Path, directory: Path, disk_bytes: int, log: Path, extra: list[str]
                  ) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    command = [sys.executable, "-m", "mlxcel", "serve", "-m", str(model), "--host", "127.0.0.1",
-               "--port", str(port), "--log-level", "info", "--prompt-cache-dir", str(directory),
-               "--prompt-cache-disk-bytes", str(disk_bytes), *extra]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    handle = open(log, "ab")
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=handle, stderr=handle)
-    return process, f"http://127.0.0.1:{port}"
-
-
-def wait_healthy(process: subprocess.Popen[bytes], base_url: str) -> None:
-    deadline = time.monotonic() + 180
-    while True:
-        if process.poll() is not None:
-            raise SystemExit(f"a server exited with status {process.returncode} during start-up")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise SystemExit("a server did not answer /health within 180 s")
-        time.sleep(0.2)
+    return start_mlxcel(model, ["--prompt-cache-dir", str(directory), "--prompt-cache-disk-bytes", str(disk_bytes),
+                                *extra], log=log)
 
 
 def stop_server(process: subprocess.Popen[bytes]) -> int:
-    process.send_signal(signal.SIGTERM)
-    try:
-        return process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        return process.wait(timeout=10)
+    return _stop(process, seconds=60)[0]
 
 
 class Figures:

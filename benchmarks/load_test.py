@@ -30,10 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -45,12 +42,15 @@ from urllib.parse import urlsplit
 import httpx
 import trio
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving import (  # noqa: E402
+    WORDS,
+    start_mlxcel,
+    stop_server as _stop,  # noqa: E402
+    wait_healthy,
+)
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
-WORDS = ("alpha beta gamma delta river stone cloud paper music garden window silver orange planet "
-         "market signal bridge forest engine letter castle winter summer number method").split()
 
 
 @dataclass
@@ -98,12 +98,6 @@ def rss_bytes(pid: int) -> int | None:
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def words(rng: random.Random, count: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(count))
 
@@ -114,41 +108,18 @@ def words(rng: random.Random, count: int) -> str:
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
     from mlxcel.model.fixtures import fixture_path
 
-    model = args.model_path or fixture_path("llama")
-    port = free_port()
-    command = [sys.executable, "-m", "mlxcel", "serve", "-m", str(model), "--host", "127.0.0.1",
-               "--port", str(port), "--log-level", "warning",
-               "--max-queued-requests", str(args.max_queued_requests),
-               "--max-batch-size", str(args.max_batch_size)]
+    flags = ["--max-queued-requests", str(args.max_queued_requests), "--max-batch-size", str(args.max_batch_size)]
     if args.prompt_cache_capacity_bytes:
-        command += ["--prompt-cache-capacity-bytes", str(args.prompt_cache_capacity_bytes)]
-    command += args.serve_flag
-    log = open(args.server_log, "wb") if args.server_log else subprocess.DEVNULL
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=log)
-    base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited with status {process.returncode} during start-up")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return process, base_url
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            raise SystemExit("the server did not answer /health within 120 s")
-        time.sleep(0.2)
+        flags += ["--prompt-cache-capacity-bytes", str(args.prompt_cache_capacity_bytes)]
+    flags += args.serve_flag
+    process, base_url = start_mlxcel(args.model_path or fixture_path("llama"), flags,
+                                     log=Path(args.server_log) if args.server_log else None, log_level="warning")
+    wait_healthy(process, base_url, seconds=120)
+    return process, base_url
 
 
 def stop_server(process: subprocess.Popen[bytes]) -> int:
-    process.send_signal(signal.SIGTERM)
-    try:
-        return process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        return process.wait(timeout=10)
+    return _stop(process, seconds=60)[0]
 
 
 # --- the clients ---------------------------------------------------------------------
