@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import attrs
@@ -238,17 +239,27 @@ class SchedulerActor:
                 return Miss(refusal=found.refusal)
         return Miss()
 
+    async def _read_from_disk(
+        self, lookup: Lookup, message: Callable[[trio.MemorySendChannel[DiskPrefixLoaded]], DeviceMsg],
+        memory_tokens: int,
+    ) -> DiskPrefixLoaded:
+        """Send the device a disk read and wait for it; the lookup is reported (disk's tokens, else memory's)."""
+        reply_to, replies = trio.open_memory_channel[DiskPrefixLoaded](1)
+        await self._to_device.send(message(reply_to))
+        loaded = await _answer(replies, DiskPrefixLoaded(payload=None))
+        matched = loaded.num_tokens if loaded.payload is not None else memory_tokens
+        self._send_nowait(self._to_metrics, CacheLookedUp(hit=matched > 0, tokens_reused=matched,
+                                                          tokens_queried=len(lookup.tokens)))
+        return loaded
+
     async def _load_from_disk(self, lookup: Lookup, found: PrefixOnDisk) -> PrefixFound | PrefixMissing:
         """Have the device load a disk hit (no step is in flight now); memory's match if nothing was read."""
         memory = found.memory
-        reply_to, replies = trio.open_memory_channel[DiskPrefixLoaded](1)
-        await self._to_device.send(LoadDiskPrefix(
-            plan=found.plan, memory=memory.payload if isinstance(memory, PrefixFound) else None, reply_to=reply_to))
-        loaded = await _answer(replies, DiskPrefixLoaded(payload=None))
-        matched = loaded.num_tokens if loaded.payload is not None else (
+        loaded = await self._read_from_disk(
+            lookup, lambda reply_to: LoadDiskPrefix(
+                plan=found.plan, memory=memory.payload if isinstance(memory, PrefixFound) else None,
+                reply_to=reply_to),
             memory.matched_len if isinstance(memory, PrefixFound) else 0)
-        self._send_nowait(self._to_metrics, CacheLookedUp(hit=matched > 0, tokens_reused=matched,
-                                                          tokens_queried=len(lookup.tokens)))
         if loaded.payload is None:
             return memory
         # Promoted into memory: the store owns it from now on (and frees it on the device thread).
@@ -260,13 +271,9 @@ class SchedulerActor:
     async def _load_snapshot_from_disk(self, lookup: Lookup, found: SnapshotOnDisk) -> SnapshotFound | SnapshotMissing:
         """Have the device read a session snapshot from disk; memory's answer if it cannot."""
         memory = found.memory
-        reply_to, replies = trio.open_memory_channel[DiskPrefixLoaded](1)
-        await self._to_device.send(LoadDiskSnapshot(name=found.name, reply_to=reply_to))
-        loaded = await _answer(replies, DiskPrefixLoaded(payload=None))
-        matched = loaded.num_tokens if loaded.payload is not None else (
+        loaded = await self._read_from_disk(
+            lookup, lambda reply_to: LoadDiskSnapshot(name=found.name, reply_to=reply_to),
             memory.num_tokens if isinstance(memory, SnapshotFound) else 0)
-        self._send_nowait(self._to_metrics, CacheLookedUp(hit=matched > 0, tokens_reused=matched,
-                                                          tokens_queried=len(lookup.tokens)))
         if loaded.payload is None:
             return memory
         # Promoted into the snapshot store, which owns it from now on.
