@@ -13,22 +13,26 @@ The engine records every request it was given and how each stream ended.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 import trio
+import trio.testing
+from quart.typing import TestClientProtocol as Client
 
 from mlxcel.actors.device import ModelInfo
 from mlxcel.actors.messages import SchedulerStats
 from mlxcel.config import EngineConfig
 from mlxcel.engine import DeltaStream, Engine
+from mlxcel.http.app import create_app
 from mlxcel.http.llamacpp import _byte_decoder
 from mlxcel.model.family import detect_family
 from mlxcel.types import ChatRequest, CompletionRequest, Delta, Usage
 
-__all__ = ["FakeDeltaStream", "FakeEngine", "FakeTokenizer", "finish"]
+__all__ = ["FakeDeltaStream", "FakeEngine", "FakeTokenizer", "client_for", "finish", "leave_mid_stream"]
 
 FAKE_MODEL_ID = "fake-model"
 
@@ -201,3 +205,23 @@ def fake_scheduler_stats(**changes: Any) -> SchedulerStats:
         "num_interleaved_steps": 0, "num_parked": 0, "num_shared_prefills": 0, "running_request_ids": ("req-0",),
     }
     return SchedulerStats(**{**fields, **changes})
+
+
+def client_for(engine: Engine, **options: Any) -> Client:
+    return create_app(engine, **options).test_client()
+
+
+async def leave_mid_stream(client: Client, path: str, body: Any) -> bytes:
+    """POST a streaming request, read its first chunk, then go away as a client that disconnects does."""
+    data = json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", "Content-Length": str(len(data))}
+    with trio.CancelScope() as leave:
+        async with client.request(path, method="POST", headers=headers) as connection:
+            await connection.send(data)
+            await connection.send_complete()
+            first = await connection.receive()
+            await connection.disconnect()
+            await trio.testing.wait_all_tasks_blocked()
+            # Quart's test connection would wait for a body end that a cancelled response never sends.
+            leave.cancel()
+    return first

@@ -420,10 +420,8 @@ class RouterActor:
         except InvalidRequest as error:
             answer = error
         finally:
-            self._num_in_flight -= 1
-            self._slots.release()
-        with message.reply_to, contextlib.suppress(trio.BrokenResourceError, trio.WouldBlock):
-            message.reply_to.send_nowait(answer)
+            self._slot_done()
+        _answer(message.reply_to, answer)
 
     def _scales_of(self, pairs: tuple[tuple[int, float], ...], param: str) -> tuple[float, ...]:
         """Per-adapter scales from (id, scale) pairs: an adapter not named is at 0."""
@@ -447,10 +445,8 @@ class RouterActor:
         except InvalidRequest as error:
             answer = error
         finally:
-            self._num_in_flight -= 1
-            self._slots.release()
-        with message.reply_to, contextlib.suppress(trio.BrokenResourceError, trio.WouldBlock):
-            message.reply_to.send_nowait(answer)
+            self._slot_done()
+        _answer(message.reply_to, answer)
 
     async def _route(self, message: RouteRequest) -> None:
         try:
@@ -463,8 +459,12 @@ class RouterActor:
         except InvalidRequest as error:
             self._reject(message, error)
         finally:
-            self._num_in_flight -= 1
-            self._slots.release()
+            self._slot_done()
+
+    def _slot_done(self) -> None:
+        """A routed message is done with its slot (the router admits a bounded number at once)."""
+        self._num_in_flight -= 1
+        self._slots.release()
 
     def _reject(self, message: RouteRequest, error: InvalidRequest) -> None:
         self._num_rejected += 1
@@ -515,3 +515,8 @@ class RouterActor:
             retain_seconds=request.cache.retain_seconds if cache_context is not None else 0.0,
             vision=rendered.vision,
         ), events=message.events)
+
+
+def _answer(reply_to: trio.MemorySendChannel[Any], answer: Any) -> None:
+    with reply_to, contextlib.suppress(trio.BrokenResourceError, trio.WouldBlock):  # the asker went away
+        reply_to.send_nowait(answer)

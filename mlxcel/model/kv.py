@@ -83,10 +83,12 @@ class DetachedKV:
             left -= used
         return DetachedKV(segments)
 
-    def rows(self, start: int, end: int, layers: range | None = None) -> list[tuple[mx.array, mx.array]]:
+    def rows(self, start: int, end: int, layers: range | None = None, *, spare: int = 0
+             ) -> list[tuple[mx.array, mx.array]]:
         """Per layer (all, or those in ``layers``), the keys and values of token rows [start, end).
 
-        Views where the rows lie in one piece, else one concatenation per layer.
+        Views where the rows lie in one piece, else one concatenation per layer, followed by
+        ``spare`` zero rows (room for rows to be written next).
         """
         if not 0 <= start <= end <= self.length:
             raise AdoptError(f"no rows [{start}, {end}) in an entry of {self.length}")
@@ -104,8 +106,8 @@ class DetachedKV:
             if len(parts) == 1:
                 chosen.append(parts[0])
             else:
-                chosen.append((mx.concatenate([keys for keys, _ in parts], axis=2),
-                               mx.concatenate([values for _, values in parts], axis=2)))
+                chosen.append((_joined([keys for keys, _ in parts], spare),
+                               _joined([values for _, values in parts], spare)))
         return chosen
 
     def __repr__(self) -> str:
@@ -172,17 +174,8 @@ def adopt(detached: DetachedKV, num_tokens: int, *, room: int = 0) -> list[KVCac
         raise AdoptError(
             f"cannot adopt {num_tokens} tokens from an entry of {detached.length}"
         )
-    segments = detached.cut(num_tokens).segments
     caches = []
-    for layer in range(len(segments[0][0].layers)):
-        parts = [(piece.layers[layer], used) for piece, used in segments]
-        if len(parts) == 1:
-            (keys, values), used = parts[0]
-            keys, values = keys[..., :used, :], values[..., :used, :]
-        else:
-            spare = -(-room // KVCache.step) * KVCache.step
-            keys = _joined([pair[0][..., :used, :] for pair, used in parts], spare)
-            values = _joined([pair[1][..., :used, :] for pair, used in parts], spare)
+    for keys, values in detached.rows(0, num_tokens, spare=-(-room // KVCache.step) * KVCache.step):
         cache = KVCache()
         cache.keys = keys
         cache.values = values

@@ -29,9 +29,10 @@ def settings(directory: Path) -> DiskSettings:
     return DiskSettings(directory=directory, budget_bytes=BUDGET, write_bytes_per_second=1 << 30)
 
 
-def write_pieces(directory: str, writer: int, start: Any) -> None:
+def write_pieces(directory: str, writer: int, ready: Any, start: Any) -> None:
     tier = DiskTier(settings(Path(directory)), "model")
     tier.open()
+    ready.release()
     start.wait(30)  # both write at once, interleaved
     for index in range(NUM_PIECES):
         buffer = bytes([writer, index]) * (TENSOR_BYTES // 2)
@@ -52,10 +53,13 @@ def piece_bytes(directory: Path) -> int:
 
 def test_two_writers_keep_one_budget_and_read_each_others_pieces(tmp_path: Path) -> None:
     context = multiprocessing.get_context("spawn")
-    start = context.Event()
-    writers = [context.Process(target=write_pieces, args=(str(tmp_path), writer, start)) for writer in (1, 2)]
+    ready, start = context.Semaphore(0), context.Event()
+    writers = [context.Process(target=write_pieces, args=(str(tmp_path), writer, ready, start)) for writer in (1, 2)]
     for process in writers:
         process.start()
+    # Both started and opened their tiers before either writes (spawning takes seconds, unevenly).
+    for _ in writers:
+        assert ready.acquire(timeout=120)
     start.set()
     peak = 0
     while any(process.is_alive() for process in writers):

@@ -19,7 +19,6 @@ from quart.typing import TestClientProtocol as Client
 
 from mlxcel.config import EngineConfig, PromptCacheConfig
 from mlxcel.http.anthropic import translate_messages_body
-from mlxcel.http.app import create_app
 from mlxcel.http.validation import Limits
 from mlxcel.types import (
     CacheOptions,
@@ -30,7 +29,7 @@ from mlxcel.types import (
     ServerBusy,
     ToolCall,
 )
-from tests.fakes import FAKE_MODEL_ID, FakeEngine, finish
+from tests.fakes import FAKE_MODEL_ID, FakeEngine, client_for, finish, leave_mid_stream
 
 USER = {"role": "user", "content": "hi"}
 BODY = {"model": FAKE_MODEL_ID, "max_tokens": 64, "messages": [USER]}
@@ -38,10 +37,6 @@ WEATHER_TOOL = {"name": "get_weather", "description": "The weather in a city.",
                 "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 CALL = ToolCall(index=0, id="call_w", name="get_weather", arguments='{"city": "Paris"}')
 BILLING = "x-anthropic-billing-header: cc_version=2.1.37.abc; cc_entrypoint=cli; cch={};"
-
-
-def client_for(engine: FakeEngine, **options: Any) -> Client:
-    return create_app(engine, **options).test_client()
 
 
 async def post(client: Client, path: str, body: Any, **headers: str) -> tuple[int, Any, Any]:
@@ -212,16 +207,8 @@ async def test_a_one_delta_reply_has_its_usage_in_message_start_too() -> None:
 async def test_a_client_leaving_mid_stream_closes_the_engine_stream() -> None:
     step = trio.Event()
     engine = FakeEngine([Delta(text="a"), step, finish("stop")])
-    data = json.dumps({**BODY, "stream": True}).encode()
-    headers = {"Content-Type": "application/json", "Content-Length": str(len(data))}
-    with trio.CancelScope() as leave:
-        async with client_for(engine).request("/v1/messages", method="POST", headers=headers) as connection:
-            await connection.send(data)
-            await connection.send_complete()
-            assert b"event: message_start" in await connection.receive()
-            await connection.disconnect()
-            await trio.testing.wait_all_tasks_blocked()
-            leave.cancel()
+    first = await leave_mid_stream(client_for(engine), "/v1/messages", {**BODY, "stream": True})
+    assert b"event: message_start" in first
     (record,) = engine.streams
     # Closing before the finish is what cancels the request in the real engine.
     assert record.closed

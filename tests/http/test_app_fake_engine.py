@@ -15,7 +15,6 @@ import trio
 import trio.testing
 from quart.typing import TestClientProtocol as Client
 
-from mlxcel.http.app import create_app
 from mlxcel.types import (
     CacheOptions,
     ChatRequest,
@@ -27,14 +26,10 @@ from mlxcel.types import (
     TokenLogprob,
     ToolCall,
 )
-from tests.fakes import FAKE_MODEL_ID, FakeEngine, finish
+from tests.fakes import FAKE_MODEL_ID, FakeEngine, client_for, finish, leave_mid_stream
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 USAGE = {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9, "prompt_tokens_details": {"cached_tokens": 0}}
-
-
-def client_for(engine: FakeEngine, **options: Any) -> Client:
-    return create_app(engine, **options).test_client()
 
 
 async def send(client: Client, path: str, body: Any, headers: dict[str, str] | None = None) -> Any:
@@ -155,17 +150,8 @@ async def test_chat_stream_role_first_then_usage_chunk_then_done() -> None:
 async def test_client_leaving_mid_stream_closes_the_engine_stream() -> None:
     step = trio.Event()
     engine = FakeEngine([Delta(text="a"), step, finish("stop")])
-    data = json.dumps({**CHAT, "stream": True}).encode()
-    headers = {"Content-Type": "application/json", "Content-Length": str(len(data))}
-    with trio.CancelScope() as leave:
-        async with client_for(engine).request("/v1/chat/completions", method="POST", headers=headers) as connection:
-            await connection.send(data)
-            await connection.send_complete()
-            assert b'"role": "assistant"' in await connection.receive()
-            await connection.disconnect()
-            await trio.testing.wait_all_tasks_blocked()
-            # Quart's test connection would wait for a body end that a cancelled response never sends.
-            leave.cancel()
+    first = await leave_mid_stream(client_for(engine), "/v1/chat/completions", {**CHAT, "stream": True})
+    assert b'"role": "assistant"' in first
     (record,) = engine.streams
     # Closing before the finish is what cancels the request in the real engine.
     assert record.closed

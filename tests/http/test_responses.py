@@ -17,10 +17,9 @@ import trio
 import trio.testing
 from quart.typing import TestClientProtocol as Client
 
-from mlxcel.http.app import create_app
 from mlxcel.http.responses import ENCRYPTED_PREFIX, ResponseStore
 from mlxcel.types import ChatRequest, Delta, InvalidRequest, TokenLogprob, ToolCall
-from tests.fakes import FAKE_MODEL_ID, FakeEngine, finish
+from tests.fakes import FAKE_MODEL_ID, FakeEngine, client_for, finish, leave_mid_stream
 
 WEATHER = ToolCall(index=0, id="call_w", name="get_weather", arguments='{"city": "Paris"}')
 TIME = ToolCall(index=1, id="call_t", name="get_time", arguments='{"zone": "CET"}')
@@ -35,10 +34,6 @@ TOOLS = [
      "strict": True},
     {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}}},
 ]
-
-
-def client_for(engine: FakeEngine, **options: Any) -> Client:
-    return create_app(engine, **options).test_client()
 
 
 def framing(data: bytes, headers: dict[str, str] | None) -> dict[str, str]:
@@ -592,17 +587,9 @@ async def test_client_leaving_mid_stream_closes_the_engine_stream_and_stores_not
     step = trio.Event()
     engine = FakeEngine([Delta(text="a"), step, finish("stop")])
     client = client_for(engine)
-    data = json.dumps({"input": "hi", "stream": True}).encode()
-    with trio.CancelScope() as leave:
-        async with client.request("/v1/responses", method="POST", headers=framing(data, None)) as connection:
-            await connection.send(data)
-            await connection.send_complete()
-            created = json.loads((await connection.receive()).decode().split("\n")[1].removeprefix("data: "))
-            assert created["type"] == "response.created"
-            await connection.disconnect()
-            await trio.testing.wait_all_tasks_blocked()
-            # Quart's test connection would wait for a body end that a cancelled response never sends.
-            leave.cancel()
+    first = await leave_mid_stream(client, "/v1/responses", {"input": "hi", "stream": True})
+    created = json.loads(first.decode().split("\n")[1].removeprefix("data: "))
+    assert created["type"] == "response.created"
     (record,) = engine.streams
     assert record.closed
     assert record.closed_before_finish
