@@ -55,6 +55,12 @@ class AdapterBatches:
     def insert_segments(self, *args: Any, config: Config = (), **kwargs: Any) -> list[int]:
         return self._register(config, self._generator(config).insert_segments(*args, **kwargs))
 
+    def join(self, joiners: list[Any], config: Config = ()) -> list[int]:
+        """Sequences with their first token sampled join the decode batch (mlxcel/model/batch_join.py)."""
+        from mlxcel.model.batch_join import join_decoding
+
+        return self._register(config, join_decoding(self._generator(config), joiners))
+
     def remove(self, uids: list[int], return_prompt_caches: bool = False) -> dict[int, Any]:
         found: dict[int, Any] = {}
         for uid in uids:

@@ -55,6 +55,9 @@ logger = logging.getLogger(__name__)
 
 # Steps that prefilled at least this many tokens measure the prefill rate (see prefill_seconds_per_token).
 PREFILL_RATE_MIN_TOKENS = 128
+# Token positions (rows x padded length) of one batched pass of cold starts: their logits are
+# rows x length x vocabulary (4,096 x 128k bf16 is 1 GiB), so larger waves take several passes.
+COLD_GROUP_POSITIONS = 4096
 
 
 @attrs.frozen(kw_only=True)
@@ -66,7 +69,7 @@ class DeviceStats:
 class DeviceSettings:
     model_path: Path
     context_size: int | None = None
-    max_batch_size: int = 32
+    max_batch_size: int = 64
     prefill_batch_size: int = 8
     prefill_step_size: int | None = None
     # None: warm up on a GPU only.
@@ -273,6 +276,8 @@ class _Sequence:
     base: Any = None
     # Cached plus prompt tokens: a finished sequence's donation is cut there into prompt and reply pieces.
     prompt_len: int = 0
+    # Joined the decode batch with its first token as input: the batch's next step reports that token again.
+    replays_first: bool = False
 
 
 @attrs.define
@@ -332,6 +337,8 @@ class _StepWorker:
         self.bucket_starts = ((mx.cuda.is_available() if bucket is None else bucket)
                               and all(type(cache) is KVCache for cache in make_prompt_cache(model)))
         self.num_layers = len(make_prompt_cache(model))
+        # Plain KV caches only: cold starts share a forward pass and join the batch without one of their own.
+        self._plain_kv = all(type(cache) is KVCache for cache in make_prompt_cache(model))
         self._eos_token_ids = frozenset(eos_token_ids)
         self._grammars = _Grammars(tokenizer, self._eos_token_ids)
         self._family = family
@@ -430,7 +437,7 @@ class _StepWorker:
         step_started = time.perf_counter()
         try:
             prompt_responses, generation_responses = self._execute(plan, report, direct)
-            started = [self._start_generating(start) for start in direct]
+            started = self._start_generating(direct)
         except Exception as error:  # noqa: BLE001 - reported to every sequence on the device
             return self._failed(plan, report, error)
         self._report_direct(direct, started, report)
@@ -448,10 +455,17 @@ class _StepWorker:
         """Removals, starts, the chunk alone, one evaluation of the direct starts, then the batch."""
         for removal in plan.removals:
             self._remove(removal, report.detached)
+        cold = [start for start in plan.starts if self._starts_cold(start)]
+        if len(cold) < 2:
+            cold = []
+        batched = {id(start) for start in cold}
         for start in plan.starts:
+            if id(start) in batched:
+                continue
             failure = self._start(start, direct)
             if failure is not None:
                 report.restore_failures.append((start.sequence_id, failure))
+        direct.extend(self._start_cold(cold))
         if plan.alone_chunk is not None:
             report.prefill_tokens += self._run_alone_chunk(plan.alone_chunk)
             if plan.alone_rest is None:
@@ -514,6 +528,10 @@ class _StepWorker:
             sequence = self._by_uid.get(response.uid)
             if sequence is None:
                 continue
+            if sequence.replays_first:
+                sequence.replays_first = False
+                if response.finish_reason is None:
+                    continue  # the first token, reported by its start
             report.sampled.append(_sampled_token(sequence, response))
             if response.finish_reason is not None:
                 del self._by_uid[response.uid]
@@ -721,6 +739,71 @@ class _StepWorker:
                             processors=processors, token=token, logprobs=logprobs[0], donation=donation,
                             base=base)
 
+    def _starts_cold(self, start: Any) -> bool:
+        """A direct start from nothing stored, of a text prompt: it can share a forward pass with others."""
+        return (isinstance(start, StartDirect) and self._plain_kv and start.kept == 0 and start.restore is None
+                and not start.from_alone and start.vision is None)
+
+    def _start_cold(self, starts: list[StartDirect]) -> list[_DirectStart]:
+        """Cold direct starts, batched: one forward pass per adapter configuration and row budget.
+
+        Rows are padded on the right to the longest (with the core's bucket
+        padding, a multiple of the bucket), so causal attention keeps each
+        row's real tokens exact; each row's first token comes from the logits
+        at its own last token, and its cache keeps only its own rows.
+        """
+        groups: dict[tuple[float, ...], list[StartDirect]] = {}
+        for start in starts:
+            groups.setdefault(start.sampling.adapter_scales, []).append(start)
+        begun: list[_DirectStart] = []
+        for config, members in groups.items():
+            width = max(len(start.cached_tokens) + len(start.prompt_tokens) + start.padding for start in members)
+            rows = max(1, COLD_GROUP_POSITIONS // max(width, 1))
+            for first in range(0, len(members), rows):
+                begun.extend(self._start_cold_rows(config, members[first:first + rows], width))
+        return begun
+
+    def _start_cold_rows(self, config: tuple[float, ...], starts: list[StartDirect], width: int) -> list[_DirectStart]:
+        import mlx.core as mx
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+        runs = [list(start.cached_tokens) + list(start.prompt_tokens) for start in starts]
+        count = len(runs)
+        # With bucketed shapes the row count is bucketed too (powers of two): filler rows repeat the first.
+        padded_count = 1 << (count - 1).bit_length() if self.bucket_starts else count
+        matrix = [run + run[-1:] * (width - len(run)) for run in runs]
+        matrix += matrix[:1] * (padded_count - count)
+        lengths = mx.array([len(run) for run in runs])
+        group_caches = make_prompt_cache(self._model)
+        self._generator.apply(config)
+        begun = []
+        with mx.stream(self._generator.stream):
+            logits = self._model(mx.array(matrix), cache=group_caches)
+            last = logits[mx.arange(count), lengths - 1]  # each row's logits at its own last token
+            for row, (start, run) in enumerate(zip(starts, runs, strict=True)):
+                sampler, processors = _make_sampling(start.sampling, self._grammars)
+                row_logits = last[row:row + 1]
+                if processors:
+                    history = mx.array(run, dtype=mx.int32)
+                    for processor in processors:
+                        row_logits = processor(history, row_logits)
+                logprobs = row_logits - mx.logsumexp(row_logits, axis=-1, keepdims=True)
+                token = mx.argmax(logprobs, axis=-1) if sampler is None else sampler(logprobs)
+                caches = []
+                for layer in group_caches:
+                    own = KVCache()
+                    own.keys = layer.keys[row:row + 1, :, :len(run)]
+                    own.values = layer.values[row:row + 1, :, :len(run)]
+                    own.offset = len(run)
+                    caches.append(own)
+                donation = None
+                if start.donate_prompt:
+                    donation = _detach(start.sequence_id, caches, run, final=False, evaluate=False)
+                begun.append(_DirectStart(start=start, caches=caches, all_tokens=run, sampler=sampler,
+                                          processors=processors, token=token, logprobs=logprobs[0],
+                                          donation=donation, base=donation.payload if donation else None))
+        return begun
+
     def _text_forward(self, tokens: Any, *, cache: list[Any], offset: int = 0) -> Any:
         return self._model(tokens, cache=cache)
 
@@ -750,42 +833,62 @@ class _StepWorker:
 
         return forward
 
-    def _start_generating(self, direct: _DirectStart) -> tuple[SampledToken, DetachedSequence | None]:
-        """Report a direct start's first token; it decodes on in the batch unless that ends it.
+    def _start_generating(self, direct: list[_DirectStart]) -> list[tuple[SampledToken, DetachedSequence | None]]:
+        """Report each direct start's first token; those it does not end decode on in the batch.
 
-        Returns the token and, when it finished the sequence, the final donation.
+        Returns each start's token and, when it finished the sequence, the final donation.
         """
-        start = direct.start
-        token = int(direct.token.item())
-        finish_reason = None
-        if token in self._eos_token_ids:
-            finish_reason = "stop"
-        elif start.max_tokens <= 1:
-            finish_reason = "length"
-        sequence = _Sequence(
-            sequence_id=start.sequence_id, sampling=start.sampling,
-            donate_on_finish=start.donate_on_finish, donate_prompt=False, direct=True, base=direct.base,
-            prompt_len=len(direct.all_tokens),
-        )
-        sampled = _sampled_token(sequence, _FirstToken(token, direct.logprobs, finish_reason))
-        if finish_reason is not None:
-            done = None
-            if start.donate_on_finish:
-                done = _detach(start.sequence_id, direct.caches, direct.all_tokens, base=direct.base)
-            return sampled, done
-        # The first token goes in as the prompt's last: its forward pass gives the second.
-        (uid,) = self._generator.insert(
-            [[token]],
-            config=start.sampling.adapter_scales,
-            max_tokens=[start.max_tokens - 1],
-            caches=[direct.caches],
-            all_tokens=[direct.all_tokens],
-            samplers=[direct.sampler],  # type: ignore[list-item]  # None: the batch's shared sampler
-            logits_processors=[direct.processors],  # type: ignore[list-item]  # None: none
-        )
-        self._by_uid[uid] = sequence
-        self._uid_of[start.sequence_id] = uid
-        return sampled, None
+        from mlxcel.model.batch_join import Joiner, joinable
+
+        started: list[tuple[SampledToken, DetachedSequence | None]] = []
+        joining: dict[tuple[float, ...], list[tuple[_Sequence, Joiner]]] = {}
+        for begun in direct:
+            start = begun.start
+            token = int(begun.token.item())
+            finish_reason = None
+            if token in self._eos_token_ids:
+                finish_reason = "stop"
+            elif start.max_tokens <= 1:
+                finish_reason = "length"
+            sequence = _Sequence(
+                sequence_id=start.sequence_id, sampling=start.sampling,
+                donate_on_finish=start.donate_on_finish, donate_prompt=False, direct=True, base=begun.base,
+                prompt_len=len(begun.all_tokens),
+            )
+            sampled = _sampled_token(sequence, _FirstToken(token, begun.logprobs, finish_reason))
+            if finish_reason is not None:
+                done = None
+                if start.donate_on_finish:
+                    done = _detach(start.sequence_id, begun.caches, begun.all_tokens, base=begun.base)
+                started.append((sampled, done))
+                continue
+            started.append((sampled, None))
+            if joinable(begun.caches):
+                # Joins the batch's next step, which reports the first token again: dropped then.
+                sequence.replays_first = True
+                joining.setdefault(start.sampling.adapter_scales, []).append((sequence, Joiner(
+                    first_token=begun.token, first_logprobs=begun.logprobs, caches=begun.caches,
+                    all_tokens=begun.all_tokens, max_tokens=start.max_tokens, sampler=begun.sampler,
+                    processors=begun.processors)))
+                continue
+            # Other cache kinds go through mlx-lm's prompt stage: the first token as the prompt's last.
+            (uid,) = self._generator.insert(
+                [[token]],
+                config=start.sampling.adapter_scales,
+                max_tokens=[start.max_tokens - 1],
+                caches=[begun.caches],
+                all_tokens=[begun.all_tokens],
+                samplers=[begun.sampler],  # type: ignore[list-item]  # None: the batch's shared sampler
+                logits_processors=[begun.processors],  # type: ignore[list-item]  # None: none
+            )
+            self._by_uid[uid] = sequence
+            self._uid_of[start.sequence_id] = uid
+        for config, rows in joining.items():
+            uids = self._generator.join([joiner for _sequence, joiner in rows], config=config)
+            for uid, (sequence, _joiner) in zip(uids, rows, strict=True):
+                self._by_uid[uid] = sequence
+                self._uid_of[sequence.sequence_id] = uid
+        return started
 
     def _snapshot(self, uid: int, sequence: _Sequence) -> DetachedSequence:
         from mlxcel.model.snapshot import capture

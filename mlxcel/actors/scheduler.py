@@ -3,10 +3,14 @@
 Each turn of its loop: take what the inbox holds (submissions, cancels,
 warm-ups, released payloads, stats requests); answer the lookups the core
 asks for, one at a time, from the cache store; ask the core for a
-``StepPlan``; have the device carry it out (strictly request/reply, one step
-in flight, so the scheduler -> device -> scheduler cycle cannot deadlock);
-hand the ``StepResult`` to the core; send what it produced to the clients
-and the other actors. Every decision is the core's (``mlxcel/core/scheduler.py``).
+``StepPlan``; have the device carry it out; hand the ``StepResult`` to the
+core; send what it produced to the clients and the other actors. While the
+batch only decodes, the next plan goes to the device before the step in
+flight reports (at most ``steps_ahead`` in flight), so the device starts
+each step without waiting for the host to read the last one; a plan with
+starts waits until every step has reported. The device replies with
+``send_nowait`` into each step's own channel, so the cycle cannot deadlock.
+Every decision is the core's (``mlxcel/core/scheduler.py``).
 
 Per-client events go out with ``send_nowait``: a client whose buffer is
 full, or who has gone, is cancelled. Messages to other actors go out the
@@ -15,6 +19,7 @@ same way; one whose inbox is full drops the message with a warning.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 from collections.abc import Callable
@@ -54,7 +59,7 @@ from mlxcel.actors.messages import (
 )
 from mlxcel.config import PromptCacheConfig, SchedulerConfig
 from mlxcel.core.effects import ReplyFinished, RequestFinished
-from mlxcel.core.plan import Capabilities, StepResult
+from mlxcel.core.plan import Capabilities, StepPlan, StepResult
 from mlxcel.core.scheduler import Hit, Lookup, LookupResult, Miss, SchedulerCore
 from mlxcel.errors import MlxcelError
 from mlxcel.types import Delta
@@ -130,6 +135,8 @@ class SchedulerActor:
             on_trace=(lambda text: logger.info("apc-trace: %s", text)) if cache_config and cache_config.trace else None,
         )
         self.inbox = inbox
+        # Steps in flight at most: 2 lets the next decode step wait on the device while the host reads this one.
+        self._steps_ahead = max(1, config.steps_ahead)
         self._to_device = to_device
         self._to_cache_store = to_cache_store
         self._to_metrics = to_metrics
@@ -139,31 +146,42 @@ class SchedulerActor:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with self.inbox, self._to_device:
             task_status.started()
+            # Steps sent to the device and not yet reported, oldest first.
+            in_flight: collections.deque[tuple[StepPlan, trio.MemoryReceiveChannel[StepResult]]] = (
+                collections.deque())
             while True:
                 if not self._take_inbox():
                     return
-                if not self.core.has_work():
+                if not in_flight and not self.core.has_work():
                     try:
                         message = await self.inbox.receive()
                     except trio.EndOfChannel:
                         return
                     self._handle(message)
                     continue
-                if self.core.starting_from_idle():
+                if not in_flight and self.core.starting_from_idle():
                     await self._gather_arrivals()
                 await self._answer_lookups()
                 # Cancels that came in meanwhile apply before the plan, not a step later.
                 if not self._take_inbox():
                     return
-                plan = self.core.schedule()
-                reply_to, replies = trio.open_memory_channel[StepResult](1)
-                await self._to_device.send(RunStep(plan=plan, release=self.core.take_release(), reply_to=reply_to))
+                if not in_flight or (len(in_flight) < self._steps_ahead and self.core.can_plan_ahead()):
+                    in_flight.append(await self._send_step())
+                    if len(in_flight) < self._steps_ahead and self.core.can_plan_ahead():
+                        continue  # plan the next decode step while this one runs
+                plan, replies = in_flight.popleft()
                 with replies:
                     result = await replies.receive()
                 self.core.update(plan, result, self._clients, trio.current_time())
                 if result.grammar is not None:
                     self._send_nowait(self._to_metrics, result.grammar)
                 self._fan_out()
+
+    async def _send_step(self) -> tuple[StepPlan, trio.MemoryReceiveChannel[StepResult]]:
+        plan = self.core.schedule()
+        reply_to, replies = trio.open_memory_channel[StepResult](1)
+        await self._to_device.send(RunStep(plan=plan, release=self.core.take_release(), reply_to=reply_to))
+        return plan, replies
 
     def statistics(self) -> SchedulerStats:
         return self.core.statistics()

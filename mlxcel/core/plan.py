@@ -32,7 +32,7 @@ class Capabilities:
 
     prefill_step_size: int
     context_size: int
-    max_batch_size: int = 32
+    max_batch_size: int = 64
     # Starts run in bucketed shapes and long prompts are prefilled alone (CUDA, plain KV caches).
     bucket_starts: bool = False
     # Snapshot families resume from session snapshots instead of the prefix store.

@@ -80,6 +80,11 @@ MAX_PENDING_WARMUPS = 64
 MAX_EARLY_CANCELS = 1024
 
 
+def _starts_cold(start: StartDirect) -> bool:
+    """A direct start from no stored state, of a text prompt: the device runs such starts in one pass."""
+    return start.kept == 0 and start.restore is None and not start.from_alone and start.vision is None
+
+
 @attrs.frozen(kw_only=True)
 class NewRequest:
     """A routed request: its prompt tokens and how to run and cache it."""
@@ -351,6 +356,23 @@ class SchedulerCore:
             return True
         return bool(self._pending_warmups) and self._idle()
 
+    def can_plan_ahead(self) -> bool:
+        """The next plan only decodes (and removes): it may go to the device before the step in flight reports.
+
+        vLLM's async scheduling: the device then never waits for the host
+        between decode steps. Starts are planned only once every step has
+        reported (their placement reads the device's state), so this is False
+        while any admission is decided or waiting. A sequence that the step
+        in flight finishes decodes one token more; ``update`` drops tokens of
+        finished sequences, and the removal follows in the next plan.
+        """
+        return (bool(self._in_batch) and not self._admitted and not self._deferred and not self._alone
+                and self._candidate_waits_for_nothing())
+
+    def _candidate_waits_for_nothing(self) -> bool:
+        # A queued request not yet admitted (the batch is full) does not block decoding ahead.
+        return not self._waiting or len(self._running) >= self.capabilities.max_batch_size
+
     def starting_from_idle(self) -> bool:
         """Nothing runs and more requests are right behind the newest: worth gathering them."""
         return not self._running and bool(self._waiting) and self._waiting[-1].more_pending
@@ -570,14 +592,20 @@ class SchedulerCore:
         starts: list[Start] = []
         direct_tokens, has_direct = 0, False
         charge = DIRECT_START_TOKENS if self.capabilities.bucket_starts else 0
+        cold_charged = False
         for pending in candidates:
             if self._starts_directly(pending):
-                direct_tokens += len(pending.prompt_tokens) + charge
+                start = self._direct(pending)
+                cold = _starts_cold(start)
+                # Cold starts share one forward pass on the device: the pass is charged once.
+                cost = len(start.cached_tokens) + len(start.prompt_tokens) if cold else len(pending.prompt_tokens)
+                direct_tokens += cost + (0 if cold and cold_charged else charge)
                 if has_direct and direct_tokens > step:
                     self._deferred.append(pending)
                     continue
                 has_direct = True
-                starts.append(self._direct(pending))
+                cold_charged = cold_charged or cold
+                starts.append(start)
             elif self._prefills_alone(pending):
                 kept = self._kept(pending, len(pending.cached_tokens)) if pending.adopted is not None else 0
                 tokens = pending.cached_tokens + pending.prompt_tokens

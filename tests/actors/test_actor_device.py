@@ -203,6 +203,33 @@ async def test_a_direct_start_gives_the_batch_tokens_in_its_admitting_step(one_p
         assert (await driver.step(run_batch=True)).sampled == ()  # nothing left running
 
 
+@pytest.mark.parametrize("bucketed", [False, True], ids=["plain", "bucketed"])
+async def test_cold_starts_in_one_pass_give_what_each_gives_alone(bucketed: bool) -> None:
+    """Cold direct starts of one step share a forward pass (rows padded on the right) and join the batch
+    without one of their own: every sequence's tokens and logprobs are those it gets started alone."""
+    prompts = [tuple(range(100 * index, 100 * index + length)) for index, length in enumerate((5, 17, 9))]
+    padding = [32 - len(prompt) for prompt in prompts] if bucketed else [0, 0, 0]
+    async with running_device(prefill_step_size=64, bucket_starts=bucketed) as (driver, _info, _actor):
+        alone = {}
+        for index, prompt in enumerate(prompts):
+            done = await driver.step(starts=(direct(index, prompt, 6, sampling=WITH_LOGPROBS,
+                                                    padding=padding[index]),))
+            alone[index] = list(done.sampled) + (await driver.run_until_finished({index}))[index]
+        done = await driver.step(starts=tuple(
+            direct(10 + index, prompt, 6, sampling=WITH_LOGPROBS, padding=padding[index],
+                   donate_prompt=index == 1) for index, prompt in enumerate(prompts)))
+        assert done.error is None
+        assert sorted(token.sequence_id for token in done.sampled) == [10, 11, 12]
+        # The prompt donation of a batched row holds that row's tokens only.
+        assert [(item.sequence_id, item.tokens) for item in done.detached] == [(11, prompts[1])]
+        together = (await driver.run_until_finished({10, 11, 12}))
+        for index in range(3):
+            first = [token for token in done.sampled if token.sequence_id == 10 + index]
+            tokens = first + together[10 + index]
+            assert_same_tokens(tokens, alone[index])
+            assert [token.finish_reason for token in tokens] == [None] * 5 + ["length"]
+
+
 async def test_a_prompt_prefilled_alone_then_started_directly_gives_the_batch_tokens() -> None:
     """A long prompt on its own cache, chunk by chunk, its rest started directly (padded) from that KV;
     removed alone or after its last chunk, it gives nothing."""

@@ -151,6 +151,8 @@ def start_scheduler(nursery: trio.Nursery) -> StartScheduler:
         to_store, store = trio.open_memory_channel[Any](64)
         to_metrics, metrics = trio.open_memory_channel[Any](64)
         to_warmer, warmer = trio.open_memory_channel[Any](64)
+        # Lockstep unless a test asks otherwise: most tests check each plan against the last result.
+        config.setdefault("steps_ahead", 1)
         scheduler_config = SchedulerConfig(**config)
         actor = SchedulerActor(
             config=scheduler_config,
@@ -376,6 +378,77 @@ async def test_slow_client_with_a_full_buffer_is_dropped(start_scheduler: StartS
     await harness.assert_idle()
     assert available(events) == ([Delta(text="a", token_ids=(0,))], True)
     assert (await harness.stats()).num_cancelled == 1
+
+
+# --- decode steps planned ahead (steps_ahead=2) -----------------------------------
+
+
+async def test_decode_steps_are_planned_while_one_runs(start_scheduler: StartScheduler) -> None:
+    harness = await start_scheduler(steps_ahead=2)
+    events = await harness.submit("r1", (5, 6, 7), max_tokens=4)
+    start = await harness.step()
+    assert len(start.plan.starts) == 1
+    # A start is planned alone: nothing more is offered until it reports.
+    await harness.assert_idle()
+    await harness.reply(start, sampled=(token(0, 0),), decode_batch_size=1)
+    first = await harness.step()
+    second = await harness.step()  # offered before the first reports
+    assert first.plan.run_batch and second.plan.run_batch
+    assert first.plan.starts == second.plan.starts == ()
+    await harness.assert_idle()  # at most two in flight
+    await harness.reply(first, sampled=(token(0, 1),), decode_batch_size=1)
+    third = await harness.step()
+    await harness.reply(second, sampled=(token(0, 2),), decode_batch_size=1)
+    # The core cannot know the device ends the sequence in the third step: a fourth goes ahead.
+    fourth = await harness.step()
+    await harness.reply(third, sampled=(token(0, 3, "length"),), decode_batch_size=1)
+    await harness.reply(fourth)
+    await harness.assert_idle()
+    received, ended = available(events)
+    assert ended
+    assert text_of(received) == "abcd"
+
+
+async def test_a_stop_string_found_a_step_late_is_never_sent(start_scheduler: StartScheduler) -> None:
+    harness = await start_scheduler(steps_ahead=2)
+    events = await harness.submit("r1", stop=("b",), context=CONTEXT)
+    start = await harness.step()
+    await harness.reply(start, sampled=(token(0, 0),), decode_batch_size=1)
+    first, second = await harness.step(), await harness.step()
+    await harness.reply(first, sampled=(token(0, 1),), decode_batch_size=1)  # "b": the stop string
+    # The step already in flight decoded one more token: it is dropped, and the removal follows.
+    await harness.reply(second, sampled=(token(0, 2),), decode_batch_size=1)
+    removal = await harness.step()
+    assert removal.plan.removals == (Removal(sequence_id=0, donate=True),)
+    await harness.reply(removal)
+    await harness.assert_idle()
+    received, ended = available(events)
+    assert ended
+    assert text_of(received) == "a"
+    assert (await harness.stats()).num_completed == 1
+
+
+async def test_an_arrival_is_started_once_every_step_has_reported(start_scheduler: StartScheduler) -> None:
+    harness = await start_scheduler(steps_ahead=2)
+    await harness.submit("r1", max_tokens=8)
+    start = await harness.step()
+    await harness.reply(start, sampled=(token(0, 0),), decode_batch_size=1)
+    first, second = await harness.step(), await harness.step()
+    late = await harness.submit("r2", (7, 8), max_tokens=2)
+    await harness.reply(first, sampled=(token(0, 1),), decode_batch_size=1)
+    # r2's start waits for the step still in flight: its plan reads what the device holds.
+    await harness.assert_idle()
+    await harness.reply(second, sampled=(token(0, 2),), decode_batch_size=1)
+    joined = await harness.step()
+    (admission,) = joined.plan.starts
+    assert admission.prompt_tokens == (7, 8)
+    await harness.reply(joined, sampled=(token(0, 3), token(1, 4)), decode_batch_size=1)
+    after, ahead = await harness.step(), await harness.step()
+    assert after.plan.starts == ahead.plan.starts == ()
+    await harness.reply(after, sampled=(token(0, 4), token(1, 5, "length")), decode_batch_size=2)
+    received, ended = available(late)
+    assert ended
+    assert text_of(received) == "ef"
 
 
 async def test_departed_client_at_a_stop_string_is_only_cancelled(start_scheduler: StartScheduler) -> None:

@@ -253,17 +253,28 @@ def test_a_long_prompt_in_bucketed_shapes_is_prefilled_alone_then_starts_its_res
 
 
 def test_bucketed_direct_starts_are_charged_for_their_own_forward_pass() -> None:
-    """On CUDA each direct start costs a forward pass beyond its tokens: fewer go per step."""
+    """On CUDA each hit's start costs a forward pass beyond its tokens: fewer go per step."""
     def per_step(bucket: bool) -> list[list[int]]:
         harness = Harness(bucket_starts=bucket, prefill_step_size=1024)
         for index in range(6):
-            harness.add(f"r{index}", 100, first=1000 * index)
+            prompt = tuple(range(1000 * index, 1000 * index + 356))
+            harness.found[repr(prompt)] = Hit(length=256, payload=_Payload(length=356))
+            harness.add(f"r{index}", 356, first=1000 * index, context=CONTEXT)
         return [started(harness.step()) for _ in range(3)]
 
     assert per_step(False) == [[0, 1, 2, 3, 4, 5], [], []]
-    # 100 tokens + DIRECT_START_TOKENS each: two fit a 1024-token step.
+    # 100 new tokens + DIRECT_START_TOKENS each: two fit a 1024-token step.
     assert core_scheduler.DIRECT_START_TOKENS == 256
     assert per_step(True) == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_cold_direct_starts_share_one_charged_pass() -> None:
+    """Starts from nothing stored run in one forward pass on the device: the pass is charged once."""
+    harness = Harness(bucket_starts=True, prefill_step_size=1024)
+    for index in range(8):
+        harness.add(f"r{index}", 100, first=1000 * index)
+    # 256 for the pass, then 100 tokens each: seven fit the 1024-token step, the eighth waits.
+    assert [started(harness.step()) for _ in range(2)] == [[0, 1, 2, 3, 4, 5, 6], [7]]
 
 
 def test_a_start_removed_before_it_ran_never_reaches_the_device() -> None:
