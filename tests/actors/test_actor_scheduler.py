@@ -393,7 +393,8 @@ async def test_decode_steps_are_planned_while_one_runs(start_scheduler: StartSch
     await harness.reply(start, sampled=(token(0, 0),), decode_batch_size=1)
     first = await harness.step()
     second = await harness.step()  # offered before the first reports
-    assert first.plan.run_batch and second.plan.run_batch
+    assert first.plan.run_batch
+    assert second.plan.run_batch
     assert first.plan.starts == second.plan.starts == ()
     await harness.assert_idle()  # at most two in flight
     await harness.reply(first, sampled=(token(0, 1),), decode_batch_size=1)
