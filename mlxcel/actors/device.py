@@ -455,7 +455,7 @@ class _StepWorker:
         """Removals, starts, the chunk alone, one evaluation of the direct starts, then the batch."""
         for removal in plan.removals:
             self._remove(removal, report.detached)
-        cold = [start for start in plan.starts if self._starts_cold(start)]
+        cold = [start for start in plan.starts if isinstance(start, StartDirect) and self._starts_cold(start)]
         if len(cold) < 2:
             cold = []
         batched = {id(start) for start in cold}
@@ -739,9 +739,9 @@ class _StepWorker:
                             processors=processors, token=token, logprobs=logprobs[0], donation=donation,
                             base=base)
 
-    def _starts_cold(self, start: Any) -> bool:
+    def _starts_cold(self, start: StartDirect) -> bool:
         """A direct start from nothing stored, of a text prompt: it can share a forward pass with others."""
-        return (isinstance(start, StartDirect) and self._plain_kv and start.kept == 0 and start.restore is None
+        return (self._plain_kv and start.kept == 0 and start.restore is None
                 and not start.from_alone and start.vision is None)
 
     def _start_cold(self, starts: list[StartDirect]) -> list[_DirectStart]:
