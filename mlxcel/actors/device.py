@@ -91,8 +91,11 @@ class DeviceActor:
         self._settings = settings
         self.inbox = inbox
         self._num_steps = 0
+        self._trio_token: trio.lowlevel.TrioToken | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[ModelInfo] = trio.TASK_STATUS_IGNORED) -> None:
+        # A step's result is queued to the Trio loop without waiting for it to run (see _thread_main).
+        self._trio_token = trio.lowlevel.current_trio_token()
         with self.inbox:
             await trio.to_thread.run_sync(
                 self._thread_main, task_status, abandon_on_cancel=False
@@ -147,6 +150,8 @@ class DeviceActor:
             logger.info("device warm-up took %.2f s", worker.warm_up(info))
         trio.from_thread.run_sync(task_status.started, info)
         disk: Any = None  # model/disk_kv.py's DeviceDisk, once the engine hands over a disk tier
+        trio_token = self._trio_token
+        assert trio_token is not None, "set by run() before the thread starts"
         try:
             while True:
                 try:
@@ -159,7 +164,10 @@ class DeviceActor:
                     case RunStep():
                         done = worker.run_step(message.plan)
                         self._num_steps = done.step_number
-                        trio.from_thread.run_sync(_reply, message.reply_to, done)
+                        # Queued, not awaited: the device goes on to the next step at once (the reply
+                        # channel is the step's own, and Trio runs queued callbacks in order).
+                        with contextlib.suppress(trio.RunFinishedError):
+                            trio_token.run_sync_soon(_reply, message.reply_to, done)
                         # Drops the released payloads here, so MLX frees them on this thread.
                         del message, done
                     case UseDiskTier() | PersistPieces() | LoadDiskPrefix() | PersistSnapshot() | LoadDiskSnapshot():
@@ -170,6 +178,9 @@ class DeviceActor:
         finally:
             if disk is not None:
                 disk.flush()
+            # Work queued without a wait (donation copies) ends before the thread does.
+            with contextlib.suppress(Exception):
+                mx.synchronize()
 
     def _receive(self, disk: Any) -> DeviceMsg | None:
         """The next message; with disk writes queued, None after converting a slice of them when none waits."""
@@ -524,6 +535,8 @@ class _StepWorker:
                 report.detached.append(begun.donation)
 
     def _report_decoded(self, responses: list[Any], report: _Report) -> None:
+        import mlx.core as mx
+
         for response in responses:
             sequence = self._by_uid.get(response.uid)
             if sequence is None:
@@ -537,9 +550,11 @@ class _StepWorker:
                 del self._by_uid[response.uid]
                 del self._uid_of[sequence.sequence_id]
                 if sequence.donate_on_finish and response.prompt_cache is not None:
+                    # Copied on the device's stream behind the next step, not waited for here.
                     item = _detach(sequence.sequence_id, response.prompt_cache, response.all_tokens,
-                                   base=sequence.base, split_at=sequence.prompt_len)
+                                   base=sequence.base, split_at=sequence.prompt_len, evaluate=False)
                     if item is not None:
+                        mx.async_eval(item.payload.arrays())
                         report.detached.append(item)
 
     def _report_prefilled(self, responses: list[Any], report: _Report) -> None:
