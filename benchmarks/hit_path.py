@@ -121,7 +121,8 @@ def measure_device_step(model: Any, previous: list[int], suffix: list[int], runs
     from mlx_lm.models.cache import make_prompt_cache
 
     from benchmarks.start_shapes import run_pass
-    from mlxcel.actors.device import DeviceSettings, _StepWorker
+    from mlxcel.actors.device import DeviceSettings
+    from mlxcel.model.executor import StepExecutor
     from mlxcel.model.kv import detach
 
     cache = make_prompt_cache(model)
@@ -129,7 +130,7 @@ def measure_device_step(model: Any, previous: list[int], suffix: list[int], runs
     stored = detach(cache, len(previous))
     del cache
     settings = DeviceSettings(model_path=Path("."), prefill_step_size=prefill_step_size, one_pass_starts=one_pass)
-    worker = _StepWorker(model, set(), settings)
+    worker = StepExecutor(model, set(), settings)
     times = run_pass(worker, stored, [(tuple(previous), tuple(suffix))] * (runs + 1))
     return statistics.median(times[1:])
 

@@ -132,7 +132,8 @@ def main() -> int:
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxcel.actors.device import DeviceSettings, _StepWorker
+    from mlxcel.actors.device import DeviceSettings
+    from mlxcel.model.executor import StepExecutor
     from mlxcel.model.kv import detach
 
     from mlxcel.actors import device
@@ -152,7 +153,7 @@ def main() -> int:
              for _ in range(options.requests)]
     for bucket in (mode == "bucketed" for mode in options.modes):
         settings = DeviceSettings(model_path=Path(options.model_path), prefill_step_size=2048, bucket_starts=bucket)
-        worker = _StepWorker(model, set(), settings)
+        worker = StepExecutor(model, set(), settings)
         for attempt in (1, 2):
             words = random.Random(options.seed + attempt)
             requests = [(tuple(prefix[:cached]), tuple(words.randrange(100, 30000) for _ in range(new)))
@@ -163,12 +164,13 @@ def main() -> int:
 
 
 def cold_main(model: Any, rng: random.Random, options: argparse.Namespace) -> int:
-    from mlxcel.actors.device import DeviceSettings, _StepWorker
+    from mlxcel.actors.device import DeviceSettings
+    from mlxcel.model.executor import StepExecutor
 
     lengths = [rng.randint(options.min_cold, options.max_cold) for _ in range(options.requests)]
     for bucket in (mode == "bucketed" for mode in options.modes):
         settings = DeviceSettings(model_path=Path(options.model_path), prefill_step_size=2048, bucket_starts=bucket)
-        worker = _StepWorker(model, set(), settings)
+        worker = StepExecutor(model, set(), settings)
         worker.warm_up()  # as the server does at start-up
         for attempt in (1, 2):
             words = random.Random(f"cold/{options.seed}/{bucket}/{attempt}")  # never seen: new texts every pass

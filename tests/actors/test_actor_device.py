@@ -264,7 +264,7 @@ async def test_a_prompt_prefilled_alone_then_started_directly_gives_the_batch_to
 async def test_sampling_fields_apply_per_sequence_in_the_batch_and_directly() -> None:
     """top_k, logit_bias and the penalties, through mlx-lm's sample_utils: per sequence inside one
     batch, the same whether a prompt starts in the batch or directly (its prompt the penalties' history)."""
-    from mlxcel.actors.device import _make_logits_processors, _make_sampler
+    from mlxcel.model.sampling import make_logits_processors as _make_logits_processors, make_sampler as _make_sampler
 
     # Absent fields change nothing: greedy keeps the batch's shared sampler and no processors.
     assert _make_sampler(GREEDY) is None
@@ -317,8 +317,9 @@ def test_a_grammar_at_a_dead_end_lets_only_eos_through_and_warns(caplog: pytest.
     import mlx.core as mx
     from mlx_lm.utils import load_tokenizer
 
-    from mlxcel.actors.device import _Grammars, _make_sampling
     from mlxcel.http.validation import parse_chat_request
+    from mlxcel.model.grammar_masks import Grammars as _Grammars
+    from mlxcel.model.sampling import make_sampling as _make_sampling
 
     tokenizer = load_tokenizer(fixture_path("llama"))
     eos = tokenizer.eos_token_id
@@ -351,8 +352,9 @@ def test_a_strict_tools_grammar_constrains_a_call_once_its_marker_is_written() -
     from mlx_lm.tool_parsers import json_tools
     from mlx_lm.utils import load_tokenizer
 
-    from mlxcel.actors.device import _Grammars, _make_sampling
     from mlxcel.core.tool_grammar import strict_tools_grammar
+    from mlxcel.model.grammar_masks import Grammars as _Grammars
+    from mlxcel.model.sampling import make_sampling as _make_sampling
 
     tokenizer = load_tokenizer(fixture_path("llama"))
     parameters = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},

@@ -1,0 +1,757 @@
+"""The executor of step plans: what the device thread runs for each ``RunStep``.
+
+It carries out a ``StepPlan`` decided by the scheduling core
+(``mlxcel/core/scheduler.py``) in order and returns a ``StepResult``:
+removals (with donations), starts (cold ones batched into one forward pass,
+hits on their own adopted caches, long prompts a chunk at a time alone),
+then the batch's decode step. Batching, chunked prefill in the batch and
+per-sequence caches come from mlx-lm's ``BatchGenerator`` (one per LoRA
+configuration, ``adapter_batches.py``); started sequences join its decode
+batch without a pass of their own (``batch_join.py``). Only the device
+thread (``mlxcel/actors/device.py``) uses it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from mlxcel.core.plan import (
+    AloneChunk,
+    DetachedSequence,
+    GrammarWork,
+    InsertBatch,
+    Removal,
+    SampledToken,
+    StartAlone,
+    StartDirect,
+    StepPlan,
+    StepResult,
+)
+from mlxcel.model.adapter_batches import AdapterBatches
+from mlxcel.model.adapters import AdapterSpec
+from mlxcel.model.grammar_masks import Grammars
+from mlxcel.model.lora import LoadedAdapters
+from mlxcel.model.sampling import make_sampling, sampled_token
+from mlxcel.types import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+# Steps that prefilled at least this many tokens measure the prefill rate (see prefill_seconds_per_token).
+PREFILL_RATE_MIN_TOKENS = 128
+
+
+# Token positions (rows x padded length) of one batched pass of cold starts: their logits are
+# rows x length x vocabulary (4,096 x 128k bf16 is 1 GiB), so larger waves take several passes.
+COLD_GROUP_POSITIONS = 4096
+
+
+@attrs.frozen(kw_only=True)
+class DeviceSettings:
+    model_path: Path
+    context_size: int | None = None
+    max_batch_size: int = 64
+    prefill_batch_size: int = 8
+    prefill_step_size: int | None = None
+    # None: warm up on a GPU only.
+    warm_up: bool | None = False
+    # A direct start's logits in one forward pass (None: on a GPU only; see StepExecutor).
+    one_pass_starts: bool | None = None
+    # Starts run in bucketed shapes and long prompts are prefilled alone
+    # (None: with CUDA only; the core decides the shapes, see mlxcel/core/scheduler.py).
+    bucket_starts: bool | None = None
+    fail_step: int | None = None
+    fail_out_of_memory: bool = False
+    # LoRA adapters to load (unfused) and whether they start at their --lora scales or at 0.
+    lora: tuple[AdapterSpec, ...] = ()
+    lora_apply: bool = True
+
+
+@attrs.define
+class _DirectStart:
+    """A start whose first token is computed outside the batch (see ``_start_direct``)."""
+
+    start: StartDirect
+    caches: list[Any]
+    all_tokens: list[int]
+    sampler: Callable[[Any], Any] | None
+    processors: list[Callable[[Any, Any], Any]] | None
+    token: Any
+    logprobs: Any
+    donation: DetachedSequence | None = None
+    # The stored prefix its caches began from (see _Sequence.base).
+    base: Any = None
+
+
+@attrs.define
+class _AlonePrefill:
+    """A long prompt prefilled on its own cache, a chunk per step."""
+
+    caches: list[Any]
+    tokens: tuple[int, ...]  # cached and prompt tokens
+    adapter_scales: tuple[float, ...] = ()
+    base: Any = None
+
+
+@attrs.define
+class _Sequence:
+    sequence_id: int
+    sampling: SamplingParams
+    donate_on_finish: bool
+    donate_prompt: bool
+    # Whole-state snapshots still due, in order: (cached + prompt tokens up to the point, checkpoint).
+    snapshot_points: list[tuple[tuple[int, ...], bool]] = attrs.Factory(list)
+    warm: bool = False
+    # Started outside the batch: its prompt was reported done then.
+    direct: bool = False
+    # The stored prefix (a DetachedKV) its caches began from, or its prompt's donation: a later
+    # donation reuses these pieces and copies only the rows past them.
+    base: Any = None
+    # Cached plus prompt tokens: a finished sequence's donation is cut there into prompt and reply pieces.
+    prompt_len: int = 0
+    # Joined the decode batch with its first token as input: the batch's next step reports that token again.
+    replays_first: bool = False
+
+
+@attrs.define
+class _Report:
+    """What a step produced so far, in the order the device produced it."""
+
+    sampled: list[SampledToken] = attrs.Factory(list)
+    detached: list[DetachedSequence] = attrs.Factory(list)
+    prefill_tokens: int = 0
+    prefilling: list[int] = attrs.Factory(list)
+    prompts_done: list[int] = attrs.Factory(list)
+    restore_failures: list[tuple[int, str]] = attrs.Factory(list)
+    warmed: list[int] = attrs.Factory(list)
+
+    def result(self, step_number: int, *, decode_batch_size: int, grammar: GrammarWork | None) -> StepResult:
+        return StepResult(
+            step_number=step_number, sampled=tuple(self.sampled), detached=tuple(self.detached),
+            decode_batch_size=decode_batch_size, prefill_tokens=self.prefill_tokens,
+            prefilling=tuple(self.prefilling), prompts_done=tuple(self.prompts_done),
+            restore_failures=tuple(self.restore_failures), warmed=tuple(self.warmed), grammar=grammar,
+        )
+
+
+class StepExecutor:
+    """Holds the BatchGenerator and the map between our sequence ids and its uids."""
+
+    def __init__(
+        self, model: Any, eos_token_ids: frozenset[int] | set[int], settings: DeviceSettings, family: str = "",
+        *, tokenizer: Any = None, adapters: LoadedAdapters | None = None, vision: Any = None,
+    ) -> None:
+        import mlx.core as mx
+        from mlx_lm.generate import BatchGenerator
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+        self._model = model
+        # How a direct start gets its last token's logits: on a GPU in the same
+        # forward pass as the rest (projecting every position to the vocabulary
+        # costs less than reading the weights again); on the CPU in a second
+        # one-token pass, as mlx-lm does (the projection costs more there).
+        one_pass = settings.one_pass_starts
+        self._one_pass_starts = mx.default_device() != mx.cpu if one_pass is None else one_pass
+        bucket = settings.bucket_starts
+        # Only plain KV caches can be cut and trimmed: other layer kinds run unbucketed.
+        self.bucket_starts = ((mx.cuda.is_available() if bucket is None else bucket)
+                              and all(type(cache) is KVCache for cache in make_prompt_cache(model)))
+        self.num_layers = len(make_prompt_cache(model))
+        # Plain KV caches only: cold starts share a forward pass and join the batch without one of their own.
+        self._plain_kv = all(type(cache) is KVCache for cache in make_prompt_cache(model))
+        self._eos_token_ids = frozenset(eos_token_ids)
+        self._grammars = Grammars(tokenizer, self._eos_token_ids)
+        self._family = family
+        self.family = family
+        self._settings = settings
+        assert settings.prefill_step_size is not None, "resolved before the worker is made"
+        self._step = settings.prefill_step_size
+        self._make_generator: Callable[[], Any] = lambda: BatchGenerator(
+            model,
+            stop_tokens=[[token] for token in sorted(eos_token_ids)],
+            completion_batch_size=settings.max_batch_size,
+            prefill_batch_size=settings.prefill_batch_size,
+            prefill_step_size=self._step,
+        )
+        self._adapters = adapters
+        # A vision model's tower (mlxcel.vision.encoder.VisionEncoder); None for a text model.
+        self._vision = vision
+        # One BatchGenerator per adapter configuration (only one without adapters).
+        self._generator = AdapterBatches(self._make_generator, adapters)
+        self._by_uid: dict[int, _Sequence] = {}
+        self._uid_of: dict[int, int] = {}
+        # Long prompts prefilled outside the batch, and the KV of those whose last chunk ran.
+        self._alone: dict[int, _AlonePrefill] = {}
+        self._alone_done: dict[int, Any] = {}
+        self._step_number = 0
+        # Seconds a prefilled token costs, measured (None until measured): a disk hit reads from disk
+        # only while that is faster than prefilling.
+        self.prefill_seconds_per_token: float | None = None
+
+    @property
+    def settings(self) -> DeviceSettings:
+        return self._settings
+
+    @settings.setter
+    def settings(self, settings: DeviceSettings) -> None:
+        self._settings = settings
+
+    def reset(self) -> None:
+        """Forget every sequence: a fresh generator, as after start-up."""
+        self._generator.close()
+        self._generator = AdapterBatches(self._make_generator, self._adapters)
+        self._by_uid.clear()
+        self._uid_of.clear()
+        self._alone.clear()
+        self._alone_done.clear()
+        self._step_number = 0
+
+    def time_a_prefill_chunk(self) -> float:
+        """Seconds per token of one prefill chunk on a fresh cache, once its shapes are compiled."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        tokens = mx.array([10 + i % 1000 for i in range(self._step)])[None]
+        seconds = 0.0
+        for _ in range(2):  # the first compiles
+            caches = make_prompt_cache(self._model)
+            started = time.perf_counter()
+            with mx.stream(self._generator.stream):
+                self._model(tokens, cache=caches)
+                mx.eval([cache.state for cache in caches])
+            seconds = time.perf_counter() - started
+        return seconds / self._step
+
+    def run_step(self, plan: StepPlan) -> StepResult:
+        """Carry the plan out in its order; any error fails everything the device holds."""
+        self._step_number += 1
+        report = _Report()
+        direct: list[_DirectStart] = []
+        step_started = time.perf_counter()
+        try:
+            prompt_responses, generation_responses = self._execute(plan, report, direct)
+            started = self._start_generating(direct)
+        except Exception as error:  # noqa: BLE001 - reported to every sequence on the device
+            return self._failed(plan, report, error)
+        self._report_direct(direct, started, report)
+        self._report_decoded(generation_responses, report)
+        self._report_prefilled(prompt_responses, report)
+        if report.prefill_tokens >= PREFILL_RATE_MIN_TOKENS:
+            # The whole step over its prefill tokens: an over-estimate when it also decoded.
+            sample = (time.perf_counter() - step_started) / report.prefill_tokens
+            known = self.prefill_seconds_per_token
+            self.prefill_seconds_per_token = sample if known is None else 0.8 * known + 0.2 * sample
+        return report.result(self._step_number, decode_batch_size=len(generation_responses),
+                             grammar=self._grammars.take_work())
+
+    def _execute(self, plan: StepPlan, report: _Report, direct: list[_DirectStart]) -> tuple[list[Any], list[Any]]:
+        """Removals, starts, the chunk alone, one evaluation of the direct starts, then the batch."""
+        for removal in plan.removals:
+            self._remove(removal, report.detached)
+        cold = [start for start in plan.starts if isinstance(start, StartDirect) and self._starts_cold(start)]
+        if len(cold) < 2:
+            cold = []
+        batched = {id(start) for start in cold}
+        for start in plan.starts:
+            if id(start) in batched:
+                continue
+            failure = self._start(start, direct)
+            if failure is not None:
+                report.restore_failures.append((start.sequence_id, failure))
+        direct.extend(self._start_cold(cold))
+        if plan.alone_chunk is not None:
+            report.prefill_tokens += self._run_alone_chunk(plan.alone_chunk)
+            if plan.alone_rest is None:
+                report.prefilling.append(plan.alone_chunk.sequence_id)
+        if plan.alone_rest is not None:
+            direct.append(self._start_direct(plan.alone_rest))
+        if self._settings.fail_step == self._step_number:
+            if self._settings.fail_out_of_memory:
+                raise RuntimeError(f"[malloc] injected out of memory at step {self._step_number}")
+            raise RuntimeError(f"injected fault at step {self._step_number}")
+        if direct:
+            # One evaluation for every direct start (and its prompt donation copy).
+            import mlx.core as mx
+
+            mx.eval([(start.token, start.logprobs) for start in direct],
+                    [start.donation.payload.arrays() for start in direct if start.donation is not None])
+        if not (plan.run_batch and self._by_uid):
+            return [], []
+        with self._generator.stats() as stats:
+            prompt_responses, generation_responses = self._generator.next()
+        report.prefill_tokens += stats.prompt_tokens
+        return prompt_responses, generation_responses
+
+    def _failed(self, plan: StepPlan, report: _Report, error: Exception) -> StepResult:
+        logger.exception("device step %d failed", self._step_number, exc_info=error)
+        # Starts that raised never reached the generator: they fail too.
+        failed = tuple(
+            {sequence.sequence_id for sequence in self._by_uid.values()}
+            | {start.sequence_id for start in plan.starts}
+            | {start.sequence_id for start in plan.direct_starts}
+            | set(self._alone) | set(self._alone_done)
+        )
+        self._alone.clear()
+        self._alone_done.clear()
+        self._generator.close()
+        self._generator = AdapterBatches(self._make_generator, self._adapters)
+        self._by_uid.clear()
+        self._uid_of.clear()
+        return StepResult(
+            step_number=self._step_number,
+            error=f"{type(error).__name__}: {error}",
+            out_of_memory=_is_out_of_memory(error),
+            failed_sequences=failed,
+            detached=tuple(report.detached),
+        )
+
+    def _report_direct(self, direct: list[_DirectStart], started: list[tuple[SampledToken, DetachedSequence | None]],
+                       report: _Report) -> None:
+        for begun, (token, done) in zip(direct, started, strict=True):
+            report.sampled.append(token)
+            report.prompts_done.append(begun.start.sequence_id)
+            report.prefill_tokens += len(begun.start.prompt_tokens)
+            if done is not None:
+                report.detached.append(done)
+            elif begun.donation is not None:
+                report.detached.append(begun.donation)
+
+    def _report_decoded(self, responses: list[Any], report: _Report) -> None:
+        import mlx.core as mx
+
+        for response in responses:
+            sequence = self._by_uid.get(response.uid)
+            if sequence is None:
+                continue
+            if sequence.replays_first:
+                sequence.replays_first = False
+                if response.finish_reason is None:
+                    continue  # the first token, reported by its start
+            report.sampled.append(sampled_token(sequence.sequence_id, sequence.sampling, response))
+            if response.finish_reason is not None:
+                del self._by_uid[response.uid]
+                del self._uid_of[sequence.sequence_id]
+                if sequence.donate_on_finish and response.prompt_cache is not None:
+                    # Copied on the device's stream behind the next step, not waited for here.
+                    item = _detach(sequence.sequence_id, response.prompt_cache, response.all_tokens,
+                                   base=sequence.base, split_at=sequence.prompt_len, evaluate=False)
+                    if item is not None:
+                        mx.async_eval(item.payload.arrays())
+                        report.detached.append(item)
+
+    def _report_prefilled(self, responses: list[Any], report: _Report) -> None:
+        for response in responses:
+            sequence = self._by_uid.get(response.uid)
+            if sequence is None or sequence.direct:
+                continue
+            if response.end_of_segment and sequence.snapshot_points:
+                # The chunk just run ended exactly at a snapshot point.
+                report.detached.append(self._snapshot(response.uid, sequence))
+                if sequence.warm and not sequence.snapshot_points:
+                    report.warmed.append(sequence.sequence_id)
+                    self._drop(response.uid)
+                    continue
+            if not response.end_of_prompt:
+                report.prefilling.append(sequence.sequence_id)
+                continue
+            report.prompts_done.append(sequence.sequence_id)
+            if sequence.donate_prompt:
+                cache_list, tokens = self._generator.extract_cache([response.uid])[response.uid]
+                item = _detach(sequence.sequence_id, cache_list, tokens, final=False, base=sequence.base)
+                if item is not None:
+                    report.detached.append(item)
+                    sequence.base = item.payload
+
+    def _remove(self, removal: Removal, detached: list[DetachedSequence]) -> None:
+        uid = self._uid_of.pop(removal.sequence_id, None)
+        if uid is None:
+            # Prefilled alone, or finished already: no KV to give.
+            self._alone.pop(removal.sequence_id, None)
+            self._alone_done.pop(removal.sequence_id, None)
+            return
+        sequence = self._by_uid.pop(uid)
+        caches = self._generator.remove([uid], return_prompt_caches=removal.donate)
+        if removal.donate and uid in caches:
+            cache_list, tokens = caches[uid]
+            item = _detach(sequence.sequence_id, cache_list, tokens, base=sequence.base,
+                           split_at=sequence.prompt_len)
+            if item is not None:
+                detached.append(item)
+
+    def _start(self, start: StartDirect | InsertBatch | StartAlone, direct: list[_DirectStart]) -> str | None:
+        """Carry out one start; returns why a snapshot could not be restored (it then runs cold)."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+
+        if isinstance(start, StartAlone):
+            own = _adopt(start.adopted, start.kept) if start.adopted is not None else make_prompt_cache(self._model)
+            self._alone[start.sequence_id] = _AlonePrefill(caches=own, tokens=start.tokens,
+                                                           adapter_scales=start.adapter_scales,
+                                                           base=_base(start.adopted, start.kept))
+            return None
+        if isinstance(start, StartDirect) and start.restore is None:
+            direct.append(self._start_direct(start))
+            return None
+        caches, prompt, cached, failure = self._resume(start)
+        if isinstance(start, StartDirect) and failure is None:
+            direct.append(self._start_direct(start, caches))
+            return None
+        if isinstance(start, StartDirect) and len(prompt) <= self._step:
+            # The snapshot would not restore: the whole prompt still fits one chunk.
+            direct.append(self._start_direct(attrs.evolve(start, prompt_tokens=tuple(prompt), cached_tokens=(),
+                                                          kept=0, restore=None)))
+            return failure
+        self._insert(start, caches, prompt, cached, failure)
+        return failure
+
+    def _resume(self, start: StartDirect | InsertBatch) -> tuple[list[Any] | None, list[int], list[int], str | None]:
+        """The caches a start resumes from, its prompt and cached tokens (all cold if a snapshot fails)."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from mlxcel.model.snapshot import SnapshotMismatch, restore
+
+        prompt, cached = list(start.prompt_tokens), list(start.cached_tokens)
+        if start.restore is not None:
+            try:
+                caches = restore(start.restore, self._family, make_prompt_cache(self._model), len(cached))
+                return caches, prompt, cached, None
+            except SnapshotMismatch as error:
+                return None, cached + prompt, [], str(error)
+        if start.adopted is not None and cached:
+            return _adopt(start.adopted, len(cached)), prompt, cached, None
+        return None, prompt, cached, None
+
+    def _insert(self, start: StartDirect | InsertBatch, caches: list[Any] | None, prompt: list[int],
+                cached: list[int], failure: str | None) -> None:
+        points: list[tuple[tuple[int, ...], bool]] = []
+        segments = [prompt]
+        if isinstance(start, InsertBatch) and start.snapshots and failure is None:
+            # One segment per snapshot point: mlx-lm reports the end of each, where it is taken.
+            edges = [point.after for point in start.snapshots]
+            bounds = [0, *edges]
+            segments = [prompt[begin:end] for begin, end in itertools.pairwise(bounds)]
+            if edges[-1] < len(prompt):
+                segments.append(prompt[edges[-1]:])
+            else:
+                # A warm-up prefills everything, snapshots, then stops: the extra token is never run.
+                segments.append(prompt[-1:])
+            points = [(tuple(cached + prompt[:point.after]), point.checkpoint) for point in start.snapshots]
+        sampler, processors = make_sampling(start.sampling, self._grammars)
+        base = _base(start.adopted, len(cached)) if start.restore is None and failure is None else None
+        (uid,) = self._generator.insert_segments(
+            [segments],
+            config=start.sampling.adapter_scales,
+            max_tokens=[start.max_tokens],
+            # mlx-lm takes None for both (a fresh cache; the batch's shared sampler) but annotates neither.
+            caches=[caches],  # type: ignore[list-item]
+            all_tokens=[cached],
+            samplers=[sampler],  # type: ignore[list-item]
+            logits_processors=[processors],  # type: ignore[list-item]  # None: none
+        )
+        self._by_uid[uid] = _Sequence(
+            sequence_id=start.sequence_id,
+            sampling=start.sampling,
+            donate_on_finish=start.donate_on_finish,
+            donate_prompt=start.donate_prompt,
+            snapshot_points=points,
+            warm=isinstance(start, InsertBatch) and start.warm,
+            base=base,
+            prompt_len=len(cached) + len(prompt),
+        )
+        self._uid_of[start.sequence_id] = uid
+
+    def _run_alone_chunk(self, chunk: AloneChunk) -> int:
+        """Run one chunk of a prompt prefilled alone; after its last, keep its KV for the direct start."""
+        import mlx.core as mx
+
+        from mlxcel.model.kv import detach
+
+        prefill = self._alone[chunk.sequence_id]
+        self._generator.apply(prefill.adapter_scales)
+        with mx.stream(self._generator.stream):
+            self._model(mx.array(prefill.tokens[chunk.start:chunk.end])[None], cache=prefill.caches)
+            mx.eval([cache.state for cache in prefill.caches])
+        if chunk.last:
+            del self._alone[chunk.sequence_id]
+            self._alone_done[chunk.sequence_id] = detach(prefill.caches, chunk.end, base=prefill.base)
+        return chunk.end - chunk.start
+
+    def _start_direct(self, start: StartDirect, caches: list[Any] | None = None) -> _DirectStart:
+        """Build (not evaluate) the prompt's forward pass and its first token.
+
+        A prompt that needs at most one prefill chunk (a cache hit's new turn,
+        or a short prompt) is prefilled on its own cache and its first token
+        sampled in this step, in one evaluation, as mlx-lm's own ``generate``
+        does; it joins the decode batch afterwards. The first ``kept`` cached
+        tokens come from the adopted KV; the rest run again with the prompt,
+        followed by the plan's padding (bucketed shapes, see the core).
+        """
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+
+        base = None
+        # The rows this start writes, so a prefix assembled from several pieces is built with room for them.
+        room = len(start.cached_tokens) - start.kept + len(start.prompt_tokens) + start.padding
+        if start.from_alone:
+            alone = self._alone_done.pop(start.sequence_id)
+            caches, base = _adopt(alone, start.kept, room), _base(alone, start.kept)
+        elif start.adopted is not None and start.kept:
+            caches = _adopt(start.adopted, start.kept, room)
+            # The rows past kept run again, but the stored ones are the same tokens' KV: reuse them.
+            base = _base(start.adopted, len(start.cached_tokens))
+        if caches is None:
+            caches = make_prompt_cache(self._model)
+        cached, prompt = list(start.cached_tokens), list(start.prompt_tokens)
+        run = cached[start.kept:] + prompt
+        padding = start.padding
+        sampler, processors = make_sampling(start.sampling, self._grammars)
+        all_tokens = cached + prompt
+        self._generator.apply(start.sampling.adapter_scales)
+        with mx.stream(self._generator.stream):
+            tokens = mx.array(run + run[-1:] * padding)[None]
+            forward = self._text_forward if start.vision is None else self._embedded_forward(run, padding, start)
+            if len(run) > 1 and not (self._one_pass_starts or padding):
+                # All but the last token only fill the cache: their logits are never computed.
+                forward(tokens[:, :-1], cache=caches)
+                logits = forward(tokens[:, -1:], cache=caches, offset=len(run) - 1)[:, -1, :]
+            else:
+                logits = forward(tokens, cache=caches)[:, len(run) - 1, :]
+                if padding:
+                    for cache in caches:
+                        cache.trim(padding)  # the padding's keys and values are dropped
+            if processors:
+                # As mlx-lm's batch does: the history is every token in the cache (the padding is not).
+                history = mx.array(all_tokens, dtype=mx.int32)
+                for processor in processors:
+                    logits = processor(history, logits)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            token = mx.argmax(logprobs, axis=-1) if sampler is None else sampler(logprobs)
+        donation = None
+        if start.donate_prompt:
+            donation = _detach(start.sequence_id, caches, all_tokens, final=False, evaluate=False, base=base)
+            if donation is not None:
+                base = donation.payload
+        return _DirectStart(start=start, caches=caches, all_tokens=all_tokens, sampler=sampler,
+                            processors=processors, token=token, logprobs=logprobs[0], donation=donation,
+                            base=base)
+
+    def _starts_cold(self, start: StartDirect) -> bool:
+        """A direct start from nothing stored, of a text prompt: it can share a forward pass with others."""
+        return (self._plain_kv and start.kept == 0 and start.restore is None
+                and not start.from_alone and start.vision is None)
+
+    def _start_cold(self, starts: list[StartDirect]) -> list[_DirectStart]:
+        """Cold direct starts, batched: one forward pass per adapter configuration and row budget.
+
+        Rows are padded on the right to the longest (with the core's bucket
+        padding, a multiple of the bucket), so causal attention keeps each
+        row's real tokens exact; each row's first token comes from the logits
+        at its own last token, and its cache keeps only its own rows.
+        """
+        groups: dict[tuple[float, ...], list[StartDirect]] = {}
+        for start in starts:
+            groups.setdefault(start.sampling.adapter_scales, []).append(start)
+        begun: list[_DirectStart] = []
+        for config, members in groups.items():
+            width = max(len(start.cached_tokens) + len(start.prompt_tokens) + start.padding for start in members)
+            rows = max(1, COLD_GROUP_POSITIONS // max(width, 1))
+            for first in range(0, len(members), rows):
+                begun.extend(self._start_cold_rows(config, members[first:first + rows], width))
+        return begun
+
+    def _start_cold_rows(self, config: tuple[float, ...], starts: list[StartDirect], width: int) -> list[_DirectStart]:
+        import mlx.core as mx
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+        runs = [list(start.cached_tokens) + list(start.prompt_tokens) for start in starts]
+        count = len(runs)
+        # With bucketed shapes the row count is bucketed too (powers of two): filler rows repeat the first.
+        padded_count = 1 << (count - 1).bit_length() if self.bucket_starts else count
+        matrix = [run + run[-1:] * (width - len(run)) for run in runs]
+        matrix += matrix[:1] * (padded_count - count)
+        lengths = mx.array([len(run) for run in runs])
+        group_caches = make_prompt_cache(self._model)
+        self._generator.apply(config)
+        begun = []
+        with mx.stream(self._generator.stream):
+            logits = self._model(mx.array(matrix), cache=group_caches)
+            last = logits[mx.arange(count), lengths - 1]  # each row's logits at its own last token
+            for row, (start, run) in enumerate(zip(starts, runs, strict=True)):
+                sampler, processors = make_sampling(start.sampling, self._grammars)
+                row_logits = last[row:row + 1]
+                if processors:
+                    history = mx.array(run, dtype=mx.int32)
+                    for processor in processors:
+                        row_logits = processor(history, row_logits)
+                logprobs = row_logits - mx.logsumexp(row_logits, axis=-1, keepdims=True)
+                token = mx.argmax(logprobs, axis=-1) if sampler is None else sampler(logprobs)
+                caches = []
+                for layer in group_caches:
+                    own = KVCache()
+                    own.keys = layer.keys[row:row + 1, :, :len(run)]
+                    own.values = layer.values[row:row + 1, :, :len(run)]
+                    own.offset = len(run)
+                    caches.append(own)
+                donation = None
+                if start.donate_prompt:
+                    donation = _detach(start.sequence_id, caches, run, final=False, evaluate=False)
+                begun.append(_DirectStart(start=start, caches=caches, all_tokens=run, sampler=sampler,
+                                          processors=processors, token=token, logprobs=logprobs[0],
+                                          donation=donation, base=donation.payload if donation else None))
+        return begun
+
+    def _text_forward(self, tokens: Any, *, cache: list[Any], offset: int = 0) -> Any:
+        return self._model(tokens, cache=cache)
+
+    def _embedded_forward(self, run: list[int], padding: int, start: StartDirect) -> Callable[..., Any]:
+        """The text model over the prompt's input embeddings, image features in place (a cold start only)."""
+        import mlx.core as mx
+
+        if self._vision is None:
+            raise ValueError("this model has no vision tower")
+        assert start.kept == 0, "the core starts prompts with images cold"
+        assert not start.cached_tokens, "the core starts prompts with images cold"
+        vision = self._vision
+        embeddings, positions = vision.embed(run, start.vision)
+        if padding:
+            embeddings = mx.concatenate([embeddings, mx.repeat(embeddings[:, -1:], padding, axis=1)], axis=1)
+            if positions is not None:
+                # The text after the last image sits at its index (see mlxcel/vision/processing.py).
+                extra = mx.arange(len(run), len(run) + padding, dtype=positions.dtype)
+                positions = mx.concatenate([positions, mx.broadcast_to(extra, (3, 1, padding))], axis=2)
+
+        def forward(tokens: Any, *, cache: list[Any], offset: int = 0) -> Any:
+            end = offset + tokens.shape[1]
+            rows = embeddings[:, offset:end]
+            if positions is None:
+                return self._model(tokens, cache=cache, input_embeddings=rows)
+            return vision.forward(tokens, rows, positions[:, :, offset:end], cache)
+
+        return forward
+
+    def _start_generating(self, direct: list[_DirectStart]) -> list[tuple[SampledToken, DetachedSequence | None]]:
+        """Report each direct start's first token; those it does not end decode on in the batch.
+
+        Returns each start's token and, when it finished the sequence, the final donation.
+        """
+        from mlxcel.model.batch_join import Joiner, joinable
+
+        started: list[tuple[SampledToken, DetachedSequence | None]] = []
+        joining: dict[tuple[float, ...], list[tuple[_Sequence, Joiner]]] = {}
+        for begun in direct:
+            start = begun.start
+            token = int(begun.token.item())
+            finish_reason = None
+            if token in self._eos_token_ids:
+                finish_reason = "stop"
+            elif start.max_tokens <= 1:
+                finish_reason = "length"
+            sequence = _Sequence(
+                sequence_id=start.sequence_id, sampling=start.sampling,
+                donate_on_finish=start.donate_on_finish, donate_prompt=False, direct=True, base=begun.base,
+                prompt_len=len(begun.all_tokens),
+            )
+            first = _FirstToken(token, begun.logprobs, finish_reason)
+            sampled = sampled_token(sequence.sequence_id, sequence.sampling, first)
+            if finish_reason is not None:
+                done = None
+                if start.donate_on_finish:
+                    done = _detach(start.sequence_id, begun.caches, begun.all_tokens, base=begun.base)
+                started.append((sampled, done))
+                continue
+            started.append((sampled, None))
+            if joinable(begun.caches):
+                # Joins the batch's next step, which reports the first token again: dropped then.
+                sequence.replays_first = True
+                joining.setdefault(start.sampling.adapter_scales, []).append((sequence, Joiner(
+                    first_token=begun.token, first_logprobs=begun.logprobs, caches=begun.caches,
+                    all_tokens=begun.all_tokens, max_tokens=start.max_tokens, sampler=begun.sampler,
+                    processors=begun.processors)))
+                continue
+            # Other cache kinds go through mlx-lm's prompt stage: the first token as the prompt's last.
+            (uid,) = self._generator.insert(
+                [[token]],
+                config=start.sampling.adapter_scales,
+                max_tokens=[start.max_tokens - 1],
+                caches=[begun.caches],
+                all_tokens=[begun.all_tokens],
+                samplers=[begun.sampler],  # type: ignore[list-item]  # None: the batch's shared sampler
+                logits_processors=[begun.processors],  # type: ignore[list-item]  # None: none
+            )
+            self._by_uid[uid] = sequence
+            self._uid_of[start.sequence_id] = uid
+        for config, rows in joining.items():
+            uids = self._generator.join([joiner for _sequence, joiner in rows], config=config)
+            for uid, (sequence, _joiner) in zip(uids, rows, strict=True):
+                self._by_uid[uid] = sequence
+                self._uid_of[sequence.sequence_id] = uid
+        return started
+
+    def _snapshot(self, uid: int, sequence: _Sequence) -> DetachedSequence:
+        from mlxcel.model.snapshot import capture
+
+        tokens, checkpoint = sequence.snapshot_points.pop(0)
+        caches, _tokens = self._generator.extract_cache([uid])[uid]
+        snapshot = capture(self._family, caches, len(tokens))
+        return DetachedSequence(
+            sequence_id=sequence.sequence_id, tokens=tokens, payload=snapshot,
+            nbytes=snapshot.nbytes, final=False, snapshot=True, checkpoint=checkpoint,
+        )
+
+    def _drop(self, uid: int) -> None:
+        sequence = self._by_uid.pop(uid)
+        del self._uid_of[sequence.sequence_id]
+        self._generator.remove([uid])
+
+
+def _is_out_of_memory(error: Exception) -> bool:
+    text = str(error).lower()
+    return isinstance(error, MemoryError) or "out of memory" in text or "malloc" in text
+
+
+@attrs.frozen
+class _FirstToken:
+    """The fields of mlx-lm's generation response that ``_sampled_token`` reads."""
+
+    token: int
+    logprobs: Any
+    finish_reason: str | None
+
+
+def _detach(
+    sequence_id: int, caches: Any, tokens: Any, *, final: bool = True, evaluate: bool = True, base: Any = None,
+    split_at: int | None = None,
+) -> DetachedSequence | None:
+    from mlxcel.model.kv import detach
+
+    token_tuple = tuple(int(token) for token in tokens)
+    payload = detach(caches, len(token_tuple), evaluate=evaluate, base=base, split_at=split_at)
+    if payload is None:
+        return None
+    return DetachedSequence(
+        sequence_id=sequence_id, tokens=token_tuple, payload=payload, nbytes=payload.nbytes, final=final
+    )
+
+
+def _base(handle: Any, num_tokens: int) -> Any:
+    """The first ``num_tokens`` of a stored prefix, as a later donation's base (None: nothing adopted)."""
+    if handle is None or num_tokens <= 0:
+        return None
+    return handle.cut(min(num_tokens, handle.length))
+
+
+def _adopt(handle: Any, num_tokens: int, room: int = 0) -> list[Any]:
+    """Fresh caches holding a stored prefix's first ``num_tokens`` rows (the core's handle is a DetachedKV)."""
+    from mlxcel.model.kv import DetachedKV, adopt
+
+    if not isinstance(handle, DetachedKV):
+        raise TypeError(f"not a stored KV prefix: {type(handle).__name__}")
+    return adopt(handle, num_tokens, room=room)
