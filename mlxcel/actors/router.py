@@ -42,7 +42,7 @@ from mlxcel.core.tool_grammar import (
     strict_tools_grammar,
     tool_format_name,
 )
-from mlxcel.errors import InvalidRequest, ServerBusy
+from mlxcel.errors import InternalError, InvalidRequest, MlxcelError, ServerBusy
 from mlxcel.model.adapters import adapter_cache_id
 from mlxcel.model.chat_template import (
     RENDER_TIMEOUT_S,
@@ -441,9 +441,11 @@ class RouterActor:
     async def _render(self, message: RenderPrompt) -> None:
         try:
             rendered = await trio.to_thread.run_sync(self._renderer.render, message.request)
-            answer: tuple[int, ...] | InvalidRequest = rendered.tokens
+            answer: tuple[int, ...] | MlxcelError = rendered.tokens
         except InvalidRequest as error:
             answer = error
+        except Exception:  # noqa: BLE001 - one request's failure must not end the router (and the server)
+            answer = _preparation_failed()
         finally:
             self._slot_done()
         _answer(message.reply_to, answer)
@@ -458,6 +460,8 @@ class RouterActor:
             self._reject(message, ServerBusy("the scheduler queue is full; retry shortly"))
         except InvalidRequest as error:
             self._reject(message, error)
+        except Exception:  # noqa: BLE001 - one request's failure must not end the router (and the server)
+            self._reject(message, _preparation_failed())
         finally:
             self._slot_done()
 
@@ -466,7 +470,7 @@ class RouterActor:
         self._num_in_flight -= 1
         self._slots.release()
 
-    def _reject(self, message: RouteRequest, error: InvalidRequest) -> None:
+    def _reject(self, message: RouteRequest, error: MlxcelError) -> None:
         self._num_rejected += 1
         with message.events, contextlib.suppress(trio.BrokenResourceError, trio.WouldBlock):
             message.events.send_nowait(RequestFailed(error=error))
@@ -515,6 +519,12 @@ class RouterActor:
             retain_seconds=request.cache.retain_seconds if cache_context is not None else 0.0,
             vision=rendered.vision,
         ), events=message.events)
+
+
+def _preparation_failed() -> InternalError:
+    """What a request gets when preparing it raised something unforeseen: a 500, logged with its traceback."""
+    logger.exception("preparing a request failed")
+    return InternalError("the server failed while preparing this request", code="preparation_failed")
 
 
 def _answer(reply_to: trio.MemorySendChannel[Any], answer: Any) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,9 @@ _MAGIC: tuple[tuple[bytes, str], ...] = (
 FORMATS = ("png", "jpeg", "gif", "webp", "bmp")
 # Larger images are refused before decoding (a decompression bomb of a few kilobytes can be gigapixels).
 MAX_IMAGE_PIXELS = 50_000_000
+# Sides that differ more are refused before decoding: a processor that scales the short side up to its
+# resolution would make a 1 x 7,000,000 strip gigapixels (Qwen2-VL's own processor refuses past 200).
+MAX_ASPECT_RATIO = 200
 
 
 def image_format(data: bytes) -> str | None:
@@ -92,21 +96,37 @@ def _fetch(url: str, source: ImageSource) -> bytes:
     return check_bytes(data, source.param, source.max_bytes)
 
 
-def decode(data: bytes, param: str) -> Any:
-    """The image as an RGB PIL image; a 400 naming the part when it does not decode."""
+def check_dimensions(width: int, height: int, param: str) -> None:
+    """Refuse, from the header's size alone, an image no model here can take (before any pixel is decoded)."""
+    if width < 1 or height < 1:
+        raise InvalidRequest(f"{param}: the image is {width}x{height} pixels", param=param, code="invalid_value")
+    if width * height > MAX_IMAGE_PIXELS:
+        raise InvalidRequest(f"{param}: the image is {width}x{height} pixels, over this server's limit of "
+                             f"{MAX_IMAGE_PIXELS}", param=param, code="invalid_value")
+    if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        raise InvalidRequest(f"{param}: the image is {width}x{height} pixels; its sides may differ at most "
+                             f"{MAX_ASPECT_RATIO}-fold", param=param, code="invalid_value")
+
+
+def decode(data: bytes, param: str, check: Callable[[int, int], None] | None = None) -> Any:
+    """The image as an RGB PIL image; a 400 naming the part when it does not decode.
+
+    PIL's ``open`` reads only the header, so the size is checked (and then
+    ``check``, a model's bound on what its processor would resize it to)
+    before the pixels are decoded.
+    """
     from PIL import Image
 
     try:
         with Image.open(io.BytesIO(data)) as opened:
             width, height = opened.size
-            if width * height > MAX_IMAGE_PIXELS:
-                raise InvalidRequest(
-                    f"{param}: the image is {width}x{height} pixels, over this server's limit of "
-                    f"{MAX_IMAGE_PIXELS}", param=param, code="invalid_value")
+            check_dimensions(width, height, param)
+            if check is not None:
+                check(width, height)
             opened.load()
             return opened.convert("RGB")
     except InvalidRequest:
         raise
-    except Exception as error:  # noqa: BLE001 - PIL raises many kinds for a corrupt file
+    except Exception as error:  # noqa: BLE001 - PIL raises many kinds for a corrupt file (MemoryError included)
         raise InvalidRequest(f"{param}: the image cannot be decoded: {error}", param=param,
                              code="invalid_value") from None

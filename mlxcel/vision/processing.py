@@ -27,6 +27,7 @@ image features into later layers too (deepstack), not only the embeddings.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,8 @@ def vision_spec(config: dict[str, Any], folder: Path, tokenizer: Any) -> VisionS
                       end_token_id=_token_id(tokenizer, "[IMG_END]"), patch=patch, processor_config=processor_config)
 
 
+# The most pixels an image may be resized to before a processor crops or patches it (float32 RGB: 192 MiB).
+MAX_RESIZED_PIXELS = 1 << 24
 _PROCESSOR_KEYS = ("do_resize", "size", "resample", "do_center_crop", "crop_size", "do_rescale", "rescale_factor",
                    "do_normalize", "image_mean", "image_std", "do_convert_rgb")
 _QWEN_PROCESSOR_KEYS = ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size")
@@ -154,6 +157,37 @@ class ImagePreparer:
             from transformers import PixtralImageProcessorPil
 
             self._processor = PixtralImageProcessorPil(**config)
+
+    def resized_size(self, width: int, height: int) -> tuple[int, int]:
+        """The (width, height) this model's processor resizes an image of that size to, computed from the size
+        alone (the processors' own rules), so a target too large is refused before anything is decoded."""
+        size = self._processor.size
+        if self.spec.mrope:
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+            factor = int(self._processor.patch_size) * int(self._processor.merge_size)
+            resized_height, resized_width = smart_resize(height, width, factor=factor,
+                                                         min_pixels=size.shortest_edge, max_pixels=size.longest_edge)
+            return int(resized_width), int(resized_height)
+        if size.shortest_edge:  # CLIP: the short side scaled to shortest_edge
+            short = min(width, height)
+            return math.ceil(width * size.shortest_edge / short), math.ceil(height * size.shortest_edge / short)
+        if size.longest_edge:  # Pixtral: scaled down until the long side fits
+            ratio = max(width, height) / size.longest_edge
+            return (width, height) if ratio <= 1 else (math.floor(width / ratio), math.floor(height / ratio))
+        return int(size.width or width), int(size.height or height)
+
+    def check_size(self, width: int, height: int, param: str) -> None:
+        """A 400 naming the part when the processor would resize the image to nothing or to too many pixels."""
+        try:
+            resized_width, resized_height = self.resized_size(width, height)
+        except (ValueError, ZeroDivisionError, OverflowError) as error:
+            raise InvalidRequest(f"{param}: a {width}x{height} image cannot be prepared for this model: {error}",
+                                 param=param, code="invalid_value") from None
+        if resized_width < 1 or resized_height < 1 or resized_width * resized_height > MAX_RESIZED_PIXELS:
+            raise InvalidRequest(
+                f"{param}: a {width}x{height} image would be resized to {resized_width}x{resized_height} pixels "
+                f"for this model (at most {MAX_RESIZED_PIXELS} and at least 1x1)", param=param, code="invalid_value")
 
     def prepare(self, image: Any) -> PreparedImage:
         spec = self.spec

@@ -7,6 +7,7 @@ its slot.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,14 +42,20 @@ class ImagePrompts:
             raise InvalidRequest(reason, param=sources[0].param, code="unsupported_content")
         payloads = [resolve(source) for source in sources]
         prepared = []
+        preparer = self._preparer
         for source, data in zip(sources, payloads, strict=True):
-            image = decode(data, source.param)
+            image = decode(data, source.param, functools.partial(self._check_size, param=source.param))
             try:
-                prepared.append(self._preparer.prepare(image))
-            except (ValueError, TypeError) as error:
-                raise InvalidRequest(f"{source.param}: the image cannot be prepared for this model: {error}",
-                                     param=source.param, code="invalid_value") from None
+                prepared.append(preparer.prepare(image))
+            except Exception as error:  # noqa: BLE001 - a processor's failure on one image is that part's 400
+                raise InvalidRequest(f"{source.param}: the image cannot be prepared for this model: "
+                                     f"{type(error).__name__}: {error}", param=source.param,
+                                     code="invalid_value") from None
         return ReadImages(digest=multimodal_digest(payloads), prepared=tuple(prepared))
+
+    def _check_size(self, width: int, height: int, *, param: str) -> None:
+        assert self._preparer is not None
+        self._preparer.check_size(width, height, param)
 
     def placeholders(self, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """The messages with each image part's sentinel replaced by the model's placeholder text."""
