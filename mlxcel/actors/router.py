@@ -155,6 +155,7 @@ class PromptRenderer:
             else:
                 tokens = request.prompt
                 self._check_token_ids(tokens)
+            self._images.refuse_stray_placeholders(tokens, "prompt")
             return RenderedPrompt(tokens=tokens, template_sig=template_signature(RAW_PROMPT_TEMPLATE, {}, "none", None))
         kwargs = self._template_kwargs(request)
         tools = rendered_tools(request)
@@ -162,6 +163,7 @@ class PromptRenderer:
         if request.images:
             return self._render_images(request, kwargs, tools, namespace)
         tokens = self._chat_tokens(request.messages, tools, kwargs, add_generation_prompt=True, namespace=namespace)
+        self._images.refuse_stray_placeholders(tokens, "messages")
         tool_choice = effective_tool_choice(request.tool_choice, tools)
         template_sig = template_signature(self._chat_template, kwargs, tool_choice, tools)
         boundary = None
@@ -185,7 +187,11 @@ class PromptRenderer:
         images = self._images.read(request.images)
         messages = self._images.placeholders(request.messages)
         tokens = self._chat_tokens(messages, tools, kwargs, add_generation_prompt=True, namespace=namespace)
-        tokens, vision = self._images.expand(tokens, images)
+        # The prompt's entry ends with the last message: a resend, or a next turn whose reply merges with
+        # the generation prompt when re-tokenized (a reply starting with a newline), still finds it whole.
+        history = self._chat_tokens(messages, tools, kwargs, add_generation_prompt=False, namespace=namespace)
+        entry_end = len(history) if tokens[:len(history)] == history else None
+        tokens, vision = self._images.expand(tokens, images, entry_end=entry_end)
         tool_choice = effective_tool_choice(request.tool_choice, tools)
         return RenderedPrompt(tokens=tokens, template_sig=template_signature(self._chat_template, kwargs, tool_choice,
                                                                              tools),

@@ -82,6 +82,9 @@ class VisionInputs:
 
     images: tuple[PreparedImage, ...] = attrs.field(repr=False)
     spans: tuple[tuple[int, int], ...]
+    # Where the prompt's own cache entry ends (None: the whole prompt): before the generation prompt,
+    # which an exact resend runs again and a next turn may re-tokenize along with the reply.
+    entry_end: int | None = None
 
     @property
     def end(self) -> int:
@@ -215,9 +218,15 @@ class ImagePreparer:
                              extras=(("image_sizes", out["image_sizes"][:1]),), tokens=tuple(tokens))
 
 
-def expand(tokens: Sequence[int], spec: VisionSpec, images: Sequence[PreparedImage]) -> tuple[tuple[int, ...],
-                                                                                              VisionInputs]:
+def expand(tokens: Sequence[int], spec: VisionSpec, images: Sequence[PreparedImage], *,
+           entry_end: int | None = None) -> tuple[tuple[int, ...], VisionInputs]:
     """The prompt with each image's placeholder token replaced by its run, and where the runs lie.
+
+    ``entry_end`` is a position in ``tokens`` where the prompt's cache entry
+    should end (the end of the last message, before the generation prompt);
+    it moves with the runs, and is kept only past the last image. Without
+    it, or when it is not past the images, the entry ends one token short
+    of the prompt (a resend of it prefills that one token again).
 
     A 400 when the rendered prompt holds a different number of placeholders
     than the request has images (the text spelled the placeholder itself, or
@@ -238,4 +247,19 @@ def expand(tokens: Sequence[int], spec: VisionSpec, images: Sequence[PreparedIma
         out.extend(image.tokens)
         previous = position + 1
     out.extend(tokens[previous:])
-    return tuple(out), VisionInputs(images=tuple(images), spans=tuple(spans))
+    image_end = spans[-1][1] if spans else 0
+    end = len(out) - 1
+    if entry_end is not None and positions and positions[-1] < entry_end < len(tokens):
+        end = entry_end + (len(out) - len(tokens))
+    return tuple(out), VisionInputs(images=tuple(images), spans=tuple(spans),
+                                    entry_end=end if end > image_end else None)
+
+
+def stray_placeholder(tokens: Sequence[int], spec: VisionSpec) -> int | None:
+    """The index of the first image placeholder token in a prompt that carries no image (None: none)."""
+    if spec.image_token_id < 0:
+        return None
+    try:
+        return list(tokens).index(spec.image_token_id)
+    except ValueError:
+        return None

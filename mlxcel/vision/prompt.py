@@ -17,7 +17,14 @@ from mlxcel.cache.key import multimodal_digest
 from mlxcel.errors import InvalidRequest
 from mlxcel.types import ImageSource
 from mlxcel.vision.images import IMAGE_SENTINEL, decode, resolve
-from mlxcel.vision.processing import ImagePreparer, PreparedImage, VisionInputs, VisionSpec, expand
+from mlxcel.vision.processing import (
+    ImagePreparer,
+    PreparedImage,
+    VisionInputs,
+    VisionSpec,
+    expand,
+    stray_placeholder,
+)
 
 UNSUPPORTED_MESSAGE = "multimodal input is not supported by this model"
 
@@ -70,6 +77,22 @@ class ImagePrompts:
             out.append(copy)
         return out
 
-    def expand(self, tokens: Sequence[int], images: ReadImages) -> tuple[tuple[int, ...], VisionInputs]:
+    def expand(self, tokens: Sequence[int], images: ReadImages, *, entry_end: int | None = None
+               ) -> tuple[tuple[int, ...], VisionInputs]:
         assert self._spec is not None
-        return expand(tokens, self._spec, images.prepared)
+        return expand(tokens, self._spec, images.prepared, entry_end=entry_end)
+
+    def refuse_stray_placeholders(self, tokens: Sequence[int], param: str) -> None:
+        """A 400 naming the field when a prompt without images spells the model's image placeholder.
+
+        The placeholder's id would reach the text model as if it were a word,
+        where the model expects an image's features.
+        """
+        if self._spec is None or self._spec.refusal is not None:
+            return
+        index = stray_placeholder(tokens, self._spec)
+        if index is not None:
+            raise InvalidRequest(
+                f"{param}: the text holds this model's image placeholder {self._spec.placeholder!r} (token "
+                f"{self._spec.image_token_id} at position {index}) but no image part stands there; send the "
+                "image as an image part", param=param, code="invalid_value")

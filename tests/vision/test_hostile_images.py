@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import base64
 import io
+from functools import partial
 
+import anthropic
 import httpx
+import numpy as np
+import openai
 import pytest
+import trio
 from PIL import Image
 
 from mlxcel.config import EngineConfig, SchedulerConfig
@@ -79,3 +84,98 @@ async def test_every_route_that_takes_images_refuses_the_strip(serve_family) -> 
         assert "200-fold" in responses.json()["error"]["message"]
         assert (await client.post("/v1/chat/completions", json=chat_body(NORMAL))).status_code == 200
         assert (await client.get("/health")).status_code == 200
+
+
+# --- Issue 31, item 3: the image hits users expect -------------------------------------------------------
+
+MODEL = vision_fixture_path("llava").name
+SYSTEM = "You look at screenshots. " + " ".join(f"rule{i} applies" for i in range(20))
+
+
+def screenshot(seed: int) -> str:
+    pixels = np.random.default_rng(seed).integers(0, 256, (40, 50, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def openai_user(text: str, image: str) -> dict:
+    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
+                                        {"type": "text", "text": text}]}
+
+
+def anthropic_user(text: str, image: str) -> dict:
+    return {"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": image}},
+        {"type": "text", "text": text}]}
+
+
+@pytest.fixture
+async def llava_clients(serve_family):
+    base_url = await serve_family("llava")
+    return (openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120),
+            anthropic.Anthropic(base_url=base_url, api_key="unused", max_retries=0, timeout=120), base_url)
+
+
+async def openai_chat(client: openai.OpenAI, messages: list, **kwargs):
+    return await trio.to_thread.run_sync(partial(client.chat.completions.create, model=MODEL, messages=messages,
+                                                 temperature=0, max_tokens=kwargs.pop("max_tokens", 3), **kwargs))
+
+
+async def anthropic_message(client: anthropic.Anthropic, messages: list):
+    return await trio.to_thread.run_sync(partial(client.messages.create, model=MODEL, system=SYSTEM,
+                                                 messages=messages, max_tokens=3))
+
+
+async def test_an_exact_resend_of_an_image_request_hits(llava_clients) -> None:
+    """Regenerate or retry: the same prompt again adopts all of it but the generation prompt."""
+    openai_client, anthropic_client, _ = llava_clients
+    messages = [{"role": "system", "content": SYSTEM}, openai_user("what is on the screen?", screenshot(1))]
+    first = await openai_chat(openai_client, messages)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = await openai_chat(openai_client, messages)
+    # Everything but the few tokens of the generation prompt ("<|im_start|>assistant\n").
+    assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 4
+    assert again.choices[0].message.content == first.choices[0].message.content
+    # Two images, through the Anthropic SDK.
+    two = [{"role": "user", "content": [*anthropic_user("compare", screenshot(2))["content"],
+                                        *anthropic_user("with this", screenshot(3))["content"]]}]
+    first_message = await anthropic_message(anthropic_client, two)
+    assert first_message.usage.cache_read_input_tokens == 0
+    resent = await anthropic_message(anthropic_client, two)
+    assert resent.usage.cache_read_input_tokens >= first_message.usage.input_tokens - 4
+
+
+@pytest.mark.parametrize("reply", ["\nIt is a screenshot.", "\n\n- a list", " leading space"])
+async def test_a_follow_up_whose_reply_re_tokenizes_at_the_turn_keeps_the_image_turn(llava_clients, reply) -> None:
+    """A reply that starts with a newline merges with the generation prompt's own ("\\n" + "\\n" is one token),
+    so the follow-up parts from the stored prompt at its last token: the image turn must still be adopted."""
+    openai_client, anthropic_client, _ = llava_clients
+    image = screenshot(4)
+    messages = [{"role": "system", "content": SYSTEM}, openai_user("what is on the screen?", image)]
+    first = await openai_chat(openai_client, messages)
+    follow_up = [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": "and the button?"}]
+    hit = await openai_chat(openai_client, follow_up)
+    assert hit.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 4
+    # The same through the Anthropic SDK, with another image (a fresh entry).
+    other = screenshot(5)
+    first_message = await anthropic_message(anthropic_client, [anthropic_user("what is shown?", other)])
+    follow = await anthropic_message(anthropic_client, [anthropic_user("what is shown?", other),
+                                                        {"role": "assistant", "content": reply},
+                                                        {"role": "user", "content": "and then?"}])
+    assert follow.usage.cache_read_input_tokens >= first_message.usage.input_tokens - 4
+
+
+async def test_a_text_image_placeholder_without_an_image_part_is_a_400(llava_clients) -> None:
+    openai_client, _, base_url = llava_clients
+    with pytest.raises(openai.BadRequestError) as caught:
+        await openai_chat(openai_client, [{"role": "user", "content": "describe <image> please"}])
+    assert caught.value.body["param"] == "messages"
+    assert "<image>" in caught.value.body["message"]
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        response = await client.post("/v1/completions", json={"prompt": "a <image> b", "max_tokens": 1})
+        assert (response.status_code, response.json()["error"]["param"]) == (400, "prompt")
+        # Plain text still serves.
+        ok = await client.post("/v1/chat/completions", json={"max_tokens": 1, "messages": [
+            {"role": "user", "content": "describe an image please"}]})
+        assert ok.status_code == 200
