@@ -9,6 +9,7 @@ built-in default.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import math
 import os
@@ -173,6 +174,8 @@ class ServerConfig:
     # `http(s)://` image URLs are fetched, each within max_image_bytes and image_fetch_timeout seconds.
     allow_image_urls: bool = False
     image_fetch_timeout: float = 10.0
+    # Hosts and networks image fetches may reach although they are loopback, private or link-local.
+    image_fetch_allow: tuple[str, ...] = ()
 
 
 # --- value parsers ------------------------------------------------------------
@@ -324,6 +327,19 @@ def parse_folder(text: str) -> str:
     return str(folder.resolve())
 
 
+def parse_fetch_allow(text: str) -> str:
+    """``--image-fetch-allow``: a host name, an address or a network in CIDR form."""
+    value = text.strip()
+    try:
+        if "/" in value:
+            ipaddress.ip_network(value, strict=False)
+        elif not re.fullmatch(r"[A-Za-z0-9.-]+", value):
+            ipaddress.ip_address(value)
+    except ValueError:
+        raise ValueError(f"expected a host name, an address or a network such as 10.0.0.0/8, got {text!r}") from None
+    return value
+
+
 def parse_session_key_scope(text: str) -> str:
     value = text.strip().lower()
     if value not in ("client", "user"):
@@ -456,7 +472,11 @@ SERVER_SETTINGS = (
             "fetch http(s):// image URLs, each within --max-image-bytes and --image-fetch-timeout "
             "(default false)", optional_value=True),
     Setting("image_fetch_timeout", "--image-fetch-timeout", ("MLXCEL_IMAGE_FETCH_TIMEOUT",), parse_seconds,
-            "seconds a remote image may take to fetch (default 10)"),
+            "seconds a remote image's whole fetch may take, redirects included (default 10)"),
+    Setting("image_fetch_allow", "--image-fetch-allow", ("MLXCEL_IMAGE_FETCH_ALLOW",), parse_fetch_allow,
+            "a host name, address or network (CIDR) image fetches may reach although it is loopback, "
+            "private, link-local or metadata (refused by default); repeatable", multiple=True,
+            metavar="HOST|NETWORK"),
 )
 
 SCHEDULER_SETTINGS = (

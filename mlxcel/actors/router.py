@@ -54,6 +54,7 @@ from mlxcel.model.chat_template import (
 from mlxcel.model.info import ModelInfo
 from mlxcel.model.tokenize import SegmentTokenizer, max_chars_per_token, vocabulary_size
 from mlxcel.types import ChatRequest, CompletionRequest
+from mlxcel.vision.images import fetch_remote, is_remote
 from mlxcel.vision.processing import VisionInputs
 from mlxcel.vision.prompt import ImagePrompts
 
@@ -63,6 +64,8 @@ logger = logging.getLogger(__name__)
 RAW_PROMPT_TEMPLATE = "mlxcel:raw-prompt"
 # Requests rendered and tokenized at the same time (each in its own worker thread).
 MAX_CONCURRENT_ROUTES = 4
+# Requests fetching remote images at the same time (their own threads, not the render slots').
+MAX_CONCURRENT_FETCHES = 8
 # Characters per token of context allowed in a rendered prompt when the
 # tokenizer gives no proven bound (see max_chars_per_token): only a size cap.
 FALLBACK_CHARS_PER_TOKEN = 1024
@@ -383,6 +386,8 @@ class RouterActor:
         self._num_in_flight = 0
         # Taken before a request leaves the inbox, so waiting requests stay there (a full inbox is a 503).
         self._slots = trio.Semaphore(max_concurrent)
+        # Requests whose remote images are being fetched (each fetch within --image-fetch-timeout).
+        self._fetch_limiter = trio.CapacityLimiter(MAX_CONCURRENT_FETCHES)
         # The server-wide LoRA scales (GET/POST /lora-adapters), one per loaded adapter.
         self._adapter_scales: tuple[float, ...] = tuple(adapter.scale for adapter in model.adapters)
 
@@ -446,7 +451,8 @@ class RouterActor:
 
     async def _render(self, message: RenderPrompt) -> None:
         try:
-            rendered = await trio.to_thread.run_sync(self._renderer.render, message.request)
+            request = await self._with_remote_images(message.request)
+            rendered = await trio.to_thread.run_sync(self._renderer.render, request)
             answer: tuple[int, ...] | MlxcelError = rendered.tokens
         except InvalidRequest as error:
             answer = error
@@ -458,8 +464,9 @@ class RouterActor:
 
     async def _route(self, message: RouteRequest) -> None:
         try:
-            rendered = await trio.to_thread.run_sync(self._renderer.render, message.request)
-            submit = self._submission(message, rendered)
+            request = await self._with_remote_images(message.request)
+            rendered = await trio.to_thread.run_sync(self._renderer.render, request)
+            submit = self._submission(attrs.evolve(message, request=request), rendered)
             self._to_scheduler.send_nowait(submit)
             self._num_routed += 1
         except trio.WouldBlock:
@@ -470,6 +477,24 @@ class RouterActor:
             self._reject(message, _preparation_failed())
         finally:
             self._slot_done()
+
+    async def _with_remote_images(self, request: ChatRequest | CompletionRequest) -> ChatRequest | CompletionRequest:
+        """The request with its http(s) images fetched, its render slot given back meanwhile.
+
+        Fetches run in threads of their own (at most ``MAX_CONCURRENT_FETCHES``
+        at once), so slow image servers hold up neither the render slots nor
+        the worker threads text requests need.
+        """
+        if not isinstance(request, ChatRequest) or not any(
+                source.data is None and is_remote(source) for source in request.images):
+            return request
+        self._slots.release()
+        try:
+            images = await trio.to_thread.run_sync(fetch_remote, request.images, limiter=self._fetch_limiter)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._slots.acquire()
+        return attrs.evolve(request, images=images)
 
     def _slot_done(self) -> None:
         """A routed message is done with its slot (the router admits a bounded number at once)."""

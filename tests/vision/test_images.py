@@ -103,12 +103,16 @@ def test_remote_images_are_fetched_within_the_size_limit(tmp_path) -> None:
     thread.start()
     try:
         base = f"http://127.0.0.1:{server.server_address[1]}"
-        assert resolve(ImageSource(param="p", url=f"{base}/small.png", max_bytes=4096)) == png()
+        allow = ("127.0.0.1",)
+        assert resolve(ImageSource(param="p", url=f"{base}/small.png", max_bytes=4096, fetch_allow=allow)) == png()
         with pytest.raises(InvalidRequest, match="over this server's limit"):
-            resolve(ImageSource(param="p", url=f"{base}/big.png", max_bytes=4096))
+            resolve(ImageSource(param="p", url=f"{base}/big.png", max_bytes=4096, fetch_allow=allow))
         with pytest.raises(InvalidRequest, match="cannot fetch") as caught:
-            resolve(ImageSource(param="messages[0].content[1]", url=f"{base}/missing.png"))
+            resolve(ImageSource(param="messages[0].content[1]", url=f"{base}/missing.png", fetch_allow=allow))
         assert caught.value.param == "messages[0].content[1]"
+        # What the remote said stays out of the message: no status code, no port.
+        assert "404" not in caught.value.message
+        assert str(server.server_address[1]) not in caught.value.message
     finally:
         server.shutdown()
         server.server_close()
@@ -140,6 +144,10 @@ def test_the_image_flags_reach_the_request_limits(tmp_path) -> None:
                                          allow_image_urls=True, image_fetch_timeout=3.0))
     assert (limits.max_images, limits.max_image_bytes, limits.image_file_root, limits.allow_image_urls,
             limits.image_fetch_timeout_s) == (2, 1000, str(tmp_path), True, 3.0)
+    allowing = request_limits(ServerConfig(allow_image_urls=True, image_fetch_allow=("10.0.0.0/8", "images.lan")))
+    assert allowing.image_fetch_allow == ("10.0.0.0/8", "images.lan")
+    request = parse_chat_request(body("http://images.lan/a.png"), limits=allowing)
+    assert request.images[0].fetch_allow == ("10.0.0.0/8", "images.lan")
     assert (Limits().image_file_root, Limits().allow_image_urls) == (None, False)
 
 
