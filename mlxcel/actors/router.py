@@ -192,8 +192,11 @@ class PromptRenderer:
         tokens = self._chat_tokens(messages, tools, kwargs, add_generation_prompt=True, namespace=namespace)
         # The prompt's entry ends with the last message: a resend, or a next turn whose reply merges with
         # the generation prompt when re-tokenized (a reply starting with a newline), still finds it whole.
-        history = self._chat_tokens(messages, tools, kwargs, add_generation_prompt=False, namespace=namespace)
-        entry_end = len(history) if tokens[:len(history)] == history else None
+        try:
+            history = self._chat_tokens(messages, tools, kwargs, add_generation_prompt=False, namespace=namespace)
+        except InvalidRequest:  # a template that renders only with the generation prompt
+            history = ()
+        entry_end = len(history) if history and tokens[:len(history)] == history else None
         tokens, vision = self._images.expand(tokens, images, entry_end=entry_end)
         tool_choice = effective_tool_choice(request.tool_choice, tools)
         return RenderedPrompt(tokens=tokens, template_sig=template_signature(self._chat_template, kwargs, tool_choice,

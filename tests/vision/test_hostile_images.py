@@ -179,3 +179,27 @@ async def test_a_text_image_placeholder_without_an_image_part_is_a_400(llava_cli
         ok = await client.post("/v1/chat/completions", json={"max_tokens": 1, "messages": [
             {"role": "user", "content": "describe an image please"}]})
         assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "mistral3"])
+async def test_a_resend_hit_answers_as_a_cold_run(serve_family, family) -> None:
+    """The resent prompt adopts the entry that ends before the generation prompt, then runs that as text
+    (M-RoPE: at the cache index, past the images): its first-token logprobs are the cold run's."""
+    base_url = await serve_family(family)
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    model = vision_fixture_path(family).name
+    messages = [{"role": "system", "content": SYSTEM}, openai_user("what is on the screen?", screenshot(6))]
+
+    async def ask(**extra):
+        return await trio.to_thread.run_sync(partial(
+            client.chat.completions.create, model=model, messages=messages, temperature=0, max_tokens=2,
+            logprobs=True, top_logprobs=5, **extra))
+
+    first = await ask()
+    hit = await ask()
+    cold = await ask(extra_body={"cache_prompt": False})
+    assert hit.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 4
+    hot = {item.token: item.logprob for item in hit.choices[0].logprobs.content[0].top_logprobs}
+    reference = {item.token: item.logprob for item in cold.choices[0].logprobs.content[0].top_logprobs}
+    assert hot.keys() == reference.keys()
+    assert max(abs(hot[token] - value) for token, value in reference.items()) < 1e-4
