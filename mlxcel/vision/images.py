@@ -163,13 +163,13 @@ def _fetch_once(url: str, source: ImageSource, deadline: float) -> bytes | str:
             raise FetchRefused(f"the image is over this server's limit of {source.max_bytes} bytes")
         data = response.read(source.max_bytes + 1)
         if connection.aborted:
-            raise FetchRefused(f"it took longer than {source.timeout_s:g} seconds")
+            raise FetchRefused(f"it took longer than the {source.timeout_s:g} s this server allows a fetch")
         return data
     except FetchRefused:
         raise
     except (OSError, http.client.HTTPException, ValueError):
         if connection.aborted or time.monotonic() >= deadline:
-            raise FetchRefused(f"it took longer than {source.timeout_s:g} seconds") from None
+            raise FetchRefused(f"it took longer than the {source.timeout_s:g} s this server allows a fetch") from None
         raise FetchRefused("the image server could not be reached or broke off") from None
     finally:
         watchdog.cancel()
