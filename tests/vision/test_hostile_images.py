@@ -157,6 +157,9 @@ async def test_a_follow_up_whose_reply_re_tokenizes_at_the_turn_keeps_the_image_
     follow_up = [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": "and the button?"}]
     hit = await openai_chat(openai_client, follow_up)
     assert hit.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 4
+    # Regenerating the first turn afterwards still finds its entry (the follow-up's does not serve it).
+    again = await openai_chat(openai_client, messages)
+    assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 4
     # The same through the Anthropic SDK, with another image (a fresh entry).
     other = screenshot(5)
     first_message = await anthropic_message(anthropic_client, [anthropic_user("what is shown?", other)])
