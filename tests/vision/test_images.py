@@ -180,3 +180,40 @@ def test_a_refused_family_answers_images_with_its_reason() -> None:
     assert caught.value.code == "unsupported_content"
     assert caught.value.param == "messages[0].content[1].image_url.url"
     assert caught.value.message.endswith(": Qwen3-VL adds image features inside later layers")
+
+
+def test_sizes_are_checked_from_the_header_before_decoding() -> None:
+    """A 1 x 7,000,000 strip is refused by its aspect ratio; within it, CLIP at 336 pixels would still
+    scale a 1 x 200 strip to 336 x 67,200 (22.6 megapixels): refused by the resize bound."""
+    from mlxcel.vision.images import check_dimensions
+    from mlxcel.vision.processing import ImagePreparer, VisionSpec
+
+    with pytest.raises(InvalidRequest, match="200-fold"):
+        check_dimensions(1, 7_000_000, "p")
+    with pytest.raises(InvalidRequest, match="limit of"):
+        check_dimensions(10_000, 10_000, "p")
+    check_dimensions(1, 200, "p")
+    clip = ImagePreparer(VisionSpec(family="llava", image_token_id=5, placeholder="<image>", tokens_per_image=4,
+                                    processor_config={"size": {"shortest_edge": 336},
+                                                      "crop_size": {"height": 336, "width": 336}}))
+    assert clip.resized_size(1, 200) == (336, 67_200)
+    with pytest.raises(InvalidRequest, match="resized to 336x67200") as caught:
+        clip.check_size(1, 200, "messages[0].content[1].image_url.url")
+    assert caught.value.param == "messages[0].content[1].image_url.url"
+    clip.check_size(640, 480, "p")
+
+
+def test_the_entry_end_moves_with_the_image_runs() -> None:
+    from mlxcel.vision.processing import PreparedImage, VisionSpec, expand
+
+    spec = VisionSpec(family="llava", image_token_id=9, placeholder="<image>", tokens_per_image=3)
+    image = PreparedImage(pixel_values=None, tokens=(9, 9, 9))
+    # 1 9 2 | 3 4: the messages end after token 2 (position 3), the generation prompt is 3 4.
+    tokens, vision = expand([1, 9, 2, 3, 4], spec, [image], entry_end=3)
+    assert tokens == (1, 9, 9, 9, 2, 3, 4)
+    assert (vision.end, vision.entry_end) == (4, 5)
+    # No end given (or one not past the images): one token short of the prompt.
+    assert expand([1, 9, 2, 3, 4], spec, [image])[1].entry_end == 6
+    assert expand([1, 9, 2, 3, 4], spec, [image], entry_end=1)[1].entry_end == 6
+    # An image at the very end leaves nothing before it worth an entry of its own.
+    assert expand([1, 2, 9], spec, [image])[1].entry_end is None
