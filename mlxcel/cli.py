@@ -22,6 +22,7 @@ from mlxcel.config import (
     ServerConfig,
     build_configs,
     build_serve_parser,
+    zmq_binds_beyond_loopback,
 )
 
 if TYPE_CHECKING:
@@ -124,7 +125,31 @@ def request_limits(server_config: ServerConfig) -> Limits:
         image_file_root=server_config.allow_image_files,
         allow_image_urls=server_config.allow_image_urls,
         image_fetch_timeout_s=server_config.image_fetch_timeout,
+        image_fetch_allow=server_config.image_fetch_allow,
     )
+
+
+def startup_warnings(engine_config: EngineConfig, server_config: ServerConfig) -> list[str]:
+    """What the operator should hear about at start-up: settings that expose prompts or the cache to others."""
+    warnings = []
+    if server_config.host not in ("127.0.0.1", "localhost", "::1") and server_config.api_key is None:
+        warnings.append(f"binding {server_config.host} without --api-key: anyone who can reach this port can use "
+                        "the API and probe the prompt cache")
+    cache = engine_config.prompt_cache
+    if server_config.api_key is not None and cache.enabled and cache.cross_session:
+        warnings.append(
+            "API keys are set but prompts are not isolated: the prompt cache is shared across sessions "
+            "(--prompt-cache-cross-session is on), and requests without a cache_salt share one cache, so a "
+            "client can learn from cached_tokens or timing what another's prompt starts with. If tenants share "
+            "this server, have the gateway set a per-tenant cache_salt on every request, or pass "
+            "--prompt-cache-cross-session=false (docs/operations.md, \"Tenant isolation\")")
+    endpoint = engine_config.kv_events.endpoint
+    if endpoint is not None and zmq_binds_beyond_loopback(endpoint):
+        warnings.append(
+            f"KV events bind {endpoint}, beyond loopback: whoever connects receives every stored prompt's "
+            "token ids and its cache_salt in the clear; bind a port on loopback (--kv-events-endpoint 5557) or "
+            "firewall it")
+    return warnings
 
 
 async def run_server(
@@ -139,11 +164,8 @@ async def run_server(
     pending = PendingEngine()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_on_signals, stop)
-        if server_config.host not in ("127.0.0.1", "localhost", "::1") and server_config.api_key is None:
-            logger.warning(
-                "binding %s without --api-key: anyone who can reach this port can use the API "
-                "and probe the prompt cache", server_config.host,
-            )
+        for warning in startup_warnings(engine_config, server_config):
+            logger.warning("%s", warning)
 
         async def serve_then_stop(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
             await serve(

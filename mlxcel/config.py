@@ -9,6 +9,7 @@ built-in default.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import math
 import os
@@ -176,6 +177,8 @@ class ServerConfig:
     # `http(s)://` image URLs are fetched, each within max_image_bytes and image_fetch_timeout seconds.
     allow_image_urls: bool = False
     image_fetch_timeout: float = 10.0
+    # Hosts and networks image fetches may reach although they are loopback, private or link-local.
+    image_fetch_allow: tuple[str, ...] = ()
 
 
 # --- value parsers ------------------------------------------------------------
@@ -307,10 +310,39 @@ def parse_regex(text: str) -> str:
 
 
 def parse_zmq_endpoint(text: str) -> str:
+    """A ZeroMQ address; a bare port is that port on loopback (``5557``: ``tcp://127.0.0.1:5557``, bound)."""
     value = text.strip()
+    if value.isdigit() and 0 < int(value) < 65536:
+        return f"tcp://127.0.0.1:{int(value)}"
     if not value.startswith(("tcp://", "ipc://", "inproc://")):
-        raise ValueError(f"expected a ZeroMQ address such as tcp://*:5557, got {text!r}")
+        raise ValueError(f"expected a port (bound on loopback) or a ZeroMQ address such as tcp://127.0.0.1:5557, "
+                         f"got {text!r}")
     return value
+
+
+def zmq_binds(endpoint: str) -> bool:
+    """vLLM's rule (a wildcard or local-transport address is bound, any other connected to), and a loopback
+    address is bound too: a publisher on loopback serves subscribers on this host."""
+    return ("*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+            or zmq_loopback(endpoint))
+
+
+def zmq_loopback(endpoint: str) -> bool:
+    """A tcp address on loopback (127.0.0.0/8, ::1, localhost)."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def zmq_binds_beyond_loopback(endpoint: str) -> bool:
+    """A bound tcp address other hosts can reach (a wildcard or an interface's address)."""
+    return endpoint.startswith("tcp://") and zmq_binds(endpoint) and not zmq_loopback(endpoint)
 
 
 def parse_kv_event_format(text: str) -> str:
@@ -325,6 +357,19 @@ def parse_folder(text: str) -> str:
     if not folder.is_dir():
         raise ValueError(f"not a folder: {text!r}")
     return str(folder.resolve())
+
+
+def parse_fetch_allow(text: str) -> str:
+    """``--image-fetch-allow``: a host name, an address or a network in CIDR form."""
+    value = text.strip()
+    try:
+        if "/" in value:
+            ipaddress.ip_network(value, strict=False)
+        elif not re.fullmatch(r"[A-Za-z0-9.-]+", value):
+            ipaddress.ip_address(value)
+    except ValueError:
+        raise ValueError(f"expected a host name, an address or a network such as 10.0.0.0/8, got {text!r}") from None
+    return value
 
 
 def parse_session_key_scope(text: str) -> str:
@@ -459,7 +504,11 @@ SERVER_SETTINGS = (
             "fetch http(s):// image URLs, each within --max-image-bytes and --image-fetch-timeout "
             "(default false)", optional_value=True),
     Setting("image_fetch_timeout", "--image-fetch-timeout", ("MLXCEL_IMAGE_FETCH_TIMEOUT",), parse_seconds,
-            "seconds a remote image may take to fetch (default 10)"),
+            "seconds a remote image's whole fetch may take, redirects included (default 10)"),
+    Setting("image_fetch_allow", "--image-fetch-allow", ("MLXCEL_IMAGE_FETCH_ALLOW",), parse_fetch_allow,
+            "a host name, address or network (CIDR) image fetches may reach although it is loopback, "
+            "private, link-local or metadata (refused by default); repeatable", multiple=True,
+            metavar="HOST|NETWORK"),
 )
 
 SCHEDULER_SETTINGS = (
@@ -506,8 +555,9 @@ ENGINE_SETTINGS = (
 
 KV_EVENTS_SETTINGS = (
     Setting("endpoint", "--kv-events-endpoint", ("MLXCEL_KV_EVENTS_ENDPOINT",), parse_zmq_endpoint,
-            "publish vLLM-style KV cache events (msgpack KVEventBatch) on this ZeroMQ PUB address, e.g. "
-            "tcp://*:5557 (default: off)", metavar="ADDRESS"),
+            "publish vLLM-style KV cache events (msgpack KVEventBatch, with every prompt's tokens and "
+            "cache_salt in the clear) on this ZeroMQ PUB address: a port binds it on loopback (5557: "
+            "tcp://127.0.0.1:5557), tcp://*:5557 on every interface (default: off)", metavar="ADDRESS"),
     Setting("topic", "--kv-events-topic", ("MLXCEL_KV_EVENTS_TOPIC",), str,
             "the topic frame of every KV event message (default empty)", metavar="TOPIC"),
     Setting("replay_endpoint", "--kv-events-replay-endpoint", ("MLXCEL_KV_EVENTS_REPLAY_ENDPOINT",),

@@ -90,7 +90,10 @@ class ImageSource:
     data: bytes | None = attrs.field(default=None, repr=False)
     url: str | None = None
     max_bytes: int = 20 << 20
+    # The whole fetch of a remote URL, redirects included.
     timeout_s: float = 10.0
+    # Hosts and networks a fetch may reach although they are not public addresses (--image-fetch-allow).
+    fetch_allow: tuple[str, ...] = ()
 
 
 @attrs.frozen(kw_only=True)

@@ -187,3 +187,42 @@ def test_volatile_system_normalization_flags() -> None:
     assert request_limits(server).volatile_system_patterns == ("^a", "^b")
     with pytest.raises(ConfigError, match="MLXCEL_VOLATILE_SYSTEM_PATTERNS"):
         configs([], {"MLXCEL_VOLATILE_SYSTEM_PATTERNS": "("})
+
+
+def test_startup_warns_of_keys_without_isolation_and_of_kv_events_beyond_loopback() -> None:
+    from mlxcel.cli import startup_warnings
+    from mlxcel.config import EngineConfig, KvEventsConfig, PromptCacheConfig, ServerConfig
+
+    def warnings(argv: list[str], environ: dict[str, str] | None = None) -> list[str]:
+        engine, server = configs(argv, environ or {})
+        return startup_warnings(engine, server)
+
+    assert warnings([]) == []
+    (keyed,) = warnings([], {"MLXCEL_API_KEY": "k"})
+    assert "not isolated" in keyed
+    assert "cache_salt" in keyed
+    # Cross-session off isolates; no cache, nothing to leak.
+    assert warnings(["--prompt-cache-cross-session=false"], {"MLXCEL_API_KEY": "k"}) == []
+    assert startup_warnings(EngineConfig(prompt_cache=PromptCacheConfig(enabled=False)),
+                            ServerConfig(api_key="k")) == []
+    # A bare port binds loopback, which is quiet; a wildcard or an interface's address is not.
+    engine, _ = configs(["--kv-events-endpoint", "5557"], {})
+    assert engine.kv_events.endpoint == "tcp://127.0.0.1:5557"
+    assert warnings(["--kv-events-endpoint", "5557"]) == []
+    assert warnings(["--kv-events-endpoint", "ipc:///tmp/mlxcel-events"]) == []
+    assert warnings(["--kv-events-endpoint", "tcp://collector:5557"]) == []  # connected to, not bound
+    for endpoint in ("tcp://*:5557", "tcp://[::]:5557"):
+        (warning,) = startup_warnings(EngineConfig(kv_events=KvEventsConfig(endpoint=endpoint)), ServerConfig())
+        assert "beyond loopback" in warning
+        assert "cache_salt in the clear" in warning
+
+
+def test_kv_event_addresses_bind_as_vllm_does_and_on_loopback() -> None:
+    from mlxcel.config import zmq_binds
+
+    assert zmq_binds("tcp://*:5557")
+    assert zmq_binds("ipc:///run/events")
+    assert zmq_binds("tcp://127.0.0.1:5557")
+    assert zmq_binds("tcp://[::1]:5557")
+    assert not zmq_binds("tcp://collector:5557")
+    assert not zmq_binds("tcp://10.0.0.5:5557")

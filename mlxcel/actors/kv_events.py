@@ -27,7 +27,7 @@ import zmq
 
 from mlxcel.actors.messages import KvEventsMsg, KvEventsStats, PublishBlockChanges
 from mlxcel.cache.kv_events import BlockChange, BlocksCleared, EventFormat, KvEventEncoder
-from mlxcel.config import KvEventsConfig
+from mlxcel.config import KvEventsConfig, zmq_binds
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +39,8 @@ PUB_HWM = 100_000
 
 
 def binds(endpoint: str) -> bool:
-    """vLLM's rule: bind a wildcard or local-transport address, connect to any other."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+    """vLLM's rule (bind a wildcard or local-transport address, connect to any other), loopback bound too."""
+    return zmq_binds(endpoint)
 
 
 class KvEventPublisherActor:

@@ -42,7 +42,7 @@ from mlxcel.core.tool_grammar import (
     strict_tools_grammar,
     tool_format_name,
 )
-from mlxcel.errors import InvalidRequest, ServerBusy
+from mlxcel.errors import InternalError, InvalidRequest, MlxcelError, ServerBusy
 from mlxcel.model.adapters import adapter_cache_id
 from mlxcel.model.chat_template import (
     RENDER_TIMEOUT_S,
@@ -54,6 +54,7 @@ from mlxcel.model.chat_template import (
 from mlxcel.model.info import ModelInfo
 from mlxcel.model.tokenize import SegmentTokenizer, max_chars_per_token, vocabulary_size
 from mlxcel.types import ChatRequest, CompletionRequest
+from mlxcel.vision.images import fetch_remote, is_remote
 from mlxcel.vision.processing import VisionInputs
 from mlxcel.vision.prompt import ImagePrompts
 
@@ -63,6 +64,8 @@ logger = logging.getLogger(__name__)
 RAW_PROMPT_TEMPLATE = "mlxcel:raw-prompt"
 # Requests rendered and tokenized at the same time (each in its own worker thread).
 MAX_CONCURRENT_ROUTES = 4
+# Requests fetching remote images at the same time (their own threads, not the render slots').
+MAX_CONCURRENT_FETCHES = 8
 # Characters per token of context allowed in a rendered prompt when the
 # tokenizer gives no proven bound (see max_chars_per_token): only a size cap.
 FALLBACK_CHARS_PER_TOKEN = 1024
@@ -155,6 +158,7 @@ class PromptRenderer:
             else:
                 tokens = request.prompt
                 self._check_token_ids(tokens)
+            self._images.refuse_stray_placeholders(tokens, "prompt")
             return RenderedPrompt(tokens=tokens, template_sig=template_signature(RAW_PROMPT_TEMPLATE, {}, "none", None))
         kwargs = self._template_kwargs(request)
         tools = rendered_tools(request)
@@ -162,6 +166,7 @@ class PromptRenderer:
         if request.images:
             return self._render_images(request, kwargs, tools, namespace)
         tokens = self._chat_tokens(request.messages, tools, kwargs, add_generation_prompt=True, namespace=namespace)
+        self._images.refuse_stray_placeholders(tokens, "messages")
         tool_choice = effective_tool_choice(request.tool_choice, tools)
         template_sig = template_signature(self._chat_template, kwargs, tool_choice, tools)
         boundary = None
@@ -185,7 +190,14 @@ class PromptRenderer:
         images = self._images.read(request.images)
         messages = self._images.placeholders(request.messages)
         tokens = self._chat_tokens(messages, tools, kwargs, add_generation_prompt=True, namespace=namespace)
-        tokens, vision = self._images.expand(tokens, images)
+        # The prompt's entry ends with the last message: a resend, or a next turn whose reply merges with
+        # the generation prompt when re-tokenized (a reply starting with a newline), still finds it whole.
+        try:
+            history = self._chat_tokens(messages, tools, kwargs, add_generation_prompt=False, namespace=namespace)
+        except InvalidRequest:  # a template that renders only with the generation prompt
+            history = ()
+        entry_end = len(history) if history and tokens[:len(history)] == history else None
+        tokens, vision = self._images.expand(tokens, images, entry_end=entry_end)
         tool_choice = effective_tool_choice(request.tool_choice, tools)
         return RenderedPrompt(tokens=tokens, template_sig=template_signature(self._chat_template, kwargs, tool_choice,
                                                                              tools),
@@ -377,6 +389,8 @@ class RouterActor:
         self._num_in_flight = 0
         # Taken before a request leaves the inbox, so waiting requests stay there (a full inbox is a 503).
         self._slots = trio.Semaphore(max_concurrent)
+        # Requests whose remote images are being fetched (each fetch within --image-fetch-timeout).
+        self._fetch_limiter = trio.CapacityLimiter(MAX_CONCURRENT_FETCHES)
         # The server-wide LoRA scales (GET/POST /lora-adapters), one per loaded adapter.
         self._adapter_scales: tuple[float, ...] = tuple(adapter.scale for adapter in model.adapters)
 
@@ -440,33 +454,57 @@ class RouterActor:
 
     async def _render(self, message: RenderPrompt) -> None:
         try:
-            rendered = await trio.to_thread.run_sync(self._renderer.render, message.request)
-            answer: tuple[int, ...] | InvalidRequest = rendered.tokens
+            request = await self._with_remote_images(message.request)
+            rendered = await trio.to_thread.run_sync(self._renderer.render, request)
+            answer: tuple[int, ...] | MlxcelError = rendered.tokens
         except InvalidRequest as error:
             answer = error
+        except Exception:  # noqa: BLE001 - one request's failure must not end the router (and the server)
+            answer = _preparation_failed()
         finally:
             self._slot_done()
         _answer(message.reply_to, answer)
 
     async def _route(self, message: RouteRequest) -> None:
         try:
-            rendered = await trio.to_thread.run_sync(self._renderer.render, message.request)
-            submit = self._submission(message, rendered)
+            request = await self._with_remote_images(message.request)
+            rendered = await trio.to_thread.run_sync(self._renderer.render, request)
+            submit = self._submission(attrs.evolve(message, request=request), rendered)
             self._to_scheduler.send_nowait(submit)
             self._num_routed += 1
         except trio.WouldBlock:
             self._reject(message, ServerBusy("the scheduler queue is full; retry shortly"))
         except InvalidRequest as error:
             self._reject(message, error)
+        except Exception:  # noqa: BLE001 - one request's failure must not end the router (and the server)
+            self._reject(message, _preparation_failed())
         finally:
             self._slot_done()
+
+    async def _with_remote_images(self, request: ChatRequest | CompletionRequest) -> ChatRequest | CompletionRequest:
+        """The request with its http(s) images fetched, its render slot given back meanwhile.
+
+        Fetches run in threads of their own (at most ``MAX_CONCURRENT_FETCHES``
+        at once), so slow image servers hold up neither the render slots nor
+        the worker threads text requests need.
+        """
+        if not isinstance(request, ChatRequest) or not any(
+                source.data is None and is_remote(source) for source in request.images):
+            return request
+        self._slots.release()
+        try:
+            images = await trio.to_thread.run_sync(fetch_remote, request.images, limiter=self._fetch_limiter)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._slots.acquire()
+        return attrs.evolve(request, images=images)
 
     def _slot_done(self) -> None:
         """A routed message is done with its slot (the router admits a bounded number at once)."""
         self._num_in_flight -= 1
         self._slots.release()
 
-    def _reject(self, message: RouteRequest, error: InvalidRequest) -> None:
+    def _reject(self, message: RouteRequest, error: MlxcelError) -> None:
         self._num_rejected += 1
         with message.events, contextlib.suppress(trio.BrokenResourceError, trio.WouldBlock):
             message.events.send_nowait(RequestFailed(error=error))
@@ -515,6 +553,12 @@ class RouterActor:
             retain_seconds=request.cache.retain_seconds if cache_context is not None else 0.0,
             vision=rendered.vision,
         ), events=message.events)
+
+
+def _preparation_failed() -> InternalError:
+    """What a request gets when preparing it raised something unforeseen: a 500, logged with its traceback."""
+    logger.exception("preparing a request failed")
+    return InternalError("the server failed while preparing this request", code="preparation_failed")
 
 
 def _answer(reply_to: trio.MemorySendChannel[Any], answer: Any) -> None:

@@ -345,8 +345,10 @@ class PromptCacheStore:
             if nearest is not None:
                 neighbor = self._entries[nearest[0]]
                 # A lookup of its own prompt is capped one token short, so a newer entry that parts from it
-                # at its prompt's last token still serves everything it could.
+                # at its prompt's last token still serves everything it could (by a partial match, which
+                # multimodal lookups decline: their entries stay).
                 if (neighbor.owner is None and neighbor.context == context and neighbor.prompt_len is not None
+                        and not context.is_multimodal
                         and neighbor.prompt_len - 1 <= nearest[1] < neighbor.num_tokens):
                     dominated = neighbor
             for older_id, length in walk.prefix_matches(tag=context.session_key):

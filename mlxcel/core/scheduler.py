@@ -806,7 +806,8 @@ class SchedulerCore:
             self._donate_snapshot(item)
             return
         context: CacheContext | None = None
-        prompt_len, retain_seconds = len(item.tokens), 0.0
+        tokens = item.tokens
+        prompt_len, retain_seconds = len(tokens), 0.0
         if item.final:
             if item.sequence_id in self._pending_donations:
                 context, prompt_len, retain_seconds = self._pending_donations.pop(item.sequence_id)
@@ -814,9 +815,14 @@ class SchedulerCore:
             running = self._running.get(item.sequence_id)
             if running is not None:
                 context, retain_seconds = running.request.cache_context, running.request.retain_seconds
+                vision = running.request.vision
+                if vision is not None and vision.entry_end is not None:
+                    # An image prompt's entry ends with its last message (docs/prompt-cache.md, "Images").
+                    tokens = tokens[:vision.entry_end]
+                    prompt_len = len(tokens)
         if context is None:
             return
-        self._effects.append(DonateSequence(context=context, tokens=item.tokens, payload=item.payload,
+        self._effects.append(DonateSequence(context=context, tokens=tokens, payload=item.payload,
                                             nbytes=item.nbytes, prompt_len=prompt_len,
                                             retain_seconds=retain_seconds))
 

@@ -172,15 +172,22 @@ class StoreStatistics:
 
 
 class ResponseStore:
-    """Recent stored responses, least recently used evicted first past `max_entries` or `max_bytes`.
+    """Recent stored responses, bounded by `max_entries` and `max_bytes`, fairly among owners.
 
-    Held by the HTTP app (one event loop, no locking); an entry's size is its JSON length.
+    Past either bound, the owner holding the most (entries, or bytes for the
+    byte bound) gives up its least recently used response: one owner
+    storing a flood of responses evicts its own, never every other owner's
+    `previous_response_id`. Held by the HTTP app (one event loop, no
+    locking); an entry's size is its JSON length.
     """
 
     def __init__(self, *, max_entries: int = DEFAULT_STORE_ENTRIES, max_bytes: int = DEFAULT_STORE_BYTES) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
+        # Per owner, its responses least recently used first.
+        self._owners: dict[str, OrderedDict[str, StoredResponse]] = {}
+        self._owner_bytes: dict[str, int] = {}
+        self._num_entries = 0
         self._nbytes = 0
         self._num_evicted = 0
 
@@ -191,30 +198,51 @@ class ResponseStore:
         if nbytes > self.max_bytes or self.max_entries < 1:
             return False
         self.delete(owner, response_id)
-        self._entries[(owner, response_id)] = StoredResponse(
+        self._owners.setdefault(owner, OrderedDict())[response_id] = StoredResponse(
             body=body, items=items, input_items=input_items, nbytes=nbytes)
+        self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + nbytes
+        self._num_entries += 1
         self._nbytes += nbytes
-        while len(self._entries) > self.max_entries or self._nbytes > self.max_bytes:
-            _key, evicted = self._entries.popitem(last=False)
-            self._nbytes -= evicted.nbytes
-            self._num_evicted += 1
+        while self._num_entries > self.max_entries:
+            self._evict_from(self._largest(lambda name: len(self._owners[name]), owner))
+        while self._nbytes > self.max_bytes:
+            self._evict_from(self._largest(self._owner_bytes.__getitem__, owner))
         return True
 
+    def _largest(self, measure: Callable[[str], int], keeping: str) -> str:
+        """The owner holding the most, by measure, other than one whose only response was just stored."""
+        candidates = [name for name in self._owners if name != keeping or len(self._owners[name]) > 1]
+        return max(candidates, key=measure)
+
     def get(self, owner: str, response_id: str) -> StoredResponse | None:
-        entry = self._entries.get((owner, response_id))
-        if entry is not None:
-            self._entries.move_to_end((owner, response_id))
+        responses = self._owners.get(owner)
+        entry = responses.get(response_id) if responses is not None else None
+        if entry is not None and responses is not None:
+            responses.move_to_end(response_id)
         return entry
 
     def delete(self, owner: str, response_id: str) -> bool:
-        entry = self._entries.pop((owner, response_id), None)
+        responses = self._owners.get(owner)
+        entry = responses.pop(response_id, None) if responses is not None else None
         if entry is None:
             return False
-        self._nbytes -= entry.nbytes
+        self._forget(owner, entry)
         return True
 
     def statistics(self) -> StoreStatistics:
-        return StoreStatistics(num_entries=len(self._entries), nbytes=self._nbytes, num_evicted=self._num_evicted)
+        return StoreStatistics(num_entries=self._num_entries, nbytes=self._nbytes, num_evicted=self._num_evicted)
+
+    def _evict_from(self, owner: str) -> None:
+        _response_id, entry = self._owners[owner].popitem(last=False)
+        self._forget(owner, entry)
+        self._num_evicted += 1
+
+    def _forget(self, owner: str, entry: StoredResponse) -> None:
+        self._num_entries -= 1
+        self._nbytes -= entry.nbytes
+        self._owner_bytes[owner] -= entry.nbytes
+        if not self._owners[owner]:
+            del self._owners[owner], self._owner_bytes[owner]
 
 
 def not_found(response_id: str, param: str | None = "previous_response_id") -> InvalidRequest:

@@ -103,6 +103,8 @@ class Limits:
     # `http(s)://` image URLs are fetched (`--allow-image-urls`), within max_image_bytes and this time.
     allow_image_urls: bool = False
     image_fetch_timeout_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
+    # Hosts (names, addresses) and networks (CIDR) a fetch may reach although they are not public addresses.
+    image_fetch_allow: tuple[str, ...] = ()
 
 
 DEFAULT_LIMITS = Limits()
@@ -992,7 +994,7 @@ def image_source(url: str, path: str, limits: Limits) -> ImageSource:
             _fail(path, f"{path}: remote image URLs are off on this server (--allow-image-urls turns them on)",
                   _UNSUPPORTED)
         return ImageSource(param=path, url=url, max_bytes=limits.max_image_bytes,
-                           timeout_s=limits.image_fetch_timeout_s)
+                           timeout_s=limits.image_fetch_timeout_s, fetch_allow=limits.image_fetch_allow)
     _fail(path, f"{path}: an image URL must be a base64 data URL" + (
         ", a file:// URL" if limits.image_file_root is not None else "") + (
         " or an http(s) URL" if limits.allow_image_urls else ""))

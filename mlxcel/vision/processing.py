@@ -27,6 +27,7 @@ image features into later layers too (deepstack), not only the embeddings.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,9 @@ class VisionInputs:
 
     images: tuple[PreparedImage, ...] = attrs.field(repr=False)
     spans: tuple[tuple[int, int], ...]
+    # Where the prompt's own cache entry ends (None: the whole prompt): before the generation prompt,
+    # which an exact resend runs again and a next turn may re-tokenize along with the reply.
+    entry_end: int | None = None
 
     @property
     def end(self) -> int:
@@ -128,6 +132,8 @@ def vision_spec(config: dict[str, Any], folder: Path, tokenizer: Any) -> VisionS
                       end_token_id=_token_id(tokenizer, "[IMG_END]"), patch=patch, processor_config=processor_config)
 
 
+# The most pixels an image may be resized to before a processor crops or patches it (float32 RGB: 192 MiB).
+MAX_RESIZED_PIXELS = 1 << 24
 _PROCESSOR_KEYS = ("do_resize", "size", "resample", "do_center_crop", "crop_size", "do_rescale", "rescale_factor",
                    "do_normalize", "image_mean", "image_std", "do_convert_rgb")
 _QWEN_PROCESSOR_KEYS = ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size")
@@ -155,6 +161,37 @@ class ImagePreparer:
 
             self._processor = PixtralImageProcessorPil(**config)
 
+    def resized_size(self, width: int, height: int) -> tuple[int, int]:
+        """The (width, height) this model's processor resizes an image of that size to, computed from the size
+        alone (the processors' own rules), so a target too large is refused before anything is decoded."""
+        size = self._processor.size
+        if self.spec.mrope:
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+            factor = int(self._processor.patch_size) * int(self._processor.merge_size)
+            resized_height, resized_width = smart_resize(height, width, factor=factor,
+                                                         min_pixels=size.shortest_edge, max_pixels=size.longest_edge)
+            return int(resized_width), int(resized_height)
+        if size.shortest_edge:  # CLIP: the short side scaled to shortest_edge
+            short = min(width, height)
+            return math.ceil(width * size.shortest_edge / short), math.ceil(height * size.shortest_edge / short)
+        if size.longest_edge:  # Pixtral: scaled down until the long side fits
+            ratio = max(width, height) / size.longest_edge
+            return (width, height) if ratio <= 1 else (math.floor(width / ratio), math.floor(height / ratio))
+        return int(size.width or width), int(size.height or height)
+
+    def check_size(self, width: int, height: int, param: str) -> None:
+        """A 400 naming the part when the processor would resize the image to nothing or to too many pixels."""
+        try:
+            resized_width, resized_height = self.resized_size(width, height)
+        except (ValueError, ZeroDivisionError, OverflowError) as error:
+            raise InvalidRequest(f"{param}: a {width}x{height} image cannot be prepared for this model: {error}",
+                                 param=param, code="invalid_value") from None
+        if resized_width < 1 or resized_height < 1 or resized_width * resized_height > MAX_RESIZED_PIXELS:
+            raise InvalidRequest(
+                f"{param}: a {width}x{height} image would be resized to {resized_width}x{resized_height} pixels "
+                f"for this model (at most {MAX_RESIZED_PIXELS} and at least 1x1)", param=param, code="invalid_value")
+
     def prepare(self, image: Any) -> PreparedImage:
         spec = self.spec
         if spec.family == "llava":
@@ -181,9 +218,15 @@ class ImagePreparer:
                              extras=(("image_sizes", out["image_sizes"][:1]),), tokens=tuple(tokens))
 
 
-def expand(tokens: Sequence[int], spec: VisionSpec, images: Sequence[PreparedImage]) -> tuple[tuple[int, ...],
-                                                                                              VisionInputs]:
+def expand(tokens: Sequence[int], spec: VisionSpec, images: Sequence[PreparedImage], *,
+           entry_end: int | None = None) -> tuple[tuple[int, ...], VisionInputs]:
     """The prompt with each image's placeholder token replaced by its run, and where the runs lie.
+
+    ``entry_end`` is a position in ``tokens`` where the prompt's cache entry
+    should end (the end of the last message, before the generation prompt);
+    it moves with the runs, and is kept only past the last image. Without
+    it, or when it is not past the images, the entry ends one token short
+    of the prompt (a resend of it prefills that one token again).
 
     A 400 when the rendered prompt holds a different number of placeholders
     than the request has images (the text spelled the placeholder itself, or
@@ -204,4 +247,19 @@ def expand(tokens: Sequence[int], spec: VisionSpec, images: Sequence[PreparedIma
         out.extend(image.tokens)
         previous = position + 1
     out.extend(tokens[previous:])
-    return tuple(out), VisionInputs(images=tuple(images), spans=tuple(spans))
+    image_end = spans[-1][1] if spans else 0
+    end = len(out) - 1
+    if entry_end is not None and positions and positions[-1] < entry_end < len(tokens):
+        end = entry_end + (len(out) - len(tokens))
+    return tuple(out), VisionInputs(images=tuple(images), spans=tuple(spans),
+                                    entry_end=end if end > image_end else None)
+
+
+def stray_placeholder(tokens: Sequence[int], spec: VisionSpec) -> int | None:
+    """The index of the first image placeholder token in a prompt that carries no image (None: none)."""
+    if spec.image_token_id < 0:
+        return None
+    try:
+        return list(tokens).index(spec.image_token_id)
+    except ValueError:
+        return None

@@ -507,3 +507,38 @@ async def test_render_prompt_renders_without_submitting(nursery: trio.Nursery) -
     with pytest.raises(trio.WouldBlock):
         harness.scheduler.receive_nowait()
     assert harness.actor.statistics() == RouterStats(num_routed=1, num_rejected=0)
+
+
+class _FailingRenderer:
+    """A renderer whose first calls raise what no request check foresaw (an image processor's MemoryError)."""
+
+    def __init__(self, errors: list[BaseException]) -> None:
+        self._errors = errors
+
+    def render(self, request: Any) -> Any:
+        if self._errors:
+            raise self._errors.pop(0)
+        return PromptRenderer(llama_info(), default_template_kwargs={}, cache_enabled=True).render(request)
+
+
+@pytest.mark.parametrize("error", [MemoryError(), OverflowError("cannot fit 'int' into an index-sized integer"),
+                                   RuntimeError("unforeseen")])
+async def test_an_unforeseen_error_while_preparing_fails_that_request_only(nursery: trio.Nursery,
+                                                                             error: Exception) -> None:
+    from mlxcel.actors.messages import RenderPrompt
+    from mlxcel.errors import InternalError
+
+    harness = await start_router(nursery, renderer=_FailingRenderer([error, error]))
+    submit, events = await harness.route(chat())
+    assert submit is None
+    failed = failure_of(events)
+    assert isinstance(failed.error, InternalError)
+    assert (failed.error.status, failed.error.code) == (500, "preparation_failed")
+    # The render route too; then the router goes on routing.
+    reply_to, replies = trio.open_memory_channel[Any](1)
+    await harness.inbox.send(RenderPrompt(request=chat(), reply_to=reply_to))  # type: ignore[arg-type]
+    with trio.fail_after(10):
+        answer = await replies.receive()
+    assert isinstance(answer, InternalError)
+    submit, _ = await harness.route(chat(), request_id="req-2")
+    assert submit is not None

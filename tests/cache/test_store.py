@@ -260,6 +260,23 @@ def test_an_entry_parted_from_at_its_prompts_last_token_is_dropped_too() -> None
     assert kept.entry_id in {info.entry_id for info in store.entries_by_recency()}
 
 
+def test_an_image_entry_parted_from_at_its_prompts_last_token_stays() -> None:
+    """Image lookups take whole entries only, so the newer entry cannot serve the old prompt: it stays,
+    with the alias of its prompt's own entry that a resend of that prompt adopts."""
+    store = _store()
+    old_prompt, reply = SHARED[:50], _tokens(3000, 8)
+    prompt_entry = store.insert(IMAGE, old_prompt[:-3], "old", 580, now=0, prompt_len=47)
+    old = store.insert(IMAGE, old_prompt + reply, "old", 580, now=1, prompt_len=len(old_prompt))
+    new_prompt = old_prompt[:-1] + _tokens(4000, 30)
+    outcome = store.insert(IMAGE, new_prompt + _tokens(8000, 5), "new", 830, now=2, prompt_len=len(new_prompt))
+    assert outcome.evictions == ()
+    live = {info.entry_id for info in store.entries_by_recency()}
+    assert {prompt_entry.entry_id, old.entry_id, outcome.entry_id} <= live
+    match = store.lookup(IMAGE, old_prompt, now=3, max_len=len(old_prompt) - 1)
+    assert match is not None
+    assert match.matched_len == 47
+
+
 def test_other_sessions_are_not_superseded() -> None:
     store = _store()
     store.insert(BOB, SHARED[:40], "bob", 400, now=0)

@@ -103,12 +103,16 @@ def test_remote_images_are_fetched_within_the_size_limit(tmp_path) -> None:
     thread.start()
     try:
         base = f"http://127.0.0.1:{server.server_address[1]}"
-        assert resolve(ImageSource(param="p", url=f"{base}/small.png", max_bytes=4096)) == png()
+        allow = ("127.0.0.1",)
+        assert resolve(ImageSource(param="p", url=f"{base}/small.png", max_bytes=4096, fetch_allow=allow)) == png()
         with pytest.raises(InvalidRequest, match="over this server's limit"):
-            resolve(ImageSource(param="p", url=f"{base}/big.png", max_bytes=4096))
+            resolve(ImageSource(param="p", url=f"{base}/big.png", max_bytes=4096, fetch_allow=allow))
         with pytest.raises(InvalidRequest, match="cannot fetch") as caught:
-            resolve(ImageSource(param="messages[0].content[1]", url=f"{base}/missing.png"))
+            resolve(ImageSource(param="messages[0].content[1]", url=f"{base}/missing.png", fetch_allow=allow))
         assert caught.value.param == "messages[0].content[1]"
+        # What the remote said stays out of the message: no status code, no port.
+        assert "404" not in caught.value.message
+        assert str(server.server_address[1]) not in caught.value.message
     finally:
         server.shutdown()
         server.server_close()
@@ -140,6 +144,10 @@ def test_the_image_flags_reach_the_request_limits(tmp_path) -> None:
                                          allow_image_urls=True, image_fetch_timeout=3.0))
     assert (limits.max_images, limits.max_image_bytes, limits.image_file_root, limits.allow_image_urls,
             limits.image_fetch_timeout_s) == (2, 1000, str(tmp_path), True, 3.0)
+    allowing = request_limits(ServerConfig(allow_image_urls=True, image_fetch_allow=("10.0.0.0/8", "images.lan")))
+    assert allowing.image_fetch_allow == ("10.0.0.0/8", "images.lan")
+    request = parse_chat_request(body("http://images.lan/a.png"), limits=allowing)
+    assert request.images[0].fetch_allow == ("10.0.0.0/8", "images.lan")
     assert (Limits().image_file_root, Limits().allow_image_urls) == (None, False)
 
 
@@ -172,3 +180,40 @@ def test_a_refused_family_answers_images_with_its_reason() -> None:
     assert caught.value.code == "unsupported_content"
     assert caught.value.param == "messages[0].content[1].image_url.url"
     assert caught.value.message.endswith(": Qwen3-VL adds image features inside later layers")
+
+
+def test_sizes_are_checked_from_the_header_before_decoding() -> None:
+    """A 1 x 7,000,000 strip is refused by its aspect ratio; within it, CLIP at 336 pixels would still
+    scale a 1 x 200 strip to 336 x 67,200 (22.6 megapixels): refused by the resize bound."""
+    from mlxcel.vision.images import check_dimensions
+    from mlxcel.vision.processing import ImagePreparer, VisionSpec
+
+    with pytest.raises(InvalidRequest, match="200-fold"):
+        check_dimensions(1, 7_000_000, "p")
+    with pytest.raises(InvalidRequest, match="limit of"):
+        check_dimensions(10_000, 10_000, "p")
+    check_dimensions(1, 200, "p")
+    clip = ImagePreparer(VisionSpec(family="llava", image_token_id=5, placeholder="<image>", tokens_per_image=4,
+                                    processor_config={"size": {"shortest_edge": 336},
+                                                      "crop_size": {"height": 336, "width": 336}}))
+    assert clip.resized_size(1, 200) == (336, 67_200)
+    with pytest.raises(InvalidRequest, match="resized to 336x67200") as caught:
+        clip.check_size(1, 200, "messages[0].content[1].image_url.url")
+    assert caught.value.param == "messages[0].content[1].image_url.url"
+    clip.check_size(640, 480, "p")
+
+
+def test_the_entry_end_moves_with_the_image_runs() -> None:
+    from mlxcel.vision.processing import PreparedImage, VisionSpec, expand
+
+    spec = VisionSpec(family="llava", image_token_id=9, placeholder="<image>", tokens_per_image=3)
+    image = PreparedImage(pixel_values=None, tokens=(9, 9, 9))
+    # 1 9 2 | 3 4: the messages end after token 2 (position 3), the generation prompt is 3 4.
+    tokens, vision = expand([1, 9, 2, 3, 4], spec, [image], entry_end=3)
+    assert tokens == (1, 9, 9, 9, 2, 3, 4)
+    assert (vision.end, vision.entry_end) == (4, 5)
+    # No end given (or one not past the images): one token short of the prompt.
+    assert expand([1, 9, 2, 3, 4], spec, [image])[1].entry_end == 6
+    assert expand([1, 9, 2, 3, 4], spec, [image], entry_end=1)[1].entry_end == 6
+    # An image at the very end leaves nothing before it worth an entry of its own.
+    assert expand([1, 2, 9], spec, [image])[1].entry_end is None

@@ -19,6 +19,7 @@ class Images:
     """What the core reads of mlxcel.vision.processing.VisionInputs."""
 
     end: int
+    entry_end: int | None = None
 
 
 def start_with(prompt_length: int, image_end: int, hit: int | None, **capabilities) -> StartDirect:
@@ -71,3 +72,32 @@ def test_a_long_hit_prefilled_alone_keeps_the_image_rows(monkeypatch: pytest.Mon
     (start,) = harness.step().starts
     assert isinstance(start, StartAlone)
     assert (start.kept, start.adopted is not None) == (34, True)
+
+
+def test_an_image_prompt_is_donated_up_to_its_entry_end_and_the_reply_whole() -> None:
+    """The prompt's entry ends where the router said (before the generation prompt)."""
+    from mlxcel.core.effects import DonateSequence
+    from mlxcel.core.plan import DetachedSequence, StepPlan, StepResult
+
+    harness = Harness()
+    prompt = tuple(range(40))
+    harness.core.add(NewRequest(request_id="r", prompt_tokens=prompt, sampling=GREEDY, max_tokens=8,
+                                cache_context=CONTEXT, vision=Images(end=30, entry_end=37)), harness.clients)
+    (start,) = harness.step().starts
+    assert start.donate_prompt is True
+    harness.core.take_effects()
+    prompt_kv = DetachedSequence(sequence_id=start.sequence_id, tokens=prompt, payload="kv", nbytes=64, final=False)
+    harness.core.update(StepPlan(), StepResult(step_number=2, detached=(prompt_kv,)), harness.clients, 0.0)
+    (donation,) = [effect for effect in harness.core.take_effects() if isinstance(effect, DonateSequence)]
+    # The payload keeps all 40 rows (nothing is copied); the entry names 37 tokens of them.
+    assert (donation.tokens, donation.prompt_len, donation.payload) == (prompt[:37], 37, "kv")
+    # Without an entry end (the router found none past the images), the whole prompt as before.
+    harness.core.add(NewRequest(request_id="q", prompt_tokens=prompt, sampling=GREEDY, max_tokens=8,
+                                cache_context=attrs.evolve(CONTEXT, session_key="t"), vision=Images(end=30)),
+                     harness.clients)
+    (other,) = harness.step().starts
+    harness.core.take_effects()
+    prompt_kv = attrs.evolve(prompt_kv, sequence_id=other.sequence_id)
+    harness.core.update(StepPlan(), StepResult(step_number=4, detached=(prompt_kv,)), harness.clients, 0.0)
+    (whole,) = [effect for effect in harness.core.take_effects() if isinstance(effect, DonateSequence)]
+    assert (whole.tokens, whole.prompt_len) == (prompt, 40)
