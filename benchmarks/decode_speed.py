@@ -412,10 +412,13 @@ def streams_round(client: StreamClient, model: str, level: int, args: argparse.N
     wall = max(result.end for result in results) - min(result.sent for result in results)
     problems = _problems(results, args.reply_tokens)
     chunks = sum(len(result.token_times) for result in served)
+    gaps = [gap for t in times for gap in stream_gaps(t)]
     return {
         "streams": level,
         "per_token_interval_s": median_gap(times),
-        "gap_p90_s": percentile([gap for t in times for gap in stream_gaps(t)], 0.9),
+        "gap_p90_s": percentile(gaps, 0.9),
+        "gap_p99_s": percentile(gaps, 0.99),
+        "gap_max_s": max(gaps, default=None),
         "aggregate_tokens_per_s": tokens / wall if wall > 0 else None,
         "all_active_tokens_per_s": all_active_rate(times),
         "ttft_median_s": median([result.ttft for result in served if result.ttft is not None]),
@@ -569,7 +572,9 @@ def _s(value: float | None) -> str:
 
 
 def _rate(value: float | None) -> str:
-    return "-" if value is None else f"{value:,.0f}"
+    if value is None:
+        return "-"
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
 
 def _x(value: float | None) -> str:
@@ -633,6 +638,8 @@ def format_table(report: dict[str, Any]) -> str:
         problems += [f"conversations {problem}" for problem in figures.get("conversations", {}).get("problems", [])]
         summary = f"{name}: {len(problems)} streams failed or short" if problems else f"{name}: every stream served"
         lines.append("")
+        if figures.get("skipped"):
+            lines.append(f"{name}: skipped at the deadline: {', '.join(figures['skipped'])}")
         lines.append(summary + "".join(f"\n  {problem}" for problem in problems[:20]))
         if len(problems) > 20:
             lines.append(f"  ... and {len(problems) - 20} more")
