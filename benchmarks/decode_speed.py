@@ -419,6 +419,8 @@ def streams_round(client: StreamClient, model: str, level: int, args: argparse.N
         "gap_p90_s": percentile(gaps, 0.9),
         "gap_p99_s": percentile(gaps, 0.99),
         "gap_max_s": max(gaps, default=None),
+        # The wait between a stream's first and second token: where other streams' starts hold it up.
+        "second_token_gap_median_s": median([t[1] - t[0] for t in times if len(t) > 1]),
         "aggregate_tokens_per_s": tokens / wall if wall > 0 else None,
         "all_active_tokens_per_s": all_active_rate(times),
         "ttft_median_s": median([result.ttft for result in served if result.ttft is not None]),
