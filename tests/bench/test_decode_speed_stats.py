@@ -149,3 +149,37 @@ def test_stream_result_round_trips_through_a_dict() -> None:
 
     result = StreamResult(sent=1.0, end=2.0, token_times=[1.5], text="a", finish_reason="length", done=True)
     assert StreamResult(**asdict(result)) == result
+
+
+async def test_stream_client_times_every_token_of_real_streams(start_engine, start_server) -> None:
+    # The decode benchmark's client against mlxcel over HTTP: one process and two (the results in body order).
+    import trio
+
+    from benchmarks.decode_speed import StreamClient, _body
+
+    engine = await start_engine()
+    base_url = await start_server(engine)
+    bodies = [_body("llama-v1-seed0", [{"role": "user", "content": "word " * (4 + 3 * index)}], 6)
+              for index in range(3)]
+
+    def run(processes: int) -> list[StreamResult]:
+        client = StreamClient(base_url, processes=processes, timeout_s=60, stop_at=float("inf"))
+        try:
+            return client.round(bodies)[0]
+        finally:
+            client.close()
+
+    for processes in (1, 2):
+        results = await trio.to_thread.run_sync(run, processes)
+        prompt_lengths = [result.prompt_tokens for result in results]
+        assert all(length is not None for length in prompt_lengths)
+        assert prompt_lengths == sorted(prompt_lengths)
+        assert len(set(prompt_lengths)) == 3
+        for result in results:
+            assert result.problem(6) is None
+            assert len(result.token_times) == result.completion_tokens == 6
+            assert result.sent < result.token_times[0] <= result.token_times[-1] <= result.end
+        assert median_gap([result.token_times for result in results]) > 0
+    # The engine goes idle before the test stops it: stopped straight after the last stream's end, the
+    # process aborted at exit in 3 of 5 runs ("terminate called without an active exception"), 0 of 3 so.
+    await trio.sleep(3)
