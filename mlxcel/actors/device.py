@@ -16,7 +16,7 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -896,7 +896,7 @@ def _make_sampling(
     just sampled, its sampler masks what the grammar forbids (see _Grammars).
     """
     sampler = _make_sampler(sampling)
-    processors = _make_logits_processors(sampling)
+    processors = _make_logits_processors(sampling, grammars.eos_token_ids if grammars is not None else ())
     if sampling.grammar is None:
         return sampler, processors
     if grammars is None:
@@ -905,11 +905,15 @@ def _make_sampling(
     return grammar.sampler(sampler), [*(processors or ()), grammar.feed]
 
 
-def _make_logits_processors(sampling: SamplingParams) -> list[Callable[[Any, Any], Any]] | None:
-    """mlx-lm's processors for the request's penalties and logit_bias; None when none."""
+def _make_logits_processors(
+    sampling: SamplingParams, eos_token_ids: Collection[int] = ()
+) -> list[Callable[[Any, Any], Any]] | None:
+    """mlx-lm's processors for the request's penalties and logit_bias, and min_tokens / ignore_eos; None when none."""
     if not sampling.processes_logits:
         return None
     from mlx_lm.sample_utils import make_logits_processors
+
+    from mlxcel.model.eos_guard import eos_guard
 
     processors: list[Callable[[Any, Any], Any]] = make_logits_processors(
         logit_bias=dict(sampling.logit_bias) or None,
@@ -920,7 +924,8 @@ def _make_logits_processors(sampling: SamplingParams) -> list[Callable[[Any, Any
         frequency_penalty=sampling.frequency_penalty or None,
         frequency_context_size=sampling.penalty_context,
     )
-    return processors
+    guard = eos_guard(sampling, eos_token_ids)
+    return [*processors, guard] if guard is not None else processors
 
 
 class _Grammars:
@@ -940,6 +945,8 @@ class _Grammars:
     def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
         self._tokenizer = tokenizer
         self._eos_token_ids = sorted(eos_token_ids)
+        # Also what min_tokens / ignore_eos mask (the _Grammars object is the worker's one view of them).
+        self.eos_token_ids = frozenset(eos_token_ids)
         self._ll_tokenizer: Any = None
         self._executor: Any = None
         # Fed this step, mask not computed yet.

@@ -141,8 +141,11 @@ class ReplySplitter:
         self._tools = parsing.tools
         self.single_call = parsing.single_call
 
-    def feed(self, text: str, *, final: bool = False) -> tuple[str, str, tuple[ToolCall, ...]]:
-        """Returns (content, reasoning, completed tool calls) safe to send now."""
+    def feed(self, text: str, *, final: bool = False, cut: bool = False) -> tuple[str, str, tuple[ToolCall, ...]]:
+        """Returns (content, reasoning, completed tool calls) safe to send now.
+
+        ``cut``: the reply was cut off (max_tokens): a call still open is dropped, not sent as text.
+        """
         pieces: dict[str, list[str]] = {CONTENT: [], REASONING: []}
         calls: list[ToolCall] = []
         self._buffer += text
@@ -151,15 +154,15 @@ class ReplySplitter:
                      if (index := self._buffer.find(marker)) >= 0]
             if not found:
                 break
-            cut, marker, target = min(found, key=lambda item: item[0])
-            self._region_text(self._buffer[:cut], pieces)
-            self._buffer = self._buffer[cut + len(marker):]
+            at, marker, target = min(found, key=lambda item: item[0])
+            self._region_text(self._buffer[:at], pieces)
+            self._buffer = self._buffer[at + len(marker):]
             self._leave(target, pieces, calls)
         keep = 0 if final else _partial_marker(self._buffer, [marker for marker, _ in self._markers[self.state]])
         self._region_text(self._buffer[: len(self._buffer) - keep], pieces)
         self._buffer = self._buffer[len(self._buffer) - keep:]
         if final:
-            self._finish(pieces, calls)
+            self._finish(pieces, calls, cut=cut)
         return "".join(pieces[CONTENT]), "".join(pieces[REASONING]), tuple(calls)
 
     def _region_text(self, text: str, pieces: dict[str, list[str]]) -> None:
@@ -187,10 +190,15 @@ class ReplySplitter:
         previous, self.state = self.state, target
         self._at_start = target == REASONING or previous != CONTENT
 
-    def _finish(self, pieces: dict[str, list[str]], calls: list[ToolCall]) -> None:
+    def _finish(self, pieces: dict[str, list[str]], calls: list[ToolCall], *, cut: bool) -> None:
         if self.state == TOOL:
             # An end marker never came: mistral's format has none; otherwise the call was cut off.
-            self._end_call(pieces, calls, closed=not self._parsing.format.tool_call_end)
+            if cut:
+                # Cut by max_tokens: the reply is its complete calls (finish_reason "length"), never markup.
+                logger.info("a tool call was cut off by max_tokens; it is dropped")
+                self._tool_text = ""
+            else:
+                self._end_call(pieces, calls, closed=not self._parsing.format.tool_call_end)
             self.state = CONTENT
         if self.state == CONTENT and self._space and not self.num_calls:
             pieces[CONTENT].append(self._space)
@@ -309,6 +317,12 @@ class RequestOutput:
         self._held_text = ""
         # Ids of tokens whose text has not gone out yet.
         self._pending_ids: list[int] = []
+        # Logprobs of tokens whose text has not gone out yet, with where that text starts; a
+        # stop string's tokens are never reported.
+        self._pending_logprobs: list[tuple[int, TokenLogprob]] = []
+        # Characters the stop matcher was given, and of those, sent on.
+        self._num_chars_seen = 0
+        self._num_chars_sent = 0
         # The reply so far as the model wrote it, markers included, when asked
         # for (the warmer renders the next turn from it).
         self._keep_text = keep_text
@@ -330,21 +344,28 @@ class RequestOutput:
             self._pending_ids.append(token)
         if finish_reason is not None:
             self._detokenizer.finalize()
-        emit, self._held_text, hit_stop = self._matcher.feed(self._held_text, self._detokenizer.last_segment)
+        segment = self._detokenizer.last_segment
+        if not is_eos:
+            self._pending_logprobs.extend((self._num_chars_seen, item) for item in self._logprobs(token, logprob, top))
+        self._num_chars_seen += len(segment)
+        emit, self._held_text, hit_stop = self._matcher.feed(self._held_text, segment)
         if finish_reason is not None and not hit_stop:
             # The device finished and dropped the sequence; flush what was held.
             emit, self._held_text = emit + self._held_text, ""
-        logprobs = () if is_eos else self._logprobs(token, logprob, top)
+        self._num_chars_sent += len(emit)
+        logprobs = self._sent_logprobs(stopped=hit_stop, finished=finish_reason is not None)
         if self._keep_text:
             self._parts.append(emit)
         reasoning = ""
         calls: tuple[ToolCall, ...] = ()
         if self._splitter is not None:
-            emit, reasoning, calls = self._splitter.feed(emit, final=finish_reason is not None or hit_stop)
+            emit, reasoning, calls = self._splitter.feed(emit, final=finish_reason is not None or hit_stop,
+                                                         cut=finish_reason == "length" and not hit_stop)
         delta = None
         if emit or reasoning or calls or logprobs:
             token_ids, self._pending_ids = tuple(self._pending_ids), []
-            delta = Delta(text=emit, logprobs=logprobs, token_ids=token_ids, reasoning=reasoning, tool_calls=calls)
+            delta = Delta(text=emit, logprobs=logprobs, token_ids=token_ids, reasoning=reasoning, tool_calls=calls,
+                          progress=self.usage(now))
         if hit_stop:
             # The ids still pending spell the stop string, which is not part of the reply.
             self._pending_ids = []
@@ -371,6 +392,22 @@ class RequestOutput:
             prompt_seconds=first_token_at - self.submitted_at,
             decode_seconds=now - first_token_at,
         )
+
+    def _sent_logprobs(self, *, stopped: bool, finished: bool) -> tuple[TokenLogprob, ...]:
+        """The logprobs of tokens whose text went out (some of it), in order.
+
+        While text is held back (it may start a stop string), so are the logprobs
+        of the tokens that wrote it; at a stop string, the tokens that spell only
+        the stop string are dropped (a token with text before it is kept).
+        """
+        if stopped or not (finished or not self._held_text):
+            sent = tuple(item for start, item in self._pending_logprobs if start < self._num_chars_sent)
+            self._pending_logprobs = [] if stopped else [
+                (start, item) for start, item in self._pending_logprobs if start >= self._num_chars_sent]
+            return sent
+        sent = tuple(item for _start, item in self._pending_logprobs)
+        self._pending_logprobs = []
+        return sent
 
     def _logprobs(self, token: int, logprob: float, top: tuple[tuple[int, float], ...]) -> tuple[TokenLogprob, ...]:
         if not self._sampling.logprobs:
