@@ -142,10 +142,12 @@ def test_a_call_without_a_name_is_content_too() -> None:
     assert (calls(deltas), content(deltas)) == ([], bad)
 
 
-def test_a_call_cut_off_by_the_length_limit_is_content_and_finishes_length() -> None:
-    deltas, final = run('<tool_call>\n{"name": "get_weather", "argum', finish="length", tools=TOOLS)
-    assert calls(deltas) == []
-    assert content(deltas) == '<tool_call>\n{"name": "get_weather", "argum'
+def test_a_call_cut_off_by_the_length_limit_is_dropped_and_finishes_length() -> None:
+    # The complete calls only, never markup in content (LangChain would see no tool_calls).
+    deltas, final = run('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+                        '<tool_call>\n{"name": "get_weather", "argum', finish="length", tools=TOOLS)
+    assert [call.name for call in calls(deltas)] == ["get_weather"]
+    assert content(deltas) == ""
     assert final.finish_reason == "length"
 
 
