@@ -302,7 +302,8 @@ FIM_SPELLINGS: tuple[tuple[str, str, str, str | None, str | None], ...] = (
 
 @functools.cache
 def _fim_ids(tokenizer: Any) -> tuple[int, int, int, int | None, int | None] | None:
-    vocabulary = _backend(tokenizer).get_vocab()
+    get_vocab = getattr(_backend(tokenizer), "get_vocab", None)
+    vocabulary = get_vocab() if callable(get_vocab) else {}
     for prefix, suffix, middle, repository, separator in FIM_SPELLINGS:
         if prefix in vocabulary and suffix in vocabulary and middle in vocabulary:
             return (vocabulary[prefix], vocabulary[suffix], vocabulary[middle],
