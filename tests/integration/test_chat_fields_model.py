@@ -1,0 +1,152 @@
+"""Issue 30's chat fields on the real fixture model, through the openai SDK and a real server.
+
+Random weights, so each test makes the outcome depend on the field alone: a
+logit bias that makes the end-of-sequence token win (min_tokens, ignore_eos),
+a grammar whose property order is the schema's, a stop string cut out of a
+greedy reply whose logprobs were seen first, and a forced tool call that
+must end after one call, or be dropped when max_tokens cuts it.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import trio
+
+from mlxcel.model.fixtures import EOS_TOKEN, SPECIAL_TOKENS
+from tests.http.test_tool_loop_and_logprobs import fixture_copy, start
+from tests.integration.test_forced_tool_calls import TOOLS
+from tests.integration.test_tool_calls import TOOL_TEMPLATE
+
+MESSAGES = [{"role": "user", "content": "Say something."}]
+EOS_BIAS = {str(SPECIAL_TOKENS[EOS_TOKEN]): 100}
+
+
+def client_for(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+async def create(client: openai.OpenAI, **kwargs: Any) -> Any:
+    kwargs.setdefault("model", "llama-v1-seed0")
+    kwargs.setdefault("messages", MESSAGES)
+    kwargs.setdefault("temperature", 0)
+    return await trio.to_thread.run_sync(partial(client.chat.completions.create, **kwargs))
+
+
+async def test_min_tokens_and_ignore_eos_hold_off_the_end_of_sequence(start_engine, start_server) -> None:
+    engine = await start_engine("llama")
+    client = client_for(await start_server(engine))
+    kwargs = {"model": engine.model_id, "logit_bias": EOS_BIAS, "max_tokens": 12}
+    at_once = await create(client, **kwargs)
+    assert (at_once.choices[0].finish_reason, at_once.usage.completion_tokens) == ("stop", 0)
+    held = await create(client, **kwargs, extra_body={"min_tokens": 5})
+    assert (held.choices[0].finish_reason, held.usage.completion_tokens) == ("stop", 5)
+    ignored = await create(client, **kwargs, extra_body={"ignore_eos": True})
+    assert (ignored.choices[0].finish_reason, ignored.usage.completion_tokens) == ("length", 12)
+    async with httpx.AsyncClient(base_url=engine_url(client), timeout=60) as http:
+        native = (await http.post("/completion", json={"prompt": "Once", "n_predict": 6, "ignore_eos": True,
+                                                       "logit_bias": [[SPECIAL_TOKENS[EOS_TOKEN], 100]]})).json()
+    assert (native["stop_type"], native["tokens_predicted"]) == ("limit", 6)
+
+
+def engine_url(client: openai.OpenAI) -> str:
+    return str(client.base_url).removesuffix("/v1/")
+
+
+async def test_a_final_assistant_message_is_continued_not_closed(start_engine, start_server) -> None:
+    engine = await start_engine("llama")
+    base_url = await start_server(engine)
+    prefill = [*MESSAGES, {"role": "assistant", "content": "The answer is"}]
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        continued = (await http.post("/apply-template", json={"messages": prefill})).json()["prompt"]
+        closed = (await http.post("/apply-template", json={"messages": prefill,
+                                                           "continue_final_message": False})).json()["prompt"]
+    assert continued.endswith("<|im_start|>assistant\nThe answer is")
+    assert closed.endswith("The answer is<|im_end|>\n<|im_start|>assistant\n")
+    reply = await create(client_for(base_url), model=engine.model_id, messages=prefill, max_tokens=4)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_structured_output_keeps_the_schema_property_order(start_engine, start_server) -> None:
+    engine = await start_engine("llama")
+    client = client_for(await start_server(engine))
+    schema = {"type": "object", "properties": {"reasoning": {"type": "string", "maxLength": 6},
+                                               "answer": {"type": "string", "maxLength": 6}},
+              "required": ["reasoning", "answer"], "additionalProperties": False}
+    for seed in range(3):
+        reply = await create(client, model=engine.model_id, temperature=1.0, seed=seed, max_tokens=60,
+                             response_format={"type": "json_schema",
+                                              "json_schema": {"name": "r", "schema": schema, "strict": True}})
+        assert list(json.loads(reply.choices[0].message.content)) == ["reasoning", "answer"]
+
+
+async def test_stop_string_tokens_are_not_in_the_logprobs(start_engine, start_server) -> None:
+    engine = await start_engine("llama")
+    client = client_for(await start_server(engine))
+    # Seeded sampling: the same reply twice (greedy repeats one token on these weights).
+    sampled = {"model": engine.model_id, "max_tokens": 16, "logprobs": True, "temperature": 1.0, "seed": 3}
+    free = await create(client, **sampled)
+    tokens = [item.token for item in free.choices[0].logprobs.content]
+    # A stop string of two whole tokens that does not occur earlier in the reply.
+    cut = next(index for index in range(3, len(tokens) - 2)
+               if (stop := tokens[index] + tokens[index + 1]).strip() and stop not in "".join(tokens[:index + 1]))
+    stop = tokens[cut] + tokens[cut + 1]
+    stopped = await create(client, **sampled, stop=[stop])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert [item.token for item in stopped.choices[0].logprobs.content] == tokens[:cut]
+
+
+@pytest.fixture
+async def tool_server(nursery: trio.Nursery, start_server: Any, tmp_path: Path) -> tuple[Any, openai.OpenAI]:
+    engine, base_url = await start(nursery, start_server, fixture_copy(tmp_path / "tools", template=TOOL_TEMPLATE))
+    return engine, client_for(base_url)
+
+
+async def test_a_forced_call_ends_when_its_call_closes(tool_server: Any) -> None:
+    engine, client = tool_server
+    for seed in range(3):
+        # No parallel_tool_calls sent: one call, whatever OpenAI's default for "auto".
+        reply = await create(client, model=engine.model_id, tools=TOOLS, tool_choice="required", temperature=1.0,
+                             seed=seed, max_tokens=600)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message
+        assert len(choice.message.tool_calls) == 1
+        assert not choice.message.content
+
+
+async def test_a_forced_call_cut_by_max_tokens_is_length_without_markup(tool_server: Any) -> None:
+    engine, client = tool_server
+    for stream in (False, True):
+        reply = await create(client, model=engine.model_id, tools=TOOLS, tool_choice="required", max_tokens=12,
+                             stream=stream)
+        if stream:
+            chunks = await trio.to_thread.run_sync(list, reply)
+            content = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+            calls = [call for chunk in chunks if chunk.choices for call in chunk.choices[0].delta.tool_calls or ()]
+            finish = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1]
+        else:
+            content, calls, finish = (reply.choices[0].message.content or "", reply.choices[0].message.tool_calls
+                                      or [], reply.choices[0].finish_reason)
+        assert (finish, content, calls) == ("length", "", [])
+
+
+async def test_native_prompt_past_the_context_is_llamacpp_exceed_context_size_error(
+    start_engine, start_server,
+) -> None:
+    engine = await start_engine("llama")
+    base_url = await start_server(engine)
+    size = engine.model.context_size
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        native = await http.post("/completion", json={"prompt": [1] * (size + 3), "n_predict": 2})
+        openai_shape = await http.post("/v1/completions", json={"prompt": [1] * (size + 3), "max_tokens": 2})
+    assert native.status_code == 400
+    assert native.json() == {"error": {"code": 400, "message": native.json()["error"]["message"],
+                                       "type": "exceed_context_size_error", "n_prompt_tokens": size + 3,
+                                       "n_ctx": size}}
+    assert openai_shape.json()["error"]["code"] == "context_length_exceeded"
