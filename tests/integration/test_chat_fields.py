@@ -139,7 +139,11 @@ async def test_reasoning_effort_reaches_the_router(start_fake: Any) -> None:
 async def test_structured_output_aliases_compile_a_grammar(start_fake: Any, extra: dict[str, Any]) -> None:
     engine, url = await start_fake()
     await create(client_for(url), extra_body=extra)
-    assert last_chat(engine).sampling.grammar is not None
+    grammar = last_chat(engine).sampling.grammar
+    await create(client_for(url), response_format={"type": "json_object"})
+    # The field's own constraint, not just "any JSON object".
+    assert grammar is not None
+    assert grammar != last_chat(engine).sampling.grammar
 
 
 async def test_two_structured_output_fields_at_once_are_refused(start_fake: Any) -> None:

@@ -150,3 +150,55 @@ async def test_native_prompt_past_the_context_is_llamacpp_exceed_context_size_er
                                        "type": "exceed_context_size_error", "n_prompt_tokens": size + 3,
                                        "n_ctx": size}}
     assert openai_shape.json()["error"]["code"] == "context_length_exceeded"
+
+
+# ---- --chat-template, --tool-call-parser, --reasoning-parser ------------------------------------------------
+
+
+async def test_chat_template_flag_brings_its_tool_call_format(start_engine, start_server) -> None:
+    """The plain fixture's template has no tool-call format; --chat-template with one makes forced calls work."""
+    engine = await start_engine("llama", chat_template=TOOL_TEMPLATE)
+    client = client_for(await start_server(engine))
+    reply = await create(client, model=engine.model_id, tools=TOOLS, tool_choice="required", temperature=1.0,
+                         seed=1, max_tokens=600)
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert len(reply.choices[0].message.tool_calls) == 1
+
+
+async def test_tool_call_parser_none_turns_the_format_off(nursery: trio.Nursery, start_server: Any,
+                                                          tmp_path: Path) -> None:
+    import attrs
+
+    from mlxcel.engine import run_engine
+    from tests.support import make_engine_config
+
+    config = attrs.evolve(make_engine_config(), model_path=fixture_copy(tmp_path / "tools", template=TOOL_TEMPLATE),
+                          tool_call_parser="none")
+    engine = await nursery.start(run_engine, config)
+    client = client_for(await start_server(engine))
+    with pytest.raises(openai.BadRequestError) as caught:
+        await create(client, model=engine.model_id, tools=TOOLS, tool_choice="required", max_tokens=8)
+    assert caught.value.body["param"] == "tool_choice"
+
+
+def test_parsers_by_name_change_the_reply_format_only() -> None:
+    from mlxcel.core.output import ReplyFormat
+    from mlxcel.model.loader import load_model
+    from mlxcel.model.reply_parsers import parse_tool_call_parser, with_reply_parsers
+
+    tokenizer = load_model(fixture_copy_path()).tokenizer
+    chosen = with_reply_parsers(tokenizer, chat_template=None, tool_call_parser="hermes", reasoning_parser="mistral")
+    fmt = ReplyFormat.of(chosen)
+    assert (fmt.tool_call_start, fmt.tool_call_end, fmt.think_start, fmt.think_end) == (
+        "<tool_call>", "</tool_call>", "[THINK]", "[/THINK]")
+    # The shared wrapper is untouched, and the template's thinking switch is the model's.
+    assert ReplyFormat.of(tokenizer).tool_call_start is None
+    assert chosen.has_thinking == tokenizer.has_thinking
+    with pytest.raises(ValueError, match="unknown tool-call parser"):
+        parse_tool_call_parser("nope")
+
+
+def fixture_copy_path() -> Path:
+    from mlxcel.model.fixtures import fixture_path
+
+    return fixture_path("llama")
