@@ -15,6 +15,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 import trio
@@ -25,9 +26,10 @@ import langchain_openai  # noqa: E402
 import litellm  # noqa: E402
 import openai  # noqa: E402
 
+from mlxcel.errors import ContextExceeded  # noqa: E402
 from mlxcel.http.serve import serve  # noqa: E402
 from mlxcel.types import ChatRequest, Delta, ToolCall, Usage  # noqa: E402
-from tests.fakes import FakeEngine, finish  # noqa: E402
+from tests.fakes import FakeEngine, FakeTokenizer, finish  # noqa: E402
 
 litellm.telemetry = False
 
@@ -125,11 +127,11 @@ async def test_reasoning_effort_reaches_the_router(start_fake: Any) -> None:
 
 @pytest.mark.parametrize("extra", [
     {"guided_json": {"type": "object", "properties": {"a": {"type": "integer"}}}},
-    {"guided_json": '{"type": "object"}'},
+    {"guided_json": '{"type": "object", "required": ["b"], "properties": {"b": {"type": "integer"}}}'},
     {"guided_choice": ["yes", "no"]},
     {"guided_regex": "[a-z]+/[0-9]"},
     {"structured_outputs": {"choice": ["yes", "no"]}},
-    {"structured_outputs": {"json": {"type": "object"}}},
+    {"structured_outputs": {"json": {"type": "array"}}},
     {"structured_outputs": {"regex": "a+"}},
     {"json_schema": {"type": "object", "properties": {"a": {"type": "string"}}}},
     {"grammar": 'root ::= "yes" | "no"'},
@@ -265,3 +267,48 @@ async def test_response_fields_select_the_native_body(start_fake: Any) -> None:
             "prompt": "Once", "n_predict": 4, "response_fields": ["content", "generation_settings/n_predict",
                                                                   "missing/field"]})).json()
     assert body == {"content": "Hello world", "generation_settings/n_predict": 4}
+
+
+class FimTokenizer(FakeTokenizer):
+    """Byte-level, with Qwen2.5-Coder's fill-in-the-middle tokens at ids 250-254."""
+
+    FIM = {"<|fim_prefix|>": 250, "<|fim_suffix|>": 251, "<|fim_middle|>": 252, "<|repo_name|>": 253,
+           "<|file_sep|>": 254}
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self.FIM)
+
+
+async def test_infill_builds_the_fim_prompt_from_the_tokenizer_tokens(nursery: trio.Nursery) -> None:
+    engine = FakeEngine()
+    engine.model = attrs.evolve(engine.model, tokenizer=FimTokenizer())
+    (url,) = await nursery.start(partial(serve, engine, "127.0.0.1", 0))
+    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        reply = await http.post("/infill", json={
+            "input_prefix": "def f(", "input_suffix": "):", "prompt": "x", "n_predict": 4,
+            "input_extra": [{"filename": "a.py", "text": "A"}]})
+    assert reply.status_code == 200
+    assert reply.json()["content"] == "Hello world"
+    (request,) = engine.requests
+
+    def text(value: str) -> list[int]:
+        return list(value.encode())
+
+    fim = FimTokenizer.FIM
+    assert request.prompt == (
+        fim["<|repo_name|>"], *text("myproject\n"), fim["<|file_sep|>"], *text("a.py\nA"),
+        fim["<|file_sep|>"], *text("filename\n"), fim["<|fim_prefix|>"], *text("def f("),
+        fim["<|fim_suffix|>"], *text("):"), fim["<|fim_middle|>"], *text("x"))
+    assert request.sampling.max_tokens == 4
+
+
+async def test_native_context_error_is_llamacpp_shaped(nursery: trio.Nursery) -> None:
+    engine = FakeEngine(stream_error=ContextExceeded("too long", param="prompt", context_size=64,
+                                                     num_prompt_tokens=70))
+    (url,) = await nursery.start(partial(serve, engine, "127.0.0.1", 0))
+    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        native = await http.post("/completion", json={"prompt": "x"})
+        chat = await http.post("/v1/chat/completions", json={"messages": MESSAGES})
+    assert native.json() == {"error": {"code": 400, "message": "too long", "type": "exceed_context_size_error",
+                                       "n_prompt_tokens": 70, "n_ctx": 64}}
+    assert chat.json()["error"]["code"] == "context_length_exceeded"
