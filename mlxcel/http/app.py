@@ -126,6 +126,8 @@ class _Shapes:
         # Legacy `functions`: calls come back as `function_call`, and finish as "function_call".
         self.legacy_functions = chat is not None and chat.legacy_functions
         self.timings = chat is not None and chat.timings_per_token
+        # Calls whose arguments were streamed in pieces: their completion is not sent again.
+        self._streamed_calls: set[int] = set()
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
 
@@ -179,12 +181,12 @@ class _Shapes:
                 content["role"] = "assistant"
             if delta.reasoning:
                 content["reasoning_content"] = delta.reasoning
-            if delta.tool_calls and self.legacy_functions:
-                call = delta.tool_calls[0]
-                content["function_call"] = {"name": call.name, "arguments": call.arguments}
-            elif delta.tool_calls:
-                # Each call whole in one chunk; the SDKs join a call's chunks by index.
-                content["tool_calls"] = [{"index": call.index, **tool_call_body(call)} for call in delta.tool_calls]
+            calls = self._call_pieces(delta)
+            if calls and self.legacy_functions:
+                content["function_call"] = calls[0]["function"]
+            elif calls:
+                # Each call's pieces by index: the SDKs join them (the name first, then the arguments' text).
+                content["tool_calls"] = calls
             choice = {"index": 0, "delta": content,
                       "logprobs": chat_logprobs_body(delta.logprobs) if want_logprobs and delta.logprobs else None,
                       "finish_reason": self._finish_reason(delta.finish_reason)}
@@ -197,6 +199,23 @@ class _Shapes:
                   "logprobs": _legacy_logprobs(delta.logprobs) if want_logprobs and delta.logprobs else None,
                   "finish_reason": delta.finish_reason}
         return self._envelope("text_completion", [choice])
+
+    def _call_pieces(self, delta: Delta) -> list[dict[str, Any]]:
+        """A chunk's `tool_calls`: streamed pieces, and whole any call completed without having streamed."""
+        pieces: list[dict[str, Any]] = []
+        for part in delta.tool_call_parts:
+            if self.legacy_functions and part.index > 0:
+                continue
+            if part.name:
+                self._streamed_calls.add(part.index)
+                pieces.append({"index": part.index, "id": part.id, "type": "function",
+                               "function": {"name": part.name, "arguments": part.arguments}})
+            else:
+                pieces.append({"index": part.index, "function": {"arguments": part.arguments}})
+        for call in delta.tool_calls:
+            if call.index not in self._streamed_calls and not (self.legacy_functions and call.index > 0):
+                pieces.append({"index": call.index, **tool_call_body(call)})
+        return pieces
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         body = self._envelope("chat.completion.chunk" if self.kind == "chat" else "text_completion", [])

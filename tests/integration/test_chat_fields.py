@@ -28,7 +28,7 @@ import openai  # noqa: E402
 
 from mlxcel.errors import ContextExceeded  # noqa: E402
 from mlxcel.http.serve import serve  # noqa: E402
-from mlxcel.types import ChatRequest, Delta, ToolCall, Usage  # noqa: E402
+from mlxcel.types import ChatRequest, Delta, ToolCall, ToolCallPart, Usage  # noqa: E402
 from tests.fakes import FakeEngine, FakeTokenizer, finish  # noqa: E402
 
 litellm.telemetry = False
@@ -312,3 +312,78 @@ async def test_native_context_error_is_llamacpp_shaped(nursery: trio.Nursery) ->
     assert native.json() == {"error": {"code": 400, "message": "too long", "type": "exceed_context_size_error",
                                        "n_prompt_tokens": 70, "n_ctx": 64}}
     assert chat.json()["error"]["code"] == "context_length_exceeded"
+
+
+# ---- streamed tool-call arguments ----------------------------------------------------------------------------
+
+ARGUMENTS = '{"path": "notes.txt", "content": "line one\\nline two"}'
+PIECES = [ARGUMENTS[start:start + 7] for start in range(0, len(ARGUMENTS), 7)]
+WRITE = ToolCall(index=0, id="call_write", name="write_file", arguments=ARGUMENTS)
+STREAMED_CALL = [
+    Delta(text="Writing it."),
+    Delta(tool_call_parts=(ToolCallPart(index=0, id="call_write", name="write_file"),)),
+    *[Delta(tool_call_parts=(ToolCallPart(index=0, arguments=piece),)) for piece in PIECES[:-1]],
+    Delta(tool_call_parts=(ToolCallPart(index=0, arguments=PIECES[-1]),), tool_calls=(WRITE,)),
+    finish("tool_calls"),
+]
+WRITE_TOOL = [{"type": "function", "function": {"name": "write_file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}}}}}]
+
+
+async def test_streamed_arguments_arrive_in_pieces_and_the_clients_join_them(start_fake: Any) -> None:
+    engine, url = await start_fake(STREAMED_CALL)
+    stream = await create(client_for(url), tools=WRITE_TOOL, stream=True)
+    chunks = await trio.to_thread.run_sync(list, stream)
+    pieces = [call for chunk in chunks for call in chunk.choices[0].delta.tool_calls or ()]
+    assert len(pieces) == len(PIECES) + 1
+    assert (pieces[0].id, pieces[0].function.name) == ("call_write", "write_file")
+    assert "".join(piece.function.arguments or "" for piece in pieces) == ARGUMENTS
+
+    chat = langchain_openai.ChatOpenAI(base_url=f"{url}/v1", api_key="unused", model="fake-model", max_retries=0,
+                                       timeout=10).bind_tools(WRITE_TOOL)
+    message = None
+    for chunk in await trio.to_thread.run_sync(lambda: list(chat.stream("Write it"))):
+        message = chunk if message is None else message + chunk
+    assert message is not None
+    assert [(call["name"], call["args"]) for call in message.tool_calls] == [("write_file", json.loads(ARGUMENTS))]
+
+    whole = await create(client_for(url), tools=WRITE_TOOL)
+    assert whole.choices[0].message.tool_calls[0].function.arguments == ARGUMENTS
+
+
+async def test_anthropic_input_json_delta_streams_the_pieces(start_fake: Any) -> None:
+    import anthropic
+
+    engine, url = await start_fake(STREAMED_CALL)
+    client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=10)
+    tools = [{"name": "write_file", "input_schema": WRITE_TOOL[0]["function"]["parameters"]}]
+
+    def run() -> tuple[list[str], Any]:
+        with client.messages.stream(model="fake-model", max_tokens=100, tools=tools,
+                                    messages=[{"role": "user", "content": "Write it"}]) as stream:
+            partial = [event.delta.partial_json for event in stream
+                       if event.type == "content_block_delta" and event.delta.type == "input_json_delta"]
+            return partial, stream.get_final_message()
+
+    partial, message = await trio.to_thread.run_sync(run)
+    client.close()
+    assert partial == PIECES
+    [use] = [block for block in message.content if block.type == "tool_use"]
+    assert (use.id, use.name, use.input) == ("call_write", "write_file", json.loads(ARGUMENTS))
+
+
+async def test_responses_function_call_arguments_stream_in_pieces(start_fake: Any) -> None:
+    engine, url = await start_fake(STREAMED_CALL)
+    client = client_for(url)
+    tools = [{"type": "function", "name": "write_file", "parameters": WRITE_TOOL[0]["function"]["parameters"]}]
+
+    def run() -> list[Any]:
+        return list(client.responses.create(model="fake-model", input="Write it", tools=tools, stream=True))
+
+    events = await trio.to_thread.run_sync(run)
+    deltas = [event.delta for event in events if event.type == "response.function_call_arguments.delta"]
+    assert deltas == PIECES
+    [done] = [event for event in events if event.type == "response.function_call_arguments.done"]
+    assert done.arguments == ARGUMENTS
+    [call] = [item for item in events[-1].response.output if item.type == "function_call"]
+    assert (call.call_id, call.name, call.arguments) == ("call_write", "write_file", ARGUMENTS)

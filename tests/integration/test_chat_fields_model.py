@@ -202,3 +202,19 @@ def fixture_copy_path() -> Path:
     from mlxcel.model.fixtures import fixture_path
 
     return fixture_path("llama")
+
+
+async def test_a_forced_call_streams_its_arguments_as_they_are_generated(tool_server: Any) -> None:
+    engine, client = tool_server
+    stream = await create(client, model=engine.model_id, tools=TOOLS, tool_choice="required", temperature=1.0,
+                          seed=2, max_tokens=600, stream=True)
+    chunks = await trio.to_thread.run_sync(list, stream)
+    pieces = [call for chunk in chunks if chunk.choices for call in chunk.choices[0].delta.tool_calls or ()]
+    assert pieces[0].function.name in {tool["function"]["name"] for tool in TOOLS}
+    # One piece per token or so, not one at the end.
+    assert len([piece for piece in pieces if piece.function.arguments]) > 3
+    arguments = "".join(piece.function.arguments or "" for piece in pieces)
+    assert isinstance(json.loads(arguments), dict)
+    whole = await create(client, model=engine.model_id, tools=TOOLS, tool_choice="required", temperature=1.0,
+                         seed=2, max_tokens=600)
+    assert whole.choices[0].message.tool_calls[0].function.arguments == arguments
