@@ -218,3 +218,26 @@ async def test_a_forced_call_streams_its_arguments_as_they_are_generated(tool_se
     whole = await create(client, model=engine.model_id, tools=TOOLS, tool_choice="required", temperature=1.0,
                          seed=2, max_tokens=600)
     assert whole.choices[0].message.tool_calls[0].function.arguments == arguments
+
+
+THINKING_TEMPLATE = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if not enable_thinking %}<think>\n\n</think>\n\n{%- endif %}{%- endif %}"
+)
+
+
+async def test_reasoning_effort_sets_the_template_thinking_switch(nursery: trio.Nursery, start_server: Any,
+                                                                   tmp_path: Path) -> None:
+    engine, base_url = await start(nursery, start_server, fixture_copy(tmp_path / "think", template=THINKING_TEMPLATE))
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        async def prompt(**fields: Any) -> str:
+            reply = await http.post("/apply-template", json={"messages": MESSAGES, **fields})
+            return str(reply.json()["prompt"])
+
+        high, none = await prompt(reasoning_effort="high"), await prompt(reasoning_effort="none")
+    # (The template's `{%-` trims the newlines around its tags.)
+    assert high.endswith("<|im_start|>assistant")
+    assert none.endswith("<|im_start|>assistant<think>\n\n</think>")
+    reply = await create(client_for(base_url), model=engine.model_id, reasoning_effort="high", max_tokens=2)
+    assert reply.usage.prompt_tokens > 0
