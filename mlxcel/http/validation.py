@@ -1063,8 +1063,9 @@ def _openai_sampling(
         return value if value is not None else nested if nested is not None else default
 
     logprobs, top_logprobs = _logprobs(root, limits, legacy=legacy)
-    n_probs = _optional(root, "n_probs", lambda value, path: _int(value, path, 0, limits.max_top_logprobs))
-    if n_probs is not None and not legacy:
+    n_probs = None if legacy else _optional(
+        root, "n_probs", lambda value, path: _int(value, path, 0, limits.max_top_logprobs))
+    if n_probs is not None:
         # llama.cpp's spelling of top_logprobs: the top N of each token, in the logprobs shape.
         if root.get("logprobs") is not None or root.get("top_logprobs") is not None:
             _fail("n_probs", "send either n_probs or logprobs and top_logprobs, not both")
