@@ -7,7 +7,8 @@ the dotted/indexed path of the bad field (`messages[2].role`, `stop[1]`).
 Shared conventions (the choices the OpenAI spec leaves open):
 
 - An optional field sent as JSON null counts as absent.
-- Unknown fields are ignored at every level; only known fields are checked.
+- Unknown fields are ignored at every level (only known fields are checked), except at the
+  root of a chat-completions body (`parse_chat_completions`), where one is a 400 naming it.
 - `bool` is never accepted as a number, and integer fields reject floats
   (`5.0` included); numbers must be finite.
 - A field read both at the root and inside `extra_body` takes the root value;
