@@ -22,6 +22,7 @@ import attrs
 
 from mlxcel.cache.apc import ALGORITHMS, HashAlgorithm
 from mlxcel.model.adapters import AdapterSpec, parse_adapter_spec
+from mlxcel.model.reply_parsers import parse_reasoning_parser, parse_tool_call_parser
 
 GIB = 1 << 30
 
@@ -121,6 +122,10 @@ class EngineConfig:
     served_model_names: tuple[str, ...] = ()
     # Replaces the model's chat template server-wide (the source text, not a path).
     chat_template: str | None = None
+    # How replies are split into tool calls and thinking (mlxcel/model/reply_parsers.py); None:
+    # inferred from the template in effect (tool calls) and the vocabulary (thinking), as mlx-lm does.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     # None: the model's max_position_embeddings.
     ctx_size: int | None = None
     chat_template_kwargs: Mapping[str, Any] = attrs.field(factory=dict)
@@ -547,6 +552,13 @@ ENGINE_SETTINGS = (
             "folder's name or repo id)", multiple=True),
     Setting("chat_template", "--chat-template", ("MLXCEL_CHAT_TEMPLATE",), parse_chat_template,
             "a Jinja chat template, or the path of a file holding one, used instead of the model's"),
+    Setting("tool_call_parser", "--tool-call-parser", ("MLXCEL_TOOL_CALL_PARSER",), parse_tool_call_parser,
+            "the tool-call format replies are parsed in: vLLM's name (hermes, mistral, pythonic, qwen3_coder, "
+            "glm45, kimi_k2, ...) or an mlx_lm.tool_parsers module; 'none' turns tool-call parsing off "
+            "(default: inferred from the chat template in effect)"),
+    Setting("reasoning_parser", "--reasoning-parser", ("MLXCEL_REASONING_PARSER",), parse_reasoning_parser,
+            "the thinking markers replies are split at: vLLM's name (deepseek_r1, qwen3, mistral, gemma4, "
+            "...); 'none' keeps thinking in the content (default: inferred from the vocabulary)"),
     Setting("chat_template_kwargs", "--chat-template-kwargs", ("MLXCEL_CHAT_TEMPLATE_KWARGS",),
             parse_template_kwargs, "a JSON object of template variables for every request (a request's "
             "own chat_template_kwargs override them), e.g. '{\"enable_thinking\": false}'"),

@@ -55,6 +55,7 @@ from mlxcel.config import EngineConfig, auto_bool
 from mlxcel.core.plan import Capabilities
 from mlxcel.errors import MlxcelError, ServerBusy
 from mlxcel.model.family import FamilyKind
+from mlxcel.model.reply_parsers import with_reply_parsers
 from mlxcel.types import ChatRequest, Completion, CompletionRequest, Delta, TokenLogprob, ToolCall
 
 logger = logging.getLogger(__name__)
@@ -376,6 +377,10 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
         if config.served_model_names:
             # The reported id is also the cache keys' model id, so every alias shares one cache.
             model = attrs.evolve(model, model_id=config.served_model_names[0])
+        # The tool-call and reasoning formats of the template in effect, or the ones named.
+        model = attrs.evolve(model, tokenizer=with_reply_parsers(
+            model.tokenizer, chat_template=config.chat_template, tool_call_parser=config.tool_call_parser,
+            reasoning_parser=config.reasoning_parser))
         apc_enabled = config.prompt_cache.enabled and config.prompt_cache.apc_enabled
         if apc_enabled and not model.family.apc_supported:
             logger.info(

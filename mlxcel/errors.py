@@ -51,6 +51,20 @@ class InvalidRequest(MlxcelError):
     default_type = "invalid_request_error"
 
 
+class ContextExceeded(InvalidRequest):
+    """A prompt the model's context cannot hold (400 ``context_length_exceeded``).
+
+    ``num_prompt_tokens`` is None when the text was refused before tokenizing (it
+    provably could not fit); llama.cpp's clients get these numbers in its own shape.
+    """
+
+    def __init__(self, message: str, *, param: str | None, context_size: int,
+                 num_prompt_tokens: int | None = None) -> None:
+        super().__init__(message, param=param, code="context_length_exceeded")
+        self.context_size = context_size
+        self.num_prompt_tokens = num_prompt_tokens
+
+
 class ServerBusy(InvalidRequest):
     """The server cannot take the request now; the client may retry (HTTP 503).
 

@@ -27,6 +27,7 @@ __all__ = [
     "ServerBusy",
     "TokenLogprob",
     "ToolCall",
+    "ToolCallPart",
     "Usage",
 ]
 
@@ -55,6 +56,10 @@ class SamplingParams:
     # A llguidance grammar (its JSON form) the reply must match (response_format
     # json_object / json_schema); None: unconstrained.
     grammar: str | None = None
+    # vLLM's `min_tokens`: the end-of-sequence tokens are masked until this many tokens came out;
+    # `ignore_eos` masks them for the whole reply (stop strings and max_tokens still end it).
+    min_tokens: int = 0
+    ignore_eos: bool = False
     # Not sampling but the model the sequence runs: one scale per loaded LoRA adapter, in load
     # order (() : no adapters loaded). Carried here because it travels with the sequence to the
     # device exactly as the sampling settings do; the router sets it.
@@ -66,6 +71,7 @@ class SamplingParams:
         return bool(
             self.logit_bias or self.repetition_penalty != 1.0
             or self.presence_penalty or self.frequency_penalty
+            or self.min_tokens or self.ignore_eos
         )
 
 
@@ -116,6 +122,17 @@ class ChatRequest:
     lora: tuple[tuple[int, float], ...] | None = None
     # The image parts, in arrival order; each stands at a `mlxcel.vision.images.IMAGE_SENTINEL` in its content.
     images: tuple[ImageSource, ...] = attrs.field(default=(), repr=False)
+    # The final assistant message is continued (vLLM's `continue_final_message`, an assistant
+    # prefill): the prompt ends inside it, and the reply is what follows.
+    continue_final_message: bool = False
+    # False: the template's generation prompt is left out (vLLM's `add_generation_prompt`).
+    add_generation_prompt: bool = True
+    # OpenAI's `reasoning_effort`, mapped onto the template's reasoning switch by the router.
+    reasoning_effort: str | None = None
+    # Legacy `functions` / `function_call`: the reply is a `function_call`, not `tool_calls`.
+    legacy_functions: bool = False
+    # llama.cpp's `timings_per_token`: every streamed chunk carries `timings`.
+    timings_per_token: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -130,6 +147,8 @@ class CompletionRequest:
     include_usage: bool = False
     # llama.cpp's `return_tokens`: the reply's token ids in a whole `/completion` body.
     return_tokens: bool = False
+    # llama.cpp's `response_fields`: a whole `/completion` body (or its last event) holds only these.
+    response_fields: tuple[str, ...] = ()
     # As ChatRequest.lora.
     lora: tuple[tuple[int, float], ...] | None = None
 
@@ -175,6 +194,10 @@ class Delta:
     reasoning: str = ""
     # Tool calls completed with this delta.
     tool_calls: tuple[ToolCall, ...] = ()
+    # Pieces of calls still being written: their names as soon as known, then their arguments.
+    tool_call_parts: tuple[ToolCallPart, ...] = ()
+    # The counts and times so far (llama.cpp's `timings_per_token`), when the request asked for them.
+    progress: Usage | None = attrs.field(default=None, eq=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -185,6 +208,20 @@ class ToolCall:
     id: str
     name: str
     arguments: str
+
+
+@attrs.frozen(kw_only=True)
+class ToolCallPart:
+    """A streamed piece of call ``index``: its id and name once (the first piece), then argument text.
+
+    The pieces of one call concatenate to its final ``arguments``; a call streamed
+    in parts still ends with its whole ``ToolCall`` (which the stream then does not repeat).
+    """
+
+    index: int
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
 
 
 @attrs.frozen(kw_only=True)

@@ -84,6 +84,12 @@ def test_pinned_share_flag_environment_and_bounds() -> None:
             configs([], {"MLXCEL_PROMPT_CACHE_PINNED_SHARE": bad})
 
 
+def test_reply_parser_flags_reach_the_config() -> None:
+    engine = configs(["--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"], {})[0]
+    assert (engine.tool_call_parser, engine.reasoning_parser) == ("hermes", "qwen3")
+    assert configs([], {})[0].tool_call_parser is None
+
+
 def test_bad_environment_values_name_the_variable() -> None:
     with pytest.raises(ConfigError, match="MLXCEL_PROMPT_CACHE_TTL"):
         configs([], {"MLXCEL_PROMPT_CACHE_TTL": "soon"})
@@ -107,6 +113,8 @@ def test_bad_environment_values_name_the_variable() -> None:
     (["serve", "--chat-template-kwargs", "[1]"], {}, "expected a JSON object, got list"),
     (["serve"], {"MLXCEL_CHAT_TEMPLATE_KWARGS": "nope"}, "MLXCEL_CHAT_TEMPLATE_KWARGS"),
     (["serve", "--chat-template", "/nonexistent/template.jinja"], {}, "cannot read the chat template file"),
+    (["serve", "--tool-call-parser", "nope"], {}, "unknown tool-call parser 'nope'"),
+    (["serve"], {"MLXCEL_REASONING_PARSER": "nope"}, "MLXCEL_REASONING_PARSER"),
     (["nonsense"], {}, "unknown command"),
 ])
 def test_user_errors_exit_2_with_one_line(argv, environ, needle) -> None:

@@ -42,7 +42,7 @@ from mlxcel.core.tool_grammar import (
     strict_tools_grammar,
     tool_format_name,
 )
-from mlxcel.errors import InternalError, InvalidRequest, MlxcelError, ServerBusy
+from mlxcel.errors import ContextExceeded, InternalError, InvalidRequest, MlxcelError, ServerBusy
 from mlxcel.model.adapters import adapter_cache_id
 from mlxcel.model.chat_template import (
     RENDER_TIMEOUT_S,
@@ -70,6 +70,8 @@ MAX_CONCURRENT_FETCHES = 8
 # tokenizer gives no proven bound (see max_chars_per_token): only a size cap.
 FALLBACK_CHARS_PER_TOKEN = 1024
 REQUEST_TEMPLATE_PARAM = "chat_template_kwargs.chat_template"
+# Stands for a continued assistant message's text while the template renders (never in a prompt).
+CONTINUE_MARKER = "\x00mlxcel-continue\x00"
 
 
 @attrs.frozen(kw_only=True)
@@ -165,7 +167,7 @@ class PromptRenderer:
         namespace = self._memo_namespace(request)
         if request.images:
             return self._render_images(request, kwargs, tools, namespace)
-        tokens = self._chat_tokens(request.messages, tools, kwargs, add_generation_prompt=True, namespace=namespace)
+        tokens = self._prompt_tokens(request, request.messages, tools, kwargs, namespace)
         self._images.refuse_stray_placeholders(tokens, "messages")
         tool_choice = effective_tool_choice(request.tool_choice, tools)
         template_sig = template_signature(self._chat_template, kwargs, tool_choice, tools)
@@ -189,7 +191,7 @@ class PromptRenderer:
         """
         images = self._images.read(request.images)
         messages = self._images.placeholders(request.messages)
-        tokens = self._chat_tokens(messages, tools, kwargs, add_generation_prompt=True, namespace=namespace)
+        tokens = self._prompt_tokens(request, messages, tools, kwargs, namespace)
         # The prompt's entry ends with the last message: a resend, or a next turn whose reply merges with
         # the generation prompt when re-tokenized (a reply starting with a newline), still finds it whole.
         try:
@@ -269,10 +271,35 @@ class PromptRenderer:
         """The tokens the next turn will start with: this conversation plus the reply."""
         kwargs = self._template_kwargs(request)
         tools = rendered_tools(request)
-        messages = (*request.messages, {"role": "assistant", "content": reply_text})
+        if request.continue_final_message:
+            # The reply continued the final assistant message: the next turn sends them as one.
+            final = request.messages[-1]
+            messages = (*request.messages[:-1], {**final, "content": final["content"] + reply_text})
+        else:
+            messages = (*request.messages, {"role": "assistant", "content": reply_text})
         return self._chat_tokens(
             messages, tools, kwargs, add_generation_prompt=False, namespace=self._memo_namespace(request)
         )
+
+    def _prompt_tokens(self, request: ChatRequest, messages: Any, tools: list[Any] | None,
+                       kwargs: Mapping[str, Any], namespace: tuple[str, str | None]) -> tuple[int, ...]:
+        """The prompt: the conversation and the generation prompt, or up to the final message's text when
+        that message is continued."""
+        if not request.continue_final_message:
+            return self._chat_tokens(messages, tools, kwargs, add_generation_prompt=request.add_generation_prompt,
+                                     namespace=namespace)
+        # Rendered with a marker in place of the final message's text, then cut at the marker: the
+        # template's end-of-turn after it is dropped, whatever the template does with whitespace.
+        final = messages[-1]
+        rendered = self._render_text([*(dict(message) for message in messages[:-1]),
+                                      {**final, "content": CONTINUE_MARKER}], tools, kwargs, False)
+        cut = rendered.rfind(CONTINUE_MARKER)
+        if cut < 0:
+            raise InvalidRequest("this chat template does not render the final assistant message's text, so it "
+                                 "cannot be continued", param="continue_final_message", code="invalid_value")
+        text = rendered[:cut] + final["content"]
+        self._check_fits(text, "messages")
+        return self._segments.encode(text, namespace=namespace)
 
     def _template_kwargs(self, request: ChatRequest) -> dict[str, Any]:
         if "chat_template" in request.chat_template_kwargs:
@@ -286,7 +313,9 @@ class PromptRenderer:
                 raise InvalidRequest(
                     "the chat template must be a string", param=REQUEST_TEMPLATE_PARAM, code="invalid_type"
                 )
-        return {**self._default_template_kwargs, **request.chat_template_kwargs}
+        template = request.chat_template_kwargs.get("chat_template") or self._chat_template
+        effort = effort_template_kwargs(request.reasoning_effort, template)
+        return {**self._default_template_kwargs, **effort, **request.chat_template_kwargs}
 
     def _memo_namespace(self, request: ChatRequest) -> tuple[str, str | None]:
         """Whose tokenizer memo a request may use: its salt's, and its session's when sessions are isolated."""
@@ -297,7 +326,7 @@ class PromptRenderer:
         try:
             check_size(text, self._max_chars)
         except RenderOverrun as error:
-            raise InvalidRequest(str(error), param=param, code="context_length_exceeded") from None
+            raise ContextExceeded(str(error), param=param, context_size=self._model.context_size) from None
 
     def _check_token_ids(self, tokens: tuple[int, ...]) -> None:
         if self._vocab_size is None or not tokens or max(tokens) < self._vocab_size:
@@ -350,7 +379,7 @@ class PromptRenderer:
                 )
         except RenderOverrun as error:
             if error.too_large and template is None:
-                raise InvalidRequest(str(error), param="messages", code="context_length_exceeded") from None
+                raise ContextExceeded(str(error), param="messages", context_size=self._model.context_size) from None
             raise InvalidRequest(
                 str(error), param=REQUEST_TEMPLATE_PARAM if template else "messages", code="invalid_value"
             ) from None
@@ -359,6 +388,27 @@ class PromptRenderer:
                 f"the chat template could not render these messages: {error}", param="messages",
                 code="invalid_value",
             ) from None
+
+
+def effort_template_kwargs(effort: str | None, template: str) -> dict[str, Any]:
+    """The template kwargs that carry a `reasoning_effort` (chat's; Responses' `reasoning.effort`).
+
+    A template that reads `reasoning_effort` (gpt-oss) gets it; one that reads
+    `enable_thinking` (Qwen3) thinks unless the effort is "none" or "minimal". A
+    template with neither has no reasoning switch: there is nothing for the effort
+    to change, so it is accepted and changes nothing (docs/api.md).
+    """
+    if effort is None:
+        return {}
+    if "reasoning_effort" in template:
+        if effort not in ("low", "medium", "high"):
+            raise InvalidRequest(f"reasoning_effort {effort!r} is not supported by this model's chat template; "
+                                 "send 'low', 'medium' or 'high'", param="reasoning_effort",
+                                 code="unsupported_parameter")
+        return {"reasoning_effort": effort}
+    if "enable_thinking" in template:
+        return {"enable_thinking": effort not in ("none", "minimal")}
+    return {}
 
 
 def _special_token_ids(tokenizer: Any) -> dict[str, int]:
@@ -516,10 +566,10 @@ class RouterActor:
         if num_prompt == 0:
             raise InvalidRequest("the prompt is empty after tokenization", param="prompt", code="invalid_value")
         if num_prompt >= context_size:
-            raise InvalidRequest(
+            raise ContextExceeded(
                 f"the prompt is {num_prompt} tokens, but this model's context size is {context_size}",
                 param="messages" if isinstance(request, ChatRequest) else "prompt",
-                code="context_length_exceeded",
+                context_size=context_size, num_prompt_tokens=num_prompt,
             )
         room = context_size - num_prompt
         adapter_scales = self._request_scales(request)

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 
-from mlxcel.types import ChatRequest, Delta, SamplingParams, TokenLogprob, ToolCall, Usage
+from mlxcel.core.tool_grammar import tool_format_name
+from mlxcel.types import ChatRequest, Delta, SamplingParams, TokenLogprob, ToolCall, ToolCallPart, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +107,24 @@ class ReplyParsing:
     single_call: bool = False
 
 
+# A json_tools call up to its arguments: `{"name": "...", "arguments": ` (the order Qwen's and Hermes' templates
+# write), after which the arguments' text streams as the model writes it.
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
+# What may be the call object's own end rather than its arguments': held back until more text comes.
+_CALL_TAIL = re.compile(r"\s*(?:\}\s*)?$")
+# Formats whose arguments stream as they are generated (the others' calls go out whole at their end marker).
+STREAMED_FORMATS = ("json_tools",)
+
+
+@attrs.define
+class _StreamedCall:
+    call_id: str
+    name: str
+    # Where the arguments start in the call's text, and how much of them went out.
+    arguments_start: int
+    num_sent: int = 0
+
+
 class ReplySplitter:
     """Splits streamed text into content, reasoning and tool-call regions at the model's markers.
 
@@ -140,9 +160,21 @@ class ReplySplitter:
         self.num_calls = 0
         self._tools = parsing.tools
         self.single_call = parsing.single_call
+        # Calls whose arguments stream: their pieces since the last take_parts().
+        self._streams_arguments = bool(fmt.tool_call_end) and tool_format_name(fmt.tool_parser) in STREAMED_FORMATS
+        self._streamed: _StreamedCall | None = None
+        self._parts: list[ToolCallPart] = []
 
-    def feed(self, text: str, *, final: bool = False) -> tuple[str, str, tuple[ToolCall, ...]]:
-        """Returns (content, reasoning, completed tool calls) safe to send now."""
+    def take_parts(self) -> tuple[ToolCallPart, ...]:
+        """The pieces of calls still being written since the last call (a name first, then argument text)."""
+        parts, self._parts = tuple(self._parts), []
+        return parts
+
+    def feed(self, text: str, *, final: bool = False, cut: bool = False) -> tuple[str, str, tuple[ToolCall, ...]]:
+        """Returns (content, reasoning, completed tool calls) safe to send now.
+
+        ``cut``: the reply was cut off (max_tokens): a call still open is dropped, not sent as text.
+        """
         pieces: dict[str, list[str]] = {CONTENT: [], REASONING: []}
         calls: list[ToolCall] = []
         self._buffer += text
@@ -151,20 +183,21 @@ class ReplySplitter:
                      if (index := self._buffer.find(marker)) >= 0]
             if not found:
                 break
-            cut, marker, target = min(found, key=lambda item: item[0])
-            self._region_text(self._buffer[:cut], pieces)
-            self._buffer = self._buffer[cut + len(marker):]
+            at, marker, target = min(found, key=lambda item: item[0])
+            self._region_text(self._buffer[:at], pieces)
+            self._buffer = self._buffer[at + len(marker):]
             self._leave(target, pieces, calls)
         keep = 0 if final else _partial_marker(self._buffer, [marker for marker, _ in self._markers[self.state]])
         self._region_text(self._buffer[: len(self._buffer) - keep], pieces)
         self._buffer = self._buffer[len(self._buffer) - keep:]
         if final:
-            self._finish(pieces, calls)
+            self._finish(pieces, calls, cut=cut)
         return "".join(pieces[CONTENT]), "".join(pieces[REASONING]), tuple(calls)
 
     def _region_text(self, text: str, pieces: dict[str, list[str]]) -> None:
         if self.state == TOOL:
             self._tool_text += text
+            self._stream_call()
             return
         if self._at_start:
             text = text.lstrip()
@@ -187,18 +220,68 @@ class ReplySplitter:
         previous, self.state = self.state, target
         self._at_start = target == REASONING or previous != CONTENT
 
-    def _finish(self, pieces: dict[str, list[str]], calls: list[ToolCall]) -> None:
+    def _finish(self, pieces: dict[str, list[str]], calls: list[ToolCall], *, cut: bool) -> None:
         if self.state == TOOL:
             # An end marker never came: mistral's format has none; otherwise the call was cut off.
-            self._end_call(pieces, calls, closed=not self._parsing.format.tool_call_end)
+            if cut:
+                # Cut by max_tokens: the reply is its complete calls (finish_reason "length"), never markup.
+                logger.info("a tool call was cut off by max_tokens; it is dropped")
+                self._tool_text = ""
+                self._streamed = None
+            else:
+                self._end_call(pieces, calls, closed=not self._parsing.format.tool_call_end)
             self.state = CONTENT
         if self.state == CONTENT and self._space and not self.num_calls:
             pieces[CONTENT].append(self._space)
         self._space = ""
 
+    def _stream_call(self) -> None:
+        """Send what is known of the call being written: its name once its arguments begin, then their text."""
+        if not self._streams_arguments or (self.single_call and self.num_calls):
+            return
+        if self._streamed is None:
+            head = _CALL_HEAD.match(self._tool_text)
+            if head is None:
+                return
+            try:
+                name = json.loads(f'"{head.group(1)}"')
+            except ValueError:
+                return
+            self._streamed = _StreamedCall(call_id=f"call_{uuid.uuid4().hex[:24]}", name=name,
+                                           arguments_start=head.end())
+            self._parts.append(ToolCallPart(index=self.num_calls, id=self._streamed.call_id, name=name))
+        streamed = self._streamed
+        arguments = self._tool_text[streamed.arguments_start:]
+        tail = _CALL_TAIL.search(arguments)
+        end = tail.start() if tail is not None else len(arguments)
+        if end > streamed.num_sent:
+            self._parts.append(ToolCallPart(index=self.num_calls, arguments=arguments[streamed.num_sent:end]))
+            streamed.num_sent = end
+
+    def _end_streamed(self, body: str, calls: list[ToolCall]) -> None:
+        """A streamed call closed: its arguments are the text as written (the pieces sent add up to them)."""
+        streamed, self._streamed = self._streamed, None
+        assert streamed is not None
+        arguments = body[streamed.arguments_start:]
+        tail = re.search(r"\s*\}\s*$", arguments)
+        arguments = arguments[: tail.start()] if tail is not None else arguments.rstrip()
+        parsed = self._parse(body)
+        if parsed is None or parsed[0][0] != streamed.name or not _same_json(parsed[0][1], arguments):
+            # Its name and part of its arguments went out already: the call ends with the text it has.
+            logger.warning("a streamed tool call did not parse as its pieces said; it ends with its arguments "
+                           "as written")
+        if len(arguments) > streamed.num_sent:
+            self._parts.append(ToolCallPart(index=self.num_calls, arguments=arguments[streamed.num_sent:]))
+        calls.append(ToolCall(index=self.num_calls, id=streamed.call_id, name=streamed.name, arguments=arguments))
+        self.num_calls += 1
+
     def _end_call(self, pieces: dict[str, list[str]], calls: list[ToolCall], *, closed: bool) -> None:
         fmt = self._parsing.format
         body, self._tool_text = self._tool_text, ""
+        if closed and self._streamed is not None:
+            self._end_streamed(body, calls)
+            return
+        self._streamed = None
         parsed = self._parse(body) if closed else None
         if parsed is None:
             # Not a call after all: the model's text goes out as content, markers included.
@@ -235,6 +318,13 @@ class ReplySplitter:
             calls.append((item["name"], arguments,
                           call_id if isinstance(call_id, str) and call_id else f"call_{uuid.uuid4().hex[:24]}"))
         return calls or None
+
+
+def _same_json(text: str, other: str) -> bool:
+    try:
+        return bool(json.loads(text) == json.loads(other))
+    except ValueError:
+        return False
 
 
 def _partial_marker(text: str, markers: list[str]) -> int:
@@ -309,6 +399,12 @@ class RequestOutput:
         self._held_text = ""
         # Ids of tokens whose text has not gone out yet.
         self._pending_ids: list[int] = []
+        # Logprobs of tokens whose text has not gone out yet, with where that text starts; a
+        # stop string's tokens are never reported.
+        self._pending_logprobs: list[tuple[int, TokenLogprob]] = []
+        # Characters the stop matcher was given, and of those, sent on.
+        self._num_chars_seen = 0
+        self._num_chars_sent = 0
         # The reply so far as the model wrote it, markers included, when asked
         # for (the warmer renders the next turn from it).
         self._keep_text = keep_text
@@ -330,21 +426,30 @@ class RequestOutput:
             self._pending_ids.append(token)
         if finish_reason is not None:
             self._detokenizer.finalize()
-        emit, self._held_text, hit_stop = self._matcher.feed(self._held_text, self._detokenizer.last_segment)
+        segment = self._detokenizer.last_segment
+        if not is_eos:
+            self._pending_logprobs.extend((self._num_chars_seen, item) for item in self._logprobs(token, logprob, top))
+        self._num_chars_seen += len(segment)
+        emit, self._held_text, hit_stop = self._matcher.feed(self._held_text, segment)
         if finish_reason is not None and not hit_stop:
             # The device finished and dropped the sequence; flush what was held.
             emit, self._held_text = emit + self._held_text, ""
-        logprobs = () if is_eos else self._logprobs(token, logprob, top)
+        self._num_chars_sent += len(emit)
+        logprobs = self._sent_logprobs(stopped=hit_stop, finished=finish_reason is not None)
         if self._keep_text:
             self._parts.append(emit)
         reasoning = ""
         calls: tuple[ToolCall, ...] = ()
+        parts: tuple[ToolCallPart, ...] = ()
         if self._splitter is not None:
-            emit, reasoning, calls = self._splitter.feed(emit, final=finish_reason is not None or hit_stop)
+            emit, reasoning, calls = self._splitter.feed(emit, final=finish_reason is not None or hit_stop,
+                                                         cut=finish_reason == "length" and not hit_stop)
+            parts = self._splitter.take_parts()
         delta = None
-        if emit or reasoning or calls or logprobs:
+        if emit or reasoning or calls or parts or logprobs:
             token_ids, self._pending_ids = tuple(self._pending_ids), []
-            delta = Delta(text=emit, logprobs=logprobs, token_ids=token_ids, reasoning=reasoning, tool_calls=calls)
+            delta = Delta(text=emit, logprobs=logprobs, token_ids=token_ids, reasoning=reasoning, tool_calls=calls,
+                          tool_call_parts=parts, progress=self.usage(now))
         if hit_stop:
             # The ids still pending spell the stop string, which is not part of the reply.
             self._pending_ids = []
@@ -371,6 +476,22 @@ class RequestOutput:
             prompt_seconds=first_token_at - self.submitted_at,
             decode_seconds=now - first_token_at,
         )
+
+    def _sent_logprobs(self, *, stopped: bool, finished: bool) -> tuple[TokenLogprob, ...]:
+        """The logprobs of tokens whose text went out (some of it), in order.
+
+        While text is held back (it may start a stop string), so are the logprobs
+        of the tokens that wrote it; at a stop string, the tokens that spell only
+        the stop string are dropped (a token with text before it is kept).
+        """
+        if stopped or not (finished or not self._held_text):
+            sent = tuple(item for start, item in self._pending_logprobs if start < self._num_chars_sent)
+            self._pending_logprobs = [] if stopped else [
+                (start, item) for start, item in self._pending_logprobs if start >= self._num_chars_sent]
+            return sent
+        sent = tuple(item for _start, item in self._pending_logprobs)
+        self._pending_logprobs = []
+        return sent
 
     def _logprobs(self, token: int, logprob: float, top: tuple[tuple[int, float], ...]) -> tuple[TokenLogprob, ...]:
         if not self._sampling.logprobs:

@@ -50,7 +50,7 @@ def forced_tool_grammar(
     token is never spelled out by text, so the grammar names it by id.
     """
     by_name = {tool["function"]["name"]: tool["function"] for tool in tools}
-    parameters = {name: by_name[name].get("parameters") or {"type": "object"} for name in names}
+    parameters = {name: tool_parameters(by_name[name]) for name in names}
     start, body, separator = _call_parts(format_name, parameters, start_marker, end_marker, special_ids)
     rules = [f"start: call ({separator} call)*" if parallel else "start: call", f"call: {start} {body}"]
     return "\n".join(rules) + "\n"
@@ -73,7 +73,7 @@ def strict_tools_grammar(
     JSON object.
     """
     parameters = {
-        tool["function"]["name"]: (tool["function"].get("parameters") or {"type": "object"})
+        tool["function"]["name"]: tool_parameters(tool["function"])
         if tool["function"].get("strict") is True else {"type": "object"}
         for tool in tools
     }
@@ -85,6 +85,12 @@ def strict_tools_grammar(
         call_rules = [f"call: trigger {body}", f"trigger[lazy]: TEXT {start}"]
     calls = "call*" if parallel else "call?"
     return "\n".join(["%llguidance {}", f"start: {calls} tail", "tail: TEXT", "TEXT: /(.|\\n)*/", *call_rules]) + "\n"
+
+
+def tool_parameters(function: Mapping[str, Any]) -> Any:
+    """The schema a call's arguments must match: the tool's `parameters`, closed when the tool is `strict`."""
+    parameters = function.get("parameters") or {"type": "object"}
+    return closed_objects(parameters) if function.get("strict") is True else parameters
 
 
 def _call_parts(
@@ -107,6 +113,38 @@ def _call_parts(
         f'{json.dumps(name)} "[ARGS]" %json {json.dumps(_styled(schema))}' for name, schema in parameters.items()
     )
     return start, f"({alternatives})", ""
+
+
+# Keywords whose value is one schema, a list of schemas, or a map of names to schemas.
+_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+              "unevaluatedItems", "additionalProperties")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema: Any) -> Any:
+    """The schema with every object closed (`additionalProperties: false` where it says nothing): OpenAI's `strict`.
+
+    An object's properties are the schema's alone; one that states its own
+    `additionalProperties` keeps it. Key order is kept (it is the order the JSON is written in).
+    """
+    if not isinstance(schema, Mapping):
+        return schema
+    closed: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SUBSCHEMA:
+            closed[key] = closed_objects(value)
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            closed[key] = [closed_objects(item) for item in value]
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, Mapping):
+            closed[key] = {name: closed_objects(item) for name, item in value.items()}
+        else:
+            closed[key] = value
+    kind = schema.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in schema
+    if is_object and "additionalProperties" not in schema and "patternProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
 
 
 def _call_object(parameters: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:

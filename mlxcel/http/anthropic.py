@@ -737,6 +737,8 @@ class MessageStreamer:
         self.message_id = new_message_id()
         self._index = -1
         self._open: str | None = None
+        # Calls whose input streamed as it was generated (their block is open until the call completes).
+        self._streamed_calls: set[int] = set()
 
     def start(self, first: Delta) -> bytes:
         usage = usage_body(first.usage, stores_prompt=self.stores_prompt) if first.usage else ZERO_USAGE
@@ -771,8 +773,18 @@ class MessageStreamer:
             if self._open != "text":
                 events += self._open_block({"type": "text", "text": ""})
             events += self._delta({"type": "text_delta", "text": delta.text})
+        for part in delta.tool_call_parts:
+            # The call's input as it is generated (mlxcel/core/output.py streams the formats it can).
+            if part.name:
+                self._streamed_calls.add(part.index)
+                events += self._open_block({"type": "tool_use", "id": part.id, "name": part.name, "input": {}})
+            if part.arguments:
+                events += self._delta({"type": "input_json_delta", "partial_json": part.arguments})
         for call in delta.tool_calls:
-            # Each call whole: its arguments are complete when the call is parsed.
+            if call.index in self._streamed_calls:
+                events += self._close()
+                continue
+            # A format that does not stream: the call whole, its arguments complete once it is parsed.
             events += self._open_block({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
             events += self._delta({"type": "input_json_delta", "partial_json": tool_input_json(call.arguments)})
             events += self._close()

@@ -7,7 +7,9 @@ handle (``create_app(engine)``).
 from __future__ import annotations
 
 import functools
+import hashlib
 import hmac
+import importlib.metadata
 import json
 import logging
 import time
@@ -21,13 +23,14 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from mlxcel.engine import DeltaStream, Engine
-from mlxcel.errors import InternalError, InvalidRequest, MlxcelError, ServerBusy
+from mlxcel.errors import ContextExceeded, InternalError, InvalidRequest, MlxcelError, ServerBusy
 from mlxcel.http import anthropic, llamacpp, responses
 from mlxcel.http.guards import check_browser_safety, normalized_path, single_authorization
 from mlxcel.http.validation import (
     Limits,
     decode_json_body,
     parse_adapter_scales,
+    parse_chat_completions,
     parse_chat_request,
     parse_completion_request,
     parse_native_completion,
@@ -96,39 +99,69 @@ def sse(body: Any) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
+def system_fingerprint(engine: Engine) -> str:
+    """OpenAI's `system_fingerprint`: changes when what answers does (mlxcel's version, the model, its template)."""
+    template = getattr(getattr(engine, "config", None), "chat_template", None) or engine.model.chat_template or ""
+    digest = hashlib.sha256(json.dumps([mlxcel_version(), engine.model_id, str(engine.model.path),
+                                        template]).encode()).hexdigest()
+    return f"fp_{digest[:10]}"
+
+
+def mlxcel_version() -> str:
+    try:
+        return importlib.metadata.version("mlxcel")
+    except importlib.metadata.PackageNotFoundError:
+        return "0"
+
+
 class _Shapes:
     """Response bodies for one endpoint family (chat, completions, native)."""
 
-    def __init__(self, kind: str, model: str, native: llamacpp.NativeReply | None = None) -> None:
+    def __init__(self, kind: str, model: str, native: llamacpp.NativeReply | None = None, *,
+                 fingerprint: str = "", chat: ChatRequest | None = None) -> None:
         self.kind = kind
         self.model = model
         self.native = native
+        self.fingerprint = fingerprint
+        # Legacy `functions`: calls come back as `function_call`, and finish as "function_call".
+        self.legacy_functions = chat is not None and chat.legacy_functions
+        self.timings = chat is not None and chat.timings_per_token
+        # Calls whose arguments were streamed in pieces: their completion is not sent again.
+        self._streamed_calls: set[int] = set()
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
 
     def _envelope(self, object_name: str, choices: list[Any]) -> dict[str, Any]:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint, "choices": choices}
+
+    def _finish_reason(self, reason: str | None) -> str | None:
+        return "function_call" if self.legacy_functions and reason == "tool_calls" else reason
 
     def whole(self, text: str, finish_reason: str, usage: Usage, logprobs: tuple[TokenLogprob, ...],
               want_logprobs: bool, token_ids: tuple[int, ...] = (), stop_string: str | None = None,
               reasoning: str = "", tool_calls: tuple[ToolCall, ...] = ()) -> dict[str, Any]:
         if self.native is not None:
-            return {**self.native.whole(text, finish_reason, usage, logprobs, token_ids, stop_string),
-                    "usage": usage_body(usage)}
+            native = self.native.whole(text, finish_reason, usage, logprobs, token_ids, stop_string)
+            return native if self.native.selects_fields else {**native, "usage": usage_body(usage)}
         if self.kind == "chat":
             # As OpenAI: content is null in a reply of tool calls alone.
             message: dict[str, Any] = {"role": "assistant", "content": None if tool_calls and not text else text}
             if reasoning:
                 message["reasoning_content"] = reasoning
-            if tool_calls:
+            if tool_calls and self.legacy_functions:
+                message["function_call"] = {"name": tool_calls[0].name, "arguments": tool_calls[0].arguments}
+            elif tool_calls:
                 message["tool_calls"] = [tool_call_body(call) for call in tool_calls]
             choice = {
                 "index": 0,
                 "message": message,
                 "logprobs": chat_logprobs_body(logprobs) if want_logprobs else None,
-                "finish_reason": finish_reason,
+                "finish_reason": self._finish_reason(finish_reason),
             }
             body = self._envelope("chat.completion", [choice])
+            if self.timings:
+                body["timings"] = llamacpp.timings(usage)
         else:
             choice = {"index": 0, "text": text, "logprobs": _legacy_logprobs(logprobs) if want_logprobs else None,
                       "finish_reason": finish_reason}
@@ -139,7 +172,7 @@ class _Shapes:
     def chunk(self, delta: Delta, want_logprobs: bool, *, first: bool = False) -> dict[str, Any]:
         if self.native is not None:
             body: dict[str, Any] = self.native.chunk(delta)
-            if delta.usage is not None:
+            if delta.usage is not None and not self.native.selects_fields:
                 body["usage"] = usage_body(delta.usage)
             return body
         if self.kind == "chat":
@@ -148,17 +181,41 @@ class _Shapes:
                 content["role"] = "assistant"
             if delta.reasoning:
                 content["reasoning_content"] = delta.reasoning
-            if delta.tool_calls:
-                # Each call whole in one chunk; the SDKs join a call's chunks by index.
-                content["tool_calls"] = [{"index": call.index, **tool_call_body(call)} for call in delta.tool_calls]
+            calls = self._call_pieces(delta)
+            if calls and self.legacy_functions:
+                content["function_call"] = calls[0]["function"]
+            elif calls:
+                # Each call's pieces by index: the SDKs join them (the name first, then the arguments' text).
+                content["tool_calls"] = calls
             choice = {"index": 0, "delta": content,
                       "logprobs": chat_logprobs_body(delta.logprobs) if want_logprobs and delta.logprobs else None,
-                      "finish_reason": delta.finish_reason}
-            return self._envelope("chat.completion.chunk", [choice])
+                      "finish_reason": self._finish_reason(delta.finish_reason)}
+            body = self._envelope("chat.completion.chunk", [choice])
+            progress = delta.usage or delta.progress
+            if self.timings and progress is not None:
+                body["timings"] = llamacpp.timings(progress)
+            return body
         choice = {"index": 0, "text": delta.text,
                   "logprobs": _legacy_logprobs(delta.logprobs) if want_logprobs and delta.logprobs else None,
                   "finish_reason": delta.finish_reason}
         return self._envelope("text_completion", [choice])
+
+    def _call_pieces(self, delta: Delta) -> list[dict[str, Any]]:
+        """A chunk's `tool_calls`: streamed pieces, and whole any call completed without having streamed."""
+        pieces: list[dict[str, Any]] = []
+        for part in delta.tool_call_parts:
+            if self.legacy_functions and part.index > 0:
+                continue
+            if part.name:
+                self._streamed_calls.add(part.index)
+                pieces.append({"index": part.index, "id": part.id, "type": "function",
+                               "function": {"name": part.name, "arguments": part.arguments}})
+            else:
+                pieces.append({"index": part.index, "function": {"arguments": part.arguments}})
+        for call in delta.tool_calls:
+            if call.index not in self._streamed_calls and not (self.legacy_functions and call.index > 0):
+                pieces.append({"index": call.index, **tool_call_body(call)})
+        return pieces
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         body = self._envelope("chat.completion.chunk" if self.kind == "chat" else "text_completion", [])
@@ -247,6 +304,7 @@ def create_app(
     app.config["BODY_TIMEOUT"] = 60
     app.config["MAX_CONTENT_LENGTH"] = None
     limits = limits or Limits()
+    fingerprint = system_fingerprint(engine)
 
     @app.before_request
     async def authorize() -> Response | None:
@@ -361,11 +419,22 @@ def create_app(
         try:
             parsed, deltas, first = await start(parse)
         except MlxcelError as error:
-            return error_response(error)
+            return error_response(error) if kind != "native" else native_error(error)
+        return await reply(kind, parsed, deltas, first)
+
+    def native_error(error: MlxcelError) -> Response:
+        # llama.cpp's clients read a too-long prompt in llama.cpp's own shape.
+        response = error_response(error)
+        if isinstance(error, ContextExceeded):
+            response.set_data(json.dumps(llamacpp.error_body(error)))
+        return response
+
+    async def reply(kind: str, parsed: ChatRequest | CompletionRequest, deltas: DeltaStream, first: Delta) -> Response:
         native = None
         if isinstance(parsed, CompletionRequest) and kind == "native":
             native = llamacpp.NativeReply(parsed, engine)
-        shapes = _Shapes(kind, engine.model_id, native)
+        shapes = _Shapes(kind, engine.model_id, native, fingerprint=fingerprint,
+                         chat=parsed if isinstance(parsed, ChatRequest) else None)
         want_logprobs = parsed.sampling.logprobs
         if not parsed.stream:
             return await _whole_response(deltas, first, shapes, want_logprobs)
@@ -436,7 +505,7 @@ def create_app(
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
     async def chat_completions() -> Response:
-        return await generate("chat", parse_chat_request)
+        return await generate("chat", parse_chat_completions)
 
     @app.post("/v1/completions")
     @app.post("/completions")
@@ -492,7 +561,7 @@ def create_app(
 
     @app.post("/v1/chat/completions/render")
     async def chat_completions_render() -> Response:
-        return await render_route(parse_chat_request)
+        return await render_route(parse_chat_completions)
 
     @app.post("/v1/completions/render")
     async def completions_render() -> Response:
@@ -511,6 +580,51 @@ def create_app(
     @app.post("/detokenize")
     async def detokenize() -> Response:
         return await tokens_route(llamacpp.detokenize)
+
+    # llama.cpp's server routes (its README): what its web UI, tools and editor plugins call.
+    @app.post("/infill")
+    async def infill() -> Response:
+        try:
+            body = _object_body(await read_body())
+            ids = await llamacpp.infill_prompt(engine, body)
+            fields = {key: value for key, value in body.items()
+                      if key not in ("input_prefix", "input_suffix", "input_extra")}
+            parsed = await trio.to_thread.run_sync(functools.partial(
+                parse_native_completion, {**fields, "prompt": list(ids)}, limits=limits))
+            deltas, first = await start_parsed(parsed)
+        except MlxcelError as error:
+            return native_error(error)
+        return await reply("native", parsed, deltas, first)
+
+    def total_slots() -> int:
+        return int(getattr(getattr(engine.config, "scheduler", None), "max_batch_size", 1))
+
+    def template_in_effect() -> str:
+        return getattr(engine.config, "chat_template", None) or engine.model.chat_template or ""
+
+    @app.get("/props")
+    async def props() -> Response:
+        return json_response(llamacpp.props(engine, total_slots=total_slots(), chat_template=template_in_effect()))
+
+    @app.get("/slots")
+    async def slots() -> Response:
+        scheduler = await engine.scheduler_stats()
+        return json_response(llamacpp.slots(engine, total_slots=total_slots(), num_running=scheduler.num_running))
+
+    @app.get("/models")
+    async def llamacpp_models() -> Response:
+        return json_response(llamacpp.models(engine))
+
+    @app.post("/apply-template")
+    async def apply_template() -> Response:
+        # The prompt as the chat route would render it, as text (llama.cpp's `{"prompt": ...}`).
+        try:
+            parsed = await parse_body(parse_chat_request)
+            token_ids = await engine.render_prompt(parsed)
+            text = await trio.to_thread.run_sync(llamacpp.detokenize_ids, engine.model.tokenizer, token_ids)
+        except MlxcelError as error:
+            return error_response(error)
+        return json_response({"prompt": text})
 
     def model_card(name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": 0, "owned_by": "mlxcel"}
@@ -595,6 +709,12 @@ def create_app(
         return failure(InternalError("internal server error"))
 
     return app
+
+
+def _object_body(body: object) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object", code="invalid_type")
+    return body
 
 
 async def _closing(deltas: DeltaStream, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -14,10 +14,12 @@ from typing import Any
 import trio
 
 from mlxcel.engine import Engine
+from mlxcel.errors import ContextExceeded, InvalidRequest, MlxcelError
 from mlxcel.http.validation import _bool, _int, _list, _required, _root, _string
 from mlxcel.types import CompletionRequest, Delta, TokenLogprob, Usage
 
-__all__ = ["NativeReply", "detokenize", "tokenize"]
+__all__ = ["NativeReply", "detokenize", "error_body", "infill_prompt", "models", "props", "select_fields", "slots",
+           "tokenize"]
 
 
 # --- token bytes -----------------------------------------------------------------
@@ -85,6 +87,11 @@ def _detokenize_sync(tokenizer: Any, body: Mapping[str, Any]) -> dict[str, Any]:
     return {"content": _backend(tokenizer).decode(ids)}
 
 
+def detokenize_ids(tokenizer: Any, ids: tuple[int, ...]) -> str:
+    """The text of ids, special tokens spelled out (what `/apply-template` answers)."""
+    return str(_backend(tokenizer).decode(list(ids)))
+
+
 def _optional_bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
     value = body.get(key)
     return default if value is None else _bool(value, key)
@@ -119,7 +126,15 @@ class NativeReply:
         body = {"content": text, "tokens": list(token_ids) if self._request.return_tokens else [], "stop": True}
         if self._request.sampling.logprobs:
             body["completion_probabilities"] = self._probabilities(logprobs)
-        return {**body, **self._final(finish_reason, usage, stop_string)}
+        return self._selected({**body, **self._final(finish_reason, usage, stop_string)})
+
+    @property
+    def selects_fields(self) -> bool:
+        return bool(self._request.response_fields)
+
+    def _selected(self, body: dict[str, Any]) -> dict[str, Any]:
+        fields = self._request.response_fields
+        return select_fields(body, fields) if fields else body
 
     def chunk(self, delta: Delta) -> dict[str, Any]:
         self._has_new_line = self._has_new_line or "\n" in delta.text
@@ -129,6 +144,7 @@ class NativeReply:
             body["completion_probabilities"] = self._probabilities(delta.logprobs)
         if delta.finish_reason is not None and delta.usage is not None:
             body.update(self._final(delta.finish_reason, delta.usage, delta.stop_string))
+            return self._selected(body)
         return body
 
     def _final(self, finish_reason: str, usage: Usage, stop_string: str | None) -> dict[str, Any]:
@@ -162,6 +178,7 @@ class NativeReply:
             "stream": request.stream,
             "cache_prompt": request.cache.cache_prompt,
             "return_tokens": request.return_tokens,
+            "ignore_eos": sampling.ignore_eos,
         }
 
     def _probabilities(self, logprobs: tuple[TokenLogprob, ...]) -> list[dict[str, Any]]:
@@ -195,3 +212,171 @@ def timings(usage: Usage) -> dict[str, float | int]:
             usage.completion_tokens / usage.decode_seconds if usage.decode_seconds > 0 else 0.0
         ),
     }
+
+
+# --- response_fields ------------------------------------------------------------------
+
+
+def select_fields(body: dict[str, Any], paths: tuple[str, ...]) -> dict[str, Any]:
+    """llama.cpp's `response_fields`: only the fields named; "a/b" is `body["a"]["b"]`, under the key "a/b".
+
+    A path that names nothing is left out, as llama.cpp does.
+    """
+    selected: dict[str, Any] = {}
+    for path in paths:
+        value: Any = body
+        for key in path.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            selected[path] = value
+    return selected
+
+
+# --- the server's own routes: /props, /slots, /models -------------------------------------
+
+
+def generation_defaults(engine: Engine) -> dict[str, Any]:
+    """What a `/completion` with no options runs with (its `generation_settings`)."""
+    return {
+        "n_ctx": engine.model.context_size, "model": engine.model_id, "n_predict": -1, "temperature": 1.0,
+        "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": -1, "stop": [], "n_probs": 0, "stream": False,
+        "cache_prompt": True, "return_tokens": False, "repeat_last_n": 20, "repeat_penalty": 1.0,
+        "presence_penalty": 0.0, "frequency_penalty": 0.0, "ignore_eos": False, "grammar": "",
+        "timings_per_token": False,
+    }
+
+
+def props(engine: Engine, *, total_slots: int, chat_template: str) -> dict[str, Any]:
+    """`GET /props`: the settings llama.cpp's web UI and tools read at start."""
+    tokenizer = _backend(engine.model.tokenizer)
+    defaults = generation_defaults(engine)
+    return {
+        "default_generation_settings": {"n_ctx": defaults["n_ctx"], "params": defaults},
+        "total_slots": total_slots,
+        "model_alias": engine.model_id,
+        "model_path": str(engine.model.path),
+        "chat_template": chat_template,
+        "bos_token": getattr(tokenizer, "bos_token", None) or "",
+        "eos_token": getattr(tokenizer, "eos_token", None) or "",
+        "modalities": {"vision": engine.model.vision is not None, "audio": False},
+        "build_info": "mlxcel",
+        "is_sleeping": False,
+    }
+
+
+def slots(engine: Engine, *, total_slots: int, num_running: int) -> list[dict[str, Any]]:
+    """`GET /slots`: one entry per batch place; the first `num_running` are busy (which request runs where
+    is not tracked: a batch has no fixed slots)."""
+    return [{"id": index, "id_task": -1, "n_ctx": engine.model.context_size, "speculative": False,
+             "is_processing": index < num_running, "params": generation_defaults(engine)}
+            for index in range(total_slots)]
+
+
+def models(engine: Engine) -> dict[str, Any]:
+    """`GET /models`: llama.cpp's list, the OpenAI `data` and its own `models`."""
+    meta = {"n_vocab": vocabulary_size(engine.model.tokenizer), "n_ctx_train": engine.model.context_size}
+    return {
+        "object": "list",
+        "data": [{"id": name, "object": "model", "created": 0, "owned_by": "mlxcel", "meta": meta}
+                 for name in engine.model_names],
+        "models": [{"name": name, "model": name, "type": "model", "description": "", "tags": [""],
+                    "capabilities": ["completion"], "parameters": "", "details": {"format": "mlx"}}
+                   for name in engine.model_names],
+    }
+
+
+# --- /infill ----------------------------------------------------------------------------
+
+# The fill-in-the-middle tokens of the tokenizers that have them (prefix, suffix, middle), and the
+# repository-level ones (repository name, file separator) where the family has them.
+FIM_SPELLINGS: tuple[tuple[str, str, str, str | None, str | None], ...] = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|repo_name|>", "<|file_sep|>"),  # Qwen2.5-Coder
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<reponame>", "<file_sep>"),  # StarCoder
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", None, None),  # DeepSeek-Coder
+    ("▁<PRE>", "▁<SUF>", "▁<MID>", None, None),  # CodeLlama
+    ("[PREFIX]", "[SUFFIX]", "[MIDDLE]", None, None),  # Codestral
+)
+
+
+@functools.cache
+def _fim_ids(tokenizer: Any) -> tuple[int, int, int, int | None, int | None] | None:
+    get_vocab = getattr(_backend(tokenizer), "get_vocab", None)
+    vocabulary = get_vocab() if callable(get_vocab) else {}
+    for prefix, suffix, middle, repository, separator in FIM_SPELLINGS:
+        if prefix in vocabulary and suffix in vocabulary and middle in vocabulary:
+            return (vocabulary[prefix], vocabulary[suffix], vocabulary[middle],
+                    vocabulary.get(repository) if repository else None,
+                    vocabulary.get(separator) if separator else None)
+    return None
+
+
+def fim_ids(tokenizer: Any) -> tuple[int, int, int, int | None, int | None] | None:
+    """The tokenizer's (prefix, suffix, middle, repository, file separator) ids; None: it has no FIM tokens."""
+    try:
+        return _fim_ids(tokenizer)
+    except TypeError:  # an unhashable tokenizer (a test's): not memoized
+        return _fim_ids.__wrapped__(tokenizer)
+
+
+def _infill_prompt_sync(tokenizer: Any, body: Mapping[str, Any]) -> tuple[int, ...]:
+    """The infill prompt's ids: llama.cpp's layout (its README): extra files, then prefix, suffix, middle."""
+    ids = fim_ids(tokenizer)
+    if ids is None:
+        raise InvalidRequest("this model's tokenizer has no fill-in-the-middle tokens, so it cannot infill",
+                             param="input_prefix", code="unsupported_value")
+    prefix_id, suffix_id, middle_id, repository_id, separator_id = ids
+    backend = _backend(tokenizer)
+
+    def encode(text: str) -> list[int]:
+        return list(backend.encode(text, add_special_tokens=False)) if text else []
+
+    def text_field(key: str) -> str:
+        value = body.get(key)
+        return "" if value is None else _string(value, key)
+
+    tokens: list[int] = []
+    extra = body.get("input_extra")
+    chunks = [] if extra is None else _list(extra, "input_extra")
+    if repository_id is not None and separator_id is not None:
+        tokens += [repository_id, *encode("myproject\n")]
+    for index, item in enumerate(chunks):
+        path = f"input_extra[{index}]"
+        chunk = _root_object(item, path)
+        filename = _string(chunk.get("filename") or "", f"{path}.filename")
+        text = _string(_required(chunk, "text", path), f"{path}.text")
+        if separator_id is not None:
+            tokens += [separator_id, *encode(f"{filename}\n{text}")]
+        else:
+            tokens += encode(text)
+    if repository_id is not None and separator_id is not None:
+        tokens += [separator_id, *encode("filename\n")]
+    tokens += [prefix_id, *encode(text_field("input_prefix")), suffix_id, *encode(text_field("input_suffix")),
+               middle_id, *encode(text_field("prompt"))]
+    return tuple(tokens)
+
+
+def _root_object(value: object, path: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise InvalidRequest(f"{path} must be an object", param=path, code="invalid_type")
+    return value
+
+
+async def infill_prompt(engine: Engine, body: Mapping[str, Any]) -> tuple[int, ...]:
+    return await trio.to_thread.run_sync(_infill_prompt_sync, engine.model.tokenizer, body)
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+def error_body(error: MlxcelError) -> dict[str, Any]:
+    """An error as llama.cpp's clients read it on the native routes: a prompt too long for the context is its
+    `exceed_context_size_error` (with the two sizes); the rest keep the OpenAI shape."""
+    if not isinstance(error, ContextExceeded):
+        return error.to_body()
+    body: dict[str, Any] = {"code": 400, "message": error.message, "type": "exceed_context_size_error",
+                            "n_ctx": error.context_size}
+    if error.num_prompt_tokens is not None:
+        body["n_prompt_tokens"] = error.num_prompt_tokens
+    return {"error": body}

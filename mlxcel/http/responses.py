@@ -51,7 +51,7 @@ from mlxcel.http.validation import (
     _string,
     parse_chat_request,
 )
-from mlxcel.types import ChatRequest, Delta, TokenLogprob, ToolCall, Usage
+from mlxcel.types import ChatRequest, Delta, TokenLogprob, ToolCall, ToolCallPart, Usage
 
 if TYPE_CHECKING:
     from mlxcel.engine import DeltaStream
@@ -850,6 +850,8 @@ class OutputBuilder:
         self._sequence = 0
         self._num_reasoning_tokens = 0
         self._want_logprobs = INCLUDE_LOGPROBS in prepared.include
+        # function_call items whose arguments stream, by the call's index (open until the call completes).
+        self._streamed_calls: dict[int, dict[str, Any]] = {}
 
     def _event(self, event_type: str, **fields: Any) -> Event:
         event = {"type": event_type, "sequence_number": self._sequence, **fields}
@@ -936,9 +938,35 @@ class OutputBuilder:
             events.append(self._obfuscation(self._event(
                 "response.output_text.delta", item_id=self._open["id"], output_index=len(self.output) - 1,
                 content_index=0, delta=delta.text, logprobs=_event_logprobs(logprobs)), delta.text))
+        for piece in delta.tool_call_parts:
+            events += self._call_part(piece)
         for call in delta.tool_calls:
+            if call.index in self._streamed_calls:
+                item = self._streamed_calls.pop(call.index)
+                events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
+                                          output_index=len(self.output) - 1, name=call.name,
+                                          arguments=item["arguments"]))
+                events += self._close()
+                continue
             events += self._close()
             events += self._function_call(call)
+        return events
+
+    def _call_part(self, part: ToolCallPart) -> list[Event]:
+        """A piece of a call being generated: its item opens with the name, then its arguments stream."""
+        events: list[Event] = []
+        if part.name:
+            events += self._close()
+            item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": part.id,
+                    "name": part.name, "arguments": ""}
+            events += self._open_item(item, None)
+            self._streamed_calls[part.index] = item
+        item = self._streamed_calls[part.index]
+        if part.arguments:
+            item["arguments"] += part.arguments
+            events.append(self._obfuscation(self._event(
+                "response.function_call_arguments.delta", item_id=item["id"], output_index=len(self.output) - 1,
+                delta=part.arguments), part.arguments))
         return events
 
     def _function_call(self, call: ToolCall) -> list[Event]:

@@ -7,7 +7,8 @@ the dotted/indexed path of the bad field (`messages[2].role`, `stop[1]`).
 Shared conventions (the choices the OpenAI spec leaves open):
 
 - An optional field sent as JSON null counts as absent.
-- Unknown fields are ignored at every level; only known fields are checked.
+- Unknown fields are ignored at every level (only known fields are checked), except at the
+  root of a chat-completions body (`parse_chat_completions`), where one is a 400 naming it.
 - `bool` is never accepted as a number, and integer fields reject floats
   (`5.0` included); numbers must be finite.
 - A field read both at the root and inside `extra_body` takes the root value;
@@ -27,6 +28,7 @@ from typing import Any, NoReturn, TypeGuard, TypeVar, overload
 import attrs
 
 from mlxcel.core.output import REASONING_FORMATS
+from mlxcel.core.tool_grammar import closed_objects
 from mlxcel.errors import InvalidRequest
 from mlxcel.types import CacheOptions, ChatRequest, CompletionRequest, ImageSource, SamplingParams
 from mlxcel.vision.images import IMAGE_SENTINEL, check_bytes
@@ -35,6 +37,7 @@ __all__ = [
     "DEFAULT_VOLATILE_SYSTEM_PATTERNS",
     "Limits",
     "decode_json_body",
+    "parse_chat_completions",
     "parse_chat_request",
     "parse_completion_request",
     "parse_native_completion",
@@ -176,21 +179,29 @@ def decode_json_body(raw: bytes, *, max_bytes: int, allow_list: bool = False) ->
 
 
 def parse_chat_request(body: object, *, limits: Limits = DEFAULT_LIMITS) -> ChatRequest:
-    """Validate a `POST /v1/chat/completions` body."""
+    """Validate a chat-completions body (the route's, or one a Messages or Responses body became)."""
     root = _root(body)
+    root = _legacy_functions(root)
     images: list[ImageSource] = []
     messages = _messages(root, limits, images)  # first, so a body missing them says so first
     extra = _extra_body(root)
     cache = _cache_options(root, extra, user_scopes_session=limits.user_scopes_session, retention=True)
     tools = _tools(root, _tenant(cache))
     stream, include_usage = _stream(root)
+    _chat_unsupported(root)
+    continue_final, add_generation_prompt = _continuation(root, messages)
+    tool_choice = _tool_choice(root, tools)
+    parallel = False if LEGACY_FUNCTIONS_KEY in root else _optional(root, "parallel_tool_calls", _bool)
+    if parallel is None:
+        # A forced call is one call unless several are asked for (OpenAI's default, true, applies to "auto").
+        parallel = tool_choice in (None, "auto", "none")
     return ChatRequest(
         messages=messages,
         sampling=_openai_sampling(root, limits, default_max_tokens=None, legacy=False, tenant=_tenant(cache)),
         cache=cache,
         tools=tools,
-        tool_choice=_tool_choice(root, tools),
-        parallel_tool_calls=_optional(root, "parallel_tool_calls", _bool, True),
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel,
         chat_template_kwargs=_chat_template_kwargs(root, extra),
         model=_optional(root, "model", _string),
         stream=stream,
@@ -198,7 +209,157 @@ def parse_chat_request(body: object, *, limits: Limits = DEFAULT_LIMITS) -> Chat
         reasoning_format=_optional(root, "reasoning_format", _reasoning_format, "auto"),
         lora=_lora(root, extra),
         images=tuple(images),
+        continue_final_message=continue_final,
+        add_generation_prompt=add_generation_prompt,
+        reasoning_effort=_optional(root, "reasoning_effort", _reasoning_effort),
+        legacy_functions=LEGACY_FUNCTIONS_KEY in root,
+        timings_per_token=_optional(root, "timings_per_token", _bool, False),
     )
+
+
+def parse_chat_completions(body: object, *, limits: Limits = DEFAULT_LIMITS) -> ChatRequest:
+    """Validate a `POST /v1/chat/completions` body: every root field is known, or a 400 names it."""
+    root = _root(body)
+    for key in root:
+        if key not in CHAT_FIELDS and key not in CHAT_CLIENT_EXTRAS:
+            _fail(key, f"{key} is not a chat-completions field this server knows; leave it out",
+                  _UNSUPPORTED)
+    return parse_chat_request(root, limits=limits)
+
+
+# Every root field the chat route reads (honoured, or refused by value with a 400 naming it).
+CHAT_FIELDS = frozenset({
+    "messages", "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
+    "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
+    "stop", "seed", "n", "logprobs", "top_logprobs", "n_probs", "tools", "tool_choice", "parallel_tool_calls",
+    "functions", "function_call", "response_format", "grammar", "json_schema", "guided_json", "guided_choice",
+    "guided_regex", "guided_grammar", "structured_outputs", "reasoning_format", "reasoning_effort",
+    "verbosity", "chat_template_kwargs", "continue_final_message", "add_generation_prompt", "user",
+    "prompt_cache_key", "cache_salt", "cache_prompt", "prompt_cache_retention", "extra_body", "lora",
+    "min_tokens", "ignore_eos", "timings_per_token", "return_progress", "modalities", "audio", "prediction",
+    "web_search_options", "id_slot", "echo", "typical_p", "mirostat", "dry_multiplier", "xtc_probability",
+    "top_n_sigma", "dynatemp_range",
+})
+# Fields clients send that change nothing a local server could do, accepted and documented
+# (docs/api.md): OpenAI's bookkeeping (`metadata` and `store` tag and keep completions in
+# OpenAI's dashboard, `service_tier` picks a paid tier, `safety_identifier` feeds its abuse
+# monitoring), and the tuning fields of llama.cpp's samplers that llama.cpp's web UI sends
+# with every request: they do nothing while their sampler is off, and the sampler fields
+# themselves (`mirostat`, `dry_multiplier`, ...) are refused unless off.
+CHAT_CLIENT_EXTRAS = frozenset({
+    "metadata", "store", "service_tier", "safety_identifier",
+    "mirostat_tau", "mirostat_eta", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+    "dry_sequence_breakers", "xtc_threshold", "dynatemp_exponent", "samplers", "repeat_last_n",
+    "penalty_last_n",
+})
+# Marks a body whose tools came from the legacy `functions` (set by _legacy_functions).
+LEGACY_FUNCTIONS_KEY = "mlxcel:legacy_functions"
+# OpenAI's reasoning_effort values (Responses' `reasoning.effort` takes the same).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def _reasoning_effort(value: object, path: str) -> str:
+    if value not in REASONING_EFFORTS:
+        _fail(path, f"{path} must be one of {', '.join(REASONING_EFFORTS)}, got {_kind(value)}")
+    return str(value)
+
+
+def _neutral(root: Mapping[str, Any], key: str, neutral: tuple[object, ...], why: str) -> None:
+    """`key` is accepted only at a value that changes nothing; anything else is a 400 saying why."""
+    value = root.get(key)
+    if value is None or any(value == off and type(value) is type(off) for off in neutral):
+        return
+    _fail(key, f"{key} = {json.dumps(value)[:40]} is not supported: {why}", _UNSUPPORTED)
+
+
+def _chat_unsupported(root: Mapping[str, Any]) -> None:
+    """The chat fields this server cannot honour: refused unless sent at the value that leaves them off."""
+    for key, neutral in _NATIVE_NEUTRAL.items():
+        _neutral(root, key, neutral, f"this server does not run that sampler (leave it out, or send "
+                 f"{json.dumps(neutral[0])})")
+    _neutral(root, "verbosity", ("medium",), "this model has no verbosity setting ('medium', the model as it "
+             "is, is accepted)")
+    _neutral(root, "modalities", (["text"],), "the reply can only be text")
+    if root.get("audio") is not None:
+        _fail("audio", "audio output is not supported: the reply can only be text", _UNSUPPORTED)
+    if root.get("prediction") is not None:
+        _fail("prediction", "prediction (predicted outputs) needs speculative decoding, which this server does "
+              "not have yet", _UNSUPPORTED)
+    if root.get("web_search_options") is not None:
+        _fail("web_search_options", "web search is not available on this server", _UNSUPPORTED)
+    _neutral(root, "id_slot", (-1,), "requests are not pinned to slots here (-1, any slot, is accepted)")
+    _neutral(root, "echo", (False,), "the prompt is not echoed in chat replies")
+    _neutral(root, "return_progress", (False,), "prompt-processing progress events are not sent")
+
+
+def _continuation(root: Mapping[str, Any], messages: tuple[dict[str, Any], ...]) -> tuple[bool, bool]:
+    """(continue the final assistant message, add the generation prompt), as vLLM reads the two fields.
+
+    A conversation that ends with an assistant message is continued when neither field is sent
+    (an assistant prefill, as llama.cpp and Anthropic's API do it).
+    """
+    continue_final = _optional(root, "continue_final_message", _bool)
+    add_prompt = _optional(root, "add_generation_prompt", _bool)
+    ends_with_assistant = messages[-1]["role"] == "assistant"
+    if continue_final and add_prompt:
+        _fail("continue_final_message", "continue_final_message and add_generation_prompt cannot both be true")
+    if continue_final and not ends_with_assistant:
+        _fail("continue_final_message", "continue_final_message needs the last message to be the assistant's")
+    if continue_final is None:
+        continue_final = ends_with_assistant and not add_prompt and not messages[-1].get("tool_calls")
+    if continue_final and messages[-1].get("tool_calls"):
+        _fail("continue_final_message", "a final assistant message with tool_calls cannot be continued")
+    return continue_final, (not continue_final) if add_prompt is None else add_prompt
+
+
+def _legacy_functions(root: Mapping[str, Any]) -> Mapping[str, Any]:
+    """OpenAI's deprecated `functions` / `function_call` as `tools` / `tool_choice` (a single call)."""
+    functions = root.get("functions")
+    function_call = root.get("function_call")
+    if functions is None and function_call is None:
+        return root
+    if functions is None:
+        _fail("function_call", "function_call needs functions")
+    if root.get("tools") is not None or root.get("tool_choice") is not None:
+        _fail("functions", "send tools and tool_choice, or the legacy functions and function_call, not both")
+    tools = []
+    for index, item in enumerate(_list(functions, "functions")):
+        tools.append({"type": "function", "function": _object(item, f"functions[{index}]")})
+    translated: dict[str, Any] = {key: value for key, value in root.items()
+                                  if key not in ("functions", "function_call")}
+    translated["tools"] = tools
+    translated[LEGACY_FUNCTIONS_KEY] = True
+    if function_call is not None:
+        if isinstance(function_call, str):
+            if function_call not in ("auto", "none"):
+                _fail("function_call", f"function_call must be 'auto', 'none' or {{\"name\": ...}}, "
+                      f"got {_kind(function_call)}")
+            translated["tool_choice"] = function_call
+        else:
+            choice = _object(function_call, "function_call")
+            name = _nonempty_string(_required(choice, "name", "function_call"), "function_call.name")
+            translated["tool_choice"] = {"type": "function", "function": {"name": name}}
+    return translated | {"messages": _legacy_messages(root.get("messages"))}
+
+
+def _legacy_messages(items: object) -> object:
+    """Legacy turns as tool turns: an assistant's `function_call` a tool call, a `function` message its result."""
+    if not _is_list(items):
+        return items
+    messages: list[Any] = []
+    last_id = ""
+    for index, message in enumerate(items):
+        if isinstance(message, Mapping) and message.get("role") == "assistant" and isinstance(
+                message.get("function_call"), Mapping):
+            last_id = f"call_legacy_{index}"
+            call = {"id": last_id, "type": "function", "function": dict(message["function_call"])}
+            message = {key: value for key, value in message.items() if key != "function_call"} | {
+                "tool_calls": [call]}
+        elif isinstance(message, Mapping) and message.get("role") == "function":
+            message = {key: value for key, value in message.items() if key != "role"} | {
+                "role": "tool", "tool_call_id": last_id or f"call_legacy_{index}"}
+        messages.append(message)
+    return messages
 
 
 def _lora(root: Mapping[str, Any], extra: Mapping[str, Any]) -> tuple[tuple[int, float], ...] | None:
@@ -289,7 +450,10 @@ def parse_native_completion(
             root, "logit_bias", lambda value, path: _native_logit_bias(value, path, limits), ()
         ),
         grammar=_native_grammar(root, _tenant(cache)),
+        ignore_eos=_optional(root, "ignore_eos", _bool, False),
     )
+    if sampling.ignore_eos and sampling.grammar is not None:
+        _fail("ignore_eos", "ignore_eos cannot be combined with json_schema or grammar")
     return CompletionRequest(
         prompt=_prompt(root, allow_single_item_list=False),
         sampling=sampling,
@@ -298,6 +462,8 @@ def parse_native_completion(
         stream=_optional(root, "stream", _bool, False),
         return_tokens=_optional(root, "return_tokens", _bool, False),
         lora=_lora(root, extra),
+        response_fields=tuple(_string(item, f"response_fields[{index}]") for index, item in enumerate(
+            _optional(root, "response_fields", _list) or ())),
     )
 
 
@@ -340,7 +506,6 @@ _NATIVE_NEUTRAL: dict[str, tuple[object, ...]] = {
     "xtc_probability": (0, 0.0),
     "top_n_sigma": (-1, -1.0),
     "dynatemp_range": (0, 0.0),
-    "ignore_eos": (False,),
 }
 
 
@@ -697,7 +862,8 @@ def _native_logit_bias(value: object, path: str, limits: Limits) -> tuple[tuple[
 
 def _json_grammar(schema: Mapping[str, Any], path: str, tenant: str) -> str:
     """The llguidance grammar of a JSON Schema; a schema it cannot compile is a 400 naming ``path``."""
-    grammar, error_message = _compiled_grammar(tenant, json.dumps(schema, sort_keys=True))
+    # The key keeps the schema's property order: the grammar writes properties in that order.
+    grammar, error_message = _compiled_grammar(tenant, json.dumps(schema))
     if error_message:
         _fail(path, f"{path} cannot be enforced: {error_message}", _UNSUPPORTED)
     return grammar
@@ -736,21 +902,128 @@ def _response_format(root: Mapping[str, Any], tenant: str) -> str | None:
     if format_type == "text":
         return None
     if format_type == "json_object":
-        return _json_grammar({"type": "object"}, "response_format", tenant)
+        # llama.cpp's extension: a `schema` inside json_object is enforced as json_schema's would be.
+        schema = _optional(response_format, "schema", _object, prefix="response_format")
+        if schema is None:
+            return _json_grammar({"type": "object"}, "response_format", tenant)
+        schema = _json_value(schema, "response_format.schema")
+        _check_json_schema(schema, "response_format.schema", tenant)
+        return _json_grammar(schema, "response_format.schema", tenant)
     if format_type == "json_schema":
         path = "response_format.json_schema"
         spec = _object(_required(response_format, "json_schema", "response_format"), path)
         _nonempty_string(_required(spec, "name", path), f"{path}.name")
         _optional(spec, "description", _string, prefix=path)
-        _optional(spec, "strict", _bool, prefix=path)
+        strict = _optional(spec, "strict", _bool, False, prefix=path)
         schema_path = f"{path}.schema"
         # Required here (OpenAI's API lets it out): a schema-less json_schema is a mistake, not a request
         # for any object (that is json_object).
         schema = _json_value(_object(_required(spec, "schema", path), schema_path), schema_path)
         _check_json_schema(schema, schema_path, tenant)
-        return _json_grammar(schema, schema_path, tenant)
+        # OpenAI's strict mode: no property beyond the schema's, at any depth.
+        return _json_grammar(closed_objects(schema) if strict else schema, schema_path, tenant)
     _fail("response_format.type", f"response_format.type {_kind(format_type)} is not supported; "
           "only 'text', 'json_object' and 'json_schema' are", _UNSUPPORTED)
+
+
+def _choice_grammar(value: object, path: str) -> str:
+    """A grammar whose only strings are the choices (vLLM's guided_choice)."""
+    choices = [_nonempty_string(item, f"{path}[{index}]") for index, item in enumerate(_list(value, path))]
+    if not choices:
+        _fail(path, f"{path} must hold at least one choice")
+    return _lark_grammar("start: " + " | ".join(json.dumps(choice) for choice in choices), path)
+
+
+def _regex_grammar(value: object, path: str) -> str:
+    pattern = _nonempty_string(value, path)
+    return _lark_grammar("start: " + "/" + pattern.replace("/", "\\/") + "/", path)
+
+
+def _gbnf_grammar(value: object, path: str, tenant: str) -> str | None:
+    gbnf = _string(value, path)
+    if not gbnf:
+        return None
+    grammar, error_message = _compiled_gbnf(tenant, gbnf)
+    if error_message:
+        _fail(path, f"{path} cannot be used: {error_message}")
+    return grammar
+
+
+def _lark_grammar(lark: str, path: str) -> str:
+    from llguidance import LLMatcher
+
+    try:
+        grammar = LLMatcher.grammar_from_lark(lark)
+    except (ValueError, RuntimeError) as error:
+        _fail(path, f"{path} cannot be enforced: {error}", _UNSUPPORTED)
+    error_message = LLMatcher.validate_grammar(grammar)
+    if error_message:
+        _fail(path, f"{path} cannot be enforced: {error_message}", _UNSUPPORTED)
+    return grammar
+
+
+def _schema_grammar(value: object, path: str, tenant: str) -> str:
+    """A JSON Schema sent as an object or as its JSON text (vLLM's guided_json takes both)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            _fail(path, f"{path} must be a JSON Schema (an object, or its JSON text)")
+    schema = _json_value(_object(value, path), path)
+    _check_json_schema(schema, path, tenant)
+    return _json_grammar(schema, path, tenant)
+
+
+def _structured_outputs(value: object, tenant: str) -> str | None:
+    """vLLM's `structured_outputs`: one of json, regex, choice, grammar (GBNF or Lark), json_object."""
+    spec = _object(value, "structured_outputs")
+    readers: dict[str, Callable[[object, str], str | None]] = {
+        "json": lambda item, path: _schema_grammar(item, path, tenant),
+        "regex": _regex_grammar,
+        "choice": _choice_grammar,
+        "grammar": lambda item, path: _gbnf_grammar(item, path, tenant),
+        "json_object": lambda item, path: _json_grammar({"type": "object"}, path, tenant) if _bool(
+            item, path) else None,
+    }
+    grammars = []
+    for key, item in spec.items():
+        path = f"structured_outputs.{key}"
+        if item is None:
+            continue
+        if key == "disable_any_whitespace":
+            # The JSON is always compact here: true is what happens; false cannot be had.
+            _neutral(spec, key, (True,), "the JSON is always written without free whitespace")
+            continue
+        if key not in readers:
+            _fail(path, f"{path} is not supported; send one of {', '.join(readers)}", _UNSUPPORTED)
+        grammars.append(readers[key](item, path))
+    if len(grammars) > 1:
+        _fail("structured_outputs", "structured_outputs may hold one of json, regex, choice, grammar, json_object")
+    return grammars[0] if grammars else None
+
+
+def _grammar(root: Mapping[str, Any], tenant: str) -> str | None:
+    """The one grammar a request's structured-output fields ask for, whichever spelling it uses.
+
+    OpenAI's `response_format`, llama.cpp's `json_schema` and `grammar` (GBNF), vLLM's
+    `guided_json` / `guided_choice` / `guided_regex` / `guided_grammar` and `structured_outputs`.
+    """
+    sources: dict[str, Callable[[], str | None]] = {
+        "response_format": lambda: _response_format(root, tenant),
+        "json_schema": lambda: _schema_grammar(root["json_schema"], "json_schema", tenant) if root[
+            "json_schema"] else None,
+        "grammar": lambda: _gbnf_grammar(root["grammar"], "grammar", tenant),
+        "guided_json": lambda: _schema_grammar(root["guided_json"], "guided_json", tenant),
+        "guided_choice": lambda: _choice_grammar(root["guided_choice"], "guided_choice"),
+        "guided_regex": lambda: _regex_grammar(root["guided_regex"], "guided_regex"),
+        "guided_grammar": lambda: _gbnf_grammar(root["guided_grammar"], "guided_grammar", tenant),
+        "structured_outputs": lambda: _structured_outputs(root["structured_outputs"], tenant),
+    }
+    found = [(key, grammar) for key, read in sources.items() if root.get(key) is not None
+             and (grammar := read()) is not None]
+    if len(found) > 1:
+        _fail(found[1][0], f"{found[0][0]} and {found[1][0]} both constrain the reply; send one of them")
+    return found[0][1] if found else None
 
 
 def _check_n(root: Mapping[str, Any]) -> None:
@@ -783,7 +1056,7 @@ def _openai_sampling(
     root: Mapping[str, Any], limits: Limits, *, default_max_tokens: int | None, legacy: bool, tenant: str
 ) -> SamplingParams:
     _check_n(root)
-    grammar = _response_format(root, tenant)
+    grammar = _grammar(root, tenant)
     extra = _extra_body(root)
 
     def extension(key: str, read: Callable[[object, str], _T], default: _T) -> _T:
@@ -793,10 +1066,26 @@ def _openai_sampling(
         return value if value is not None else nested if nested is not None else default
 
     logprobs, top_logprobs = _logprobs(root, limits, legacy=legacy)
+    n_probs = None if legacy else _optional(
+        root, "n_probs", lambda value, path: _int(value, path, 0, limits.max_top_logprobs))
+    if n_probs is not None:
+        # llama.cpp's spelling of top_logprobs: the top N of each token, in the logprobs shape.
+        if root.get("logprobs") is not None or root.get("top_logprobs") is not None:
+            _fail("n_probs", "send either n_probs or logprobs and top_logprobs, not both")
+        logprobs, top_logprobs = n_probs > 0, n_probs
+    min_tokens = _optional(root, "min_tokens", lambda value, path: _int(value, path, 0, limits.max_tokens_cap), 0)
+    ignore_eos = _optional(root, "ignore_eos", _bool, False)
+    if (min_tokens or ignore_eos) and grammar is not None:
+        # The grammar may have nothing left to allow but the end of the reply.
+        _fail("min_tokens" if min_tokens else "ignore_eos",
+              f"{'min_tokens' if min_tokens else 'ignore_eos'} cannot be combined with structured output")
+    max_tokens = _max_tokens(root, limits, default_max_tokens)
+    if max_tokens is not None and min_tokens > max_tokens:
+        _fail("min_tokens", f"min_tokens ({min_tokens}) is more than max_tokens ({max_tokens})")
     return SamplingParams(
         temperature=_optional(root, "temperature", _temperature, 1.0),
         top_p=_optional(root, "top_p", _top_p, 1.0),
-        max_tokens=_max_tokens(root, limits, default_max_tokens),
+        max_tokens=max_tokens,
         stop=_stop(root, limits),
         seed=_optional(root, "seed", _seed),
         logprobs=logprobs,
@@ -808,6 +1097,8 @@ def _openai_sampling(
         frequency_penalty=_optional(root, "frequency_penalty", _penalty, 0.0),
         logit_bias=_optional(root, "logit_bias", lambda value, path: _logit_bias(value, path, limits), ()),
         grammar=grammar,
+        min_tokens=min_tokens,
+        ignore_eos=ignore_eos,
     )
 
 

@@ -32,6 +32,8 @@ class Grammars:
     def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
         self._tokenizer = tokenizer
         self._eos_token_ids = sorted(eos_token_ids)
+        # Also what min_tokens / ignore_eos mask (the Grammars object is the executor's one view of them).
+        self.eos_token_ids = frozenset(eos_token_ids)
         self._ll_tokenizer: Any = None
         self._executor: Any = None
         # Fed this step, mask not computed yet.

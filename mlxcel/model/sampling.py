@@ -8,7 +8,7 @@ A grammar adds a processor and wraps the sampler (``grammar_masks.py``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from mlxcel.core.plan import SampledToken
@@ -79,7 +79,7 @@ def make_sampling(
     just sampled, its sampler masks what the grammar forbids (see Grammars).
     """
     sampler = make_sampler(sampling)
-    processors = make_logits_processors(sampling)
+    processors = make_logits_processors(sampling, grammars.eos_token_ids if grammars is not None else ())
     if sampling.grammar is None:
         return sampler, processors
     if grammars is None:
@@ -88,13 +88,17 @@ def make_sampling(
     return grammar.sampler(sampler), [*(processors or ()), grammar.feed]
 
 
-def make_logits_processors(sampling: SamplingParams) -> list[Callable[[Any, Any], Any]] | None:
-    """mlx-lm's processors for the request's penalties and logit_bias; None when none."""
+def make_logits_processors(
+    sampling: SamplingParams, eos_token_ids: Collection[int] = ()
+) -> list[Callable[[Any, Any], Any]] | None:
+    """mlx-lm's processors for the request's penalties and logit_bias, and min_tokens / ignore_eos; None when none."""
     if not sampling.processes_logits:
         return None
-    from mlx_lm.sample_utils import make_logits_processors
+    from mlx_lm.sample_utils import make_logits_processors as mlx_lm_processors
 
-    processors: list[Callable[[Any, Any], Any]] = make_logits_processors(
+    from mlxcel.model.eos_guard import eos_guard
+
+    processors: list[Callable[[Any, Any], Any]] = mlx_lm_processors(
         logit_bias=dict(sampling.logit_bias) or None,
         repetition_penalty=None if sampling.repetition_penalty == 1.0 else sampling.repetition_penalty,
         repetition_context_size=sampling.penalty_context,
@@ -103,4 +107,5 @@ def make_logits_processors(sampling: SamplingParams) -> list[Callable[[Any, Any]
         frequency_penalty=sampling.frequency_penalty or None,
         frequency_context_size=sampling.penalty_context,
     )
-    return processors
+    guard = eos_guard(sampling, eos_token_ids)
+    return [*processors, guard] if guard is not None else processors

@@ -129,11 +129,43 @@ def test_parallel_tool_calls_false_keeps_one_call_of_a_format_without_an_end_mar
 
 
 def test_a_malformed_call_is_content_text_and_the_reply_stops() -> None:
-    bad = '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>'
+    # Not a call object at all: content, markers included.
+    bad = '<tool_call>\n["get_weather", {"city": \n</tool_call>'
     deltas, final = run("Sure. " + bad, tools=TOOLS)
     assert calls(deltas) == []
     assert content(deltas) == "Sure. " + bad
     assert final.finish_reason == "stop"
+
+
+def test_a_call_whose_arguments_streamed_stays_a_call_when_they_do_not_parse() -> None:
+    # Its name and arguments went out as they were written, so it ends as a call with that text (OpenAI's
+    # arguments are not always valid JSON either).
+    deltas, final = run('Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>',
+                        tools=TOOLS)
+    (call,) = calls(deltas)
+    assert (call.name, call.arguments) == ("get_weather", '{"city":')
+    assert "".join(part.arguments for delta in deltas for part in delta.tool_call_parts) == call.arguments
+    assert content(deltas) == "Sure."
+    assert final.finish_reason == "tool_calls"
+
+
+def test_json_tools_arguments_stream_as_they_are_generated() -> None:
+    reply = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "when": {"day": 1}}}\n'
+             '</tool_call><tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima"}}\n</tool_call>')
+    deltas, final = run(reply, tools=TOOLS)
+    parts = [part for delta in deltas for part in delta.tool_call_parts]
+    finished = calls(deltas)
+    assert [call.arguments for call in finished] == ['{"city": "Oslo", "when": {"day": 1}}', '{"city": "Lima"}']
+    for call in finished:
+        mine = [part for part in parts if part.index == call.index]
+        # The name (and id) first, alone; then the arguments in many pieces that add up to the call's.
+        assert (mine[0].id, mine[0].name, mine[0].arguments) == (call.id, call.name, "")
+        assert len(mine) > 4
+        assert "".join(part.arguments for part in mine) == call.arguments
+    # The first call's pieces all came before its completion, one token at a time.
+    first_done = next(index for index, delta in enumerate(deltas) if delta.tool_calls)
+    assert sum(1 for delta in deltas[:first_done] if delta.tool_call_parts) > 4
+    assert final.finish_reason == "tool_calls"
 
 
 def test_a_call_without_a_name_is_content_too() -> None:
@@ -142,10 +174,12 @@ def test_a_call_without_a_name_is_content_too() -> None:
     assert (calls(deltas), content(deltas)) == ([], bad)
 
 
-def test_a_call_cut_off_by_the_length_limit_is_content_and_finishes_length() -> None:
-    deltas, final = run('<tool_call>\n{"name": "get_weather", "argum', finish="length", tools=TOOLS)
-    assert calls(deltas) == []
-    assert content(deltas) == '<tool_call>\n{"name": "get_weather", "argum'
+def test_a_call_cut_off_by_the_length_limit_is_dropped_and_finishes_length() -> None:
+    # The complete calls only, never markup in content (LangChain would see no tool_calls).
+    deltas, final = run('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+                        '<tool_call>\n{"name": "get_weather", "argum', finish="length", tools=TOOLS)
+    assert [call.name for call in calls(deltas)] == ["get_weather"]
+    assert content(deltas) == ""
     assert final.finish_reason == "length"
 
 

@@ -63,7 +63,8 @@ async def post_events(client: Client, path: str, body: Any) -> list[Any]:
 def without_ids(body: dict[str, Any], prefix: str) -> dict[str, Any]:
     assert body["id"].startswith(prefix)
     assert isinstance(body["created"], int)
-    return {key: value for key, value in body.items() if key not in ("id", "created")}
+    assert body["system_fingerprint"].startswith("fp_")
+    return {key: value for key, value in body.items() if key not in ("id", "created", "system_fingerprint")}
 
 
 # --- chat --------------------------------------------------------------------------
@@ -307,6 +308,7 @@ async def test_native_completion_whole_body() -> None:
         "generation_settings": {
             "n_ctx": 4096, "model": FAKE_MODEL_ID, "n_predict": 8, "temperature": 0.2, "top_p": 1.0, "seed": 5,
             "stop": ["END"], "n_probs": 0, "stream": False, "cache_prompt": False, "return_tokens": True,
+            "ignore_eos": False,
         },
         "timings": {
             "cache_n": 2, "prompt_n": 5, "prompt_ms": 500.0, "prompt_per_token_ms": 100.0, "prompt_per_second": 10.0,

