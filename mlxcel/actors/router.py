@@ -162,8 +162,7 @@ class PromptRenderer:
         if request.images:
             return self._render_images(request, kwargs, tools, namespace)
         tokens = self._chat_tokens(request.messages, tools, kwargs, add_generation_prompt=True, namespace=namespace)
-        tool_choice = effective_tool_choice(request.tool_choice, tools)
-        template_sig = template_signature(self._chat_template, kwargs, tool_choice, tools)
+        template_sig = self._template_signature(kwargs, tools)
         boundary = None
         if self._history_boundaries and len(request.messages) > 1 and request.messages[-1].get("role") == "user":
             history = self._chat_tokens(
@@ -186,10 +185,17 @@ class PromptRenderer:
         messages = self._images.placeholders(request.messages)
         tokens = self._chat_tokens(messages, tools, kwargs, add_generation_prompt=True, namespace=namespace)
         tokens, vision = self._images.expand(tokens, images)
-        tool_choice = effective_tool_choice(request.tool_choice, tools)
-        return RenderedPrompt(tokens=tokens, template_sig=template_signature(self._chat_template, kwargs, tool_choice,
-                                                                             tools),
+        return RenderedPrompt(tokens=tokens, template_sig=self._template_signature(kwargs, tools),
                               tool_grammar=self._tool_grammar(request), mm_digest=images.digest, vision=vision)
+
+    def _template_signature(self, kwargs: Mapping[str, Any], tools: list[Any] | None) -> str:
+        """The signature of what the template renders with.
+
+        `tool_choice` never reaches the template (only whether tools are
+        rendered does), so a forced call and the `auto` turn after it (the
+        Agents SDK's loop) render, and sign, one prompt.
+        """
+        return template_signature(self._chat_template, kwargs, "auto" if tools else "none", tools)
 
     def _shared_prefix(
         self, request: ChatRequest, tokens: tuple[int, ...], tools: list[Any] | None, kwargs: Mapping[str, Any],

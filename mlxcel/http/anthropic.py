@@ -47,6 +47,7 @@ from mlxcel.http.validation import (
     parse_chat_request,
 )
 from mlxcel.types import ChatRequest, Delta, ToolCall, Usage
+from mlxcel.vision.images import IMAGE_SENTINEL
 
 __all__ = [
     "DEFAULT_VOLATILE_SYSTEM_PATTERNS",
@@ -60,6 +61,10 @@ __all__ = [
 ]
 
 MAX_CACHE_BREAKPOINTS = 4
+# `Translation.cache_through` when the top-level `cache_control` marks the whole prompt.
+WHOLE_PROMPT = 1 << 62
+# Anthropic's range of `temperature`.
+MAX_TEMPERATURE = 1.0
 CACHE_TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
 # Anthropic's floor on an extended-thinking budget.
 MIN_THINKING_BUDGET = 1024
@@ -129,11 +134,17 @@ class _Breakpoints:
     def __init__(self) -> None:
         self.count = 0
         self.retain_seconds = 0.0
+        # How many leading chat messages the last breakpoint covers (0: none is marked).
+        self.through = 0
+        # The chat message a marker read now lands in (the tools count as the system
+        # message's: templates render them together).
+        self.position = 0
 
     def read(self, block: Mapping[str, Any], path: str) -> None:
         value = block.get("cache_control")
         if value is None:
             return
+        self.through = max(self.through, self.position + 1)
         path = f"{path}.cache_control" if path else "cache_control"
         control = _object(value, path)
         _only(control, {"type", "ttl"}, path, "cache_control")
@@ -175,6 +186,9 @@ class Translation:
     # Per chat message: (the Anthropic path of the message, of its content).
     origins: tuple[tuple[str, str], ...]
     retain_seconds: float
+    # The leading chat messages the last cache_control breakpoint covers (what Anthropic
+    # writes to its cache); WHOLE_PROMPT for a top-level marker, 0 when none is set.
+    cache_through: int = 0
 
 
 def translate_messages_body(
@@ -201,12 +215,21 @@ def translate_messages_body(
         if text:
             messages.append({"role": "system", "content": text})
             origins.append(("system", "system"))
+        elif breakpoints.through:
+            breakpoints.through = 0  # the marked system text was all volatile lines
+    num_system = len(messages)
     _translate_messages(raw_messages, messages, origins, breakpoints)
     if body.get("context_management") is not None:
         _apply_context_management(body["context_management"], messages)
     chat["messages"] = messages
     if not count_only:
         chat["max_tokens"] = _required(body, "max_tokens", "")
+        temperature = body.get("temperature")
+        if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and not (
+            0 <= temperature <= MAX_TEMPERATURE
+        ):
+            _fail("temperature", f"temperature must be between 0 and {MAX_TEMPERATURE:g} on /v1/messages, got "
+                  f"{temperature}", _VALUE)
         for key in ("temperature", "top_p", "top_k", "stream"):
             if body.get(key) is not None:
                 chat[key] = body[key]
@@ -227,6 +250,8 @@ def translate_messages_body(
     if body.get("model") is not None:
         chat["model"] = body["model"]
     if body.get("tools") is not None:
+        # A marker on a tool covers the tool schemas, which the template renders with the system prompt.
+        breakpoints.position = num_system - 1
         chat["tools"] = _tools(body["tools"], breakpoints)
     if body.get("tool_choice") is not None:
         chat.update(_tool_choice(body["tool_choice"]))
@@ -234,8 +259,10 @@ def translate_messages_body(
         enabled = _thinking(body["thinking"], None if count_only else body.get("max_tokens"))
         chat["chat_template_kwargs"] = {"enable_thinking": enabled}
     # Top-level: Anthropic puts the marker on the last cacheable block; here it is one more breakpoint.
+    breakpoints.position = WHOLE_PROMPT - 1
     breakpoints.read(body, "")
-    return Translation(body=chat, origins=tuple(origins), retain_seconds=breakpoints.retain_seconds)
+    return Translation(body=chat, origins=tuple(origins), retain_seconds=breakpoints.retain_seconds,
+                       cache_through=breakpoints.through)
 
 
 def _apply_context_management(value: object, messages: list[dict[str, Any]]) -> None:
@@ -336,6 +363,7 @@ def _translate_messages(
             messages.append({"role": role, "content": content})
             origins.append((path, f"{path}.content"))
             continue
+        breakpoints.position = len(messages)
         blocks = _list(content, f"{path}.content")
         if not blocks:
             _fail(f"{path}.content", f"{path}.content must hold at least one block")
@@ -370,6 +398,7 @@ def _user_blocks(
                 _fail(block_path, f"{block_path}: tool_result blocks must come before any text in a user message")
             messages.append(_tool_result(block, block_path, breakpoints, open_calls))
             origins.append((block_path, f"{block_path}.content"))
+            breakpoints.position = len(messages)
         else:
             _unknown_block(block_type, block_path, "user")
     if any(part["type"] == "image_url" for part in parts):
@@ -596,7 +625,7 @@ def anthropic_error(error: InvalidRequest, origins: tuple[tuple[str, str], ...])
     return translated
 
 
-def _parse(body: object, *, limits: Limits, count_only: bool) -> ChatRequest:
+def _parse(body: object, *, limits: Limits, count_only: bool) -> tuple[ChatRequest, Translation]:
     translation = translate_messages_body(
         body, volatile_system_patterns=limits.volatile_system_patterns, count_only=count_only
     )
@@ -606,17 +635,46 @@ def _parse(body: object, *, limits: Limits, count_only: bool) -> ChatRequest:
         raise anthropic_error(error, translation.origins) from None
     if translation.retain_seconds:
         parsed = attrs.evolve(parsed, cache=attrs.evolve(parsed.cache, retain_seconds=translation.retain_seconds))
-    return parsed
+    return parsed, translation
+
+
+@attrs.frozen(kw_only=True)
+class MessagesRequest:
+    """A validated `POST /v1/messages` body: what the engine runs, and what its usage reports."""
+
+    chat: ChatRequest
+    # The prompt up to the end of the chat message holding the last cache_control breakpoint
+    # (None: no breakpoint; the whole prompt: a top-level marker or one on the last message).
+    cache_prefix: ChatRequest | None = attrs.field(default=None, repr=False)
+
+    @property
+    def model(self) -> str | None:
+        return self.chat.model
+
+
+def parse_messages(body: object, *, limits: Limits) -> MessagesRequest:
+    """Validate a `POST /v1/messages` body into the ChatRequest the chat route would build."""
+    parsed, translation = _parse(body, limits=limits, count_only=False)
+    through = translation.cache_through
+    if not through:
+        return MessagesRequest(chat=parsed)
+    if through >= len(parsed.messages):
+        return MessagesRequest(chat=parsed, cache_prefix=parsed)
+    messages = parsed.messages[:through]
+    # The images the prefix holds come first in arrival order.
+    num_images = json.dumps(messages).count(json.dumps(IMAGE_SENTINEL)[1:-1])
+    return MessagesRequest(chat=parsed, cache_prefix=attrs.evolve(
+        parsed, messages=messages, images=parsed.images[:num_images]))
 
 
 def parse_messages_request(body: object, *, limits: Limits) -> ChatRequest:
-    """Validate a `POST /v1/messages` body into the ChatRequest the chat route would build."""
-    return _parse(body, limits=limits, count_only=False)
+    """The ChatRequest of a `POST /v1/messages` body (what the chat route would build)."""
+    return parse_messages(body, limits=limits).chat
 
 
 def parse_count_tokens_request(body: object, *, limits: Limits) -> ChatRequest:
     """Validate a `POST /v1/messages/count_tokens` body (no max_tokens, nothing to sample)."""
-    return _parse(body, limits=limits, count_only=True)
+    return _parse(body, limits=limits, count_only=True)[0]
 
 
 # --- replies ---------------------------------------------------------------------------
@@ -637,14 +695,17 @@ def stop_reason(finish_reason: str, stop_string: str | None) -> tuple[str, str |
     return "end_turn", None
 
 
-def usage_body(usage: Usage, *, stores_prompt: bool) -> dict[str, int]:
+def usage_body(usage: Usage, *, stores_prompt: bool, cache_prefix_tokens: int = 0) -> dict[str, int]:
     """Anthropic's usage: the three input counts sum to the prompt.
 
-    mlxcel stores every prompt it prefills (when the request lets it), so what
-    was not read from the cache was written to it.
+    As Anthropic counts them: what was read from the cache, what was written
+    to it up to the last `cache_control` breakpoint (``cache_prefix_tokens``),
+    and the tokens after that breakpoint as `input_tokens`. mlxcel stores the
+    rest of the prompt too (automatic prefix caching), and a later hit on it
+    is reported as read.
     """
     read = usage.cached_tokens
-    creation = usage.prompt_tokens - read if stores_prompt else 0
+    creation = max(0, min(cache_prefix_tokens, usage.prompt_tokens) - read) if stores_prompt else 0
     return {
         "input_tokens": usage.prompt_tokens - read - creation,
         "cache_creation_input_tokens": creation,
@@ -697,7 +758,7 @@ def message_body(
 
 
 async def whole_message(
-    deltas: AsyncIterator[Delta], first: Delta, *, model: str, stores_prompt: bool
+    deltas: AsyncIterator[Delta], first: Delta, *, model: str, stores_prompt: bool, cache_prefix_tokens: int = 0,
 ) -> dict[str, Any]:
     """Read a reply to its end into one message body (an error mid-way propagates)."""
     texts, reasoning, calls = [first.text], [first.reasoning], list(first.tool_calls)
@@ -715,7 +776,7 @@ async def whole_message(
     return message_body(
         message_id=new_message_id(), model=model, reasoning="".join(reasoning), text="".join(texts),
         tool_calls=tuple(calls), finish_reason=last.finish_reason, stop_string=last.stop_string,
-        usage=usage_body(last.usage, stores_prompt=stores_prompt),
+        usage=usage_body(last.usage, stores_prompt=stores_prompt, cache_prefix_tokens=cache_prefix_tokens),
     )
 
 
@@ -731,19 +792,23 @@ class MessageStreamer:
     usage, which Anthropic's SDKs take over message_start's.
     """
 
-    def __init__(self, *, model: str, stores_prompt: bool) -> None:
+    def __init__(self, *, model: str, stores_prompt: bool, cache_prefix_tokens: int = 0) -> None:
         self.model = model
         self.stores_prompt = stores_prompt
+        self.cache_prefix_tokens = cache_prefix_tokens
         self.message_id = new_message_id()
         self._index = -1
         self._open: str | None = None
 
     def start(self, first: Delta) -> bytes:
-        usage = usage_body(first.usage, stores_prompt=self.stores_prompt) if first.usage else ZERO_USAGE
+        usage = self._usage(first.usage) if first.usage else ZERO_USAGE
         message: dict[str, Any] = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
                    "content": [], "stop_reason": None, "stop_sequence": None, "usage": {**usage, "output_tokens": 0}}
         return sse_event("message_start", {"type": "message_start", "message": message}) + sse_event(
             "ping", {"type": "ping"})
+
+    def _usage(self, usage: Usage) -> dict[str, int]:
+        return usage_body(usage, stores_prompt=self.stores_prompt, cache_prefix_tokens=self.cache_prefix_tokens)
 
     def _close(self) -> bytes:
         if self._open is None:
@@ -782,7 +847,7 @@ class MessageStreamer:
             events += self._close()
             events += sse_event("message_delta", {
                 "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                "usage": usage_body(delta.usage, stores_prompt=self.stores_prompt),
+                "usage": self._usage(delta.usage),
             })
             events += sse_event("message_stop", {"type": "message_stop"})
         return events

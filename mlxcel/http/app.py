@@ -46,6 +46,8 @@ access_logger = logging.getLogger("mlxcel.access")
 
 # What a route's parser returns: the chat or completion request it validated.
 _Parsed = TypeVar("_Parsed", bound=ChatRequest | CompletionRequest)
+# What parse_body returns: a route's validated body.
+_Body = TypeVar("_Body", bound=ChatRequest | CompletionRequest | anthropic.MessagesRequest)
 
 
 def error_response(error: MlxcelError, *, anthropic_shape: bool = False) -> Response:
@@ -326,7 +328,7 @@ def create_app(
             chunks.append(chunk)
         return decode_json_body(b"".join(chunks), max_bytes=max_body_bytes, allow_list=allow_list)
 
-    def check_model(parsed: ChatRequest | CompletionRequest) -> None:
+    def check_model(parsed: ChatRequest | CompletionRequest | anthropic.MessagesRequest) -> None:
         if parsed.model not in (None, "", *engine.model_names):
             raise InvalidRequest(
                 f"the model {parsed.model!r} is not served here; this server serves "
@@ -334,7 +336,7 @@ def create_app(
                 param="model", code="model_not_found", status=404,
             )
 
-    async def parse_body(parse: Callable[..., _Parsed]) -> _Parsed:
+    async def parse_body(parse: Callable[..., _Body]) -> _Body:
         body = await read_body()
         # Off the event loop: a large tool set or a new response schema takes milliseconds to seconds.
         parsed = await trio.to_thread.run_sync(functools.partial(parse, body, limits=limits))
@@ -448,23 +450,40 @@ def create_app(
         return await generate("native", parse_native_completion)
 
     # Anthropic's Messages API, translated onto the chat pipeline (mlxcel/http/anthropic.py).
+    async def cache_prefix_tokens(messages_request: anthropic.MessagesRequest) -> int:
+        """The tokens the last cache_control breakpoint covers (0: none is set)."""
+        prefix = messages_request.cache_prefix
+        if prefix is None:
+            return 0
+        if prefix is messages_request.chat:
+            return 1 << 62  # the whole prompt
+        try:
+            return await engine.count_prompt_tokens(prefix)
+        except InvalidRequest:
+            # The template cannot render the conversation cut there: count the whole prompt as written.
+            return 1 << 62
+
     @app.post("/v1/messages")
     async def messages() -> Response:
         try:
-            parsed, deltas, first = await start(anthropic.parse_messages_request)
+            messages_request = await parse_body(anthropic.parse_messages)
+            parsed = messages_request.chat
+            prefix_tokens = await cache_prefix_tokens(messages_request)
+            deltas, first = await start_parsed(parsed)
         except MlxcelError as error:
             return error_response(error, anthropic_shape=True)
-        # What was not read from the cache is written to it, when the request and server store prompts.
         stores_prompt = parsed.cache.cache_prompt and engine.config.prompt_cache.enabled
         if not parsed.stream:
             async with deltas:
                 try:
                     body = await anthropic.whole_message(deltas, first, model=engine.model_id,
-                                                         stores_prompt=stores_prompt)
+                                                         stores_prompt=stores_prompt,
+                                                         cache_prefix_tokens=prefix_tokens)
                 except MlxcelError as error:
                     return error_response(error, anthropic_shape=True)
             return json_response(body)
-        streamer = anthropic.MessageStreamer(model=engine.model_id, stores_prompt=stores_prompt)
+        streamer = anthropic.MessageStreamer(model=engine.model_id, stores_prompt=stores_prompt,
+                                             cache_prefix_tokens=prefix_tokens)
         return Response(
             _closing(deltas, streamer.events(deltas, first)),
             mimetype="text/event-stream",

@@ -94,7 +94,7 @@ async def test_whole_message_body_usage_and_the_request_the_engine_got() -> None
         "type": "message", "role": "assistant", "model": FAKE_MODEL_ID,
         "content": [{"type": "text", "text": "Hello"}], "stop_reason": "end_turn", "stop_sequence": None,
         # The three input counts sum to the prompt: 32 read, the other 8 written to the cache.
-        "usage": {"input_tokens": 0, "cache_creation_input_tokens": 8, "cache_read_input_tokens": 32,
+        "usage": {"input_tokens": 8, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 32,
                   "output_tokens": 3},
     }
     assert only_request(engine) == ChatRequest(
@@ -187,7 +187,7 @@ async def test_stream_event_sequence_blocks_and_usage() -> None:
     assert [data["index"] for name, data in events if name == "content_block_stop"] == [0, 1, 2]
     assert events[-2][1] == {
         "type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": None},
-        "usage": {"input_tokens": 0, "cache_creation_input_tokens": 2, "cache_read_input_tokens": 48,
+        "usage": {"input_tokens": 2, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 48,
                   "output_tokens": 9},
     }
     assert only_request(engine).stream
@@ -198,7 +198,7 @@ async def test_a_one_delta_reply_has_its_usage_in_message_start_too() -> None:
     engine = FakeEngine([finish("stop", text="ok", prompt_tokens=20, cached_tokens=16)])
     events = await events_of(client_for(engine), BODY)
     usage = events[0][1]["message"]["usage"]
-    assert usage == {"input_tokens": 0, "cache_creation_input_tokens": 4, "cache_read_input_tokens": 16,
+    assert usage == {"input_tokens": 4, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 16,
                      "output_tokens": 0}
     assert [name for name, _ in events] == ["message_start", "ping", "content_block_start", "content_block_delta",
                                             "content_block_stop", "message_delta", "message_stop"]
