@@ -410,10 +410,41 @@ def create_app(
             mimetype="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    def stored_owner() -> str:
+    def stored_owner(query: dict[str, list[str]] | None = None) -> str:
         # GET and DELETE have no body: the session and salt come as query parameters.
-        return responses.owner_of(responses.owner_query(request.args.to_dict(flat=False)),
-                                  request.headers.get("Authorization", ""), limits)
+        query = request.args.to_dict(flat=False) if query is None else query
+        return responses.owner_of(responses.owner_query(query), request.headers.get("Authorization", ""), limits)
+
+    @app.post("/v1/responses/input_tokens")
+    async def count_response_tokens() -> Response:
+        try:
+            body = await read_body()
+            assert isinstance(body, dict)
+            owner = responses.owner_of(body, request.headers.get("Authorization", ""), limits)
+            previous_id = body.get("previous_response_id")
+            previous = store.get(owner, previous_id) if isinstance(previous_id, str) and previous_id else None
+            if previous_id and previous is None:
+                raise responses.not_found(str(previous_id))
+            template = getattr(getattr(engine, "config", None), "chat_template", None) or engine.model.chat_template
+            prepared = await trio.to_thread.run_sync(functools.partial(
+                responses.prepare_count, body, previous, chat_template=template, limits=limits))
+            check_model(prepared.chat)
+            counted = await engine.count_prompt_tokens(prepared.chat)
+        except MlxcelError as error:
+            return error_response(error)
+        return json_response({"object": "response.input_tokens", "input_tokens": counted})
+
+    @app.get("/v1/responses/<response_id>/input_items")
+    async def list_input_items(response_id: str) -> Response:
+        try:
+            page_query, owner_query = responses.split_query(request.args.to_dict(flat=False))
+            stored = store.get(stored_owner(owner_query), response_id)
+            if stored is None:
+                raise responses.not_found(response_id, param=None)
+            page = responses.input_items_page(stored, response_id, page_query)
+        except MlxcelError as error:
+            return error_response(error)
+        return json_response(page)
 
     @app.get("/v1/responses/<response_id>")
     async def get_response(response_id: str) -> Response:

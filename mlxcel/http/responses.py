@@ -66,9 +66,12 @@ __all__ = [
     "collect",
     "event_stream",
     "not_found",
+    "input_items_page",
     "owner_of",
     "owner_query",
     "prepare",
+    "prepare_count",
+    "split_query",
     "sse_event",
 ]
 
@@ -215,6 +218,89 @@ class ResponseStore:
 
     def statistics(self) -> StoreStatistics:
         return StoreStatistics(num_entries=len(self._entries), nbytes=self._nbytes, num_evicted=self._num_evicted)
+
+
+# `GET /v1/responses/{id}/input_items`: OpenAI's page bounds and default.
+MAX_ITEMS_PAGE = 100
+DEFAULT_ITEMS_PAGE = 20
+PAGE_FIELDS = ("after", "limit", "order", "include")
+_ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
+                     "custom_tool_call": "ctc", "custom_tool_call_output": "ctco"}
+
+
+def _listed_item(item: Mapping[str, Any], response_id: str, index: int) -> dict[str, Any]:
+    """An input item as `input_items` lists it: an id on each (stable for the stored response),
+    message content as parts, a status where OpenAI gives one."""
+    listed = dict(item)
+    if not isinstance(listed.get("id"), str) or not listed["id"]:
+        digest = hashlib.sha256(f"{response_id}/{index}".encode()).hexdigest()[:32]
+        listed["id"] = f"{_ITEM_ID_PREFIXES.get(str(item['type']), 'item')}_{digest}"
+    if item["type"] == "message":
+        content = item["content"]
+        if isinstance(content, str):
+            part = "output_text" if item["role"] == "assistant" else "input_text"
+            content = [{"type": part, "text": content, **({"annotations": []} if part == "output_text" else {})}]
+        listed["content"] = content
+    if item["type"] != "reasoning":
+        listed.setdefault("status", "completed")
+    return listed
+
+
+def input_items_page(stored: StoredResponse, response_id: str, query: Mapping[str, list[str]]) -> dict[str, Any]:
+    """`GET /v1/responses/{id}/input_items`: the items the request sent, a cursor page (newest first by default)."""
+    values = {}
+    for key in PAGE_FIELDS:
+        given = query.get(key, [])
+        if key != "include" and len(given) > 1:
+            _fail(key, f"the query parameter {key!r} is given {len(given)} times")
+        values[key] = given
+    for index, name in enumerate(values["include"]):
+        if name not in SUPPORTED_INCLUDES:
+            _fail(f"include[{index}]", f"include[{index}]: {name!r} is not supported here; only "
+                  f"{', '.join(repr(known) for known in SUPPORTED_INCLUDES)} are", _UNSUPPORTED)
+    order = values["order"][0] if values["order"] else "desc"
+    _one_of(order, "order", ("asc", "desc"))
+    limit_text = values["limit"][0] if values["limit"] else str(DEFAULT_ITEMS_PAGE)
+    if not limit_text.isdigit() or not 1 <= int(limit_text) <= MAX_ITEMS_PAGE:
+        _fail("limit", f"limit must be an integer from 1 to {MAX_ITEMS_PAGE}, got {limit_text!r}", _VALUE)
+    items = [_listed_item(item, response_id, index) for index, item in enumerate(stored.input_items)]
+    if order == "desc":
+        items.reverse()
+    if values["after"]:
+        after = values["after"][0]
+        position = next((index for index, item in enumerate(items) if item["id"] == after), None)
+        if position is None:
+            _fail("after", f"after: no input item {after!r} in response {response_id!r}", _VALUE)
+        items = items[position + 1:]
+    page = items[: int(limit_text)]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
+
+
+def split_query(query: Mapping[str, list[str]]) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """A GET's query parameters: (the page's, the owner's)."""
+    page = {key: values for key, values in query.items() if key in PAGE_FIELDS}
+    return page, {key: values for key, values in query.items() if key not in PAGE_FIELDS}
+
+
+# Fields of `POST /v1/responses/input_tokens` (OpenAI's), besides the extensions: what renders the prompt.
+COUNT_FIELDS = frozenset({
+    "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "previous_response_id",
+    "reasoning", "text", "truncation", "conversation", "user", "prompt_cache_key",
+})
+
+
+def prepare_count(body: Mapping[str, Any], previous: StoredResponse | None, *, chat_template: str = "",
+                  limits: Limits = DEFAULT_LIMITS) -> PreparedResponse:
+    """Validate a `POST /v1/responses/input_tokens` body: the request whose prompt is counted."""
+    for key in body:
+        if key not in COUNT_FIELDS and key not in EXTENSION_FIELDS:
+            _fail(key, f"{key} is not supported by this server's /v1/responses/input_tokens", _UNSUPPORTED)
+    if body.get("conversation") is not None:
+        _fail("conversation", "conversations are not supported; send the items in input, or previous_response_id",
+              _UNSUPPORTED)
+    return prepare({key: value for key, value in body.items() if key != "conversation"}, previous,
+                   chat_template=chat_template, limits=limits)
 
 
 def not_found(response_id: str, param: str | None = "previous_response_id") -> InvalidRequest:
