@@ -897,6 +897,10 @@ def _make_sampling(
     """
     sampler = _make_sampler(sampling)
     processors = _make_logits_processors(sampling)
+    if sampling.reasoning_budget is not None:
+        from mlxcel.model.reasoning_budget import ReasoningBudgetProcessor
+
+        processors = [*(processors or ()), ReasoningBudgetProcessor(sampling.reasoning_budget)]
     if sampling.grammar is None:
         return sampler, processors
     if grammars is None:

@@ -32,6 +32,7 @@ from typing import Any, NoReturn
 import attrs
 
 from mlxcel.errors import InvalidRequest, MlxcelError, ServerBusy
+from mlxcel.http.effort import ReasoningChoice, effort_choice
 
 # The chat validator's primitive readers: one wording of "must be an object" and of a value's kind.
 from mlxcel.http.validation import (
@@ -46,7 +47,7 @@ from mlxcel.http.validation import (
     _string,
     parse_chat_request,
 )
-from mlxcel.types import ChatRequest, Delta, ToolCall, Usage
+from mlxcel.types import ChatRequest, Delta, ReasoningBudget, ToolCall, Usage
 from mlxcel.vision.images import IMAGE_SENTINEL
 
 __all__ = [
@@ -74,10 +75,12 @@ TOOL_ERROR_PREFIX = "Error: "
 _MESSAGES_FIELDS = frozenset({
     "model", "messages", "system", "max_tokens", "metadata", "stop_sequences", "stream", "temperature",
     "top_k", "top_p", "tools", "tool_choice", "thinking", "service_tier", "speed", "cache_control",
-    "context_management",
+    "context_management", "output_config",
 })
 _COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control",
-                           "context_management"})
+                           "context_management", "output_config"})
+# Anthropic's `output_config.effort` levels (mapped as Responses' reasoning.effort is).
+_EFFORTS = ("low", "medium", "high", "xhigh", "max")
 # One tier here; both values Anthropic accepts ask for nothing more than it.
 _SERVICE_TIERS = ("auto", "standard_only")
 _MEDIA_BLOCKS = frozenset({"document", "search_result", "container_upload"})
@@ -189,11 +192,13 @@ class Translation:
     # The leading chat messages the last cache_control breakpoint covers (what Anthropic
     # writes to its cache); WHOLE_PROMPT for a top-level marker, 0 when none is set.
     cache_through: int = 0
+    # Thinking tokens before the end of thinking is forced (`thinking.budget_tokens`, or the effort's).
+    thinking_budget: int | None = None
 
 
 def translate_messages_body(
     body: object, *, volatile_system_patterns: tuple[str, ...] = DEFAULT_VOLATILE_SYSTEM_PATTERNS,
-    count_only: bool = False,
+    count_only: bool = False, chat_template: str = "",
 ) -> Translation:
     """Check the Anthropic-only rules of a Messages body and translate it into a chat-completions body."""
     if not isinstance(body, Mapping):
@@ -255,14 +260,46 @@ def translate_messages_body(
         chat["tools"] = _tools(body["tools"], breakpoints)
     if body.get("tool_choice") is not None:
         chat.update(_tool_choice(body["tool_choice"]))
+    effort = _output_config(body.get("output_config"), chat, chat_template)
+    budget = effort.budget
+    template_kwargs = dict(effort.template_kwargs)
     if body.get("thinking") is not None:
-        enabled = _thinking(body["thinking"], None if count_only else body.get("max_tokens"))
-        chat["chat_template_kwargs"] = {"enable_thinking": enabled}
+        enabled, budget_tokens = _thinking(body["thinking"], None if count_only else body.get("max_tokens"))
+        # The explicit switch and budget win over what the effort sets.
+        template_kwargs["enable_thinking"] = enabled
+        budget = budget_tokens if budget_tokens is not None else (budget if enabled else None)
+    if template_kwargs:
+        chat["chat_template_kwargs"] = template_kwargs
     # Top-level: Anthropic puts the marker on the last cacheable block; here it is one more breakpoint.
     breakpoints.position = WHOLE_PROMPT - 1
     breakpoints.read(body, "")
     return Translation(body=chat, origins=tuple(origins), retain_seconds=breakpoints.retain_seconds,
-                       cache_through=breakpoints.through)
+                       cache_through=breakpoints.through, thinking_budget=budget)
+
+
+def _output_config(value: object, chat: dict[str, Any], chat_template: str) -> ReasoningChoice:
+    """Claude Code's `output_config`: `effort` as Responses' reasoning.effort, `format` as structured output."""
+    if value is None:
+        return ReasoningChoice()
+    config = _object(value, "output_config")
+    _only(config, {"effort", "format"}, "output_config", "output_config")
+    spec = config.get("format")
+    if spec is not None:
+        spec = _object(spec, "output_config.format")
+        _only(spec, {"type", "schema"}, "output_config.format", "output_config.format")
+        if spec.get("type") != "json_schema":
+            _fail("output_config.format.type", "output_config.format.type must be 'json_schema', got "
+                  f"{_kind(spec.get('type'))}")
+        schema = _object(_required(spec, "schema", "output_config.format"), "output_config.format.schema")
+        # Anthropic's structured outputs are always strict: the reply matches the schema.
+        chat["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "output", "schema": schema, "strict": True}}
+    effort = config.get("effort")
+    if effort is None:
+        return ReasoningChoice()
+    if effort not in _EFFORTS:
+        _fail("output_config.effort", f"output_config.effort must be one of {', '.join(_EFFORTS)}, got {_kind(effort)}")
+    return effort_choice(effort, chat_template)
 
 
 def _apply_context_management(value: object, messages: list[dict[str, Any]]) -> None:
@@ -563,15 +600,16 @@ def _tool_choice(value: object) -> dict[str, Any]:
     return chat
 
 
-def _thinking(value: object, max_tokens: object) -> bool:
+def _thinking(value: object, max_tokens: object) -> tuple[bool, int | None]:
+    """Whether the model thinks, and its budget of thinking tokens (None: no limit)."""
     thinking = _object(value, "thinking")
     kind = _required(thinking, "type", "thinking")
     if kind == "disabled":
         _only(thinking, {"type"}, "thinking", "thinking")
-        return False
+        return False, None
     if kind == "adaptive":
         _only(thinking, {"type"}, "thinking", "thinking")
-        return True
+        return True, None
     if kind != "enabled":
         _fail("thinking.type", f"thinking.type must be 'enabled', 'adaptive' or 'disabled', got {_kind(kind)}")
     _only(thinking, {"type", "budget_tokens"}, "thinking", "thinking")
@@ -581,7 +619,7 @@ def _thinking(value: object, max_tokens: object) -> bool:
               f"{MIN_THINKING_BUDGET}, got {_kind(budget)}")
     if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and budget >= max_tokens:
         _fail("thinking.budget_tokens", "thinking.budget_tokens must be less than max_tokens")
-    return True
+    return True, budget
 
 
 # --- chat-completions paths back to the Messages body's ----------------------------
@@ -595,6 +633,8 @@ _PATH_RULES: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"^user$"), "metadata.user_id"),
     (re.compile(r"^parallel_tool_calls$"), "tool_choice.disable_parallel_tool_use"),
     (re.compile(r"^chat_template_kwargs"), "thinking"),
+    (re.compile(r"^response_format\.json_schema\.schema"), "output_config.format.schema"),
+    (re.compile(r"^response_format"), "output_config.format"),
 )
 _CHAT_MESSAGE = re.compile(r"^messages\[(\d+)\](\.content)?")
 
@@ -625,14 +665,19 @@ def anthropic_error(error: InvalidRequest, origins: tuple[tuple[str, str], ...])
     return translated
 
 
-def _parse(body: object, *, limits: Limits, count_only: bool) -> tuple[ChatRequest, Translation]:
+def _parse(body: object, *, limits: Limits, count_only: bool, chat_template: str = "",
+           ) -> tuple[ChatRequest, Translation]:
     translation = translate_messages_body(
-        body, volatile_system_patterns=limits.volatile_system_patterns, count_only=count_only
+        body, volatile_system_patterns=limits.volatile_system_patterns, count_only=count_only,
+        chat_template=chat_template,
     )
     try:
         parsed = parse_chat_request(translation.body, limits=limits)
     except InvalidRequest as error:
         raise anthropic_error(error, translation.origins) from None
+    if translation.thinking_budget is not None and not count_only:
+        parsed = attrs.evolve(parsed, sampling=attrs.evolve(
+            parsed.sampling, reasoning_budget=ReasoningBudget(max_tokens=translation.thinking_budget)))
     if translation.retain_seconds:
         parsed = attrs.evolve(parsed, cache=attrs.evolve(parsed.cache, retain_seconds=translation.retain_seconds))
     return parsed, translation
@@ -652,9 +697,10 @@ class MessagesRequest:
         return self.chat.model
 
 
-def parse_messages(body: object, *, limits: Limits) -> MessagesRequest:
-    """Validate a `POST /v1/messages` body into the ChatRequest the chat route would build."""
-    parsed, translation = _parse(body, limits=limits, count_only=False)
+def parse_messages(body: object, *, limits: Limits, chat_template: str = "") -> MessagesRequest:
+    """Validate a `POST /v1/messages` body into the ChatRequest the chat route would build
+    (``chat_template``: the one in effect, whose reasoning switch an effort sets)."""
+    parsed, translation = _parse(body, limits=limits, count_only=False, chat_template=chat_template)
     through = translation.cache_through
     if not through:
         return MessagesRequest(chat=parsed)
@@ -672,9 +718,9 @@ def parse_messages_request(body: object, *, limits: Limits) -> ChatRequest:
     return parse_messages(body, limits=limits).chat
 
 
-def parse_count_tokens_request(body: object, *, limits: Limits) -> ChatRequest:
+def parse_count_tokens_request(body: object, *, limits: Limits, chat_template: str = "") -> ChatRequest:
     """Validate a `POST /v1/messages/count_tokens` body (no max_tokens, nothing to sample)."""
-    return _parse(body, limits=limits, count_only=True)[0]
+    return _parse(body, limits=limits, count_only=True, chat_template=chat_template)[0]
 
 
 # --- replies ---------------------------------------------------------------------------

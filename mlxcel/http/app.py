@@ -377,6 +377,12 @@ def create_app(
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
+    def template() -> str:
+        """The chat template in effect (`--chat-template`, else the model's): its reasoning switch is what
+        an effort sets."""
+        configured = getattr(getattr(engine, "config", None), "chat_template", None)
+        return configured or engine.model.chat_template
+
     store = responses.ResponseStore(max_entries=responses_store_entries, max_bytes=responses_store_bytes)
 
     def keep(owner: str, builder: responses.OutputBuilder) -> None:
@@ -394,9 +400,8 @@ def create_app(
             previous = store.get(owner, previous_id) if isinstance(previous_id, str) and previous_id else None
             if previous_id and previous is None:
                 raise responses.not_found(str(previous_id))
-            template = getattr(getattr(engine, "config", None), "chat_template", None) or engine.model.chat_template
             prepared = await trio.to_thread.run_sync(functools.partial(
-                responses.prepare, body, previous, chat_template=template, limits=limits))
+                responses.prepare, body, previous, chat_template=template(), limits=limits))
             deltas, first = await start_parsed(prepared.chat)
             builder = responses.OutputBuilder(prepared, engine.model_id)
             if not prepared.chat.stream:
@@ -425,9 +430,8 @@ def create_app(
             previous = store.get(owner, previous_id) if isinstance(previous_id, str) and previous_id else None
             if previous_id and previous is None:
                 raise responses.not_found(str(previous_id))
-            template = getattr(getattr(engine, "config", None), "chat_template", None) or engine.model.chat_template
             prepared = await trio.to_thread.run_sync(functools.partial(
-                responses.prepare_count, body, previous, chat_template=template, limits=limits))
+                responses.prepare_count, body, previous, chat_template=template(), limits=limits))
             check_model(prepared.chat)
             counted = await engine.count_prompt_tokens(prepared.chat)
         except MlxcelError as error:
@@ -497,7 +501,7 @@ def create_app(
     @app.post("/v1/messages")
     async def messages() -> Response:
         try:
-            messages_request = await parse_body(anthropic.parse_messages)
+            messages_request = await parse_body(functools.partial(anthropic.parse_messages, chat_template=template()))
             parsed = messages_request.chat
             prefix_tokens = await cache_prefix_tokens(messages_request)
             deltas, first = await start_parsed(parsed)
@@ -524,7 +528,8 @@ def create_app(
     @app.post("/v1/messages/count_tokens")
     async def count_tokens() -> Response:
         try:
-            parsed = await parse_body(anthropic.parse_count_tokens_request)
+            parsed = await parse_body(functools.partial(anthropic.parse_count_tokens_request,
+                                                        chat_template=template()))
             return json_response({"input_tokens": await engine.count_prompt_tokens(parsed)})
         except MlxcelError as error:
             return error_response(error, anthropic_shape=True)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from mlxcel.errors import InternalError, InvalidRequest, MlxcelError
+from mlxcel.http.effort import EFFORTS, ReasoningChoice, effort_choice
 
 # The chat validator's primitive readers: one wording of a value's kind and of a failed check.
 from mlxcel.http.validation import (
@@ -51,7 +52,7 @@ from mlxcel.http.validation import (
     _string,
     parse_chat_request,
 )
-from mlxcel.types import ChatRequest, Delta, TokenLogprob, ToolCall, Usage
+from mlxcel.types import ChatRequest, Delta, ReasoningBudget, TokenLogprob, ToolCall, Usage
 
 if TYPE_CHECKING:
     from mlxcel.engine import DeltaStream
@@ -100,7 +101,6 @@ ENCRYPTED_PREFIX = "mlxcel-reasoning-v1:"
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 MEDIA_PARTS = frozenset({"input_file", "input_audio"})
 TEXT_PARTS = frozenset({"input_text", "output_text"})
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 MAX_METADATA_KEYS = 16
 
 _MISSING = "missing_required_parameter"
@@ -371,7 +371,8 @@ def prepare(
     text, response_format = _text_config(body.get("text"))
     if response_format is not None:
         chat["response_format"] = response_format
-    reasoning, template_kwargs = _reasoning(body.get("reasoning"), chat_template)
+    reasoning, choice = _reasoning(body.get("reasoning"), chat_template)
+    template_kwargs = choice.template_kwargs
     given_kwargs = body.get("chat_template_kwargs")
     if template_kwargs and (given_kwargs is None or isinstance(given_kwargs, dict)):
         # The request's own chat_template_kwargs win over what `reasoning` sets.
@@ -396,6 +397,9 @@ def prepare(
             error.message = error.message.replace(chat_param, error.param)
             error.args = (error.message,)
         raise
+    if choice.budget is not None:
+        parsed = attrs.evolve(parsed, sampling=attrs.evolve(
+            parsed.sampling, reasoning_budget=ReasoningBudget(max_tokens=choice.budget)))
     retention = body.get("prompt_cache_retention")
     if retention is not None:
         seconds = RETENTION_SECONDS[_one_of(retention, "prompt_cache_retention", tuple(RETENTION_SECONDS))]
@@ -816,15 +820,11 @@ def _text_config(value: object) -> tuple[dict[str, Any], dict[str, Any] | None]:
           "'json_object' or 'json_schema'", _UNSUPPORTED)
 
 
-def _reasoning(value: object, chat_template: str) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """`reasoning` as echoed, and the template kwargs that honour its effort.
-
-    A template that reads `reasoning_effort` (gpt-oss) gets the effort; one that reads
-    `enable_thinking` (Qwen3) thinks unless the effort is "none"/"minimal". With neither,
-    only "medium" (OpenAI's default: the model as it is) is accepted.
-    """
+def _reasoning(value: object, chat_template: str) -> tuple[dict[str, Any] | None, ReasoningChoice]:
+    """`reasoning` as echoed, and what its effort sets (mlxcel/http/effort.py: the template's
+    switch and a thinking budget; on a template with no switch, only the budget)."""
     if value is None:
-        return None, {}
+        return None, ReasoningChoice()
     reasoning = _object(value, "reasoning")
     for key in reasoning:
         if key not in ("effort", "summary", "generate_summary", "context", "mode"):
@@ -841,19 +841,9 @@ def _reasoning(value: object, chat_template: str) -> tuple[dict[str, Any] | None
     effort = reasoning.get("effort")
     echo = {"effort": effort, "summary": reasoning.get("summary") or reasoning.get("generate_summary")}
     if effort is None:
-        return echo, {}
+        return echo, ReasoningChoice()
     _one_of(effort, "reasoning.effort", EFFORTS)
-    if "reasoning_effort" in chat_template:
-        if effort not in ("low", "medium", "high"):
-            _fail("reasoning.effort", f"reasoning.effort {effort!r} is not supported by this model's chat "
-                  "template; send 'low', 'medium' or 'high'", _UNSUPPORTED)
-        return echo, {"reasoning_effort": effort}
-    if "enable_thinking" in chat_template:
-        return echo, {"enable_thinking": effort not in ("none", "minimal")}
-    if effort != "medium":
-        _fail("reasoning.effort", f"reasoning.effort {effort!r} cannot be honoured: this model's chat template "
-              "has no reasoning setting (only 'medium', the model as it is, is accepted)", _UNSUPPORTED)
-    return echo, {}
+    return echo, effort_choice(effort, chat_template)
 
 
 # --- the reply ------------------------------------------------------------------------

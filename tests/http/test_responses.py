@@ -17,8 +17,9 @@ import trio
 import trio.testing
 from quart.typing import TestClientProtocol as Client
 
+from mlxcel.http.effort import EFFORT_BUDGETS
 from mlxcel.http.responses import ENCRYPTED_PREFIX, ResponseStore
-from mlxcel.types import ChatRequest, Delta, InvalidRequest, TokenLogprob, ToolCall
+from mlxcel.types import ChatRequest, Delta, InvalidRequest, ReasoningBudget, TokenLogprob, ToolCall
 from tests.fakes import FAKE_MODEL_ID, FakeEngine, client_for, finish, leave_mid_stream
 
 WEATHER = ToolCall(index=0, id="call_w", name="get_weather", arguments='{"city": "Paris"}')
@@ -375,13 +376,23 @@ async def test_reasoning_effort_sets_the_template_knob_it_has() -> None:
     status, body = await post(client, {"input": "hi", "reasoning": {"effort": "high"}})
     assert status == 200
     assert chat_request(engine).chat_template_kwargs == {"reasoning_effort": "high"}
-    engine.model = attrs.evolve(engine.model, chat_template="plain")
-    status, body = await post(client, {"input": "hi", "reasoning": {"effort": "medium"}})
+    assert chat_request(engine).sampling.reasoning_budget == ReasoningBudget(max_tokens=EFFORT_BUDGETS["high"])
+    status, body = await post(client, {"input": "hi", "reasoning": {"effort": "xhigh"}})
     assert status == 200
-    assert chat_request(engine).chat_template_kwargs == {}
-    status, body = await post(client, {"input": "hi", "reasoning": {"effort": "high"}})
+    assert chat_request(engine).chat_template_kwargs == {"reasoning_effort": "high"}
+    assert chat_request(engine).sampling.reasoning_budget is None
+    # A template with no reasoning switch: every effort is accepted (Codex sends one on every
+    # request); the template renders as it is, and the effort's budget still bounds a model that thinks.
+    engine.model = attrs.evolve(engine.model, chat_template="plain")
+    for effort in ("medium", "high", "low"):
+        status, body = await post(client, {"input": "hi", "reasoning": {"effort": effort}})
+        assert status == 200
+        assert body["reasoning"]["effort"] == effort
+        assert chat_request(engine).chat_template_kwargs == {}
+        assert chat_request(engine).sampling.reasoning_budget.max_tokens == EFFORT_BUDGETS[effort]
+    status, body = await post(client, {"input": "hi", "reasoning": {"effort": "huge"}})
     assert status == 400
-    error_body("no reasoning setting", body, "reasoning.effort")
+    error_body("reasoning.effort must be one of", body, "reasoning.effort")
 
 
 # --- the store -------------------------------------------------------------------------------
