@@ -124,6 +124,7 @@ def request_limits(server_config: ServerConfig) -> Limits:
         image_file_root=server_config.allow_image_files,
         allow_image_urls=server_config.allow_image_urls,
         image_fetch_timeout_s=server_config.image_fetch_timeout,
+        refuse_hosted_tools=server_config.refuse_hosted_tools,
     )
 
 

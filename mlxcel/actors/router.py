@@ -37,6 +37,8 @@ from mlxcel.cache.key import (
 from mlxcel.core.output import ReplyFormat
 from mlxcel.core.scheduler import NewRequest
 from mlxcel.core.tool_grammar import (
+    ENFORCED_PARAMETERS,
+    FORCEABLE_FORMATS,
     UnforceableToolChoice,
     forced_tool_grammar,
     strict_tools_grammar,
@@ -85,12 +87,21 @@ class RenderedPrompt:
 
 
 def rendered_tools(request: ChatRequest) -> list[Any] | None:
-    """The tools the template sees: all of them, except with tool_choice "none"."""
+    """The tools the template sees: all of them, except with tool_choice "none" (without mlxcel's own keys)."""
     try:
         tool_choice = effective_tool_choice(request.tool_choice, request.tools)
     except ValueError as error:
         raise InvalidRequest(str(error), param="tool_choice", code="invalid_value") from None
-    return list(request.tools) if request.tools and tool_choice != "none" else None
+    if not request.tools or tool_choice == "none":
+        return None
+    return [_shown(tool) for tool in request.tools]
+
+
+def _shown(tool: Mapping[str, Any]) -> Mapping[str, Any]:
+    function = tool.get("function")
+    if not isinstance(function, Mapping) or not any(key.startswith("x-mlxcel-") for key in function):
+        return tool
+    return {**tool, "function": {key: value for key, value in function.items() if not key.startswith("x-mlxcel-")}}
 
 
 def forced_tool_names(request: ChatRequest) -> tuple[str, ...]:
@@ -228,6 +239,17 @@ class PromptRenderer:
         names = forced_tool_names(request)
         strict = [index for index, tool in enumerate(request.tools or ())
                   if tool["function"].get("strict") is True] if request.tool_choice != "none" else []
+        # A custom tool's grammar holds where a call can be made and read back; a model with no
+        # tool-call format cannot call it at all.
+        grammar_tools = [index for index, tool in enumerate(request.tools or ())
+                         if ENFORCED_PARAMETERS in tool["function"]] if request.tool_choice != "none" else []
+        if grammar_tools and not strict and not names and request.sampling.grammar is None:
+            fmt = ReplyFormat.of(self._model.tokenizer)
+            if fmt.tool_parser is None or fmt.tool_call_start is None or tool_format_name(
+                    fmt.tool_parser) not in FORCEABLE_FORMATS:
+                logger.info("custom tool grammars are not enforced: this model's tool-call format has no grammar")
+                return None
+            strict = grammar_tools
         if not names and not strict:
             return None
         # What a refusal names: the forced choice, or the first strict tool.

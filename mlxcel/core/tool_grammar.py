@@ -17,6 +17,9 @@ from typing import Any
 
 # The mlx_lm.tool_parsers modules whose call syntax is a JSON object (or name + JSON arguments).
 FORCEABLE_FORMATS = ("json_tools", "mistral")
+# A function key holding the schema its calls are held to when it differs from the one the
+# template shows (a custom tool's grammar as its input's pattern); the router strips it before rendering.
+ENFORCED_PARAMETERS = "x-mlxcel-enforced-parameters"
 
 # The whitespace Jinja's tojson (and Python's json.dumps) writes, and no other: free
 # whitespace lets an unsure model pad a call until max_tokens.
@@ -50,7 +53,7 @@ def forced_tool_grammar(
     token is never spelled out by text, so the grammar names it by id.
     """
     by_name = {tool["function"]["name"]: tool["function"] for tool in tools}
-    parameters = {name: by_name[name].get("parameters") or {"type": "object"} for name in names}
+    parameters = {name: enforced_parameters(by_name[name]) or {"type": "object"} for name in names}
     start, body, separator = _call_parts(format_name, parameters, start_marker, end_marker, special_ids)
     rules = [f"start: call ({separator} call)*" if parallel else "start: call", f"call: {start} {body}"]
     return "\n".join(rules) + "\n"
@@ -73,8 +76,8 @@ def strict_tools_grammar(
     JSON object.
     """
     parameters = {
-        tool["function"]["name"]: (tool["function"].get("parameters") or {"type": "object"})
-        if tool["function"].get("strict") is True else {"type": "object"}
+        tool["function"]["name"]: (enforced_parameters(tool["function"]) or {"type": "object"})
+        if is_enforced(tool["function"]) else {"type": "object"}
         for tool in tools
     }
     start, body, _separator = _call_parts(format_name, parameters, start_marker, end_marker, special_ids)
@@ -85,6 +88,15 @@ def strict_tools_grammar(
         call_rules = [f"call: trigger {body}", f"trigger[lazy]: TEXT {start}"]
     calls = "call*" if parallel else "call?"
     return "\n".join(["%llguidance {}", f"start: {calls} tail", "tail: TEXT", "TEXT: /(.|\\n)*/", *call_rules]) + "\n"
+
+
+def is_enforced(function: Mapping[str, Any]) -> bool:
+    """Whether a function's calls are held to its schema under `tool_choice: auto` (strict, or a grammar)."""
+    return function.get("strict") is True or ENFORCED_PARAMETERS in function
+
+
+def enforced_parameters(function: Mapping[str, Any]) -> Any:
+    return function.get(ENFORCED_PARAMETERS) or function.get("parameters")
 
 
 def _call_parts(

@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("mlxcel.access")
 
 # What a route's parser returns: the chat or completion request it validated.
+# The response header naming the hosted tools a /v1/responses request sent that the model did not see.
+DROPPED_TOOLS_HEADER = "X-Mlxcel-Dropped-Tools"
 _Parsed = TypeVar("_Parsed", bound=ChatRequest | CompletionRequest)
 # What parse_body returns: a route's validated body.
 _Body = TypeVar("_Body", bound=ChatRequest | CompletionRequest | anthropic.MessagesRequest)
@@ -404,15 +406,20 @@ def create_app(
                 responses.prepare, body, previous, chat_template=template(), limits=limits))
             deltas, first = await start_parsed(prepared.chat)
             builder = responses.OutputBuilder(prepared, engine.model_id)
+            # Hosted tools left out of the model's view are named, never dropped silently.
+            dropped = {DROPPED_TOOLS_HEADER: ", ".join(prepared.dropped_tools)} if prepared.dropped_tools else {}
             if not prepared.chat.stream:
                 reply = await responses.collect(deltas, first, builder)
                 keep(owner, builder)
-                return json_response(reply)
+                response = json_response(reply)
+                response.headers.update(dropped)
+                return response
         except MlxcelError as error:
             return error_response(error)
         return Response(
             responses.event_stream(deltas, first, builder, functools.partial(keep, owner)),
-            mimetype="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            mimetype="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **dropped},
         )
 
     def stored_owner(query: dict[str, list[str]] | None = None) -> str:

@@ -25,6 +25,7 @@ import base64
 import binascii
 import hashlib
 import json
+import logging
 import re
 import secrets
 import time
@@ -35,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from mlxcel.core.lark_regex import UnsupportedGrammar, lark_to_regex
+from mlxcel.core.tool_grammar import ENFORCED_PARAMETERS
 from mlxcel.errors import InternalError, InvalidRequest, MlxcelError
 from mlxcel.http.effort import EFFORTS, ReasoningChoice, effort_choice
 
@@ -76,6 +79,8 @@ __all__ = [
     "sse_event",
 ]
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_STORE_ENTRIES = 1024
 DEFAULT_STORE_BYTES = 64 << 20
 
@@ -102,6 +107,17 @@ MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 MEDIA_PARTS = frozenset({"input_file", "input_audio"})
 TEXT_PARTS = frozenset({"input_text", "output_text"})
 MAX_METADATA_KEYS = 16
+# OpenAI's hosted tools: run by OpenAI's servers, not by the client, so nothing here can answer their
+# calls. Left out of the model's view (Codex sends web_search by default and works without it),
+# unless --refuse-hosted-tools.
+HOSTED_TOOLS = frozenset({
+    "web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11", "file_search",
+    "code_interpreter", "computer_use", "computer_use_preview", "computer", "image_generation", "mcp",
+})
+# A custom tool's input, as the one string argument of the function the model calls.
+CUSTOM_INPUT = "input"
+# Marks a function tool that stands for a custom tool (stripped before the template sees it).
+CUSTOM_TOOL_KEY = "x-mlxcel-custom"
 
 _MISSING = "missing_required_parameter"
 _TYPE = "invalid_type"
@@ -327,6 +343,11 @@ class PreparedResponse:
     store: bool
     include: frozenset[str]
     obfuscate: bool
+    # The custom tools' names: their calls come back as custom_tool_call items.
+    custom_tools: frozenset[str] = frozenset()
+    # Hosted tools left out of the model's view (types, in request order): the
+    # `X-Mlxcel-Dropped-Tools` header names them.
+    dropped_tools: tuple[str, ...] = ()
 
 
 def prepare(
@@ -362,7 +383,10 @@ def prepare(
         chat["parallel_tool_calls"] = False
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
-    tools = _tools(body)
+    tools, dropped = _tools(body, refuse_hosted=limits.refuse_hosted_tools)
+    if dropped:
+        logger.warning("/v1/responses: hosted tools %s left out of the model's view (this server cannot run "
+                       "them; --refuse-hosted-tools refuses them instead)", ", ".join(dropped))
     if tools:
         chat["tools"] = tools
     tool_choice = _tool_choice(body.get("tool_choice"))
@@ -408,7 +432,7 @@ def prepare(
     previous_id = body.get("previous_response_id")
     echo = {
         "instructions": instructions,
-        "tools": [_tool_echo(tool) for tool in tools],
+        "tools": _tools_echo(body, tools),
         "tool_choice": _tool_choice_echo(body.get("tool_choice")),
         "parallel_tool_calls": parallel,
         "temperature": parsed.sampling.temperature,
@@ -432,6 +456,8 @@ def prepare(
     return PreparedResponse(
         chat=parsed, items=tuple(items), input_items=tuple(input_items), echo=echo,
         store=echo["store"], include=include, obfuscate=obfuscate,
+        custom_tools=frozenset(tool["function"]["name"] for tool in tools if tool["function"].get(CUSTOM_TOOL_KEY)),
+        dropped_tools=tuple(dropped),
     )
 
 
@@ -543,11 +569,21 @@ def _input_item(value: object, path: str) -> dict[str, Any]:
         if item.get("id") is not None:
             call["id"] = _string(item["id"], f"{path}.id")
         return call
-    if item_type == "function_call_output":
+    if item_type == "custom_tool_call":
+        custom = {
+            "type": "custom_tool_call",
+            "call_id": _nonempty(_required(item, "call_id", path), f"{path}.call_id"),
+            "name": _nonempty(_required(item, "name", path), f"{path}.name"),
+            "input": _string(_required(item, "input", path), f"{path}.input"),
+        }
+        if item.get("id") is not None:
+            custom["id"] = _string(item["id"], f"{path}.id")
+        return custom
+    if item_type in ("function_call_output", "custom_tool_call_output"):
         output = _required(item, "output", path)
         _output_text(output, f"{path}.output")
         return {
-            "type": "function_call_output",
+            "type": item_type,
             "call_id": _nonempty(_required(item, "call_id", path), f"{path}.call_id"),
             "output": output,
         }
@@ -559,7 +595,8 @@ def _input_item(value: object, path: str) -> dict[str, Any]:
     if item_type == "item_reference":
         _fail(f"{path}.type", f"{path}: item references are not supported; send the item itself", _UNSUPPORTED)
     _fail(f"{path}.type", f"{path}.type: input items of type {_kind(item_type)} are not supported; this "
-          "server takes message, function_call, function_call_output and reasoning items", _UNSUPPORTED)
+          "server takes message, function_call, function_call_output, custom_tool_call, custom_tool_call_output "
+          "and reasoning items", _UNSUPPORTED)
 
 
 def _message_text(content: object, path: str) -> str:
@@ -679,7 +716,7 @@ class _Translation:
                 role = "system" if item["role"] == "developer" else item["role"]
                 messages.append({"role": role, "content": _message_content(item["content"], path)})
                 self.paths.append({"": path, ".content": sub(".content")})
-            elif item_type == "function_call_output":
+            elif item_type in ("function_call_output", "custom_tool_call_output"):
                 open_turn = None
                 if item["call_id"] not in call_ids:
                     _fail(sub(".call_id"), f"{sub('.call_id')}: no function_call with call_id "
@@ -700,17 +737,20 @@ class _Translation:
                 open_turn["content"] = text
                 self.paths[-1][".content"] = sub(".content")
             else:
-                assert item_type == "function_call"
+                assert item_type in ("function_call", "custom_tool_call")
                 call_ids.add(item["call_id"])
                 if open_turn is None:
                     open_turn = self._assistant(messages, path)
                 calls = open_turn.setdefault("tool_calls", [])
                 prefix = f".tool_calls[{len(calls)}]"
+                # A custom tool's call renders as the function call the model writes for it.
+                arguments = item["arguments"] if item_type == "function_call" else json.dumps(
+                    {CUSTOM_INPUT: item["input"]}, ensure_ascii=False)
                 calls.append({"id": item["call_id"], "type": "function",
-                              "function": {"name": item["name"], "arguments": item["arguments"]}})
+                              "function": {"name": item["name"], "arguments": arguments}})
                 self.paths[-1].update({
                     prefix: path, f"{prefix}.id": sub(".call_id"), f"{prefix}.function.name": sub(".name"),
-                    f"{prefix}.function.arguments": sub(".arguments"),
+                    f"{prefix}.function.arguments": sub(".arguments" if item_type == "function_call" else ".input"),
                 })
         return messages
 
@@ -745,24 +785,87 @@ class _Translation:
 # --- tools, tool_choice, text, reasoning --------------------------------------------------
 
 
-def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _tools(body: Mapping[str, Any], *, refuse_hosted: bool = False) -> tuple[list[dict[str, Any]], list[str]]:
+    """The tools as chat function tools, and the hosted tools left out of the model's view."""
     value = body.get("tools")
     if value is None:
-        return []
-    tools = []
+        return [], []
+    tools, dropped = [], []
     for index, item in enumerate(_list(value, "tools")):
         path = f"tools[{index}]"
         tool = _object(item, path)
         tool_type = _required(tool, "type", path)
+        if tool_type == "custom":
+            tools.append(_custom_tool(tool, path))
+            continue
+        if tool_type in HOSTED_TOOLS and not refuse_hosted:
+            dropped.append(tool_type)
+            continue
         if tool_type != "function":
-            _fail(f"{path}.type", f"{path}.type: {_kind(tool_type)} tools are not supported by this server; "
-                  "only 'function' tools are", _UNSUPPORTED)
+            hosted = " (a hosted tool this server cannot run)" if tool_type in HOSTED_TOOLS else ""
+            _fail(f"{path}.type", f"{path}.type: {_kind(tool_type)} tools{hosted} are not supported by this server; "
+                  "only 'function' and 'custom' tools are", _UNSUPPORTED)
         function = {"name": _required(tool, "name", path)}
         for key in ("description", "parameters", "strict"):
             if tool.get(key) is not None:
                 function[key] = tool[key]
         tools.append({"type": "function", "function": function})
-    return tools
+    return tools, dropped
+
+
+def _custom_tool(tool: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """A custom (freeform) tool as the function the model calls with its input in one string.
+
+    A `grammar` format is enforced on that string when the model calls the tool
+    (its Lark or regex definition as the string's pattern: mlxcel/core/lark_regex.py);
+    a `text` format leaves it free.
+    """
+    for key in tool:
+        if key not in ("type", "name", "description", "format"):
+            _fail(f"{path}.{key}", f"{path}.{key} is not supported on custom tools", _UNSUPPORTED)
+    name = _nonempty(_required(tool, "name", path), f"{path}.name")
+    description = tool.get("description")
+    if description is not None:
+        _string(description, f"{path}.description")
+    parameters = {"type": "object", "properties": {CUSTOM_INPUT: {"type": "string"}}, "required": [CUSTOM_INPUT],
+                  "additionalProperties": False}
+    function: dict[str, Any] = {"name": name, CUSTOM_TOOL_KEY: True}
+    spec = tool.get("format")
+    if spec is not None and _object(spec, f"{path}.format").get("type") != "text":
+        format_type = _one_of(spec.get("type"), f"{path}.format.type", ("text", "grammar"))
+        assert format_type == "grammar"
+        for key in spec:
+            if key not in ("type", "syntax", "definition"):
+                _fail(f"{path}.format.{key}", f"{path}.format.{key} is not supported", _UNSUPPORTED)
+        syntax = _one_of(_required(spec, "syntax", f"{path}.format"), f"{path}.format.syntax", ("lark", "regex"))
+        definition = _nonempty(_required(spec, "definition", f"{path}.format"), f"{path}.format.definition")
+        try:
+            pattern = lark_to_regex(definition) if syntax == "lark" else definition
+        except UnsupportedGrammar as error:
+            _fail(f"{path}.format.definition", f"{path}.format.definition cannot be enforced: {error}",
+                  _UNSUPPORTED)
+        enforced = {**parameters, "properties": {CUSTOM_INPUT: {"type": "string", "pattern": f"^(?:{pattern})$"}}}
+        function[ENFORCED_PARAMETERS] = enforced
+        described = f"The input is raw text in this {syntax} grammar:\n{definition}"
+        description = f"{description}\n\n{described}" if description else described
+    if description:
+        function["description"] = description
+    function["parameters"] = parameters
+    return {"type": "function", "function": function}
+
+
+def _tools_echo(body: Mapping[str, Any], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tools as sent (hosted and custom ones as they came), functions in their Responses shape."""
+    functions = iter(tools)
+    echoed = []
+    for tool in body.get("tools") or ():
+        if tool.get("type") == "function":
+            echoed.append(_tool_echo(next(functions)))
+        else:
+            if tool.get("type") == "custom":
+                next(functions)
+            echoed.append(dict(tool))
+    return echoed
 
 
 def _tool_echo(tool: Mapping[str, Any]) -> dict[str, Any]:
@@ -776,9 +879,9 @@ def _tool_choice(value: object) -> str | dict[str, Any] | None:
         return value
     choice = _object(value, "tool_choice")
     choice_type = _required(choice, "type", "tool_choice")
-    if choice_type != "function":
+    if choice_type not in ("function", "custom"):
         _fail("tool_choice.type", f"tool_choice.type {_kind(choice_type)} is not supported; send 'auto', "
-              "'none', 'required' or {\"type\": \"function\", \"name\": ...}", _UNSUPPORTED)
+              "'none', 'required' or {\"type\": \"function\" (or \"custom\"), \"name\": ...}", _UNSUPPORTED)
     return {"type": "function", "function": {"name": _required(choice, "name", "tool_choice")}}
 
 
@@ -786,7 +889,7 @@ def _tool_choice_echo(value: object) -> Any:
     if value is None:
         return "auto"
     if isinstance(value, dict):
-        return {"type": "function", "name": value["name"]}
+        return {"type": value.get("type", "function"), "name": value["name"]}
     return value
 
 
@@ -989,7 +1092,22 @@ class OutputBuilder:
             events += self._function_call(call)
         return events
 
+    def _custom_tool_call(self, call: ToolCall) -> list[Event]:
+        item = {"id": new_id("ctc"), "type": "custom_tool_call", "status": "in_progress", "call_id": call.id,
+                "name": call.name, "input": ""}
+        events = self._open_item(item, None)
+        index = len(self.output) - 1
+        item["input"] = text = custom_input(call.arguments)
+        events.append(self._obfuscation(self._event(
+            "response.custom_tool_call_input.delta", item_id=item["id"], output_index=index, delta=text), text))
+        events.append(self._event("response.custom_tool_call_input.done", item_id=item["id"], output_index=index,
+                                  input=text))
+        events += self._close()
+        return events
+
     def _function_call(self, call: ToolCall) -> list[Event]:
+        if call.name in self.prepared.custom_tools:
+            return self._custom_tool_call(call)
         item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call.id,
                 "name": call.name, "arguments": ""}
         events = self._open_item(item, None)
@@ -1042,6 +1160,17 @@ class OutputBuilder:
     def conversation(self) -> tuple[Mapping[str, Any], ...]:
         """The items a follow-up continues from: the request's (and its chain's), then the output."""
         return (*self.prepared.items, *(_snapshot(item) for item in self.output))
+
+
+def custom_input(arguments: str) -> str:
+    """A custom tool's input from the arguments of the function call the model wrote for it."""
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return arguments
+    if isinstance(parsed, dict) and isinstance(parsed.get(CUSTOM_INPUT), str):
+        return str(parsed[CUSTOM_INPUT])
+    return arguments
 
 
 def _event_logprobs(logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:

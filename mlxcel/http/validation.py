@@ -103,6 +103,8 @@ class Limits:
     # `http(s)://` image URLs are fetched (`--allow-image-urls`), within max_image_bytes and this time.
     allow_image_urls: bool = False
     image_fetch_timeout_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
+    # `/v1/responses`: hosted tools (web_search...) are a 400 instead of left out of the model's view.
+    refuse_hosted_tools: bool = False
 
 
 DEFAULT_LIMITS = Limits()
