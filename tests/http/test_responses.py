@@ -21,8 +21,8 @@ from quart.typing import TestClientProtocol as Client
 from mlxcel.core.tool_grammar import ENFORCED_PARAMETERS
 from mlxcel.http.effort import EFFORT_BUDGETS
 from mlxcel.http.responses import ENCRYPTED_PREFIX, ResponseStore
-from mlxcel.types import ChatRequest, Delta, InvalidRequest, ReasoningBudget, TokenLogprob, ToolCall
 from mlxcel.http.validation import Limits
+from mlxcel.types import ChatRequest, Delta, InvalidRequest, ReasoningBudget, TokenLogprob, ToolCall
 from tests.fakes import FAKE_MODEL_ID, FakeEngine, client_for, finish, leave_mid_stream
 from tests.integration.client_shapes import APPLY_PATCH_LARK, codex_request
 
