@@ -33,13 +33,14 @@ def _rfind(tokens: Sequence[int], pattern: Sequence[int]) -> int:
     return -1
 
 
-def thinking_spent(tokens: Sequence[int], budget: ReasoningBudget) -> int | None:
-    """Tokens of thinking since the last open start marker (None: no thinking is open)."""
+def thinking_spent(tokens: Sequence[int], budget: ReasoningBudget, *, generated_from: int = 0) -> int | None:
+    """Tokens of thinking the model wrote (those from ``generated_from`` on) since the last open
+    start marker (None: no thinking is open)."""
     start = _rfind(tokens, budget.start_tokens)
     end = _rfind(tokens, budget.end_tokens)
     if start < 0 or end > start:
         return None
-    return len(tokens) - start - len(budget.start_tokens)
+    return len(tokens) - max(start + len(budget.start_tokens), generated_from)
 
 
 class ReasoningBudgetProcessor:
@@ -51,12 +52,16 @@ class ReasoningBudgetProcessor:
         self._next_check: int | None = None
         # How many of the end marker's tokens have been forced; None while not forcing.
         self._forced: int | None = None
+        # The history's length at the first call: the prompt's (its tokens are not the model's thinking).
+        self._prompt_length: int | None = None
         self.num_forced_closes = 0
 
     def __call__(self, history: Any, logits: Any) -> Any:
         length = int(history.shape[-1])
         if self._forced is not None:
             return self._force(logits)
+        if self._prompt_length is None:
+            self._prompt_length = length
         if self._next_check is None:
             # The prompt may end inside thinking (templates that open it for the model).
             self._next_check = length
@@ -64,7 +69,8 @@ class ReasoningBudgetProcessor:
             return logits
         # The one read-back: is thinking open, and for how long?
         window = history.reshape(-1)[-(self.budget.max_tokens + 4096):]
-        spent = thinking_spent(window.tolist(), self.budget)
+        offset = length - int(window.shape[0])
+        spent = thinking_spent(window.tolist(), self.budget, generated_from=max(0, self._prompt_length - offset))
         if spent is None:
             # Not thinking now: a start marker may still come, so look again a budget later
             # (a late think can overrun its budget by at most that much).

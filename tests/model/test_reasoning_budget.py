@@ -59,7 +59,15 @@ def test_a_zero_budget_closes_at_once() -> None:
     assert reply == [END_1, WORD, WORD]
 
 
-@pytest.mark.parametrize(("tokens", "spent"), [
-    ([1, START, 5, 5], 2), ([1, START, 5, END_1, END_2], None), ([1, 2], None), ([START], 0)])
-def test_thinking_spent(tokens: list[int], spent: int | None) -> None:
-    assert thinking_spent(tokens, BUDGET) == spent
+@pytest.mark.parametrize(("tokens", "generated_from", "spent"), [
+    ([1, START, 5, 5], 0, 2), ([1, START, 5, END_1, END_2], 0, None), ([1, 2], 0, None), ([START], 0, 0),
+    # The prompt's own tokens after its start marker are not the model's thinking.
+    ([1, START, 7, 5, 5], 3, 2)])
+def test_thinking_spent(tokens: list[int], generated_from: int, spent: int | None) -> None:
+    assert thinking_spent(tokens, BUDGET, generated_from=generated_from) == spent
+
+
+def test_the_prompts_tokens_after_its_start_marker_are_not_counted() -> None:
+    # A template that opens thinking with "<think>\n": the newline is the prompt's.
+    reply = run(ReasoningBudgetProcessor(BUDGET), [1, START, 7], steps=6)
+    assert reply == [WORD, WORD, WORD, END_1, END_2, WORD]
