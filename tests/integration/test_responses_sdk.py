@@ -210,7 +210,7 @@ async def test_bad_requests_raise_bad_request_and_the_server_keeps_serving(start
     engine, base_url = await start_fake(TEXT_REPLY)
     client = openai_client(base_url)
     for kwargs, param in (
-        ({"input": "hi", "tools": [{"type": "web_search_preview"}]}, "tools[0].type"),
+        ({"input": "hi", "tools": [{"type": "local_shell"}]}, "tools[0].type"),
         ({"input": "hi", "background": True}, "background"),
         ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "input[0].call_id"),
     ):
