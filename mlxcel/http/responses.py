@@ -89,7 +89,7 @@ RESPONSES_FIELDS = frozenset({
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
     "temperature", "top_p", "top_logprobs", "user", "prompt_cache_key", "safety_identifier", "text",
     "reasoning", "metadata", "store", "previous_response_id", "prompt_cache_retention", "stream",
-    "stream_options", "include", "truncation", "background", "service_tier", "max_tool_calls",
+    "stream_options", "include", "truncation", "background", "service_tier", "max_tool_calls", "client_metadata",
 })
 # mlxcel's chat-completions extensions, passed through to the chat parser as they are.
 EXTENSION_FIELDS = frozenset({
@@ -482,6 +482,12 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     identifier = body.get("safety_identifier")
     if identifier is not None and len(_string(identifier, "safety_identifier")) > 128:
         _fail("safety_identifier", "safety_identifier is longer than 128 characters")
+    client_metadata = body.get("client_metadata")
+    if client_metadata is not None:
+        # Codex's tracing context (traceparent, installation id): for the client's own telemetry;
+        # checked, and nothing here reads it.
+        for key, value in _object(client_metadata, "client_metadata").items():
+            _string(value, f"client_metadata.{key}")
     max_tool_calls = body.get("max_tool_calls")
     if max_tool_calls is not None and (
         isinstance(max_tool_calls, bool) or not isinstance(max_tool_calls, int) or max_tool_calls < 0

@@ -528,6 +528,7 @@ async def test_store_bounds_come_from_create_app() -> None:
      "input[1].call_id", "no function_call with call_id 'call_x'"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments", "is required"),
     ({"input": "hi", "tools": [{"type": "local_shell"}]}, "tools[0].type", "'local_shell' tools"),
+    ({"input": "hi", "client_metadata": {"traceparent": 5}}, "client_metadata.traceparent", "must be a string"),
     ({"input": "hi", "tools": [{"type": "custom", "name": "t", "format": {
         "type": "grammar", "syntax": "lark", "definition": "start: a\na: \"x\" a | \"y\""}}]},
      "tools[0].format.definition", "the grammar is recursive"),

@@ -3,7 +3,7 @@
 Codex (openai/codex, Rust): the body is `ResponsesApiRequest` in
 codex-rs/codex-api/src/common.rs (model, instructions, input, tools,
 tool_choice "auto", parallel_tool_calls, reasoning {effort, summary}, store
-false, stream true, include, prompt_cache_key, text); the tools are
+false, stream true, include, prompt_cache_key, text, client_metadata); the tools are
 `ToolSpec` in codex-rs/core/src/client_common.rs, serialized with
 `#[serde(tag = "type")]`: `function` tools, `{"type": "web_search"}`, and the
 freeform `apply_patch` (`{"type": "custom", "name", "description", "format":
@@ -94,6 +94,8 @@ def codex_request(model: str, *, prompt: str = "Add a README saying hello.", his
         "stream": stream,
         "include": ["reasoning.encrypted_content"],
         "prompt_cache_key": "0199a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b",
+        # `response_create_client_metadata` (codex-api/src/common.rs): the W3C trace context, when there is one.
+        "client_metadata": {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"},
     }
 
 
