@@ -827,8 +827,11 @@ def _custom_tool(tool: Mapping[str, Any], path: str) -> dict[str, Any]:
     a `text` format leaves it free.
     """
     for key in tool:
-        if key not in ("type", "name", "description", "format"):
+        if key not in ("type", "name", "description", "format", "defer_loading"):
             _fail(f"{path}.{key}", f"{path}.{key} is not supported on custom tools", _UNSUPPORTED)
+    if tool.get("defer_loading"):
+        _fail(f"{path}.defer_loading", f"{path}.defer_loading: deferred tools (tool search) are not supported; "
+              "send false or leave it out", _UNSUPPORTED)
     name = _nonempty(_required(tool, "name", path), f"{path}.name")
     description = tool.get("description")
     if description is not None:
