@@ -55,7 +55,7 @@ from mlxcel.model.chat_template import (
 )
 from mlxcel.model.info import ModelInfo
 from mlxcel.model.tokenize import SegmentTokenizer, max_chars_per_token, vocabulary_size
-from mlxcel.types import ChatRequest, CompletionRequest, ReasoningBudget
+from mlxcel.types import ChatRequest, CompletionRequest
 from mlxcel.vision.processing import VisionInputs
 from mlxcel.vision.prompt import ImagePrompts
 
@@ -526,9 +526,14 @@ class RouterActor:
                 cache_salt=request.cache.cache_salt,
             )
         sampling = request.sampling
-        if sampling.reasoning_budget is not None:
-            sampling = attrs.evolve(sampling, reasoning_budget=_with_think_markers(
-                sampling.reasoning_budget, ReplyFormat.of(self._model.tokenizer)))
+        budget = sampling.reasoning_budget
+        if budget is not None:
+            # The model's thinking markers; a model that marks none has nothing to close, and the
+            # budget (an effort accepted there) changes nothing.
+            fmt = ReplyFormat.of(self._model.tokenizer)
+            marked = bool(fmt.think_start_tokens and fmt.think_end_tokens)
+            sampling = attrs.evolve(sampling, reasoning_budget=attrs.evolve(
+                budget, start_tokens=fmt.think_start_tokens, end_tokens=fmt.think_end_tokens) if marked else None)
         if rendered.tool_grammar is not None:
             sampling = attrs.evolve(sampling, grammar=rendered.tool_grammar)
         if adapter_scales:
@@ -546,16 +551,6 @@ class RouterActor:
             retain_seconds=request.cache.retain_seconds if cache_context is not None else 0.0,
             vision=rendered.vision,
         ), events=message.events)
-
-
-def _with_think_markers(budget: ReasoningBudget, fmt: ReplyFormat) -> ReasoningBudget | None:
-    """The budget with the model's thinking markers, or None where the model marks no thinking
-    (there is nothing to close: an effort is accepted there and changes nothing)."""
-    if not fmt.think_start_tokens or not fmt.think_end_tokens:
-        logger.debug("a reasoning budget of %d tokens: this model marks no thinking, nothing to limit",
-                     budget.max_tokens)
-        return None
-    return attrs.evolve(budget, start_tokens=fmt.think_start_tokens, end_tokens=fmt.think_end_tokens)
 
 
 def _answer(reply_to: trio.MemorySendChannel[Any], answer: Any) -> None:
