@@ -52,3 +52,26 @@ async def test_a_forced_call_then_auto_over_the_same_prompt_reads_the_cache(
     assert auto.usage.prompt_tokens_details.cached_tokens >= auto.usage.prompt_tokens - 16
     required = await create("required")
     assert required.usage.prompt_tokens_details.cached_tokens >= auto.usage.prompt_tokens - 16
+
+
+async def test_the_same_loop_over_responses_reads_the_cache(
+    nursery: trio.Nursery, start_server: Any, tmp_path: Path,
+) -> None:
+    # The Agents SDK's default model speaks Responses; its tool_choice reset is the same.
+    config = attrs.evolve(make_engine_config(prompt_cache=evolve_cache(min_prefix=16)),
+                          model_path=fixture_copy(tmp_path / "tools", template=TOOL_TEMPLATE))
+    engine = await nursery.start(run_engine, config)
+    client = openai.OpenAI(base_url=f"{await start_server(engine)}/v1", api_key="unused", max_retries=0, timeout=120)
+    tools = [{"type": "function", **TOOLS[0]["function"]}]
+
+    async def create(tool_choice: Any) -> Any:
+        return await trio.to_thread.run_sync(partial(
+            client.responses.create, model=engine.model_id, instructions=MESSAGES[0]["content"],
+            input=MESSAGES[1]["content"], tools=tools, tool_choice=tool_choice, max_output_tokens=40,
+            temperature=0, store=False, parallel_tool_calls=False))
+
+    forced = await create("required")
+    assert forced.output[-1].type == "function_call"
+    auto = await create("auto")
+    assert auto.usage.input_tokens == forced.usage.input_tokens
+    assert auto.usage.input_tokens_details.cached_tokens >= auto.usage.input_tokens - 16
