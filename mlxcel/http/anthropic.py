@@ -53,10 +53,12 @@ from mlxcel.vision.images import IMAGE_SENTINEL
 __all__ = [
     "DEFAULT_VOLATILE_SYSTEM_PATTERNS",
     "MessageStreamer",
+    "MessagesRequest",
     "error_body",
     "error_status",
     "message_body",
     "parse_count_tokens_request",
+    "parse_messages",
     "parse_messages_request",
     "translate_messages_body",
 ]
