@@ -99,6 +99,13 @@ def codex_request(model: str, *, prompt: str = "Add a README saying hello.", his
     }
 
 
+def sdk_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """A wire body as `openai` SDK keyword arguments: what the SDK has no parameter for goes in extra_body."""
+    kwargs = dict(body)
+    extra = {key: kwargs.pop(key) for key in ("client_metadata",) if key in kwargs}
+    return {**kwargs, "extra_body": extra} if extra else kwargs
+
+
 BILLING_LINE = "x-anthropic-billing-header: cc_version=2.1.37.abc; cc_entrypoint=cli; cch=5d3e1;"
 CLAUDE_CODE_SYSTEM = "You are Claude Code, Anthropic's official CLI for Claude."
 BASH_TOOL = {

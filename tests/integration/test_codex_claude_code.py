@@ -25,7 +25,7 @@ import trio
 from mlxcel.core.lark_regex import lark_to_regex
 from mlxcel.engine import run_engine
 from tests.http.test_tool_loop_and_logprobs import fixture_copy
-from tests.integration.client_shapes import APPLY_PATCH_LARK, claude_code_request, codex_request
+from tests.integration.client_shapes import APPLY_PATCH_LARK, claude_code_request, codex_request, sdk_kwargs
 from tests.integration.test_tool_calls import TOOL_TEMPLATE
 from tests.support import evolve_cache, make_engine_config
 
@@ -40,7 +40,7 @@ async def tool_fixture(nursery: trio.Nursery, start_server: Any, folder: Path) -
 
 
 def codex_stream(client: openai.OpenAI, body: dict[str, Any]) -> list[Any]:
-    with client.responses.create(**body) as stream:
+    with client.responses.create(**sdk_kwargs(body)) as stream:
         return list(stream)
 
 
@@ -50,7 +50,8 @@ async def test_codex_turn_streams_to_a_usable_reply_and_the_next_turn_is_cached(
     engine, url = await tool_fixture(nursery, start_server, tmp_path / "tools")
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
     body = {**codex_request(engine.model_id), "max_output_tokens": 24, "temperature": 0}
-    raw = await trio.to_thread.run_sync(partial(client.responses.with_raw_response.create, **{**body, "stream": False}))
+    raw = await trio.to_thread.run_sync(partial(client.responses.with_raw_response.create,
+                                                **sdk_kwargs({**body, "stream": False})))
     assert raw.status_code == 200
     assert raw.headers["X-Mlxcel-Dropped-Tools"] == "web_search"
     assert raw.parse().output
@@ -87,7 +88,7 @@ async def test_a_forced_custom_tool_call_matches_its_grammar(
     # filenames until max_output_tokens, so the cut call's text is checked as a prefix).
     body = {**codex_request(engine.model_id, stream=False), "tool_choice": {"type": "custom", "name": "apply_patch"},
             "max_output_tokens": 40}
-    response = await trio.to_thread.run_sync(partial(client.responses.create, **body))
+    response = await trio.to_thread.run_sync(partial(client.responses.create, **sdk_kwargs(body)))
     text = json.dumps([item.model_dump() for item in response.output])
     assert "*** Begin Patch" in text
     assert re.search(r"\*\*\* (Add|Delete|Update) File: ", text)
