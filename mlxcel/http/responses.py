@@ -944,7 +944,8 @@ def _reasoning(value: object, chat_template: str) -> tuple[dict[str, Any] | None
     for key in ("summary", "generate_summary"):
         # Accepted: the reasoning comes back whole, as reasoning_text content, not summarized.
         if reasoning.get(key) is not None:
-            _one_of(reasoning[key], f"reasoning.{key}", ("auto", "concise", "detailed"))
+            # "none": Codex's `model_reasoning_summary = "none"`; no summary is written in any case.
+            _one_of(reasoning[key], f"reasoning.{key}", ("auto", "concise", "detailed", "none"))
     if reasoning.get("context") is not None:
         _one_of(reasoning["context"], "reasoning.context", ("auto", "all_turns"),
                 " (reasoning items sent are all rendered)")
