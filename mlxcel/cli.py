@@ -120,6 +120,7 @@ def request_limits(server_config: ServerConfig) -> Limits:
     return Limits(
         user_scopes_session=server_config.session_key_scope == "user",
         volatile_system_patterns=patterns if server_config.normalize_volatile_system else (),
+        refuse_hosted_tools=server_config.refuse_hosted_tools,
         max_images=server_config.max_images,
         max_image_bytes=server_config.max_image_bytes,
         image_file_root=server_config.allow_image_files,

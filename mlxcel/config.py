@@ -171,6 +171,8 @@ class ServerConfig:
     normalize_volatile_system: bool = True
     # The patterns of those lines; None: the built-in list (mlxcel.http.validation).
     volatile_system_patterns: tuple[str, ...] | None = None
+    # /v1/responses: hosted tools (web_search...) are a 400 rather than left out of the model's view.
+    refuse_hosted_tools: bool = False
     # Bounds of the stored /v1/responses replies behind `previous_response_id` (LRU past either).
     responses_store_entries: int = 1024
     responses_store_bytes: int = 64 << 20
@@ -493,6 +495,10 @@ SERVER_SETTINGS = (
             parse_regex, "regular expressions (multiline) whose matches --normalize-volatile-system cuts; "
             "they replace the built-in '^x-anthropic-billing-header:[^\\n]*(?:\\n|$)' (comma-separated in "
             "the environment)", multiple=True, metavar="REGEX"),
+    Setting("refuse_hosted_tools", "--refuse-hosted-tools", ("MLXCEL_REFUSE_HOSTED_TOOLS",), parse_bool,
+            "/v1/responses: refuse hosted tools (web_search, file_search, code_interpreter, computer_use, "
+            "image_generation, mcp) with a 400, instead of leaving them out of the model's view and naming them "
+            "in the X-Mlxcel-Dropped-Tools header (default false)", optional_value=True),
     Setting("responses_store_entries", "--responses-store-entries", ("MLXCEL_RESPONSES_STORE_ENTRIES",),
             parse_non_negative_int, "most stored /v1/responses replies kept for previous_response_id and "
             "GET /v1/responses/{id}, least recently used evicted first; 0 keeps none (default 1024)"),

@@ -23,6 +23,7 @@ __all__ = [
     "CompletionRequest",
     "Delta",
     "InvalidRequest",
+    "ReasoningBudget",
     "SamplingParams",
     "ServerBusy",
     "TokenLogprob",
@@ -30,6 +31,19 @@ __all__ = [
     "ToolCallPart",
     "Usage",
 ]
+
+
+@attrs.frozen(kw_only=True)
+class ReasoningBudget:
+    """At most ``max_tokens`` of thinking; then the model is made to write its end-of-thinking marker.
+
+    The HTTP edge sets the budget (Anthropic's `thinking.budget_tokens`, an
+    effort's budget); the router fills in the model's marker token ids.
+    """
+
+    max_tokens: int
+    start_tokens: tuple[int, ...] = ()
+    end_tokens: tuple[int, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -64,6 +78,8 @@ class SamplingParams:
     # order (() : no adapters loaded). Carried here because it travels with the sequence to the
     # device exactly as the sampling settings do; the router sets it.
     adapter_scales: tuple[float, ...] = ()
+    # Thinking tokens allowed before the end of thinking is forced (None: no limit).
+    reasoning_budget: ReasoningBudget | None = None
 
     @property
     def processes_logits(self) -> bool:

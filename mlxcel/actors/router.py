@@ -37,6 +37,8 @@ from mlxcel.cache.key import (
 from mlxcel.core.output import ReplyFormat
 from mlxcel.core.scheduler import NewRequest
 from mlxcel.core.tool_grammar import (
+    ENFORCED_PARAMETERS,
+    FORCEABLE_FORMATS,
     UnforceableToolChoice,
     forced_tool_grammar,
     strict_tools_grammar,
@@ -90,12 +92,21 @@ class RenderedPrompt:
 
 
 def rendered_tools(request: ChatRequest) -> list[Any] | None:
-    """The tools the template sees: all of them, except with tool_choice "none"."""
+    """The tools the template sees: all of them, except with tool_choice "none" (without mlxcel's own keys)."""
     try:
         tool_choice = effective_tool_choice(request.tool_choice, request.tools)
     except ValueError as error:
         raise InvalidRequest(str(error), param="tool_choice", code="invalid_value") from None
-    return list(request.tools) if request.tools and tool_choice != "none" else None
+    if not request.tools or tool_choice == "none":
+        return None
+    return [_shown(tool) for tool in request.tools]
+
+
+def _shown(tool: Mapping[str, Any]) -> Mapping[str, Any]:
+    function = tool.get("function")
+    if not isinstance(function, Mapping) or not any(key.startswith("x-mlxcel-") for key in function):
+        return tool
+    return {**tool, "function": {key: value for key, value in function.items() if not key.startswith("x-mlxcel-")}}
 
 
 def forced_tool_names(request: ChatRequest) -> tuple[str, ...]:
@@ -169,8 +180,7 @@ class PromptRenderer:
             return self._render_images(request, kwargs, tools, namespace)
         tokens = self._prompt_tokens(request, request.messages, tools, kwargs, namespace)
         self._images.refuse_stray_placeholders(tokens, "messages")
-        tool_choice = effective_tool_choice(request.tool_choice, tools)
-        template_sig = template_signature(self._chat_template, kwargs, tool_choice, tools)
+        template_sig = self._template_signature(kwargs, tools)
         boundary = None
         if self._history_boundaries and len(request.messages) > 1 and request.messages[-1].get("role") == "user":
             history = self._chat_tokens(
@@ -200,10 +210,17 @@ class PromptRenderer:
             history = ()
         entry_end = len(history) if history and tokens[:len(history)] == history else None
         tokens, vision = self._images.expand(tokens, images, entry_end=entry_end)
-        tool_choice = effective_tool_choice(request.tool_choice, tools)
-        return RenderedPrompt(tokens=tokens, template_sig=template_signature(self._chat_template, kwargs, tool_choice,
-                                                                             tools),
+        return RenderedPrompt(tokens=tokens, template_sig=self._template_signature(kwargs, tools),
                               tool_grammar=self._tool_grammar(request), mm_digest=images.digest, vision=vision)
+
+    def _template_signature(self, kwargs: Mapping[str, Any], tools: list[Any] | None) -> str:
+        """The signature of what the template renders with.
+
+        `tool_choice` never reaches the template (only whether tools are
+        rendered does), so a forced call and the `auto` turn after it (the
+        Agents SDK's loop) render, and sign, one prompt.
+        """
+        return template_signature(self._chat_template, kwargs, "auto" if tools else "none", tools)
 
     def _shared_prefix(
         self, request: ChatRequest, tokens: tuple[int, ...], tools: list[Any] | None, kwargs: Mapping[str, Any],
@@ -236,6 +253,17 @@ class PromptRenderer:
         names = forced_tool_names(request)
         strict = [index for index, tool in enumerate(request.tools or ())
                   if tool["function"].get("strict") is True] if request.tool_choice != "none" else []
+        # A custom tool's grammar holds where a call can be made and read back; a model with no
+        # tool-call format cannot call it at all.
+        grammar_tools = [index for index, tool in enumerate(request.tools or ())
+                         if ENFORCED_PARAMETERS in tool["function"]] if request.tool_choice != "none" else []
+        if grammar_tools and not strict and not names and request.sampling.grammar is None:
+            fmt = ReplyFormat.of(self._model.tokenizer)
+            if fmt.tool_parser is None or fmt.tool_call_start is None or tool_format_name(
+                    fmt.tool_parser) not in FORCEABLE_FORMATS:
+                logger.info("custom tool grammars are not enforced: this model's tool-call format has no grammar")
+                return None
+            strict = grammar_tools
         if not names and not strict:
             return None
         # What a refusal names: the forced choice, or the first strict tool.
@@ -586,6 +614,14 @@ class RouterActor:
                 cache_salt=request.cache.cache_salt,
             )
         sampling = request.sampling
+        budget = sampling.reasoning_budget
+        if budget is not None:
+            # The model's thinking markers; a model that marks none has nothing to close, and the
+            # budget (an effort accepted there) changes nothing.
+            fmt = ReplyFormat.of(self._model.tokenizer)
+            marked = bool(fmt.think_start_tokens and fmt.think_end_tokens)
+            sampling = attrs.evolve(sampling, reasoning_budget=attrs.evolve(
+                budget, start_tokens=fmt.think_start_tokens, end_tokens=fmt.think_end_tokens) if marked else None)
         if rendered.tool_grammar is not None:
             sampling = attrs.evolve(sampling, grammar=rendered.tool_grammar)
         if adapter_scales:

@@ -17,6 +17,9 @@ from typing import Any
 
 # The mlx_lm.tool_parsers modules whose call syntax is a JSON object (or name + JSON arguments).
 FORCEABLE_FORMATS = ("json_tools", "mistral")
+# A function key holding the schema its calls are held to when it differs from the one the
+# template shows (a custom tool's grammar as its input's pattern); the router strips it before rendering.
+ENFORCED_PARAMETERS = "x-mlxcel-enforced-parameters"
 
 # The whitespace Jinja's tojson (and Python's json.dumps) writes, and no other: free
 # whitespace lets an unsure model pad a call until max_tokens.
@@ -74,7 +77,7 @@ def strict_tools_grammar(
     """
     parameters = {
         tool["function"]["name"]: tool_parameters(tool["function"])
-        if tool["function"].get("strict") is True else {"type": "object"}
+        if is_enforced(tool["function"]) else {"type": "object"}
         for tool in tools
     }
     start, body, _separator = _call_parts(format_name, parameters, start_marker, end_marker, special_ids)
@@ -87,9 +90,15 @@ def strict_tools_grammar(
     return "\n".join(["%llguidance {}", f"start: {calls} tail", "tail: TEXT", "TEXT: /(.|\\n)*/", *call_rules]) + "\n"
 
 
+def is_enforced(function: Mapping[str, Any]) -> bool:
+    """Whether a function's calls are held to its schema under `tool_choice: auto` (strict, or a grammar)."""
+    return function.get("strict") is True or ENFORCED_PARAMETERS in function
+
+
 def tool_parameters(function: Mapping[str, Any]) -> Any:
-    """The schema a call's arguments must match: the tool's `parameters`, closed when the tool is `strict`."""
-    parameters = function.get("parameters") or {"type": "object"}
+    """The schema a call's arguments must match: a custom tool's enforced one, else `parameters`; closed when
+    the tool is `strict`."""
+    parameters = function.get(ENFORCED_PARAMETERS) or function.get("parameters") or {"type": "object"}
     return closed_objects(parameters) if function.get("strict") is True else parameters
 
 

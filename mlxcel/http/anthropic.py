@@ -32,6 +32,7 @@ from typing import Any, NoReturn
 import attrs
 
 from mlxcel.errors import InvalidRequest, MlxcelError, ServerBusy
+from mlxcel.http.effort import ReasoningChoice, effort_choice
 
 # The chat validator's primitive readers: one wording of "must be an object" and of a value's kind.
 from mlxcel.http.validation import (
@@ -46,20 +47,27 @@ from mlxcel.http.validation import (
     _string,
     parse_chat_request,
 )
-from mlxcel.types import ChatRequest, Delta, ToolCall, Usage
+from mlxcel.types import ChatRequest, Delta, ReasoningBudget, ToolCall, Usage
+from mlxcel.vision.images import IMAGE_SENTINEL
 
 __all__ = [
     "DEFAULT_VOLATILE_SYSTEM_PATTERNS",
     "MessageStreamer",
+    "MessagesRequest",
     "error_body",
     "error_status",
     "message_body",
     "parse_count_tokens_request",
+    "parse_messages",
     "parse_messages_request",
     "translate_messages_body",
 ]
 
 MAX_CACHE_BREAKPOINTS = 4
+# `Translation.cache_through` when the top-level `cache_control` marks the whole prompt.
+WHOLE_PROMPT = 1 << 62
+# Anthropic's range of `temperature`.
+MAX_TEMPERATURE = 1.0
 CACHE_TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
 # Anthropic's floor on an extended-thinking budget.
 MIN_THINKING_BUDGET = 1024
@@ -69,10 +77,12 @@ TOOL_ERROR_PREFIX = "Error: "
 _MESSAGES_FIELDS = frozenset({
     "model", "messages", "system", "max_tokens", "metadata", "stop_sequences", "stream", "temperature",
     "top_k", "top_p", "tools", "tool_choice", "thinking", "service_tier", "speed", "cache_control",
-    "context_management",
+    "context_management", "output_config",
 })
 _COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control",
-                           "context_management"})
+                           "context_management", "output_config"})
+# Anthropic's `output_config.effort` levels (mapped as Responses' reasoning.effort is).
+_EFFORTS = ("low", "medium", "high", "xhigh", "max")
 # One tier here; both values Anthropic accepts ask for nothing more than it.
 _SERVICE_TIERS = ("auto", "standard_only")
 _MEDIA_BLOCKS = frozenset({"document", "search_result", "container_upload"})
@@ -129,11 +139,17 @@ class _Breakpoints:
     def __init__(self) -> None:
         self.count = 0
         self.retain_seconds = 0.0
+        # How many leading chat messages the last breakpoint covers (0: none is marked).
+        self.through = 0
+        # The chat message a marker read now lands in (the tools count as the system
+        # message's: templates render them together).
+        self.position = 0
 
     def read(self, block: Mapping[str, Any], path: str) -> None:
         value = block.get("cache_control")
         if value is None:
             return
+        self.through = max(self.through, self.position + 1)
         path = f"{path}.cache_control" if path else "cache_control"
         control = _object(value, path)
         _only(control, {"type", "ttl"}, path, "cache_control")
@@ -175,11 +191,16 @@ class Translation:
     # Per chat message: (the Anthropic path of the message, of its content).
     origins: tuple[tuple[str, str], ...]
     retain_seconds: float
+    # The leading chat messages the last cache_control breakpoint covers (what Anthropic
+    # writes to its cache); WHOLE_PROMPT for a top-level marker, 0 when none is set.
+    cache_through: int = 0
+    # Thinking tokens before the end of thinking is forced (`thinking.budget_tokens`, or the effort's).
+    thinking_budget: int | None = None
 
 
 def translate_messages_body(
     body: object, *, volatile_system_patterns: tuple[str, ...] = DEFAULT_VOLATILE_SYSTEM_PATTERNS,
-    count_only: bool = False,
+    count_only: bool = False, chat_template: str = "",
 ) -> Translation:
     """Check the Anthropic-only rules of a Messages body and translate it into a chat-completions body."""
     if not isinstance(body, Mapping):
@@ -201,12 +222,21 @@ def translate_messages_body(
         if text:
             messages.append({"role": "system", "content": text})
             origins.append(("system", "system"))
+        elif breakpoints.through:
+            breakpoints.through = 0  # the marked system text was all volatile lines
+    num_system = len(messages)
     _translate_messages(raw_messages, messages, origins, breakpoints)
     if body.get("context_management") is not None:
         _apply_context_management(body["context_management"], messages)
     chat["messages"] = messages
     if not count_only:
         chat["max_tokens"] = _required(body, "max_tokens", "")
+        temperature = body.get("temperature")
+        if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and not (
+            0 <= temperature <= MAX_TEMPERATURE
+        ):
+            _fail("temperature", f"temperature must be between 0 and {MAX_TEMPERATURE:g} on /v1/messages, got "
+                  f"{temperature}", _VALUE)
         for key in ("temperature", "top_p", "top_k", "stream"):
             if body.get(key) is not None:
                 chat[key] = body[key]
@@ -227,15 +257,51 @@ def translate_messages_body(
     if body.get("model") is not None:
         chat["model"] = body["model"]
     if body.get("tools") is not None:
+        # A marker on a tool covers the tool schemas, which the template renders with the system prompt.
+        breakpoints.position = num_system - 1
         chat["tools"] = _tools(body["tools"], breakpoints)
     if body.get("tool_choice") is not None:
         chat.update(_tool_choice(body["tool_choice"]))
+    effort = _output_config(body.get("output_config"), chat, chat_template)
+    budget = effort.budget
+    template_kwargs = dict(effort.template_kwargs)
     if body.get("thinking") is not None:
-        enabled = _thinking(body["thinking"], None if count_only else body.get("max_tokens"))
-        chat["chat_template_kwargs"] = {"enable_thinking": enabled}
+        enabled, budget_tokens = _thinking(body["thinking"], None if count_only else body.get("max_tokens"))
+        # The explicit switch and budget win over what the effort sets.
+        template_kwargs["enable_thinking"] = enabled
+        budget = budget_tokens if budget_tokens is not None else (budget if enabled else None)
+    if template_kwargs:
+        chat["chat_template_kwargs"] = template_kwargs
     # Top-level: Anthropic puts the marker on the last cacheable block; here it is one more breakpoint.
+    breakpoints.position = WHOLE_PROMPT - 1
     breakpoints.read(body, "")
-    return Translation(body=chat, origins=tuple(origins), retain_seconds=breakpoints.retain_seconds)
+    return Translation(body=chat, origins=tuple(origins), retain_seconds=breakpoints.retain_seconds,
+                       cache_through=breakpoints.through, thinking_budget=budget)
+
+
+def _output_config(value: object, chat: dict[str, Any], chat_template: str) -> ReasoningChoice:
+    """Claude Code's `output_config`: `effort` as Responses' reasoning.effort, `format` as structured output."""
+    if value is None:
+        return ReasoningChoice()
+    config = _object(value, "output_config")
+    _only(config, {"effort", "format"}, "output_config", "output_config")
+    spec = config.get("format")
+    if spec is not None:
+        spec = _object(spec, "output_config.format")
+        _only(spec, {"type", "schema"}, "output_config.format", "output_config.format")
+        if spec.get("type") != "json_schema":
+            _fail("output_config.format.type", "output_config.format.type must be 'json_schema', got "
+                  f"{_kind(spec.get('type'))}")
+        schema = _object(_required(spec, "schema", "output_config.format"), "output_config.format.schema")
+        # Anthropic's structured outputs are always strict: the reply matches the schema.
+        chat["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "output", "schema": schema, "strict": True}}
+    effort = config.get("effort")
+    if effort is None:
+        return ReasoningChoice()
+    if effort not in _EFFORTS:
+        _fail("output_config.effort", f"output_config.effort must be one of {', '.join(_EFFORTS)}, got {_kind(effort)}")
+    return effort_choice(effort, chat_template)
 
 
 def _apply_context_management(value: object, messages: list[dict[str, Any]]) -> None:
@@ -336,6 +402,7 @@ def _translate_messages(
             messages.append({"role": role, "content": content})
             origins.append((path, f"{path}.content"))
             continue
+        breakpoints.position = len(messages)
         blocks = _list(content, f"{path}.content")
         if not blocks:
             _fail(f"{path}.content", f"{path}.content must hold at least one block")
@@ -370,6 +437,7 @@ def _user_blocks(
                 _fail(block_path, f"{block_path}: tool_result blocks must come before any text in a user message")
             messages.append(_tool_result(block, block_path, breakpoints, open_calls))
             origins.append((block_path, f"{block_path}.content"))
+            breakpoints.position = len(messages)
         else:
             _unknown_block(block_type, block_path, "user")
     if any(part["type"] == "image_url" for part in parts):
@@ -534,15 +602,16 @@ def _tool_choice(value: object) -> dict[str, Any]:
     return chat
 
 
-def _thinking(value: object, max_tokens: object) -> bool:
+def _thinking(value: object, max_tokens: object) -> tuple[bool, int | None]:
+    """Whether the model thinks, and its budget of thinking tokens (None: no limit)."""
     thinking = _object(value, "thinking")
     kind = _required(thinking, "type", "thinking")
     if kind == "disabled":
         _only(thinking, {"type"}, "thinking", "thinking")
-        return False
+        return False, None
     if kind == "adaptive":
         _only(thinking, {"type"}, "thinking", "thinking")
-        return True
+        return True, None
     if kind != "enabled":
         _fail("thinking.type", f"thinking.type must be 'enabled', 'adaptive' or 'disabled', got {_kind(kind)}")
     _only(thinking, {"type", "budget_tokens"}, "thinking", "thinking")
@@ -552,7 +621,7 @@ def _thinking(value: object, max_tokens: object) -> bool:
               f"{MIN_THINKING_BUDGET}, got {_kind(budget)}")
     if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and budget >= max_tokens:
         _fail("thinking.budget_tokens", "thinking.budget_tokens must be less than max_tokens")
-    return True
+    return True, budget
 
 
 # --- chat-completions paths back to the Messages body's ----------------------------
@@ -566,6 +635,8 @@ _PATH_RULES: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"^user$"), "metadata.user_id"),
     (re.compile(r"^parallel_tool_calls$"), "tool_choice.disable_parallel_tool_use"),
     (re.compile(r"^chat_template_kwargs"), "thinking"),
+    (re.compile(r"^response_format\.json_schema\.schema"), "output_config.format.schema"),
+    (re.compile(r"^response_format"), "output_config.format"),
 )
 _CHAT_MESSAGE = re.compile(r"^messages\[(\d+)\](\.content)?")
 
@@ -596,27 +667,62 @@ def anthropic_error(error: InvalidRequest, origins: tuple[tuple[str, str], ...])
     return translated
 
 
-def _parse(body: object, *, limits: Limits, count_only: bool) -> ChatRequest:
+def _parse(body: object, *, limits: Limits, count_only: bool, chat_template: str = "",
+           ) -> tuple[ChatRequest, Translation]:
     translation = translate_messages_body(
-        body, volatile_system_patterns=limits.volatile_system_patterns, count_only=count_only
+        body, volatile_system_patterns=limits.volatile_system_patterns, count_only=count_only,
+        chat_template=chat_template,
     )
     try:
         parsed = parse_chat_request(translation.body, limits=limits)
     except InvalidRequest as error:
         raise anthropic_error(error, translation.origins) from None
+    if translation.thinking_budget is not None and not count_only:
+        parsed = attrs.evolve(parsed, sampling=attrs.evolve(
+            parsed.sampling, reasoning_budget=ReasoningBudget(max_tokens=translation.thinking_budget)))
     if translation.retain_seconds:
         parsed = attrs.evolve(parsed, cache=attrs.evolve(parsed.cache, retain_seconds=translation.retain_seconds))
-    return parsed
+    return parsed, translation
+
+
+@attrs.frozen(kw_only=True)
+class MessagesRequest:
+    """A validated `POST /v1/messages` body: what the engine runs, and what its usage reports."""
+
+    chat: ChatRequest
+    # The prompt up to the end of the chat message holding the last cache_control breakpoint
+    # (None: no breakpoint; the whole prompt: a top-level marker or one on the last message).
+    cache_prefix: ChatRequest | None = attrs.field(default=None, repr=False)
+
+    @property
+    def model(self) -> str | None:
+        return self.chat.model
+
+
+def parse_messages(body: object, *, limits: Limits, chat_template: str = "") -> MessagesRequest:
+    """Validate a `POST /v1/messages` body into the ChatRequest the chat route would build
+    (``chat_template``: the one in effect, whose reasoning switch an effort sets)."""
+    parsed, translation = _parse(body, limits=limits, count_only=False, chat_template=chat_template)
+    through = translation.cache_through
+    if not through:
+        return MessagesRequest(chat=parsed)
+    if through >= len(parsed.messages):
+        return MessagesRequest(chat=parsed, cache_prefix=parsed)
+    messages = parsed.messages[:through]
+    # The images the prefix holds come first in arrival order.
+    num_images = json.dumps(messages).count(json.dumps(IMAGE_SENTINEL)[1:-1])
+    return MessagesRequest(chat=parsed, cache_prefix=attrs.evolve(
+        parsed, messages=messages, images=parsed.images[:num_images]))
 
 
 def parse_messages_request(body: object, *, limits: Limits) -> ChatRequest:
-    """Validate a `POST /v1/messages` body into the ChatRequest the chat route would build."""
-    return _parse(body, limits=limits, count_only=False)
+    """The ChatRequest of a `POST /v1/messages` body (what the chat route would build)."""
+    return parse_messages(body, limits=limits).chat
 
 
-def parse_count_tokens_request(body: object, *, limits: Limits) -> ChatRequest:
+def parse_count_tokens_request(body: object, *, limits: Limits, chat_template: str = "") -> ChatRequest:
     """Validate a `POST /v1/messages/count_tokens` body (no max_tokens, nothing to sample)."""
-    return _parse(body, limits=limits, count_only=True)
+    return _parse(body, limits=limits, count_only=True, chat_template=chat_template)[0]
 
 
 # --- replies ---------------------------------------------------------------------------
@@ -637,14 +743,17 @@ def stop_reason(finish_reason: str, stop_string: str | None) -> tuple[str, str |
     return "end_turn", None
 
 
-def usage_body(usage: Usage, *, stores_prompt: bool) -> dict[str, int]:
+def usage_body(usage: Usage, *, stores_prompt: bool, cache_prefix_tokens: int = 0) -> dict[str, int]:
     """Anthropic's usage: the three input counts sum to the prompt.
 
-    mlxcel stores every prompt it prefills (when the request lets it), so what
-    was not read from the cache was written to it.
+    As Anthropic counts them: what was read from the cache, what was written
+    to it up to the last `cache_control` breakpoint (``cache_prefix_tokens``),
+    and the tokens after that breakpoint as `input_tokens`. mlxcel stores the
+    rest of the prompt too (automatic prefix caching), and a later hit on it
+    is reported as read.
     """
     read = usage.cached_tokens
-    creation = usage.prompt_tokens - read if stores_prompt else 0
+    creation = max(0, min(cache_prefix_tokens, usage.prompt_tokens) - read) if stores_prompt else 0
     return {
         "input_tokens": usage.prompt_tokens - read - creation,
         "cache_creation_input_tokens": creation,
@@ -697,7 +806,7 @@ def message_body(
 
 
 async def whole_message(
-    deltas: AsyncIterator[Delta], first: Delta, *, model: str, stores_prompt: bool
+    deltas: AsyncIterator[Delta], first: Delta, *, model: str, stores_prompt: bool, cache_prefix_tokens: int = 0,
 ) -> dict[str, Any]:
     """Read a reply to its end into one message body (an error mid-way propagates)."""
     texts, reasoning, calls = [first.text], [first.reasoning], list(first.tool_calls)
@@ -715,7 +824,7 @@ async def whole_message(
     return message_body(
         message_id=new_message_id(), model=model, reasoning="".join(reasoning), text="".join(texts),
         tool_calls=tuple(calls), finish_reason=last.finish_reason, stop_string=last.stop_string,
-        usage=usage_body(last.usage, stores_prompt=stores_prompt),
+        usage=usage_body(last.usage, stores_prompt=stores_prompt, cache_prefix_tokens=cache_prefix_tokens),
     )
 
 
@@ -731,9 +840,10 @@ class MessageStreamer:
     usage, which Anthropic's SDKs take over message_start's.
     """
 
-    def __init__(self, *, model: str, stores_prompt: bool) -> None:
+    def __init__(self, *, model: str, stores_prompt: bool, cache_prefix_tokens: int = 0) -> None:
         self.model = model
         self.stores_prompt = stores_prompt
+        self.cache_prefix_tokens = cache_prefix_tokens
         self.message_id = new_message_id()
         self._index = -1
         self._open: str | None = None
@@ -741,11 +851,14 @@ class MessageStreamer:
         self._streamed_calls: set[int] = set()
 
     def start(self, first: Delta) -> bytes:
-        usage = usage_body(first.usage, stores_prompt=self.stores_prompt) if first.usage else ZERO_USAGE
+        usage = self._usage(first.usage) if first.usage else ZERO_USAGE
         message: dict[str, Any] = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
                    "content": [], "stop_reason": None, "stop_sequence": None, "usage": {**usage, "output_tokens": 0}}
         return sse_event("message_start", {"type": "message_start", "message": message}) + sse_event(
             "ping", {"type": "ping"})
+
+    def _usage(self, usage: Usage) -> dict[str, int]:
+        return usage_body(usage, stores_prompt=self.stores_prompt, cache_prefix_tokens=self.cache_prefix_tokens)
 
     def _close(self) -> bytes:
         if self._open is None:
@@ -794,7 +907,7 @@ class MessageStreamer:
             events += self._close()
             events += sse_event("message_delta", {
                 "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                "usage": usage_body(delta.usage, stores_prompt=self.stores_prompt),
+                "usage": self._usage(delta.usage),
             })
             events += sse_event("message_stop", {"type": "message_stop"})
         return events

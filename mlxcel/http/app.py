@@ -48,7 +48,11 @@ logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("mlxcel.access")
 
 # What a route's parser returns: the chat or completion request it validated.
+# The response header naming the hosted tools a /v1/responses request sent that the model did not see.
+DROPPED_TOOLS_HEADER = "X-Mlxcel-Dropped-Tools"
 _Parsed = TypeVar("_Parsed", bound=ChatRequest | CompletionRequest)
+# What parse_body returns: a route's validated body.
+_Body = TypeVar("_Body", bound=ChatRequest | CompletionRequest | anthropic.MessagesRequest)
 
 
 def error_response(error: MlxcelError, *, anthropic_shape: bool = False) -> Response:
@@ -384,7 +388,7 @@ def create_app(
             chunks.append(chunk)
         return decode_json_body(b"".join(chunks), max_bytes=max_body_bytes, allow_list=allow_list)
 
-    def check_model(parsed: ChatRequest | CompletionRequest) -> None:
+    def check_model(parsed: ChatRequest | CompletionRequest | anthropic.MessagesRequest) -> None:
         if parsed.model not in (None, "", *engine.model_names):
             raise InvalidRequest(
                 f"the model {parsed.model!r} is not served here; this server serves "
@@ -392,7 +396,7 @@ def create_app(
                 param="model", code="model_not_found", status=404,
             )
 
-    async def parse_body(parse: Callable[..., _Parsed]) -> _Parsed:
+    async def parse_body(parse: Callable[..., _Body]) -> _Body:
         body = await read_body()
         # Off the event loop: a large tool set or a new response schema takes milliseconds to seconds.
         parsed = await trio.to_thread.run_sync(functools.partial(parse, body, limits=limits))
@@ -444,6 +448,12 @@ def create_app(
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
+    def template() -> str:
+        """The chat template in effect (`--chat-template`, else the model's): its reasoning switch is what
+        an effort sets."""
+        configured = getattr(getattr(engine, "config", None), "chat_template", None)
+        return configured or engine.model.chat_template
+
     store = responses.ResponseStore(max_entries=responses_store_entries, max_bytes=responses_store_bytes)
 
     def keep(owner: str, builder: responses.OutputBuilder) -> None:
@@ -461,26 +471,60 @@ def create_app(
             previous = store.get(owner, previous_id) if isinstance(previous_id, str) and previous_id else None
             if previous_id and previous is None:
                 raise responses.not_found(str(previous_id))
-            template = getattr(getattr(engine, "config", None), "chat_template", None) or engine.model.chat_template
             prepared = await trio.to_thread.run_sync(functools.partial(
-                responses.prepare, body, previous, chat_template=template, limits=limits))
+                responses.prepare, body, previous, chat_template=template(), limits=limits))
             deltas, first = await start_parsed(prepared.chat)
             builder = responses.OutputBuilder(prepared, engine.model_id)
+            # Hosted tools left out of the model's view are named, never dropped silently.
+            dropped = {DROPPED_TOOLS_HEADER: ", ".join(prepared.dropped_tools)} if prepared.dropped_tools else {}
             if not prepared.chat.stream:
                 reply = await responses.collect(deltas, first, builder)
                 keep(owner, builder)
-                return json_response(reply)
+                response = json_response(reply)
+                response.headers.update(dropped)
+                return response
         except MlxcelError as error:
             return error_response(error)
         return Response(
             responses.event_stream(deltas, first, builder, functools.partial(keep, owner)),
-            mimetype="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            mimetype="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **dropped},
         )
 
-    def stored_owner() -> str:
+    def stored_owner(query: dict[str, list[str]] | None = None) -> str:
         # GET and DELETE have no body: the session and salt come as query parameters.
-        return responses.owner_of(responses.owner_query(request.args.to_dict(flat=False)),
-                                  request.headers.get("Authorization", ""), limits)
+        query = request.args.to_dict(flat=False) if query is None else query
+        return responses.owner_of(responses.owner_query(query), request.headers.get("Authorization", ""), limits)
+
+    @app.post("/v1/responses/input_tokens")
+    async def count_response_tokens() -> Response:
+        try:
+            body = await read_body()
+            assert isinstance(body, dict)
+            owner = responses.owner_of(body, request.headers.get("Authorization", ""), limits)
+            previous_id = body.get("previous_response_id")
+            previous = store.get(owner, previous_id) if isinstance(previous_id, str) and previous_id else None
+            if previous_id and previous is None:
+                raise responses.not_found(str(previous_id))
+            prepared = await trio.to_thread.run_sync(functools.partial(
+                responses.prepare_count, body, previous, chat_template=template(), limits=limits))
+            check_model(prepared.chat)
+            counted = await engine.count_prompt_tokens(prepared.chat)
+        except MlxcelError as error:
+            return error_response(error)
+        return json_response({"object": "response.input_tokens", "input_tokens": counted})
+
+    @app.get("/v1/responses/<response_id>/input_items")
+    async def list_input_items(response_id: str) -> Response:
+        try:
+            page_query, owner_query = responses.split_query(request.args.to_dict(flat=False))
+            stored = store.get(stored_owner(owner_query), response_id)
+            if stored is None:
+                raise responses.not_found(response_id, param=None)
+            page = responses.input_items_page(stored, response_id, page_query)
+        except MlxcelError as error:
+            return error_response(error)
+        return json_response(page)
 
     @app.get("/v1/responses/<response_id>")
     async def get_response(response_id: str) -> Response:
@@ -517,23 +561,40 @@ def create_app(
         return await generate("native", parse_native_completion)
 
     # Anthropic's Messages API, translated onto the chat pipeline (mlxcel/http/anthropic.py).
+    async def cache_prefix_tokens(messages_request: anthropic.MessagesRequest) -> int:
+        """The tokens the last cache_control breakpoint covers (0: none is set)."""
+        prefix = messages_request.cache_prefix
+        if prefix is None:
+            return 0
+        if prefix is messages_request.chat:
+            return 1 << 62  # the whole prompt
+        try:
+            return await engine.count_prompt_tokens(prefix)
+        except InvalidRequest:
+            # The template cannot render the conversation cut there: count the whole prompt as written.
+            return 1 << 62
+
     @app.post("/v1/messages")
     async def messages() -> Response:
         try:
-            parsed, deltas, first = await start(anthropic.parse_messages_request)
+            messages_request = await parse_body(functools.partial(anthropic.parse_messages, chat_template=template()))
+            parsed = messages_request.chat
+            prefix_tokens = await cache_prefix_tokens(messages_request)
+            deltas, first = await start_parsed(parsed)
         except MlxcelError as error:
             return error_response(error, anthropic_shape=True)
-        # What was not read from the cache is written to it, when the request and server store prompts.
         stores_prompt = parsed.cache.cache_prompt and engine.config.prompt_cache.enabled
         if not parsed.stream:
             async with deltas:
                 try:
                     body = await anthropic.whole_message(deltas, first, model=engine.model_id,
-                                                         stores_prompt=stores_prompt)
+                                                         stores_prompt=stores_prompt,
+                                                         cache_prefix_tokens=prefix_tokens)
                 except MlxcelError as error:
                     return error_response(error, anthropic_shape=True)
             return json_response(body)
-        streamer = anthropic.MessageStreamer(model=engine.model_id, stores_prompt=stores_prompt)
+        streamer = anthropic.MessageStreamer(model=engine.model_id, stores_prompt=stores_prompt,
+                                             cache_prefix_tokens=prefix_tokens)
         return Response(
             _closing(deltas, streamer.events(deltas, first)),
             mimetype="text/event-stream",
@@ -543,7 +604,8 @@ def create_app(
     @app.post("/v1/messages/count_tokens")
     async def count_tokens() -> Response:
         try:
-            parsed = await parse_body(anthropic.parse_count_tokens_request)
+            parsed = await parse_body(functools.partial(anthropic.parse_count_tokens_request,
+                                                        chat_template=template()))
             return json_response({"input_tokens": await engine.count_prompt_tokens(parsed)})
         except MlxcelError as error:
             return error_response(error, anthropic_shape=True)

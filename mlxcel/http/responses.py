@@ -25,6 +25,7 @@ import base64
 import binascii
 import hashlib
 import json
+import logging
 import re
 import secrets
 import time
@@ -35,7 +36,10 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from mlxcel.core.lark_regex import UnsupportedGrammar, lark_to_regex
+from mlxcel.core.tool_grammar import ENFORCED_PARAMETERS
 from mlxcel.errors import InternalError, InvalidRequest, MlxcelError
+from mlxcel.http.effort import EFFORTS, ReasoningChoice, effort_choice
 
 # The chat validator's primitive readers: one wording of a value's kind and of a failed check.
 from mlxcel.http.validation import (
@@ -51,7 +55,7 @@ from mlxcel.http.validation import (
     _string,
     parse_chat_request,
 )
-from mlxcel.types import ChatRequest, Delta, TokenLogprob, ToolCall, ToolCallPart, Usage
+from mlxcel.types import ChatRequest, Delta, ReasoningBudget, TokenLogprob, ToolCall, ToolCallPart, Usage
 
 if TYPE_CHECKING:
     from mlxcel.engine import DeltaStream
@@ -65,12 +69,17 @@ __all__ = [
     "StoredResponse",
     "collect",
     "event_stream",
+    "input_items_page",
     "not_found",
     "owner_of",
     "owner_query",
     "prepare",
+    "prepare_count",
+    "split_query",
     "sse_event",
 ]
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_STORE_ENTRIES = 1024
 DEFAULT_STORE_BYTES = 64 << 20
@@ -80,7 +89,7 @@ RESPONSES_FIELDS = frozenset({
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
     "temperature", "top_p", "top_logprobs", "user", "prompt_cache_key", "safety_identifier", "text",
     "reasoning", "metadata", "store", "previous_response_id", "prompt_cache_retention", "stream",
-    "stream_options", "include", "truncation", "background", "service_tier", "max_tool_calls",
+    "stream_options", "include", "truncation", "background", "service_tier", "max_tool_calls", "client_metadata",
 })
 # mlxcel's chat-completions extensions, passed through to the chat parser as they are.
 EXTENSION_FIELDS = frozenset({
@@ -97,8 +106,18 @@ ENCRYPTED_PREFIX = "mlxcel-reasoning-v1:"
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 MEDIA_PARTS = frozenset({"input_file", "input_audio"})
 TEXT_PARTS = frozenset({"input_text", "output_text"})
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 MAX_METADATA_KEYS = 16
+# OpenAI's hosted tools: run by OpenAI's servers, not by the client, so nothing here can answer their
+# calls. Left out of the model's view (Codex sends web_search by default and works without it),
+# unless --refuse-hosted-tools.
+HOSTED_TOOLS = frozenset({
+    "web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11", "file_search",
+    "code_interpreter", "computer_use", "computer_use_preview", "computer", "image_generation", "mcp",
+})
+# A custom tool's input, as the one string argument of the function the model calls.
+CUSTOM_INPUT = "input"
+# Marks a function tool that stands for a custom tool (stripped before the template sees it).
+CUSTOM_TOOL_KEY = "x-mlxcel-custom"
 
 _MISSING = "missing_required_parameter"
 _TYPE = "invalid_type"
@@ -245,6 +264,89 @@ class ResponseStore:
             del self._owners[owner], self._owner_bytes[owner]
 
 
+# `GET /v1/responses/{id}/input_items`: OpenAI's page bounds and default.
+MAX_ITEMS_PAGE = 100
+DEFAULT_ITEMS_PAGE = 20
+PAGE_FIELDS = ("after", "limit", "order", "include")
+_ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
+                     "custom_tool_call": "ctc", "custom_tool_call_output": "ctco"}
+
+
+def _listed_item(item: Mapping[str, Any], response_id: str, index: int) -> dict[str, Any]:
+    """An input item as `input_items` lists it: an id on each (stable for the stored response),
+    message content as parts, a status where OpenAI gives one."""
+    listed = dict(item)
+    if not isinstance(listed.get("id"), str) or not listed["id"]:
+        digest = hashlib.sha256(f"{response_id}/{index}".encode()).hexdigest()[:32]
+        listed["id"] = f"{_ITEM_ID_PREFIXES.get(str(item['type']), 'item')}_{digest}"
+    if item["type"] == "message":
+        content = item["content"]
+        if isinstance(content, str):
+            part = "output_text" if item["role"] == "assistant" else "input_text"
+            content = [{"type": part, "text": content, **({"annotations": []} if part == "output_text" else {})}]
+        listed["content"] = content
+    if item["type"] != "reasoning":
+        listed.setdefault("status", "completed")
+    return listed
+
+
+def input_items_page(stored: StoredResponse, response_id: str, query: Mapping[str, list[str]]) -> dict[str, Any]:
+    """`GET /v1/responses/{id}/input_items`: the items the request sent, a cursor page (newest first by default)."""
+    values = {}
+    for key in PAGE_FIELDS:
+        given = query.get(key, [])
+        if key != "include" and len(given) > 1:
+            _fail(key, f"the query parameter {key!r} is given {len(given)} times")
+        values[key] = given
+    for index, name in enumerate(values["include"]):
+        if name not in SUPPORTED_INCLUDES:
+            _fail(f"include[{index}]", f"include[{index}]: {name!r} is not supported here; only "
+                  f"{', '.join(repr(known) for known in SUPPORTED_INCLUDES)} are", _UNSUPPORTED)
+    order = values["order"][0] if values["order"] else "desc"
+    _one_of(order, "order", ("asc", "desc"))
+    limit_text = values["limit"][0] if values["limit"] else str(DEFAULT_ITEMS_PAGE)
+    if not limit_text.isdigit() or not 1 <= int(limit_text) <= MAX_ITEMS_PAGE:
+        _fail("limit", f"limit must be an integer from 1 to {MAX_ITEMS_PAGE}, got {limit_text!r}", _VALUE)
+    items = [_listed_item(item, response_id, index) for index, item in enumerate(stored.input_items)]
+    if order == "desc":
+        items.reverse()
+    if values["after"]:
+        after = values["after"][0]
+        position = next((index for index, item in enumerate(items) if item["id"] == after), None)
+        if position is None:
+            _fail("after", f"after: no input item {after!r} in response {response_id!r}", _VALUE)
+        items = items[position + 1:]
+    page = items[: int(limit_text)]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
+
+
+def split_query(query: Mapping[str, list[str]]) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """A GET's query parameters: (the page's, the owner's)."""
+    page = {key: values for key, values in query.items() if key in PAGE_FIELDS}
+    return page, {key: values for key, values in query.items() if key not in PAGE_FIELDS}
+
+
+# Fields of `POST /v1/responses/input_tokens` (OpenAI's), besides the extensions: what renders the prompt.
+COUNT_FIELDS = frozenset({
+    "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "previous_response_id",
+    "reasoning", "text", "truncation", "conversation", "user", "prompt_cache_key",
+})
+
+
+def prepare_count(body: Mapping[str, Any], previous: StoredResponse | None, *, chat_template: str = "",
+                  limits: Limits = DEFAULT_LIMITS) -> PreparedResponse:
+    """Validate a `POST /v1/responses/input_tokens` body: the request whose prompt is counted."""
+    for key in body:
+        if key not in COUNT_FIELDS and key not in EXTENSION_FIELDS:
+            _fail(key, f"{key} is not supported by this server's /v1/responses/input_tokens", _UNSUPPORTED)
+    if body.get("conversation") is not None:
+        _fail("conversation", "conversations are not supported; send the items in input, or previous_response_id",
+              _UNSUPPORTED)
+    return prepare({key: value for key, value in body.items() if key != "conversation"}, previous,
+                   chat_template=chat_template, limits=limits)
+
+
 def not_found(response_id: str, param: str | None = "previous_response_id") -> InvalidRequest:
     code = "previous_response_not_found" if param == "previous_response_id" else "response_not_found"
     return InvalidRequest(
@@ -269,6 +371,11 @@ class PreparedResponse:
     store: bool
     include: frozenset[str]
     obfuscate: bool
+    # The custom tools' names: their calls come back as custom_tool_call items.
+    custom_tools: frozenset[str] = frozenset()
+    # Hosted tools left out of the model's view (types, in request order): the
+    # `X-Mlxcel-Dropped-Tools` header names them.
+    dropped_tools: tuple[str, ...] = ()
 
 
 def prepare(
@@ -304,7 +411,10 @@ def prepare(
         chat["parallel_tool_calls"] = False
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
-    tools = _tools(body)
+    tools, dropped = _tools(body, refuse_hosted=limits.refuse_hosted_tools)
+    if dropped:
+        logger.warning("/v1/responses: hosted tools %s left out of the model's view (this server cannot run "
+                       "them; --refuse-hosted-tools refuses them instead)", ", ".join(dropped))
     if tools:
         chat["tools"] = tools
     tool_choice = _tool_choice(body.get("tool_choice"))
@@ -313,7 +423,8 @@ def prepare(
     text, response_format = _text_config(body.get("text"))
     if response_format is not None:
         chat["response_format"] = response_format
-    reasoning, template_kwargs = _reasoning(body.get("reasoning"), chat_template)
+    reasoning, choice = _reasoning(body.get("reasoning"), chat_template)
+    template_kwargs = choice.template_kwargs
     given_kwargs = body.get("chat_template_kwargs")
     if template_kwargs and (given_kwargs is None or isinstance(given_kwargs, dict)):
         # The request's own chat_template_kwargs win over what `reasoning` sets.
@@ -338,6 +449,9 @@ def prepare(
             error.message = error.message.replace(chat_param, error.param)
             error.args = (error.message,)
         raise
+    if choice.budget is not None:
+        parsed = attrs.evolve(parsed, sampling=attrs.evolve(
+            parsed.sampling, reasoning_budget=ReasoningBudget(max_tokens=choice.budget)))
     retention = body.get("prompt_cache_retention")
     if retention is not None:
         seconds = RETENTION_SECONDS[_one_of(retention, "prompt_cache_retention", tuple(RETENTION_SECONDS))]
@@ -346,7 +460,7 @@ def prepare(
     previous_id = body.get("previous_response_id")
     echo = {
         "instructions": instructions,
-        "tools": [_tool_echo(tool) for tool in tools],
+        "tools": _tools_echo(body, tools),
         "tool_choice": _tool_choice_echo(body.get("tool_choice")),
         "parallel_tool_calls": parallel,
         "temperature": parsed.sampling.temperature,
@@ -370,6 +484,8 @@ def prepare(
     return PreparedResponse(
         chat=parsed, items=tuple(items), input_items=tuple(input_items), echo=echo,
         store=echo["store"], include=include, obfuscate=obfuscate,
+        custom_tools=frozenset(tool["function"]["name"] for tool in tools if tool["function"].get(CUSTOM_TOOL_KEY)),
+        dropped_tools=tuple(dropped),
     )
 
 
@@ -394,6 +510,12 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     identifier = body.get("safety_identifier")
     if identifier is not None and len(_string(identifier, "safety_identifier")) > 128:
         _fail("safety_identifier", "safety_identifier is longer than 128 characters")
+    client_metadata = body.get("client_metadata")
+    if client_metadata is not None:
+        # Codex's tracing context (traceparent, installation id): for the client's own telemetry;
+        # checked, and nothing here reads it.
+        for key, value in _object(client_metadata, "client_metadata").items():
+            _string(value, f"client_metadata.{key}")
     max_tool_calls = body.get("max_tool_calls")
     if max_tool_calls is not None and (
         isinstance(max_tool_calls, bool) or not isinstance(max_tool_calls, int) or max_tool_calls < 0
@@ -481,11 +603,21 @@ def _input_item(value: object, path: str) -> dict[str, Any]:
         if item.get("id") is not None:
             call["id"] = _string(item["id"], f"{path}.id")
         return call
-    if item_type == "function_call_output":
+    if item_type == "custom_tool_call":
+        custom = {
+            "type": "custom_tool_call",
+            "call_id": _nonempty(_required(item, "call_id", path), f"{path}.call_id"),
+            "name": _nonempty(_required(item, "name", path), f"{path}.name"),
+            "input": _string(_required(item, "input", path), f"{path}.input"),
+        }
+        if item.get("id") is not None:
+            custom["id"] = _string(item["id"], f"{path}.id")
+        return custom
+    if item_type in ("function_call_output", "custom_tool_call_output"):
         output = _required(item, "output", path)
         _output_text(output, f"{path}.output")
         return {
-            "type": "function_call_output",
+            "type": item_type,
             "call_id": _nonempty(_required(item, "call_id", path), f"{path}.call_id"),
             "output": output,
         }
@@ -497,7 +629,8 @@ def _input_item(value: object, path: str) -> dict[str, Any]:
     if item_type == "item_reference":
         _fail(f"{path}.type", f"{path}: item references are not supported; send the item itself", _UNSUPPORTED)
     _fail(f"{path}.type", f"{path}.type: input items of type {_kind(item_type)} are not supported; this "
-          "server takes message, function_call, function_call_output and reasoning items", _UNSUPPORTED)
+          "server takes message, function_call, function_call_output, custom_tool_call, custom_tool_call_output "
+          "and reasoning items", _UNSUPPORTED)
 
 
 def _message_text(content: object, path: str) -> str:
@@ -617,7 +750,7 @@ class _Translation:
                 role = "system" if item["role"] == "developer" else item["role"]
                 messages.append({"role": role, "content": _message_content(item["content"], path)})
                 self.paths.append({"": path, ".content": sub(".content")})
-            elif item_type == "function_call_output":
+            elif item_type in ("function_call_output", "custom_tool_call_output"):
                 open_turn = None
                 if item["call_id"] not in call_ids:
                     _fail(sub(".call_id"), f"{sub('.call_id')}: no function_call with call_id "
@@ -638,17 +771,20 @@ class _Translation:
                 open_turn["content"] = text
                 self.paths[-1][".content"] = sub(".content")
             else:
-                assert item_type == "function_call"
+                assert item_type in ("function_call", "custom_tool_call")
                 call_ids.add(item["call_id"])
                 if open_turn is None:
                     open_turn = self._assistant(messages, path)
                 calls = open_turn.setdefault("tool_calls", [])
                 prefix = f".tool_calls[{len(calls)}]"
+                # A custom tool's call renders as the function call the model writes for it.
+                arguments = item["arguments"] if item_type == "function_call" else json.dumps(
+                    {CUSTOM_INPUT: item["input"]}, ensure_ascii=False)
                 calls.append({"id": item["call_id"], "type": "function",
-                              "function": {"name": item["name"], "arguments": item["arguments"]}})
+                              "function": {"name": item["name"], "arguments": arguments}})
                 self.paths[-1].update({
                     prefix: path, f"{prefix}.id": sub(".call_id"), f"{prefix}.function.name": sub(".name"),
-                    f"{prefix}.function.arguments": sub(".arguments"),
+                    f"{prefix}.function.arguments": sub(".arguments" if item_type == "function_call" else ".input"),
                 })
         return messages
 
@@ -683,24 +819,90 @@ class _Translation:
 # --- tools, tool_choice, text, reasoning --------------------------------------------------
 
 
-def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _tools(body: Mapping[str, Any], *, refuse_hosted: bool = False) -> tuple[list[dict[str, Any]], list[str]]:
+    """The tools as chat function tools, and the hosted tools left out of the model's view."""
     value = body.get("tools")
     if value is None:
-        return []
-    tools = []
+        return [], []
+    tools, dropped = [], []
     for index, item in enumerate(_list(value, "tools")):
         path = f"tools[{index}]"
         tool = _object(item, path)
         tool_type = _required(tool, "type", path)
+        if tool_type == "custom":
+            tools.append(_custom_tool(tool, path))
+            continue
+        if tool_type in HOSTED_TOOLS and not refuse_hosted:
+            dropped.append(tool_type)
+            continue
         if tool_type != "function":
-            _fail(f"{path}.type", f"{path}.type: {_kind(tool_type)} tools are not supported by this server; "
-                  "only 'function' tools are", _UNSUPPORTED)
+            hosted = " (a hosted tool this server cannot run)" if tool_type in HOSTED_TOOLS else ""
+            _fail(f"{path}.type", f"{path}.type: {_kind(tool_type)} tools{hosted} are not supported by this server; "
+                  "only 'function' and 'custom' tools are", _UNSUPPORTED)
         function = {"name": _required(tool, "name", path)}
         for key in ("description", "parameters", "strict"):
             if tool.get(key) is not None:
                 function[key] = tool[key]
         tools.append({"type": "function", "function": function})
-    return tools
+    return tools, dropped
+
+
+def _custom_tool(tool: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """A custom (freeform) tool as the function the model calls with its input in one string.
+
+    A `grammar` format is enforced on that string when the model calls the tool
+    (its Lark or regex definition as the string's pattern: mlxcel/core/lark_regex.py);
+    a `text` format leaves it free.
+    """
+    for key in tool:
+        if key not in ("type", "name", "description", "format", "defer_loading"):
+            _fail(f"{path}.{key}", f"{path}.{key} is not supported on custom tools", _UNSUPPORTED)
+    if tool.get("defer_loading"):
+        _fail(f"{path}.defer_loading", f"{path}.defer_loading: deferred tools (tool search) are not supported; "
+              "send false or leave it out", _UNSUPPORTED)
+    name = _nonempty(_required(tool, "name", path), f"{path}.name")
+    description = tool.get("description")
+    if description is not None:
+        _string(description, f"{path}.description")
+    parameters = {"type": "object", "properties": {CUSTOM_INPUT: {"type": "string"}}, "required": [CUSTOM_INPUT],
+                  "additionalProperties": False}
+    function: dict[str, Any] = {"name": name, CUSTOM_TOOL_KEY: True}
+    spec = tool.get("format")
+    if spec is not None and _object(spec, f"{path}.format").get("type") != "text":
+        format_type = _one_of(spec.get("type"), f"{path}.format.type", ("text", "grammar"))
+        assert format_type == "grammar"
+        for key in spec:
+            if key not in ("type", "syntax", "definition"):
+                _fail(f"{path}.format.{key}", f"{path}.format.{key} is not supported", _UNSUPPORTED)
+        syntax = _one_of(_required(spec, "syntax", f"{path}.format"), f"{path}.format.syntax", ("lark", "regex"))
+        definition = _nonempty(_required(spec, "definition", f"{path}.format"), f"{path}.format.definition")
+        try:
+            pattern = lark_to_regex(definition) if syntax == "lark" else definition
+        except UnsupportedGrammar as error:
+            _fail(f"{path}.format.definition", f"{path}.format.definition cannot be enforced: {error}",
+                  _UNSUPPORTED)
+        enforced = {**parameters, "properties": {CUSTOM_INPUT: {"type": "string", "pattern": f"^(?:{pattern})$"}}}
+        function[ENFORCED_PARAMETERS] = enforced
+        described = f"The input is raw text in this {syntax} grammar:\n{definition}"
+        description = f"{description}\n\n{described}" if description else described
+    if description:
+        function["description"] = description
+    function["parameters"] = parameters
+    return {"type": "function", "function": function}
+
+
+def _tools_echo(body: Mapping[str, Any], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tools as sent (hosted and custom ones as they came), functions in their Responses shape."""
+    functions = iter(tools)
+    echoed = []
+    for tool in body.get("tools") or ():
+        if tool.get("type") == "function":
+            echoed.append(_tool_echo(next(functions)))
+        else:
+            if tool.get("type") == "custom":
+                next(functions)
+            echoed.append(dict(tool))
+    return echoed
 
 
 def _tool_echo(tool: Mapping[str, Any]) -> dict[str, Any]:
@@ -714,9 +916,9 @@ def _tool_choice(value: object) -> str | dict[str, Any] | None:
         return value
     choice = _object(value, "tool_choice")
     choice_type = _required(choice, "type", "tool_choice")
-    if choice_type != "function":
+    if choice_type not in ("function", "custom"):
         _fail("tool_choice.type", f"tool_choice.type {_kind(choice_type)} is not supported; send 'auto', "
-              "'none', 'required' or {\"type\": \"function\", \"name\": ...}", _UNSUPPORTED)
+              "'none', 'required' or {\"type\": \"function\" (or \"custom\"), \"name\": ...}", _UNSUPPORTED)
     return {"type": "function", "function": {"name": _required(choice, "name", "tool_choice")}}
 
 
@@ -724,7 +926,7 @@ def _tool_choice_echo(value: object) -> Any:
     if value is None:
         return "auto"
     if isinstance(value, dict):
-        return {"type": "function", "name": value["name"]}
+        return {"type": value.get("type", "function"), "name": value["name"]}
     return value
 
 
@@ -758,15 +960,11 @@ def _text_config(value: object) -> tuple[dict[str, Any], dict[str, Any] | None]:
           "'json_object' or 'json_schema'", _UNSUPPORTED)
 
 
-def _reasoning(value: object, chat_template: str) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """`reasoning` as echoed, and the template kwargs that honour its effort.
-
-    A template that reads `reasoning_effort` (gpt-oss) gets the effort; one that reads
-    `enable_thinking` (Qwen3) thinks unless the effort is "none"/"minimal". With neither,
-    only "medium" (OpenAI's default: the model as it is) is accepted.
-    """
+def _reasoning(value: object, chat_template: str) -> tuple[dict[str, Any] | None, ReasoningChoice]:
+    """`reasoning` as echoed, and what its effort sets (mlxcel/http/effort.py: the template's
+    switch and a thinking budget; on a template with no switch, only the budget)."""
     if value is None:
-        return None, {}
+        return None, ReasoningChoice()
     reasoning = _object(value, "reasoning")
     for key in reasoning:
         if key not in ("effort", "summary", "generate_summary", "context", "mode"):
@@ -774,7 +972,8 @@ def _reasoning(value: object, chat_template: str) -> tuple[dict[str, Any] | None
     for key in ("summary", "generate_summary"):
         # Accepted: the reasoning comes back whole, as reasoning_text content, not summarized.
         if reasoning.get(key) is not None:
-            _one_of(reasoning[key], f"reasoning.{key}", ("auto", "concise", "detailed"))
+            # "none": Codex's `model_reasoning_summary = "none"`; no summary is written in any case.
+            _one_of(reasoning[key], f"reasoning.{key}", ("auto", "concise", "detailed", "none"))
     if reasoning.get("context") is not None:
         _one_of(reasoning["context"], "reasoning.context", ("auto", "all_turns"),
                 " (reasoning items sent are all rendered)")
@@ -783,19 +982,9 @@ def _reasoning(value: object, chat_template: str) -> tuple[dict[str, Any] | None
     effort = reasoning.get("effort")
     echo = {"effort": effort, "summary": reasoning.get("summary") or reasoning.get("generate_summary")}
     if effort is None:
-        return echo, {}
+        return echo, ReasoningChoice()
     _one_of(effort, "reasoning.effort", EFFORTS)
-    if "reasoning_effort" in chat_template:
-        if effort not in ("low", "medium", "high"):
-            _fail("reasoning.effort", f"reasoning.effort {effort!r} is not supported by this model's chat "
-                  "template; send 'low', 'medium' or 'high'", _UNSUPPORTED)
-        return echo, {"reasoning_effort": effort}
-    if "enable_thinking" in chat_template:
-        return echo, {"enable_thinking": effort not in ("none", "minimal")}
-    if effort != "medium":
-        _fail("reasoning.effort", f"reasoning.effort {effort!r} cannot be honoured: this model's chat template "
-              "has no reasoning setting (only 'medium', the model as it is, is accepted)", _UNSUPPORTED)
-    return echo, {}
+    return echo, effort_choice(effort, chat_template)
 
 
 # --- the reply ------------------------------------------------------------------------
@@ -852,6 +1041,8 @@ class OutputBuilder:
         self._want_logprobs = INCLUDE_LOGPROBS in prepared.include
         # function_call items whose arguments stream, by the call's index (open until the call completes).
         self._streamed_calls: dict[int, dict[str, Any]] = {}
+        # Calls of custom tools being generated: their input goes out whole, as a custom_tool_call item.
+        self._custom_calls: set[int] = set()
 
     def _event(self, event_type: str, **fields: Any) -> Event:
         event = {"type": event_type, "sequence_number": self._sequence, **fields}
@@ -941,6 +1132,7 @@ class OutputBuilder:
         for piece in delta.tool_call_parts:
             events += self._call_part(piece)
         for call in delta.tool_calls:
+            self._custom_calls.discard(call.index)
             if call.index in self._streamed_calls:
                 item = self._streamed_calls.pop(call.index)
                 events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
@@ -954,6 +1146,10 @@ class OutputBuilder:
 
     def _call_part(self, part: ToolCallPart) -> list[Event]:
         """A piece of a call being generated: its item opens with the name, then its arguments stream."""
+        if part.name and part.name in self.prepared.custom_tools:
+            self._custom_calls.add(part.index)
+        if part.index in self._custom_calls:
+            return []
         events: list[Event] = []
         if part.name:
             events += self._close()
@@ -969,7 +1165,22 @@ class OutputBuilder:
                 delta=part.arguments), part.arguments))
         return events
 
+    def _custom_tool_call(self, call: ToolCall) -> list[Event]:
+        item = {"id": new_id("ctc"), "type": "custom_tool_call", "status": "in_progress", "call_id": call.id,
+                "name": call.name, "input": ""}
+        events = self._open_item(item, None)
+        index = len(self.output) - 1
+        item["input"] = text = custom_input(call.arguments)
+        events.append(self._obfuscation(self._event(
+            "response.custom_tool_call_input.delta", item_id=item["id"], output_index=index, delta=text), text))
+        events.append(self._event("response.custom_tool_call_input.done", item_id=item["id"], output_index=index,
+                                  input=text))
+        events += self._close()
+        return events
+
     def _function_call(self, call: ToolCall) -> list[Event]:
+        if call.name in self.prepared.custom_tools:
+            return self._custom_tool_call(call)
         item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call.id,
                 "name": call.name, "arguments": ""}
         events = self._open_item(item, None)
@@ -1022,6 +1233,17 @@ class OutputBuilder:
     def conversation(self) -> tuple[Mapping[str, Any], ...]:
         """The items a follow-up continues from: the request's (and its chain's), then the output."""
         return (*self.prepared.items, *(_snapshot(item) for item in self.output))
+
+
+def custom_input(arguments: str) -> str:
+    """A custom tool's input from the arguments of the function call the model wrote for it."""
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return arguments
+    if isinstance(parsed, dict) and isinstance(parsed.get(CUSTOM_INPUT), str):
+        return str(parsed[CUSTOM_INPUT])
+    return arguments
 
 
 def _event_logprobs(logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -98,6 +98,8 @@ class Limits:
     # prompt before rendering, so a per-request line does not change the prompt's prefix.
     # Empty: nothing is cut (`--no-normalize-volatile-system`).
     volatile_system_patterns: tuple[str, ...] = DEFAULT_VOLATILE_SYSTEM_PATTERNS
+    # `/v1/responses`: hosted tools (web_search...) are a 400 instead of left out of the model's view.
+    refuse_hosted_tools: bool = False
     # Image parts: how many one request may carry, and the bytes of each (decoded).
     max_images: int = attrs.field(default=8, validator=attrs.validators.ge(0))
     max_image_bytes: int = attrs.field(default=20 << 20, validator=attrs.validators.ge(1))

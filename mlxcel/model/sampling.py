@@ -80,6 +80,10 @@ def make_sampling(
     """
     sampler = make_sampler(sampling)
     processors = make_logits_processors(sampling, grammars.eos_token_ids if grammars is not None else ())
+    if sampling.reasoning_budget is not None:
+        from mlxcel.model.reasoning_budget import ReasoningBudgetProcessor
+
+        processors = [*(processors or ()), ReasoningBudgetProcessor(sampling.reasoning_budget)]
     if sampling.grammar is None:
         return sampler, processors
     if grammars is None:

@@ -19,6 +19,7 @@ from quart.typing import TestClientProtocol as Client
 
 from mlxcel.config import EngineConfig, PromptCacheConfig
 from mlxcel.http.anthropic import translate_messages_body
+from mlxcel.http.effort import EFFORT_BUDGETS
 from mlxcel.http.validation import Limits
 from mlxcel.types import (
     CacheOptions,
@@ -94,7 +95,7 @@ async def test_whole_message_body_usage_and_the_request_the_engine_got() -> None
         "type": "message", "role": "assistant", "model": FAKE_MODEL_ID,
         "content": [{"type": "text", "text": "Hello"}], "stop_reason": "end_turn", "stop_sequence": None,
         # The three input counts sum to the prompt: 32 read, the other 8 written to the cache.
-        "usage": {"input_tokens": 0, "cache_creation_input_tokens": 8, "cache_read_input_tokens": 32,
+        "usage": {"input_tokens": 8, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 32,
                   "output_tokens": 3},
     }
     assert only_request(engine) == ChatRequest(
@@ -187,7 +188,7 @@ async def test_stream_event_sequence_blocks_and_usage() -> None:
     assert [data["index"] for name, data in events if name == "content_block_stop"] == [0, 1, 2]
     assert events[-2][1] == {
         "type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": None},
-        "usage": {"input_tokens": 0, "cache_creation_input_tokens": 2, "cache_read_input_tokens": 48,
+        "usage": {"input_tokens": 2, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 48,
                   "output_tokens": 9},
     }
     assert only_request(engine).stream
@@ -198,7 +199,7 @@ async def test_a_one_delta_reply_has_its_usage_in_message_start_too() -> None:
     engine = FakeEngine([finish("stop", text="ok", prompt_tokens=20, cached_tokens=16)])
     events = await events_of(client_for(engine), BODY)
     usage = events[0][1]["message"]["usage"]
-    assert usage == {"input_tokens": 0, "cache_creation_input_tokens": 4, "cache_read_input_tokens": 16,
+    assert usage == {"input_tokens": 4, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 16,
                      "output_tokens": 0}
     assert [name for name, _ in events] == ["message_start", "ping", "content_block_start", "content_block_delta",
                                             "content_block_stop", "message_delta", "message_stop"]
@@ -318,6 +319,37 @@ async def test_thinking_switches_the_templates_enable_thinking(thinking: dict[st
     status, _, _ = await post(client_for(engine), "/v1/messages", {**BODY, "max_tokens": 2048, "thinking": thinking})
     assert status == 200
     assert only_request(engine).chat_template_kwargs == {"enable_thinking": enabled}
+    budget = only_request(engine).sampling.reasoning_budget
+    # An explicit budget is the one the model thinks to.
+    assert (budget and budget.max_tokens) == thinking.get("budget_tokens")
+
+
+@pytest.mark.parametrize(("template", "kwargs"), [
+    ("{% if enable_thinking %}<think>{% endif %}", {"enable_thinking": True}),
+    ("Reasoning: {{ reasoning_effort }}", {"reasoning_effort": "high"}),
+    ("plain", None),
+])
+async def test_output_config_effort_maps_as_reasoning_effort_does(template: str, kwargs: Any) -> None:
+    engine = FakeEngine()
+    engine.model = attrs.evolve(engine.model, chat_template=template)
+    status, _, _ = await post(client_for(engine), "/v1/messages", {**BODY, "output_config": {"effort": "high"}})
+    assert status == 200
+    assert (only_request(engine).chat_template_kwargs or None) == kwargs
+    assert only_request(engine).sampling.reasoning_budget.max_tokens == EFFORT_BUDGETS["high"]
+
+
+async def test_thinking_budget_wins_over_the_effort_and_format_is_structured_output() -> None:
+    engine = FakeEngine()
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    status, _, _ = await post(client_for(engine), "/v1/messages", {
+        **BODY, "max_tokens": 4096, "thinking": {"type": "enabled", "budget_tokens": 2000},
+        "output_config": {"effort": "low", "format": {"type": "json_schema", "schema": schema}}})
+    assert status == 200
+    request = only_request(engine)
+    assert request.sampling.reasoning_budget.max_tokens == 2000
+    assert request.sampling.grammar is not None
+    assert '"city"' in request.sampling.grammar
 
 
 @pytest.mark.parametrize(("keep", "kept"), [
@@ -499,7 +531,10 @@ BAD = [
     ({**BODY, "messages": []}, "messages must hold at least one message"),
     ({**BODY, "speed": "fast"}, "speed must be 'standard' here"),
     ({**BODY, "inference_geo": "eu"}, "`inference_geo` is not supported"),
-    ({**BODY, "output_config": {"format": {"type": "json_schema"}}}, "`output_config` is not supported"),
+    ({**BODY, "output_config": {"format": {"type": "json_schema"}}}, "output_config.format.schema is required"),
+    ({**BODY, "output_config": {"effort": "extreme"}}, "output_config.effort must be one of low, medium"),
+    ({**BODY, "output_config": {"task_budget": 5}}, "`task_budget` is not supported"),
+    ({**BODY, "temperature": 1.5}, "temperature must be between 0 and 1"),
     ({**five_breakpoints(), "messages": [USER], "cache_control": {"type": "ephemeral"},
       "tools": [{**WEATHER_TOOL, "cache_control": {"type": "ephemeral"}}]},
      "at most 4 blocks with cache_control; cache_control is number 5"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from typing import Any
 
 import attrs
@@ -17,9 +18,13 @@ import trio
 import trio.testing
 from quart.typing import TestClientProtocol as Client
 
+from mlxcel.core.tool_grammar import ENFORCED_PARAMETERS
+from mlxcel.http.effort import EFFORT_BUDGETS
 from mlxcel.http.responses import ENCRYPTED_PREFIX, ResponseStore
-from mlxcel.types import ChatRequest, Delta, InvalidRequest, TokenLogprob, ToolCall
+from mlxcel.http.validation import Limits
+from mlxcel.types import ChatRequest, Delta, InvalidRequest, ReasoningBudget, TokenLogprob, ToolCall
 from tests.fakes import FAKE_MODEL_ID, FakeEngine, client_for, finish, leave_mid_stream
+from tests.integration.client_shapes import APPLY_PATCH_LARK, codex_request
 
 WEATHER = ToolCall(index=0, id="call_w", name="get_weather", arguments='{"city": "Paris"}')
 TIME = ToolCall(index=1, id="call_t", name="get_time", arguments='{"zone": "CET"}')
@@ -375,13 +380,25 @@ async def test_reasoning_effort_sets_the_template_knob_it_has() -> None:
     status, body = await post(client, {"input": "hi", "reasoning": {"effort": "high"}})
     assert status == 200
     assert chat_request(engine).chat_template_kwargs == {"reasoning_effort": "high"}
-    engine.model = attrs.evolve(engine.model, chat_template="plain")
-    status, body = await post(client, {"input": "hi", "reasoning": {"effort": "medium"}})
+    assert chat_request(engine).sampling.reasoning_budget == ReasoningBudget(max_tokens=EFFORT_BUDGETS["high"])
+    status, body = await post(client, {"input": "hi", "reasoning": {"effort": "xhigh"}})
     assert status == 200
-    assert chat_request(engine).chat_template_kwargs == {}
-    status, body = await post(client, {"input": "hi", "reasoning": {"effort": "high"}})
+    assert chat_request(engine).chat_template_kwargs == {"reasoning_effort": "high"}
+    assert chat_request(engine).sampling.reasoning_budget is None
+    # A template with no reasoning switch: every effort is accepted (Codex sends one on every
+    # request); the template renders as it is, and the effort's budget still bounds a model that thinks.
+    engine.model = attrs.evolve(engine.model, chat_template="plain")
+    for effort in ("medium", "high", "low"):
+        status, body = await post(client, {"input": "hi", "reasoning": {"effort": effort}})
+        assert status == 200
+        assert body["reasoning"]["effort"] == effort
+        assert chat_request(engine).chat_template_kwargs == {}
+        assert chat_request(engine).sampling.reasoning_budget.max_tokens == EFFORT_BUDGETS[effort]
+    status, body = await post(client, {"input": "hi", "reasoning": {"effort": "low", "summary": "none"}})
+    assert status == 200
+    status, body = await post(client, {"input": "hi", "reasoning": {"effort": "huge"}})
     assert status == 400
-    error_body("no reasoning setting", body, "reasoning.effort")
+    error_body("reasoning.effort must be one of", body, "reasoning.effort")
 
 
 # --- the store -------------------------------------------------------------------------------
@@ -512,8 +529,14 @@ async def test_store_bounds_come_from_create_app() -> None:
     ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "call_x", "output": "1"}]},
      "input[1].call_id", "no function_call with call_id 'call_x'"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments", "is required"),
-    ({"input": "hi", "tools": [{"type": "web_search_preview"}]}, "tools[0].type", "'web_search_preview' tools"),
-    ({"input": "hi", "tools": [{"type": "file_search", "vector_store_ids": []}]}, "tools[0].type", "not supported"),
+    ({"input": "hi", "tools": [{"type": "local_shell"}]}, "tools[0].type", "'local_shell' tools"),
+    ({"input": "hi", "client_metadata": {"traceparent": 5}}, "client_metadata.traceparent", "must be a string"),
+    ({"input": "hi", "tools": [{"type": "custom", "name": "t", "format": {
+        "type": "grammar", "syntax": "lark", "definition": "start: a\na: \"x\" a | \"y\""}}]},
+     "tools[0].format.definition", "the grammar is recursive"),
+    ({"input": "hi", "tools": [{"type": "custom", "name": "t", "format": {"type": "grammar", "syntax": "ebnf",
+                                                                           "definition": "x"}}]},
+     "tools[0].format.syntax", "must be one of"),
     ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": 5}}]},
      "tools[0].parameters", "not a valid JSON Schema"),
     ({"input": "hi", "tools": [{"type": "function", "parameters": {}}]}, "tools[0].name", "is required"),
@@ -595,3 +618,79 @@ async def test_client_leaving_mid_stream_closes_the_engine_stream_and_stores_not
     assert record.closed_before_finish
     assert record.num_deltas_sent == 1
     assert (await client.get(f"/v1/responses/{created['response']['id']}")).status_code == 404
+
+
+# --- Codex: custom (freeform) tools and hosted tools ------------------------------------------
+
+PATCH = "*** Begin Patch\n*** Add File: README.md\n+hello\n*** End Patch\n"
+PATCH_CALL = ToolCall(index=0, id="call_patch", name="apply_patch", arguments=json.dumps({"input": PATCH}))
+
+
+async def test_codex_custom_tool_calls_and_hosted_tools() -> None:
+    engine = FakeEngine([Delta(tool_calls=(PATCH_CALL,)), finish("tool_calls")])
+    client = client_for(engine)
+    body = codex_request(FAKE_MODEL_ID, stream=False)
+    data = json.dumps(body).encode()
+    response = await client.post("/v1/responses", data=data, headers=framing(data, None))
+    assert response.status_code == 200
+    # web_search is left out of the model's view, and the reply says so.
+    assert response.headers["X-Mlxcel-Dropped-Tools"] == "web_search"
+    reply = json.loads(await response.get_data())
+    request = chat_request(engine)
+    assert [tool["function"]["name"] for tool in request.tools] == ["shell_command", "update_plan", "apply_patch"]
+    patch_tool = request.tools[2]["function"]
+    assert patch_tool["parameters"]["properties"] == {"input": {"type": "string"}}
+    # The grammar holds the call's input (the template is shown the Lark definition, not the regex).
+    pattern = patch_tool[ENFORCED_PARAMETERS]["properties"]["input"]["pattern"]
+    assert re.fullmatch(pattern, PATCH)
+    assert not re.fullmatch(pattern, "not a patch")
+    assert APPLY_PATCH_LARK in patch_tool["description"]
+    assert [tool["type"] for tool in reply["tools"]] == ["function", "function", "custom", "web_search"]
+    (item,) = reply["output"]
+    assert {key: item[key] for key in ("type", "call_id", "name", "input", "status")} == {
+        "type": "custom_tool_call", "call_id": "call_patch", "name": "apply_patch", "input": PATCH,
+        "status": "completed"}
+    # Codex's `effort: medium` on a template with no reasoning switch: accepted, with its budget.
+    assert request.sampling.reasoning_budget == ReasoningBudget(max_tokens=EFFORT_BUDGETS["medium"])
+
+    # The next turn sends the call and its output back; the model sees the call as it wrote it.
+    engine.reply = [Delta(text="Done."), finish("stop")]
+    history = [item, {"type": "custom_tool_call_output", "call_id": "call_patch", "output": "Success."}]
+    status, reply = await post(client, codex_request(FAKE_MODEL_ID, stream=False, history=history))
+    assert status == 200
+    *_, assistant, result = chat_request(engine).messages
+    (call,) = assistant["tool_calls"]
+    assert (call["id"], call["function"]["name"]) == ("call_patch", "apply_patch")
+    # Parsed for the template, as the chat route's arguments are.
+    assert call["function"]["arguments"] == {"input": PATCH}
+    assert dict(result) == {"role": "tool", "tool_call_id": "call_patch", "content": "Success."}
+
+    engine.reply = [Delta(tool_calls=(PATCH_CALL,)), finish("tool_calls")]
+    events = await post_events(client, codex_request(FAKE_MODEL_ID))
+    kinds = [event["type"] for event in events]
+    delta = next(event for event in events if event["type"] == "response.custom_tool_call_input.delta")
+    done = next(event for event in events if event["type"] == "response.custom_tool_call_input.done")
+    assert (delta["delta"], done["input"]) == (PATCH, PATCH)
+    assert kinds.index("response.output_item.added") < kinds.index("response.custom_tool_call_input.delta") < \
+        kinds.index("response.custom_tool_call_input.done") < kinds.index("response.output_item.done")
+    assert events[-1]["response"]["output"][0]["type"] == "custom_tool_call"
+
+
+async def test_refuse_hosted_tools_restores_the_400_and_custom_tool_choice_forces_the_call() -> None:
+    engine = FakeEngine()
+    status, body = await post(client_for(engine, limits=Limits(refuse_hosted_tools=True)),
+                              codex_request(FAKE_MODEL_ID, stream=False))
+    assert status == 400
+    error_body("a hosted tool this server cannot run", body, "tools[3].type")
+    assert engine.requests == []
+    client = client_for(engine)
+    status, body = await post(client, {**codex_request(FAKE_MODEL_ID, stream=False),
+                                       "tool_choice": {"type": "custom", "name": "apply_patch"}})
+    assert status == 200
+    assert chat_request(engine).tool_choice == {"type": "function", "function": {"name": "apply_patch"}}
+    assert body["tool_choice"] == {"type": "custom", "name": "apply_patch"}
+    # A text-format custom tool takes any input.
+    status, _body = await post(client, {"input": "hi", "tools": [
+        {"type": "custom", "name": "note", "format": {"type": "text"}}]})
+    assert status == 200
+    assert ENFORCED_PARAMETERS not in chat_request(engine).tools[0]["function"]

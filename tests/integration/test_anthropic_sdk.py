@@ -88,7 +88,7 @@ async def test_create_with_tools_then_the_tool_result_follow_up(start_fake, clie
     assert (call.id, call.name, call.input) == ("toolu_weather", "get_weather", {"city": "Paris"})
     usage = message.usage
     assert (usage.input_tokens, usage.cache_read_input_tokens, usage.cache_creation_input_tokens,
-            usage.output_tokens) == (0, 16, 14, 12)
+            usage.output_tokens) == (14, 16, 0, 12)
 
     engine.reply = ANSWER_REPLY
     # The follow-up sends the reply back as the SDK returned it, and the tool's result.
@@ -125,7 +125,7 @@ async def test_stream_text_stream_and_final_message(start_fake, client) -> None:
     assert final.stop_reason == "tool_use"
     # message_start said zeros; message_delta's figures are the ones the SDK keeps.
     assert (final.usage.input_tokens, final.usage.cache_read_input_tokens, final.usage.cache_creation_input_tokens,
-            final.usage.output_tokens) == (0, 16, 14, 12)
+            final.usage.output_tokens) == (14, 16, 0, 12)
     assert chat_request(engine).stream
 
     def raw_events() -> list[str]:
@@ -218,8 +218,9 @@ async def test_fixture_usage_count_tokens_and_a_cache_hit(fixture_server, client
     first = await in_thread(sdk.messages.create, **greedy, **conversation())
     assert first.usage.cache_read_input_tokens == 0
     prompt = input_total(first.usage)
-    assert first.usage.cache_creation_input_tokens == prompt
-    assert first.usage.input_tokens == 0
+    # No cache_control breakpoint: Anthropic writes nothing to its cache, and counts the prompt as input.
+    assert first.usage.cache_creation_input_tokens == 0
+    assert first.usage.input_tokens == prompt
     assert 1 <= first.usage.output_tokens <= 4
     assert first.stop_reason in ("max_tokens", "end_turn")
 
@@ -235,7 +236,8 @@ async def test_fixture_usage_count_tokens_and_a_cache_hit(fixture_server, client
     assert input_total(second.usage) == prompt
     # The whole prompt but its last token, whose logits the next token needs, at APC block granularity.
     assert second.usage.cache_read_input_tokens >= prompt - 16
-    assert second.usage.cache_creation_input_tokens == prompt - second.usage.cache_read_input_tokens
+    assert second.usage.cache_creation_input_tokens == 0
+    assert second.usage.input_tokens == prompt - second.usage.cache_read_input_tokens
 
     def streamed() -> Any:
         with sdk.messages.stream(**greedy, **conversation()) as stream:
@@ -245,6 +247,44 @@ async def test_fixture_usage_count_tokens_and_a_cache_hit(fixture_server, client
     assert input_total(final.usage) == prompt
     assert final.usage.cache_read_input_tokens > 0
     assert final.content == [] or final.content[0].type == "text"
+
+
+async def test_usage_counts_the_tokens_after_the_last_breakpoint_as_input(fixture_server, client) -> None:
+    engine, url = await fixture_server()
+    sdk = client(url, api_key="unused")
+    greedy = {"model": engine.model_id, "max_tokens": 2, "extra_body": {"temperature": 0}}
+    system_only = await in_thread(sdk.messages.count_tokens, model=engine.model_id, system=LONG_SYSTEM,
+                                  tools=TOOLS, messages=[QUESTION])
+    marked_system = [{"type": "text", "text": LONG_SYSTEM, "cache_control": {"type": "ephemeral"}}]
+    first = await in_thread(sdk.messages.create, **greedy, **{**conversation(), "system": marked_system})
+    prompt = input_total(first.usage)
+    assert first.usage.cache_read_input_tokens == 0
+    # Written: the system prompt and tools the breakpoint closes; the conversation after it is input.
+    written = first.usage.cache_creation_input_tokens
+    assert 0 < written < system_only.input_tokens < prompt
+    assert first.usage.input_tokens == prompt - written
+
+    # Claude Code's way: the marker on the last user block writes the whole prompt.
+    marked = conversation()
+    marked["messages"][-1]["content"][-1]["cache_control"] = {"type": "ephemeral"}
+    second = await in_thread(sdk.messages.create, **greedy, **marked)
+    assert input_total(second.usage) == prompt
+    assert second.usage.cache_read_input_tokens > 0
+    assert second.usage.input_tokens == 0
+    assert second.usage.cache_creation_input_tokens == prompt - second.usage.cache_read_input_tokens
+
+
+async def test_temperature_above_one_is_refused(start_fake, client) -> None:
+    engine, url = await start_fake(ANSWER_REPLY)
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        await in_thread(client(url).messages.create, model=FAKE_MODEL_ID, max_tokens=10, messages=[QUESTION],
+                        extra_body={"temperature": 1.5})
+    assert "temperature" in refused.value.body["error"]["message"]
+    assert engine.requests == []
+    message = await in_thread(client(url).messages.create, model=FAKE_MODEL_ID, max_tokens=10, messages=[QUESTION],
+                              extra_body={"temperature": 1.0})
+    assert chat_request(engine).sampling.temperature == 1.0
+    assert message.stop_reason == "end_turn"
 
 
 @pytest.mark.parametrize("normalize", [True, False])

@@ -125,6 +125,51 @@ async def test_create_function_call_round_trip_stateless_and_by_previous_id(star
     assert missing.value.param == "previous_response_id"
 
 
+async def test_input_tokens_count_and_input_items_list(start_fake, openai_client) -> None:
+    engine, base_url = await start_fake(CALL_REPLY)
+    engine.num_prompt_tokens = 23
+    client = openai_client(base_url)
+    counted = await in_thread(client.responses.input_tokens.count, model=FAKE_MODEL_ID, input=QUESTION,
+                              instructions="Be brief.", tools=TOOLS)
+    assert (counted.object, counted.input_tokens) == ("response.input_tokens", 23)
+    assert [message["role"] for message in engine.counted[-1].messages] == ["system", "user"]
+    assert engine.counted[-1].tools[0]["function"]["name"] == "get_weather"
+    assert engine.requests == []  # counted, not generated
+
+    response = await in_thread(client.responses.create, model=FAKE_MODEL_ID, input=QUESTION, tools=TOOLS)
+    engine.reply = list(TEXT_REPLY)
+    output = {"type": "function_call_output", "call_id": WEATHER.id, "output": '{"sky": "sunny"}'}
+    follow_up = await in_thread(client.responses.create, model=FAKE_MODEL_ID, tools=TOOLS,
+                                previous_response_id=response.id,
+                                input=[output, {"role": "user", "content": "And tomorrow?"}])
+    # Counting a follow-up: the stored chain, then the new items.
+    await in_thread(client.responses.input_tokens.count, model=FAKE_MODEL_ID, previous_response_id=follow_up.id,
+                    input="And the day after?")
+    assert [message["role"] for message in engine.counted[-1].messages] == [
+        "user", "assistant", "tool", "user", "assistant", "user"]
+
+    first = await in_thread(client.responses.input_items.list, response.id)
+    assert [(item.type, item.role) for item in first.data] == [("message", "user")]
+    assert first.data[0].content[0].text == QUESTION
+    items = await in_thread(client.responses.input_items.list, follow_up.id)
+    # Newest first, as OpenAI's default order is.
+    assert [item.type for item in items.data] == ["message", "function_call_output"]
+    assert items.data[1].call_id == WEATHER.id
+    in_order = await in_thread(client.responses.input_items.list, follow_up.id, order="asc", limit=1)
+    assert [item.type for item in in_order.data] == ["function_call_output"]
+    assert in_order.has_more
+    rest = await in_thread(client.responses.input_items.list, follow_up.id, order="asc", after=in_order.data[0].id)
+    assert [item.id for item in rest.data] == [items.data[0].id]
+    # Every page of the SDK's auto-paging iterator.
+    every = await in_thread(lambda: list(client.responses.input_items.list(follow_up.id, limit=1)))
+    assert [item.id for item in every] == [item.id for item in items.data]
+    with pytest.raises(openai.NotFoundError):
+        await in_thread(client.responses.input_items.list, "resp_unknown")
+    with pytest.raises(openai.BadRequestError) as bad:
+        await in_thread(client.responses.input_items.list, follow_up.id, limit=500)
+    assert bad.value.param == "limit"
+
+
 async def test_stream_events_parse_and_the_stream_helper_completes(start_fake, openai_client) -> None:
     engine, base_url = await start_fake(CALL_REPLY)
     client = openai_client(base_url)
@@ -165,7 +210,7 @@ async def test_bad_requests_raise_bad_request_and_the_server_keeps_serving(start
     engine, base_url = await start_fake(TEXT_REPLY)
     client = openai_client(base_url)
     for kwargs, param in (
-        ({"input": "hi", "tools": [{"type": "web_search_preview"}]}, "tools[0].type"),
+        ({"input": "hi", "tools": [{"type": "local_shell"}]}, "tools[0].type"),
         ({"input": "hi", "background": True}, "background"),
         ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "input[0].call_id"),
     ):
