@@ -1,7 +1,7 @@
 """The device actor: the only code that runs MLX, on one thread of its own.
 
-Every MLX call happens on one long-lived worker thread (MLX ties streams to
-the thread that made them). The thread loads the model, then loops on
+Every MLX call happens on one dedicated thread (MLX ties streams to the
+thread that made them). The thread loads the model, then loops on
 ``trio.from_thread.run(inbox.receive)``; the Trio side never blocks on it.
 Each ``RunStep`` carries a ``StepPlan`` decided by the scheduling core
 (``mlxcel/core/scheduler.py``); the executor (``mlxcel/model/executor.py``)
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from typing import Any
 
 import attrs
@@ -47,12 +48,35 @@ class DeviceActor:
         self._trio_token: trio.lowlevel.TrioToken | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[ModelInfo] = trio.TASK_STATUS_IGNORED) -> None:
-        # A step's result is queued to the Trio loop without waiting for it to run (see _thread_main).
-        self._trio_token = trio.lowlevel.current_trio_token()
+        """Run the device thread until its inbox ends; cancellation waits for the thread to finish.
+
+        A dedicated thread rather than Trio's thread cache: a cached worker
+        lingers for seconds after its job, holding MLX's per-thread streams,
+        and a process that exits meanwhile aborts in MLX's teardown
+        ("terminate called without an active exception"). This one ends with
+        its loop and is joined here.
+        """
+        token = self._trio_token = trio.lowlevel.current_trio_token()
+        finished = trio.Event()
+        failure: list[BaseException] = []
+
+        def main() -> None:
+            try:
+                self._thread_main(task_status)
+            except BaseException as error:  # noqa: BLE001 - re-raised in the actor's task
+                failure.append(error)
+            finally:
+                with contextlib.suppress(trio.RunFinishedError):
+                    token.run_sync_soon(finished.set)
+
+        thread = threading.Thread(target=main, name="mlxcel-device")
         with self.inbox:
-            await trio.to_thread.run_sync(
-                self._thread_main, task_status, abandon_on_cancel=False
-            )
+            thread.start()
+            with trio.CancelScope(shield=True):
+                await finished.wait()
+            thread.join()
+        if failure:
+            raise failure[0]
 
     def statistics(self) -> DeviceStats:
         return DeviceStats(num_steps=self._num_steps)
@@ -103,7 +127,7 @@ class DeviceActor:
             from mlxcel.model.warm_up import warm_up
 
             logger.info("device warm-up took %.2f s", warm_up(worker, info))
-        trio.from_thread.run_sync(task_status.started, info)
+        trio.from_thread.run_sync(task_status.started, info, trio_token=self._trio_token)
         disk: Any = None  # model/disk_kv.py's DeviceDisk, once the engine hands over a disk tier
         trio_token = self._trio_token
         assert trio_token is not None, "set by run() before the thread starts"
@@ -126,7 +150,7 @@ class DeviceActor:
                         # Drops the released payloads here, so MLX frees them on this thread.
                         del message, done
                     case UseDiskTier() | PersistPieces() | LoadDiskPrefix() | PersistSnapshot() | LoadDiskSnapshot():
-                        disk = _disk_message(disk, message, worker)
+                        disk = _disk_message(disk, message, worker, trio_token)
                         del message
                     case _:
                         raise AssertionError(f"unexpected device message {message!r}")
@@ -140,16 +164,16 @@ class DeviceActor:
     def _receive(self, disk: Any) -> DeviceMsg | None:
         """The next message; with disk writes queued, None after converting a slice of them when none waits."""
         if disk is None or not disk.has_work():
-            return trio.from_thread.run(self.inbox.receive)
+            return trio.from_thread.run(self.inbox.receive, trio_token=self._trio_token)
         try:
-            return trio.from_thread.run_sync(self.inbox.receive_nowait)
+            return trio.from_thread.run_sync(self.inbox.receive_nowait, trio_token=self._trio_token)
         except trio.WouldBlock:
             pass
         if disk.can_work():
             disk.work()
             return None
         # The writer is behind (its write budget): wait for a message a little, then look again.
-        return trio.from_thread.run(_receive_within, self.inbox, 0.05)
+        return trio.from_thread.run(_receive_within, self.inbox, 0.05, trio_token=self._trio_token)
 
 
 async def _receive_within(inbox: trio.MemoryReceiveChannel[DeviceMsg], seconds: float) -> DeviceMsg | None:
@@ -159,7 +183,7 @@ async def _receive_within(inbox: trio.MemoryReceiveChannel[DeviceMsg], seconds: 
 
 
 def _disk_message(disk: Any, message: UseDiskTier | PersistPieces | LoadDiskPrefix | PersistSnapshot
-                  | LoadDiskSnapshot, worker: StepExecutor) -> Any:
+                  | LoadDiskSnapshot, worker: StepExecutor, trio_token: trio.lowlevel.TrioToken) -> Any:
     """The disk tier's messages (mlxcel/model/disk_kv.py does the work); returns the device's DeviceDisk."""
     from mlxcel.actors.messages import DiskPrefixLoaded
     from mlxcel.model.disk_kv import DeviceDisk
@@ -177,8 +201,8 @@ def _disk_message(disk: Any, message: UseDiskTier | PersistPieces | LoadDiskPref
                     snapshot = disk.load_snapshot(message.name)
                 except Exception:  # noqa: BLE001 - a disk fault must never stop the device
                     logger.exception("prompt-cache disk tier: loading a snapshot failed")
-            trio.from_thread.run_sync(_reply, message.reply_to, DiskPrefixLoaded(
-                payload=snapshot, num_tokens=snapshot.length if snapshot is not None else 0))
+            found = DiskPrefixLoaded(payload=snapshot, num_tokens=snapshot.length if snapshot is not None else 0)
+            trio.from_thread.run_sync(_reply, message.reply_to, found, trio_token=trio_token)
         case PersistPieces():
             if disk is not None:
                 disk.persist(message.payload, message.pieces, urgent=message.urgent)
@@ -190,7 +214,7 @@ def _disk_message(disk: Any, message: UseDiskTier | PersistPieces | LoadDiskPref
                 except Exception:  # noqa: BLE001 - a disk fault must never stop the device
                     logger.exception("prompt-cache disk tier: loading a disk hit failed")
             loaded = DiskPrefixLoaded(payload=payload, num_tokens=payload.length if payload is not None else 0)
-            trio.from_thread.run_sync(_reply, message.reply_to, loaded)
+            trio.from_thread.run_sync(_reply, message.reply_to, loaded, trio_token=trio_token)
     return disk
 
 
