@@ -43,9 +43,11 @@ from mlxcel.actors.metrics import MetricsActor
 from mlxcel.actors.router import PromptRenderer, RouterActor
 from mlxcel.actors.scheduler import SchedulerActor
 from mlxcel.actors.warmer import WarmerActor
+from mlxcel.cache import disk_index
 from mlxcel.cache.capacity import (
     KV_STORE_FLOOR_BYTES,
     CapacityDecision,
+    kv_bytes_per_token,
     plan_kv_store_capacity,
     plan_snapshot_store_capacity,
 )
@@ -313,6 +315,25 @@ def _build_snapshot_store(config: EngineConfig, model: ModelInfo) -> SnapshotSto
     ))
 
 
+def _disk_file_bounds(config: EngineConfig, model: ModelInfo) -> tuple[int | None, int | None]:
+    """The largest piece and snapshot file this model can write (None: unknown, the budget bounds it).
+
+    Reads refuse anything larger unopened: a planted file must not cost its size. A factor of 4
+    covers a KV dtype wider than config.json's (float32 CPU fixtures of a bf16 config).
+    """
+    try:
+        piece = 4 * kv_bytes_per_token(model.config) * disk_index.PIECE_TOKENS + disk_index.MAX_HEADER_BYTES
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        piece = None
+    snapshot = None
+    if _uses_snapshots(model):
+        plan = plan_snapshot_store_capacity(model.config, ctx_size=config.ctx_size,
+                                            configured=config.prompt_cache.snapshot_capacity_bytes)
+        # A snapshot larger than the memory store could not have been stored, so not written either.
+        snapshot = plan.recommended + disk_index.MAX_HEADER_BYTES
+    return piece, snapshot
+
+
 async def _open_disk(config: EngineConfig, model: ModelInfo, cache_on: bool) -> DiskTier | None:
     """The disk tier (--prompt-cache-dir), fingerprinted and indexed in a worker thread; None when off."""
     cache = config.prompt_cache
@@ -321,9 +342,11 @@ async def _open_disk(config: EngineConfig, model: ModelInfo, cache_on: bool) -> 
     if not cache_on:
         logger.warning("--prompt-cache-dir is ignored: the prompt cache is off")
         return None
+    max_piece_bytes, max_snapshot_bytes = _disk_file_bounds(config, model)
     settings = DiskSettings(directory=cache.disk_dir, budget_bytes=cache.disk_bytes,
                             write_bytes_per_second=cache.disk_write_bytes_per_second,
-                            session_scoped=not cache.cross_session, min_prefix=cache.min_prefix)
+                            session_scoped=not cache.cross_session, min_prefix=cache.min_prefix,
+                            max_piece_bytes=max_piece_bytes, max_snapshot_bytes=max_snapshot_bytes)
     adapters = [spec.path for spec in config.lora]
     # The served name is in every context's bucket already; the scales change the KV too.
     extra = [repr([spec.scale for spec in config.lora]), str(not config.lora_init_without_apply)]

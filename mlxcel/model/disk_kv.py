@@ -271,35 +271,44 @@ class DeviceDisk:
         segments: list[tuple[KvPiece, int]] = list(memory.cut(plan.kept).segments) if plan.kept else []
         reference = dtype_of(memory) if plan.kept else None
         length, nbytes = plan.kept, 0
-        for spec in plan.pieces:
-            try:
-                metadata, tensors = self.tier.read(spec, self._num_layers)
-                arrays = {entry.name: _device(entry.dtype, entry.shape, buffer) for entry, buffer in tensors}
-                dtypes = {array.dtype for array in arrays.values()}
-                if len(dtypes) != 1 or (reference is not None and reference not in dtypes):
-                    raise PieceRefused("shape", f"dtypes {sorted(map(str, dtypes))} do not match the model's KV")
-                reference = next(iter(dtypes))
-            except PieceRefused as error:
-                self.tier.refuse(spec, error)
-                break
-            except FileNotFoundError:
-                self.tier.vanished(spec)
-                break
-            except OSError as error:
-                logger.warning("prompt-cache disk tier: cannot read %s (%s)", spec.filename, error.strerror or error)
-                break
-            piece_layers = [(arrays[key], arrays[value]) for key, value in map(layer_names, range(self._num_layers))]
-            segments.append((KvPiece(piece_layers, spec.name.end_token - length), spec.name.end_token - length))
-            nbytes += sum(buffer.nbytes for _entry, buffer in tensors)
-            length = spec.name.end_token
-            read_seconds_per_token = (time.perf_counter() - started) / (length - plan.kept)
-            if (prefill_seconds_per_token is not None and spec is not plan.pieces[-1]
-                    and read_seconds_per_token > prefill_seconds_per_token):
-                self.tier.record_cut_short()
-                logger.info("prompt-cache disk hit cut short after %d tokens: reading took %.3f ms a token, "
-                            "prefilling takes %.3f", length, 1000 * read_seconds_per_token,
-                            1000 * prefill_seconds_per_token)
-                break
+        reads = self.tier.read_ahead(plan.pieces, self._num_layers)
+        try:
+            for spec, future in zip(plan.pieces, reads, strict=True):
+                try:
+                    metadata, tensors = future.result()
+                    arrays = {entry.name: _device(entry.dtype, entry.shape, buffer) for entry, buffer in tensors}
+                    del tensors  # the views of the mapped file: the file is unmapped once the copies are made
+                    dtypes = {array.dtype for array in arrays.values()}
+                    if len(dtypes) != 1 or (reference is not None and reference not in dtypes):
+                        raise PieceRefused("shape", f"dtypes {sorted(map(str, dtypes))} do not match the model's KV")
+                    reference = next(iter(dtypes))
+                except PieceRefused as error:
+                    self.tier.refuse(spec, error)
+                    break
+                except FileNotFoundError:
+                    self.tier.vanished(spec)
+                    break
+                except OSError as error:
+                    logger.warning("prompt-cache disk tier: cannot read %s (%s)", spec.filename,
+                                   error.strerror or error)
+                    break
+                piece_layers = [(arrays[key], arrays[value])
+                                for key, value in map(layer_names, range(self._num_layers))]
+                # Evaluated now, so the copy out of the mapped file is made while the readers verify the next.
+                mx.eval([array for pair in piece_layers for array in pair])
+                segments.append((KvPiece(piece_layers, spec.name.end_token - length), spec.name.end_token - length))
+                nbytes += sum(array.nbytes for array in arrays.values())
+                length = spec.name.end_token
+                read_seconds_per_token = (time.perf_counter() - started) / (length - plan.kept)
+                if (prefill_seconds_per_token is not None and spec is not plan.pieces[-1]
+                        and read_seconds_per_token > prefill_seconds_per_token):
+                    self.tier.record_cut_short()
+                    logger.info("prompt-cache disk hit cut short after %d tokens: reading took %.3f ms a token, "
+                                "prefilling takes %.3f", length, 1000 * read_seconds_per_token,
+                                1000 * prefill_seconds_per_token)
+                    break
+        finally:
+            reads.close()
         if length <= plan.memory_len:
             self.tier.record_miss()
             return None
