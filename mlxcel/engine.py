@@ -346,10 +346,14 @@ async def _open_disk(config: EngineConfig, model: ModelInfo, cache_on: bool) -> 
     settings = DiskSettings(directory=cache.disk_dir, budget_bytes=cache.disk_bytes,
                             write_bytes_per_second=cache.disk_write_bytes_per_second,
                             session_scoped=not cache.cross_session, min_prefix=cache.min_prefix,
-                            max_piece_bytes=max_piece_bytes, max_snapshot_bytes=max_snapshot_bytes)
+                            max_piece_bytes=max_piece_bytes, max_snapshot_bytes=max_snapshot_bytes,
+                            kv_bits=cache.kv_bits, kv_group_size=cache.kv_group_size)
     adapters = [spec.path for spec in config.lora]
     # The served name is in every context's bucket already; the scales change the KV too.
     extra = [repr([spec.scale for spec in config.lora]), str(not config.lora_init_without_apply)]
+    if cache.kv_bits:
+        # Quantized pieces are other files: a server with another setting neither reads nor evicts-by-name them.
+        extra.append(f"kv_bits={cache.kv_bits},kv_group_size={cache.kv_group_size}")
     try:
         return await trio.to_thread.run_sync(partial(open_disk_tier, settings, model.path, adapters, extra))
     except OSError as error:
@@ -392,6 +396,8 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
                 fail_out_of_memory=config.fail_out_of_memory,
                 lora=config.lora,
                 lora_apply=not config.lora_init_without_apply,
+                kv_bits=config.prompt_cache.kv_bits,
+                kv_group_size=config.prompt_cache.kv_group_size,
             ),
             device_inbox,
         )

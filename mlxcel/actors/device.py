@@ -81,6 +81,9 @@ class DeviceSettings:
     # LoRA adapters to load (unfused) and whether they start at their --lora scales or at 0.
     lora: tuple[AdapterSpec, ...] = ()
     lora_apply: bool = True
+    # --prompt-cache-kv-bits (0: stored KV exact) and --prompt-cache-kv-group-size: see mlxcel/model/kv.py.
+    kv_bits: int = 0
+    kv_group_size: int = 64
 
 
 class DeviceActor:
@@ -103,8 +106,10 @@ class DeviceActor:
     def _thread_main(self, task_status: trio.TaskStatus[ModelInfo]) -> None:
         import mlx.core as mx
 
+        from mlxcel.model.kv import StoreFormat, use_store_format
         from mlxcel.model.loader import default_prefill_step_size, load_model
 
+        use_store_format(StoreFormat(self._settings.kv_bits, self._settings.kv_group_size))
         loaded = load_model(self._settings.model_path)
         adapters = None
         if self._settings.lora:

@@ -112,6 +112,9 @@ class DiskSettings:
     # The largest file a read opens (None: the budget): a planted huge file must not cost memory.
     max_piece_bytes: int | None = None
     max_snapshot_bytes: int | None = None
+    # --prompt-cache-kv-bits: pieces are written and read quantized (0: exact). Part of the model's fingerprint.
+    kv_bits: int = 0
+    kv_group_size: int = 64
 
 
 @attrs.frozen(kw_only=True)
@@ -407,7 +410,8 @@ class DiskTier:
         for *_rest, buffer in piece.tensors:
             checksum.update(buffer)
         if isinstance(spec, PieceSpec):
-            metadata = disk_index.piece_metadata(spec, checksum=checksum.hexdigest(), num_layers=piece.num_layers)
+            metadata = {**disk_index.piece_metadata(spec, checksum=checksum.hexdigest(), num_layers=piece.num_layers),
+                        **piece.extra}
         else:
             metadata = disk_index.snapshot_metadata(spec, checksum=checksum.hexdigest(), extra=piece.extra)
         header = disk_index.encode_header(
@@ -535,7 +539,8 @@ class DiskTier:
         """A piece's verified tensors, views of the mapped file. Raises PieceRefused (bad file) or
         FileNotFoundError (gone)."""
         view, metadata, tensors, data_start = self._open_verified(spec.filename, self._max_bytes(spec))
-        disk_index.check_piece(spec, metadata, tensors, num_layers)
+        disk_index.check_piece(spec, metadata, tensors, num_layers, self.settings.kv_bits,
+                               self.settings.kv_group_size)
         self._check_sum(metadata, view, data_start)
         with contextlib.suppress(OSError):
             os.utime(self.directory / spec.filename)  # its last use, for every process's LRU budget
