@@ -151,6 +151,11 @@ class DiskStats:
         return body
 
 
+def stat_result_expired(info: os.stat_result, now: float) -> bool:
+    """A retention record whose time has run out (its mtime is its end)."""
+    return info.st_mtime < now
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -161,6 +166,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@attrs.frozen
+class _PinRecord:
+    filename: str
+    retain_until: float
+
+
 class DiskTier:
     def __init__(self, settings: DiskSettings, model_fingerprint: str) -> None:
         self.settings = settings
@@ -169,7 +180,7 @@ class DiskTier:
         self._hasher = disk_index.new_hasher()
         self._fingerprints: dict[tuple[Any, ...], str] = {}
         self._lock = threading.Lock()
-        self._queue: queue.Queue[PieceData | None] = queue.Queue()
+        self._queue: queue.Queue[PieceData | _PinRecord | None] = queue.Queue()
         self._pending_bytes = 0
         self._next_write = 0.0
         # Snapshot files by fingerprint: the lengths present at the last listing (a lookup needs them).
@@ -297,7 +308,26 @@ class DiskTier:
         if end < max(memory_len + block, self.settings.min_prefix):
             self._count("misses")
             return None
-        return DiskPlan(pieces=tuple(run), kept=start_block * block, num_tokens=end, memory_len=memory_len)
+        return DiskPlan(pieces=tuple(run), kept=start_block * block, num_tokens=end, memory_len=memory_len,
+                        retain_seconds=self._retention_left(run[-1].name))
+
+    def _retention_left(self, name: disk_index.PieceName) -> float:
+        """Seconds left of a retention recorded for a prefix ending where this piece does (0: none)."""
+        try:
+            until = os.stat(self.directory / disk_index.pin_name(name.fingerprint, name.end_block,
+                                                                 name.chain_hash)).st_mtime
+        except OSError:
+            return 0.0
+        return max(0.0, until - time.time())
+
+    def record_retention(self, context: CacheContext, tokens: Sequence[int], retain_seconds: float) -> None:
+        """A retained prefix: the writer records until when, for a server that reads it back after a restart."""
+        num_blocks = len(tokens) // disk_index.BLOCK_TOKENS
+        if not self.writable or self._writer is None or retain_seconds <= 0 or num_blocks == 0:
+            return
+        chain = self._hasher.chain(tokens[: num_blocks * disk_index.BLOCK_TOKENS], context.mm_digest)
+        self._queue.put(_PinRecord(filename=disk_index.pin_name(self.fingerprint(context), num_blocks, chain[-1]),
+                                   retain_until=time.time() + retain_seconds))
 
     def plan_write(self, context: CacheContext, tokens: Sequence[int], prompt_len: int | None = None
                    ) -> tuple[PieceSpec, ...]:
@@ -368,6 +398,9 @@ class DiskTier:
             piece = self._queue.get()
             if piece is None:
                 return
+            if isinstance(piece, _PinRecord):
+                self._write_pin(piece)
+                continue
             nbytes = piece.nbytes
             try:
                 self._write(piece)
@@ -457,6 +490,24 @@ class DiskTier:
         self._count("writes")
         self._count("bytes_written", len(header) + nbytes)
 
+    def _write_pin(self, pin: _PinRecord) -> None:
+        """An empty file whose mtime is the retention's end; a later retention only extends it."""
+        final = self.directory / pin.filename
+        with contextlib.suppress(OSError):
+            if os.stat(final).st_mtime >= pin.retain_until:
+                return
+        temp = self.directory / disk_index.temp_name(pin.filename, os.getpid(), secrets.token_hex(4))
+        try:
+            with _create_private(temp):
+                pass
+            os.utime(temp, (pin.retain_until, pin.retain_until))
+            os.replace(temp, final)
+        except OSError as error:
+            with contextlib.suppress(OSError):
+                temp.unlink()
+            self._warn_once(f"pin-{error.errno}", "prompt-cache disk tier: cannot record a retention in %s (%s)",
+                            self.directory, error.strerror or error)
+
     @contextlib.contextmanager
     def _directory_lock(self) -> Iterator[None]:
         """An exclusive advisory lock on DIR/.lock, shared by every process that writes to DIR."""
@@ -498,6 +549,10 @@ class DiskTier:
                                          depth=parsed.end_block if parsed is not None else 0))
                 if snapshot is not None:
                     snapshots.setdefault(snapshot.fingerprint, set()).add(snapshot.num_tokens)
+            elif disk_index.is_pin_name(name):
+                if clean and stat_result_expired(stat, now):
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
             elif disk_index.temp_owner(name) is not None:
                 if clean and disk_index.stale_temp(name, now - stat.st_mtime, pid, _alive):
                     with contextlib.suppress(OSError):

@@ -54,6 +54,7 @@ REFUSAL_REASONS = ("truncated", "malformed", "fingerprint", "shape", "checksum")
 _NAME = re.compile(r"^kv-([0-9a-f]{32})-(\d{7})-(\d{7})-([0-9a-f]{64})\.safetensors$")
 _SNAPSHOT_NAME = re.compile(r"^snap-([0-9a-f]{32})-(\d{9})-([0-9a-f]{64})\.safetensors$")
 _TEMP = re.compile(r"^\.tmp-(\d+)-[0-9a-f]+-")
+_PIN_NAME = re.compile(r"^pin-([0-9a-f]{32})-(\d{7})-([0-9a-f]{64})$")
 _HEADER_LENGTH = struct.Struct("<Q")
 # A header larger than this is not one of ours (64 layers x 2 tensors take ~10 KiB).
 MAX_HEADER_BYTES = 16 << 20
@@ -156,6 +157,8 @@ class DiskPlan:
     kept: int
     num_tokens: int
     memory_len: int
+    # A retained prompt ends where the plan does: pin the loaded prefix for this many more seconds.
+    retain_seconds: float = 0.0
 
 
 @attrs.frozen(kw_only=True)
@@ -218,6 +221,19 @@ def parse_name(filename: str) -> PieceName | None:
     if not 0 <= first < end or end - first > PIECE_BLOCKS:
         return None
     return PieceName(fingerprint=match[1], first_block=first, end_block=end, chain_hash=bytes.fromhex(match[4]))
+
+
+def pin_name(fingerprint: str, end_block: int, chain_hash: bytes) -> str:
+    """The empty file whose mtime is when the retention of a prefix ending at end_block runs out.
+
+    A retained prompt (cache_control, prompt_cache_retention) is pinned in memory; this record lets
+    a server that reads the prefix back from disk after a restart pin it again for the time left.
+    """
+    return f"pin-{fingerprint}-{end_block:07d}-{chain_hash.hex()}"
+
+
+def is_pin_name(filename: str) -> bool:
+    return _PIN_NAME.match(filename) is not None
 
 
 def parent_piece(spec: PieceSpec) -> str | None:

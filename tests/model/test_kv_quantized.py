@@ -12,7 +12,7 @@ from mlx_lm.models.cache import KVCache
 from mlxcel.actors.disk_tier import DiskSettings, DiskTier
 from mlxcel.cache.key import CacheContext
 from mlxcel.model.disk_kv import DeviceDisk
-from mlxcel.model.kv import EXACT, DetachedKV, StoreFormat, adopt, detach, store_format, use_store_format
+from mlxcel.model.kv import EXACT, StoreFormat, adopt, detach, store_format, use_store_format
 
 LAYERS, HEADS, DIM = 2, 2, 64
 TOKENS = tuple(range(100, 700))
@@ -58,7 +58,8 @@ def test_quantized_pieces_take_fewer_bytes_and_adopt_close_to_the_rows(stored_as
     exact = detach(caches, 40)
     stored_as(bits)
     quantized = detach(caches, 40)
-    assert exact is not None and quantized is not None
+    assert exact is not None
+    assert quantized is not None
     assert quantized.pieces()[0].store_format == StoreFormat(bits, 64)
     # bf16, head_dim 64, groups of 64: 128 bytes a row become 64 + 4 (8 bits) or 32 + 4 (4 bits).
     assert exact.nbytes / quantized.nbytes == pytest.approx(ratio, rel=0.03)
@@ -116,7 +117,8 @@ def test_quantized_pieces_go_to_disk_quantized_and_come_back_bit_for_bit(tmp_pat
     plan = reader.probe(CONTEXT, request, len(request) - 1, 0)
     assert plan is not None
     loaded = DeviceDisk(reader, LAYERS).load(plan, None)
-    assert loaded is not None and loaded.length == 592
+    assert loaded is not None
+    assert loaded.length == 592
     assert {piece.store_format for piece in loaded.pieces()} == {StoreFormat(8, 64)}
     for (keys, values), (want_keys, want_values) in zip(loaded.rows(0, 592), stored.rows(0, 592), strict=True):
         assert np.array_equal(np.array(keys.astype(mx.float32)), np.array(want_keys.astype(mx.float32)))
