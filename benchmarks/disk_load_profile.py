@@ -102,7 +102,22 @@ def end_to_end(args: argparse.Namespace) -> None:
     shape = (1, args.kv_heads, args.tokens, args.head_dim)
     layers = [(mx.random.normal(shape).astype(mx.bfloat16), mx.random.normal(shape).astype(mx.bfloat16))
               for _ in range(args.layers)]
-    stored = DetachedKV.whole(layers, args.tokens)
+    if args.kv_bits:
+        from mlx_lm.models.cache import KVCache
+
+        from mlxcel.model.kv import StoreFormat, detach, use_store_format
+
+        use_store_format(StoreFormat(args.kv_bits))
+        caches = []
+        for keys, values in layers:
+            cache = KVCache()
+            cache.keys, cache.values, cache.offset = keys, values, args.tokens
+            caches.append(cache)
+        quantized = detach(caches, args.tokens)
+        assert quantized is not None
+        stored = quantized
+    else:
+        stored = DetachedKV.whole(layers, args.tokens)
     mx.eval(stored.arrays())
     quantization = {"kv_bits": args.kv_bits} if args.kv_bits else {}
 
@@ -136,6 +151,7 @@ def end_to_end(args: argparse.Namespace) -> None:
             del loaded
     seconds, nbytes, length = min(runs)
     print(json.dumps({"device": str(mx.default_device()), "mode": "end_to_end", "tokens": length,
+                      "tokens_per_s": round(length / seconds),
                       "kv_bits": args.kv_bits, "bytes_read": nbytes, "seconds": round(seconds, 4),
                       "gb_per_s": round(nbytes / seconds / 1e9, 3),
                       "seconds_all": [round(run[0], 4) for run in runs]}), flush=True)

@@ -53,8 +53,9 @@ from mlxcel.cache.key import CacheContext
 
 logger = logging.getLogger(__name__)
 
-# A verified piece: its metadata and each tensor with a view of its bytes in the mapped file.
-PieceRead = tuple[dict[str, str], list[tuple[TensorEntry, memoryview]]]
+# A verified piece: its metadata, each tensor with a view of its bytes in the mapped file, and the
+# view of all its tensor data (the entries' offsets are from its start).
+PieceRead = tuple[dict[str, str], list[tuple[TensorEntry, memoryview]], memoryview]
 
 # Pieces the device may queue before the writer thread has written them: a second of the write budget.
 _MIN_BACKLOG_BYTES = 8 << 20
@@ -599,7 +600,8 @@ class DiskTier:
         self._check_sum(metadata, view, data_start)
         with contextlib.suppress(OSError):
             os.utime(self.directory / spec.filename)  # its last use, for every process's LRU budget
-        return metadata, [(entry, view[data_start + entry.start : data_start + entry.end]) for entry in tensors]
+        return (metadata, [(entry, view[data_start + entry.start : data_start + entry.end]) for entry in tensors],
+                view[data_start:])
 
     def read_ahead(self, specs: Sequence[PieceSpec], num_layers: int | None
                    ) -> Generator[concurrent.futures.Future[PieceRead], None, None]:
