@@ -48,12 +48,13 @@ from mlxcel.cache.capacity import (
     KV_STORE_FLOOR_BYTES,
     CapacityDecision,
     kv_bytes_per_token,
+    kv_head_dim,
     plan_kv_store_capacity,
     plan_snapshot_store_capacity,
 )
 from mlxcel.cache.snapshots import SnapshotLimits, SnapshotStore
 from mlxcel.cache.store import ApcSettings, PromptCacheStore, StoreLimits
-from mlxcel.config import EngineConfig, auto_bool
+from mlxcel.config import EngineConfig, PromptCacheConfig, auto_bool
 from mlxcel.core.plan import Capabilities
 from mlxcel.errors import MlxcelError, ServerBusy
 from mlxcel.model.family import FamilyKind
@@ -280,6 +281,7 @@ def _build_store(config: EngineConfig, model: ModelInfo, apc_enabled: bool) -> P
         plan = plan_kv_store_capacity(model.config, ctx_size=config.ctx_size, configured=cache.capacity_bytes)
         _log_capacity(plan, "KV store", "--prompt-cache-capacity-bytes")
         capacity = plan.recommended
+        _log_kv_bits(cache, model)
     return PromptCacheStore(
         StoreLimits(
             capacity_bytes=capacity,
@@ -297,6 +299,22 @@ def _build_store(config: EngineConfig, model: ModelInfo, apc_enabled: bool) -> P
         # The store logs its block changes only for a KV event stream.
         log_blocks=config.kv_events.enabled,
     )
+
+
+def _log_kv_bits(cache: PromptCacheConfig, model: ModelInfo) -> None:
+    if not cache.kv_bits:
+        return
+    try:
+        head_dim = kv_head_dim(model.config)
+    except ValueError:
+        head_dim = 0
+    if head_dim and head_dim % cache.kv_group_size:
+        logger.warning("--prompt-cache-kv-bits %d is ignored: head_dim %d is not a multiple of "
+                       "--prompt-cache-kv-group-size %d, so stored KV stays exact", cache.kv_bits, head_dim,
+                       cache.kv_group_size)
+        return
+    logger.info("prompt cache: stored KV kept at %d bits in groups of %d (hits are close to, not equal to, "
+                "a cold run; session snapshots stay exact)", cache.kv_bits, cache.kv_group_size)
 
 
 def _build_snapshot_store(config: EngineConfig, model: ModelInfo) -> SnapshotStore | None:
