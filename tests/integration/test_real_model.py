@@ -318,3 +318,43 @@ async def test_quantized_stored_kv_hits_against_cold_runs(start_engine, start_se
         assert all(margin is not None and margin < 0.1 for margin in margins), "\n".join(report)
     else:
         assert fraction >= 0.35, "\n".join(report)  # measured 10/22: 4 bits is for when memory wins
+
+
+async def test_quantized_pieces_survive_a_restart_through_the_disk_tier(tmp_path) -> None:
+    """8-bit stored KV on the real model: written to disk quantized, read back after a restart, and the
+    next turn answers as the server that never stopped."""
+    import json
+    import struct
+
+    from mlxcel import ChatRequest, SamplingParams
+    from mlxcel.engine import open_engine
+    from tests.support import make_engine_config
+
+    config = make_engine_config(FAMILY, prompt_cache=evolve_cache(min_prefix=16, kv_bits=8, disk_dir=tmp_path))
+    system = " ".join(SYSTEM_PROMPTS * 6)  # about 300 tokens: a whole piece and a tail
+    history = [{"role": "system", "content": system}, {"role": "user", "content": FIRST_QUESTIONS[0]}]
+
+    def turn(messages: list[dict[str, str]]) -> ChatRequest:
+        return ChatRequest(messages=tuple(messages), sampling=SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+
+    async with open_engine(config) as engine:
+        first = await engine.chat(turn(history))
+        with trio.fail_after(60):
+            while (await engine.cache_stats())["disk"]["writes"] < 2:
+                await trio.sleep(0.05)
+        history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": SECOND_QUESTIONS[0]}]
+        warm = await engine.chat(turn(history))  # a memory hit on the server that keeps running
+    piece = sorted(path for path in tmp_path.iterdir() if path.name.startswith("kv-"))[0]
+    raw = piece.read_bytes()
+    (length,) = struct.unpack_from("<Q", raw)
+    header = json.loads(raw[8 : 8 + length])
+    assert header["__metadata__"]["kv_bits"] == "8"
+    assert header["keys.0.packed"]["dtype"] == "U32"
+
+    async with open_engine(config) as engine:
+        resumed = await engine.chat(turn(history))
+        disk = (await engine.cache_stats())["disk"]
+    assert disk["hits"] == 1
+    assert disk["refusals_total"] == 0
+    assert resumed.usage.cached_tokens >= 256
+    assert resumed.text == warm.text  # the same quantized rows, from memory or from disk
