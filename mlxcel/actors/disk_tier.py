@@ -9,8 +9,10 @@ budget. Files are never modified after the rename; a hit touches a file's
 mtime, which is its last use for the LRU budget of every process.
 
 Who calls what: the cache-store actor probes (existence checks, on the Trio
-thread) and plans writes; the device thread submits host buffers and reads
-pieces; the engine asks for statistics and clears the directory. Counters
+thread), plans writes and records retentions; the device thread submits host
+buffers and asks for pieces, which the reader threads open, map and verify
+ahead of it (``read_ahead``); the engine asks for statistics and clears the
+directory. Counters
 sit behind one lock. Every file operation tolerates a file that another
 process evicted meanwhile: a vanished file is a miss, never an error.
 """
