@@ -96,8 +96,12 @@ def prepare_directory(directory: Path) -> None:
         raise UnsafeDirectory(f"--prompt-cache-dir {directory} can be written by other users (mode "
                               f"{stat.S_IMODE(info.st_mode):04o}): chmod 700 it or use another directory")
     if stat.S_IMODE(info.st_mode) != DIRECTORY_MODE:
-        os.chmod(directory, DIRECTORY_MODE)
-        logger.info("prompt-cache disk tier: %s was readable by other users; it is now 0700", directory)
+        try:
+            os.chmod(directory, DIRECTORY_MODE)
+            logger.info("prompt-cache disk tier: %s was readable by other users; it is now 0700", directory)
+        except OSError as error:  # a read-only mount: it is still used, read-only
+            logger.warning("prompt-cache disk tier: %s is readable by other users and cannot be made 0700 (%s)",
+                           directory, error.strerror or error)
 
 
 def _create_private(path: Path) -> Any:

@@ -174,3 +174,18 @@ def test_start_up_says_the_directory_holds_prompts_in_the_clear(tmp_path: Path, 
         open_tier(tmp_path).close()
     assert any("holds prompts in the clear" in record.getMessage() and record.levelname == "WARNING"
                for record in caplog.records)
+
+
+def test_a_directory_that_cannot_be_tightened_is_still_used(tmp_path: Path, monkeypatch, caplog) -> None:
+    directory = tmp_path / "kv"
+    write_all(open_tier(directory))
+    directory.chmod(0o755)
+
+    def read_only(_path: object, _mode: int) -> None:
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(os, "chmod", read_only)
+    with caplog.at_level("WARNING"):
+        tier = open_tier(directory)
+    assert "cannot be made 0700" in caplog.text
+    assert DeviceDisk(tier, LAYERS).load(first_piece(tier), None) is not None
