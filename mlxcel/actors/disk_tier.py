@@ -55,9 +55,8 @@ from mlxcel.cache.key import CacheContext
 
 logger = logging.getLogger(__name__)
 
-# A verified piece: its metadata, each tensor with a view of its bytes in the mapped file, and the
-# view of all its tensor data (the entries' offsets are from its start).
-PieceRead = tuple[dict[str, str], list[tuple[TensorEntry, memoryview]], memoryview]
+# A verified piece: its metadata and each tensor with a view of its bytes in the mapped file.
+PieceRead = tuple[dict[str, str], list[tuple[TensorEntry, memoryview]]]
 
 # Pieces the device may queue before the writer thread has written them: a second of the write budget.
 _MIN_BACKLOG_BYTES = 8 << 20
@@ -65,8 +64,6 @@ _MIN_BACKLOG_BYTES = 8 << 20
 _SNAPSHOT_LISTING_SECONDS = 1.0
 # The writer's unit of work under the write budget.
 _WRITE_CHUNK = 1 << 20
-# MAP_POPULATE (Linux): the kernel maps the file's cached pages in one call instead of one fault per page.
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 # Pieces a disk hit's reader threads open and checksum ahead of the one the device uploads.
 READ_AHEAD = 3
 # The files hold prompts in the clear (their tokens): only this user may read them.
@@ -608,8 +605,7 @@ class DiskTier:
         self._check_sum(metadata, view, data_start)
         with contextlib.suppress(OSError):
             os.utime(self.directory / spec.filename)  # its last use, for every process's LRU budget
-        return (metadata, [(entry, view[data_start + entry.start : data_start + entry.end]) for entry in tensors],
-                view[data_start:])
+        return metadata, [(entry, view[data_start + entry.start : data_start + entry.end]) for entry in tensors]
 
     def read_ahead(self, specs: Sequence[PieceSpec], num_layers: int | None
                    ) -> Generator[concurrent.futures.Future[PieceRead], None, None]:
@@ -680,11 +676,9 @@ class DiskTier:
                                    f"({max_bytes})")
             if info.st_size < 8:
                 raise PieceRefused("truncated", f"{info.st_size} bytes, shorter than a header")
-            mapped = mmap.mmap(descriptor, info.st_size, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
+            mapped = mmap.mmap(descriptor, info.st_size, access=mmap.ACCESS_READ)
         finally:
             os.close(descriptor)
-        with contextlib.suppress(OSError, AttributeError):
-            mapped.madvise(mmap.MADV_SEQUENTIAL)
         view = memoryview(mapped)
         metadata, tensors, data_start = disk_index.decode_header(view, info.st_size)
         return view, metadata, tensors, data_start

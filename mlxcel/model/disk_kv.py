@@ -50,9 +50,6 @@ MAX_JOBS = 64
 _TO_SAFETENSORS = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32"}
 _HOST = {"F32": (np.float32, None), "F16": (np.float16, None), "BF16": (np.uint16, mx.bfloat16),
          "U32": (np.uint32, None)}
-_MLX_OF = {np.float32: mx.float32, np.float16: mx.float16, np.uint16: mx.uint16, np.uint32: mx.uint32}
-# Tensor data offsets every view of the piece's buffer starts on (the writer's layout keeps them so).
-_ALIGNMENT = 16
 
 
 def rows(payload: Any, start: int, end: int, layers: range | None = None) -> list[tuple[mx.array, mx.array]]:
@@ -300,9 +297,11 @@ class DeviceDisk:
         try:
             for spec, future in zip(plan.pieces, reads, strict=True):
                 try:
-                    metadata, tensors, data = future.result()
-                    arrays = _piece_arrays(tensors, data)
-                    del tensors, data  # views of the mapped file: it is unmapped once the copy is made
+                    metadata, tensors = future.result()
+                    # One copy per tensor out of the mapped file. (One MLX buffer per file, tensors as
+                    # views of it, cost more CPU here: each fresh 32 MiB allocation faults its pages in.)
+                    arrays = {entry.name: _device(entry.dtype, entry.shape, buffer) for entry, buffer in tensors}
+                    del tensors  # views of the mapped file: it is unmapped once the copies are made
                     dtypes = {array.dtype for array in arrays.values() if array.dtype != mx.uint32}
                     if len(dtypes) != 1 or (reference is not None and reference not in dtypes):
                         raise PieceRefused("shape", f"dtypes {sorted(map(str, dtypes))} do not match the model's KV")
@@ -344,20 +343,6 @@ class DeviceDisk:
         logger.debug("prompt-cache disk hit: %d tokens (%d from memory), %d bytes read in %.1f ms",
                      length, plan.kept, nbytes, 1000 * seconds)
         return detached
-
-
-def _piece_arrays(tensors: list[tuple[Any, memoryview]], data: memoryview) -> dict[str, mx.array]:
-    """A piece's tensors by name, from one copy of its data: views of one MLX buffer (one allocation and
-    one memcpy per file, not one per tensor), or a copy each if an offset is not aligned."""
-    if any(entry.start % _ALIGNMENT for entry, _buffer in tensors):
-        return {entry.name: _device(entry.dtype, entry.shape, buffer) for entry, buffer in tensors}
-    whole = mx.array(np.frombuffer(data, dtype=np.uint8))
-    arrays = {}
-    for entry, _buffer in tensors:
-        host_type, view_as = _HOST[entry.dtype]
-        array = whole[entry.start : entry.end].view(_MLX_OF[host_type]).reshape(entry.shape)
-        arrays[entry.name] = array.view(view_as) if view_as is not None else array
-    return arrays
 
 
 def _piece_layers(arrays: dict[str, mx.array], metadata: dict[str, str], count: int

@@ -78,6 +78,6 @@ def test_two_writers_keep_one_budget_and_read_each_others_pieces(tmp_path: Path)
     assert found[2]
     for writer, indices in found.items():
         for index in indices:
-            _metadata, tensors, _data = reader.read(spec(writer, index), num_layers=1)
+            _metadata, tensors = reader.read(spec(writer, index), num_layers=1)
             assert bytes(tensors[0][1][:2]) == bytes([writer, index])
     assert reader.statistics().entries == len(found[1]) + len(found[2])
