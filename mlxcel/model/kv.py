@@ -30,10 +30,6 @@ import attrs
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-# What mx.quantize takes.
-KV_BITS = (4, 8)
-KV_GROUP_SIZES = (32, 64, 128)
-
 
 @attrs.frozen
 class StoreFormat:
