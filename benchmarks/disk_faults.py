@@ -92,7 +92,8 @@ def serve_after_fault(model: Path, directory: Path, log: Path, reply: str, *extr
 @contextlib.contextmanager
 def tmpfs(path: Path, size: str) -> Iterator[Path]:
     path.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    # mode=0700: a tmpfs root is 1777 otherwise, which the disk tier refuses (others could write it).
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)], check=True)
     try:
         yield path
     finally:

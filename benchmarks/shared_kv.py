@@ -15,7 +15,17 @@ line per case:
 - ``detach``: a sequence of ``--tokens`` rows detached whole (a copy of
   everything) and on a base covering all but its last ``--suffix`` rows.
 
+- ``warm``: with ``--kv-bits`` (8 or 4, and 0 for the exact baseline in the
+  same run), the shared-KV workload through the real store: ``--conversations``
+  conversations of three turns over one shared ``--tokens``-token system
+  prompt, each turn adding ``--suffix`` tokens, donated as the device donates
+  (on the adopted base, so the system prompt is one shared piece), into a
+  ``PromptCacheStore`` whose byte budget holds ``--budget-conversations`` of
+  them exactly; then how many conversations' last turn still hits past the
+  system prompt, per format, and adoption of a warm turn (dequantizing) in ms.
+
     python benchmarks/shared_kv.py [--layers 32 --kv-heads 8 --head-dim 128 --tokens 8192 --dtype bfloat16]
+    python benchmarks/shared_kv.py --kv-bits 8 4 [--conversations 64 --budget-conversations 16]
 """
 
 from __future__ import annotations
@@ -39,7 +49,15 @@ def main() -> None:
     parser.add_argument("--suffix", type=int, default=256)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
     parser.add_argument("--runs", type=int, default=9)
+    parser.add_argument("--kv-bits", type=int, nargs="*", default=None,
+                        help="run the warm-conversations case for these formats (with 0, exact, as the baseline)")
+    parser.add_argument("--kv-group-size", type=int, default=64)
+    parser.add_argument("--conversations", type=int, default=64)
+    parser.add_argument("--budget-conversations", type=int, default=16)
     args = parser.parse_args()
+    if args.kv_bits is not None:
+        warm_conversations(args)
+        return
 
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
@@ -104,6 +122,79 @@ def main() -> None:
     print(json.dumps({"case": "detach", "tokens": total, "suffix": args.suffix, "whole_ms": round(whole_ms, 3),
                       "on_base_ms": round(based_ms, 3), "ratio": round(based_ms / whole_ms, 4),
                       "device": str(mx.default_device())}), flush=True)
+
+
+def warm_conversations(args: argparse.Namespace) -> None:
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from mlxcel.cache.key import CacheContext
+    from mlxcel.cache.store import PromptCacheStore, StoreLimits
+    from mlxcel.model.kv import StoreFormat, adopt, detach, use_store_format
+
+    gpu = mx.default_device() != mx.cpu
+    dtype = getattr(mx, args.dtype or ("bfloat16" if gpu else "float32"))
+    system, turn = args.tokens, args.suffix
+    full = system + 3 * turn
+    shape = (1, args.kv_heads, full, args.head_dim)
+    # One conversation's rows, reused for all (the store sees only tokens and bytes; the pieces are real).
+    caches = []
+    for _ in range(args.layers):
+        cache = KVCache()
+        cache.keys, cache.values = mx.random.normal(shape).astype(dtype), mx.random.normal(shape).astype(dtype)
+        cache.offset = full
+        caches.append(cache)
+    mx.eval([cache.keys for cache in caches] + [cache.values for cache in caches])
+    exact_bytes_per_conversation = 2 * args.layers * args.kv_heads * args.head_dim * dtype.size * 3 * turn
+    exact_system_bytes = 2 * args.layers * args.kv_heads * args.head_dim * dtype.size * system
+    budget = exact_system_bytes + args.budget_conversations * exact_bytes_per_conversation
+    context = CacheContext(model_id="bench", template_sig="t")
+    results = {}
+    for bits in sorted(set(args.kv_bits) | {0}):
+        use_store_format(StoreFormat(bits, args.kv_group_size))
+        store = PromptCacheStore(StoreLimits(capacity_bytes=budget, max_entries=100_000, min_prefix=16))
+        shared = detach(caches, system)
+        assert shared is not None
+        prompt = tuple(range(system))
+        store.insert(context, prompt, shared, shared.nbytes, 0.0)
+        now = 1.0
+        histories = {index: prompt for index in range(args.conversations)}
+        bases = dict.fromkeys(histories, shared)
+        for step in range(3):
+            for index in range(args.conversations):
+                tokens = histories[index] + tuple(10_000_000 + index * 10_000 + step * turn + offset
+                                                  for offset in range(turn))
+                found = store.lookup(context, tokens, now)
+                base = found.payload.cut(found.matched_len) if found is not None else None
+                donated = detach(caches, len(tokens), base=base)
+                assert donated is not None
+                store.insert(context, tokens, donated, donated.nbytes, now)
+                histories[index], bases[index] = tokens, donated
+                now += 1.0
+        store.take_released()
+        warm = 0
+        for index in range(args.conversations):
+            found = store.lookup(context, histories[index] + (1,), now, record=False)
+            if found is not None and found.matched_len > system:
+                warm += 1
+        stored = bases[args.conversations - 1]
+        adopt_ms = []
+        for _ in range(args.runs):
+            started = time.perf_counter()
+            adopted = adopt(stored, stored.length, room=turn)
+            mx.eval([cache.keys for cache in adopted] + [cache.values for cache in adopted])
+            adopt_ms.append((time.perf_counter() - started) * 1e3)
+        results[bits] = warm
+        stats = store.stats(now)
+        print(json.dumps({"case": "warm", "kv_bits": bits, "kv_group_size": args.kv_group_size,
+                          "conversations": args.conversations, "budget_bytes": budget, "warm": warm,
+                          "warm_vs_exact": round(warm / max(1, results[0]), 3),
+                          "unique_bytes": stats.bytes,
+                          "adopt_warm_turn_ms": round(statistics.median(adopt_ms), 3),
+                          "tokens": stored.length, "device": str(mx.default_device()), "dtype": str(dtype)}),
+              flush=True)
+        del store, shared, bases, stored
+    use_store_format(StoreFormat())
 
 
 if __name__ == "__main__":

@@ -80,6 +80,16 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                 check_adapters(resolve_model(engine_config.model_path)[0], model_config, engine_config.lora)
             except AdapterError as error:
                 return _fail(str(error))
+    if engine_config.prompt_cache.disk_dir is not None:
+        from mlxcel.actors.disk_tier import UnsafeDirectory, prepare_directory
+
+        try:
+            # Before the model loads: a directory other users control is refused at once.
+            prepare_directory(engine_config.prompt_cache.disk_dir)
+        except UnsafeDirectory as error:
+            return _fail(str(error))
+        except OSError:
+            pass  # the tier logs it and runs without disk (docs/prompt-cache.md, Faults)
     # Before MLX is imported: re-run with an optimized BLAS preloaded if one exists.
     from mlxcel.blas import describe_blas, reexec_with_optimized_blas
 

@@ -66,6 +66,9 @@ class PromptCacheConfig:
     disk_bytes: int = 20 << 30
     # At most this many bytes a second written to it (SSD wear, and the device's host copies).
     disk_write_bytes_per_second: int = 256 << 20
+    # Stored KV pieces kept quantized to this many bits (0: exact, the default) in groups of kv_group_size.
+    kv_bits: int = 0
+    kv_group_size: int = 64
 
 
 @attrs.frozen(kw_only=True)
@@ -245,6 +248,23 @@ def parse_positive_int(text: str) -> int:
     value = _int(text)
     if value <= 0:
         raise ValueError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def parse_kv_bits(text: str) -> int:
+    """0 (or off/none: exact), 8 or 4."""
+    if text.strip().lower() in ("off", "none", "0"):
+        return 0
+    value = _int(text)
+    if value not in (4, 8):
+        raise ValueError(f"expected 8, 4 or 0 (off), got {text!r}")
+    return value
+
+
+def parse_kv_group_size(text: str) -> int:
+    value = _int(text)
+    if value not in (32, 64, 128):
+        raise ValueError(f"expected 32, 64 or 128, got {text!r}")
     return value
 
 
@@ -464,6 +484,12 @@ PROMPT_CACHE_SETTINGS = (
     Setting("disk_write_bytes_per_second", "--prompt-cache-disk-write-bytes-per-second",
             ("MLXCEL_PROMPT_CACHE_DISK_WRITE_BYTES_PER_SECOND",), parse_positive_int,
             "most bytes a second written to --prompt-cache-dir (default 256 MiB)"),
+    Setting("kv_bits", "--prompt-cache-kv-bits", ("MLXCEL_PROMPT_CACHE_KV_BITS",), parse_kv_bits,
+            "keep stored KV quantized to 8 or 4 bits, so the same budget holds ~1.9x / ~3.6x the tokens; "
+            "a hit is then close to, not equal to, a cold run (default 0: exact)"),
+    Setting("kv_group_size", "--prompt-cache-kv-group-size", ("MLXCEL_PROMPT_CACHE_KV_GROUP_SIZE",),
+            parse_kv_group_size, "values sharing one scale and bias in quantized stored KV: 32, 64 or 128 "
+            "(default 64)"),
 )
 
 SERVER_SETTINGS = (

@@ -43,15 +43,18 @@ from mlxcel.actors.metrics import MetricsActor
 from mlxcel.actors.router import PromptRenderer, RouterActor
 from mlxcel.actors.scheduler import SchedulerActor
 from mlxcel.actors.warmer import WarmerActor
+from mlxcel.cache import disk_index
 from mlxcel.cache.capacity import (
     KV_STORE_FLOOR_BYTES,
     CapacityDecision,
+    kv_bytes_per_token,
+    kv_head_dim,
     plan_kv_store_capacity,
     plan_snapshot_store_capacity,
 )
 from mlxcel.cache.snapshots import SnapshotLimits, SnapshotStore
 from mlxcel.cache.store import ApcSettings, PromptCacheStore, StoreLimits
-from mlxcel.config import EngineConfig, auto_bool
+from mlxcel.config import EngineConfig, PromptCacheConfig, auto_bool
 from mlxcel.core.plan import Capabilities
 from mlxcel.errors import MlxcelError, ServerBusy
 from mlxcel.model.family import FamilyKind
@@ -279,6 +282,7 @@ def _build_store(config: EngineConfig, model: ModelInfo, apc_enabled: bool) -> P
         plan = plan_kv_store_capacity(model.config, ctx_size=config.ctx_size, configured=cache.capacity_bytes)
         _log_capacity(plan, "KV store", "--prompt-cache-capacity-bytes")
         capacity = plan.recommended
+        _log_kv_bits(cache, model)
     return PromptCacheStore(
         StoreLimits(
             capacity_bytes=capacity,
@@ -298,6 +302,22 @@ def _build_store(config: EngineConfig, model: ModelInfo, apc_enabled: bool) -> P
     )
 
 
+def _log_kv_bits(cache: PromptCacheConfig, model: ModelInfo) -> None:
+    if not cache.kv_bits:
+        return
+    try:
+        head_dim = kv_head_dim(model.config)
+    except ValueError:
+        head_dim = 0
+    if head_dim and head_dim % cache.kv_group_size:
+        logger.warning("--prompt-cache-kv-bits %d is ignored: head_dim %d is not a multiple of "
+                       "--prompt-cache-kv-group-size %d, so stored KV stays exact", cache.kv_bits, head_dim,
+                       cache.kv_group_size)
+        return
+    logger.info("prompt cache: stored KV kept at %d bits in groups of %d (hits are close to, not equal to, "
+                "a cold run; session snapshots stay exact)", cache.kv_bits, cache.kv_group_size)
+
+
 def _build_snapshot_store(config: EngineConfig, model: ModelInfo) -> SnapshotStore | None:
     """The session snapshot store, for families that cannot resume from a prefix."""
     if not _uses_snapshots(model):
@@ -314,6 +334,25 @@ def _build_snapshot_store(config: EngineConfig, model: ModelInfo) -> SnapshotSto
     ))
 
 
+def _disk_file_bounds(config: EngineConfig, model: ModelInfo) -> tuple[int | None, int | None]:
+    """The largest piece and snapshot file this model can write (None: unknown, the budget bounds it).
+
+    Reads refuse anything larger unopened: a planted file must not cost its size. A factor of 4
+    covers a KV dtype wider than config.json's (float32 CPU fixtures of a bf16 config).
+    """
+    try:
+        piece = 4 * kv_bytes_per_token(model.config) * disk_index.PIECE_TOKENS + disk_index.MAX_HEADER_BYTES
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        piece = None
+    snapshot = None
+    if _uses_snapshots(model):
+        plan = plan_snapshot_store_capacity(model.config, ctx_size=config.ctx_size,
+                                            configured=config.prompt_cache.snapshot_capacity_bytes)
+        # A snapshot larger than the memory store could not have been stored, so not written either.
+        snapshot = plan.recommended + disk_index.MAX_HEADER_BYTES
+    return piece, snapshot
+
+
 async def _open_disk(config: EngineConfig, model: ModelInfo, cache_on: bool) -> DiskTier | None:
     """The disk tier (--prompt-cache-dir), fingerprinted and indexed in a worker thread; None when off."""
     cache = config.prompt_cache
@@ -322,12 +361,18 @@ async def _open_disk(config: EngineConfig, model: ModelInfo, cache_on: bool) -> 
     if not cache_on:
         logger.warning("--prompt-cache-dir is ignored: the prompt cache is off")
         return None
+    max_piece_bytes, max_snapshot_bytes = _disk_file_bounds(config, model)
     settings = DiskSettings(directory=cache.disk_dir, budget_bytes=cache.disk_bytes,
                             write_bytes_per_second=cache.disk_write_bytes_per_second,
-                            session_scoped=not cache.cross_session, min_prefix=cache.min_prefix)
+                            session_scoped=not cache.cross_session, min_prefix=cache.min_prefix,
+                            max_piece_bytes=max_piece_bytes, max_snapshot_bytes=max_snapshot_bytes,
+                            kv_bits=cache.kv_bits, kv_group_size=cache.kv_group_size)
     adapters = [spec.path for spec in config.lora]
     # The served name is in every context's bucket already; the scales change the KV too.
     extra = [repr([spec.scale for spec in config.lora]), str(not config.lora_init_without_apply)]
+    if cache.kv_bits:
+        # Quantized pieces are other files: a server with another setting neither reads nor evicts-by-name them.
+        extra.append(f"kv_bits={cache.kv_bits},kv_group_size={cache.kv_group_size}")
     try:
         return await trio.to_thread.run_sync(partial(open_disk_tier, settings, model.path, adapters, extra))
     except OSError as error:
@@ -370,6 +415,8 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
                 fail_out_of_memory=config.fail_out_of_memory,
                 lora=config.lora,
                 lora_apply=not config.lora_init_without_apply,
+                kv_bits=config.prompt_cache.kv_bits,
+                kv_group_size=config.prompt_cache.kv_group_size,
             ),
             device_inbox,
         )

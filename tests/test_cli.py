@@ -41,6 +41,16 @@ def test_the_disk_tier_is_off_until_a_directory_is_given(tmp_path) -> None:
     assert engine.prompt_cache.disk_write_bytes_per_second == 4096
 
 
+def test_stored_kv_is_exact_unless_kv_bits_are_given() -> None:
+    engine, _ = configs([])
+    assert (engine.prompt_cache.kv_bits, engine.prompt_cache.kv_group_size) == (0, 64)
+    engine, _ = configs(["--prompt-cache-kv-bits", "8"], {"MLXCEL_PROMPT_CACHE_KV_BITS": "4",
+                                                          "MLXCEL_PROMPT_CACHE_KV_GROUP_SIZE": "128"})
+    assert (engine.prompt_cache.kv_bits, engine.prompt_cache.kv_group_size) == (8, 128)
+    engine, _ = configs(["--prompt-cache-kv-bits", "off"])
+    assert engine.prompt_cache.kv_bits == 0
+
+
 @pytest.mark.parametrize(("argv", "environ", "enabled"), [
     (["--prompt-cache-enabled=false"], {"MLXCEL_PROMPT_CACHE_ENABLED": "true"}, False),
     (["--prompt-cache-enabled"], {"MLXCEL_PROMPT_CACHE_ENABLED": "0"}, True),
@@ -115,6 +125,8 @@ def test_bad_environment_values_name_the_variable() -> None:
     (["serve", "--chat-template", "/nonexistent/template.jinja"], {}, "cannot read the chat template file"),
     (["serve", "--tool-call-parser", "nope"], {}, "unknown tool-call parser 'nope'"),
     (["serve"], {"MLXCEL_REASONING_PARSER": "nope"}, "MLXCEL_REASONING_PARSER"),
+    (["serve", "--prompt-cache-kv-bits", "3"], {}, "--prompt-cache-kv-bits"),
+    (["serve"], {"MLXCEL_PROMPT_CACHE_KV_GROUP_SIZE": "48"}, "MLXCEL_PROMPT_CACHE_KV_GROUP_SIZE"),
     (["nonsense"], {}, "unknown command"),
 ])
 def test_user_errors_exit_2_with_one_line(argv, environ, needle) -> None:

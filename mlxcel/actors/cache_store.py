@@ -224,9 +224,12 @@ class CacheStoreActor:
     # --- the disk tier -----------------------------------------------------------------
 
     def _disk_lookup(self, message: LookupPrefix, memory: PrefixFound | PrefixMissing) -> Any:
-        """Memory's answer, or a disk plan when the disk tier holds more of the prompt."""
-        # Multimodal prompts adopt whole entries only, which disk pieces are not.
-        if self._disk is None or not message.record or message.context.is_multimodal:
+        """Memory's answer, or a disk plan when the disk tier holds more of the prompt.
+
+        Image prompts too: their multimodal digest is in the fingerprint and in every chain hash, and
+        the scheduler adopts a prefix only if it covers the request's last image token.
+        """
+        if self._disk is None or not message.record:
             return memory
         memory_len = memory.matched_len if isinstance(memory, PrefixFound) else 0
         plan = self._disk.probe(message.context, message.tokens, message.max_len, memory_len)
@@ -234,8 +237,10 @@ class CacheStoreActor:
 
     def _disk_persist(self, message: DonateSequence) -> None:
         """A stored prefix's pieces that are not on disk go to the device, which writes them behind its steps."""
-        if self._disk is None or self._to_device is None or message.context.is_multimodal:
+        if self._disk is None or self._to_device is None:
             return
+        if message.retain_seconds > 0:
+            self._disk.record_retention(message.context, message.tokens, message.retain_seconds)
         pieces = self._disk.plan_write(message.context, message.tokens, message.prompt_len)
         if not pieces:
             return

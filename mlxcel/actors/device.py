@@ -86,8 +86,10 @@ class DeviceActor:
     def _thread_main(self, task_status: trio.TaskStatus[ModelInfo]) -> None:
         import mlx.core as mx
 
+        from mlxcel.model.kv import StoreFormat, use_store_format
         from mlxcel.model.loader import default_prefill_step_size, load_model
 
+        use_store_format(StoreFormat(self._settings.kv_bits, self._settings.kv_group_size))
         loaded = load_model(self._settings.model_path)
         adapters = None
         if self._settings.lora:

@@ -283,7 +283,9 @@ class SchedulerActor:
         # Promoted into memory: the store owns it from now on (and frees it on the device thread).
         self._send_nowait(self._to_cache_store, DonateSequence(
             context=lookup.context, tokens=lookup.tokens[:loaded.num_tokens], payload=loaded.payload,
-            nbytes=loaded.payload.nbytes))
+            nbytes=loaded.payload.nbytes,
+            # A retained prompt read back within its ttl is pinned again (disk_tier.record_retention).
+            retain_seconds=found.plan.retain_seconds if loaded.num_tokens >= found.plan.num_tokens else 0.0))
         return PrefixFound(matched_len=loaded.num_tokens, payload=loaded.payload, cross_session=False, partial=True)
 
     async def _load_snapshot_from_disk(self, lookup: Lookup, found: SnapshotOnDisk) -> SnapshotFound | SnapshotMissing:

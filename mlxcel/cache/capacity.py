@@ -69,6 +69,10 @@ def _attention_shape(config: Mapping) -> tuple[int, int, int, int]:
     return num_layers, num_heads, num_kv_heads, head_dim
 
 
+def kv_head_dim(config: Mapping) -> int:
+    return _attention_shape(config)[3]
+
+
 def kv_bytes_per_token(config: Mapping) -> int:
     """Bytes of keys and values one token adds to a dense KV cache."""
     num_layers, _, num_kv_heads, head_dim = _attention_shape(config)

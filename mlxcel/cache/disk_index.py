@@ -54,11 +54,15 @@ REFUSAL_REASONS = ("truncated", "malformed", "fingerprint", "shape", "checksum")
 _NAME = re.compile(r"^kv-([0-9a-f]{32})-(\d{7})-(\d{7})-([0-9a-f]{64})\.safetensors$")
 _SNAPSHOT_NAME = re.compile(r"^snap-([0-9a-f]{32})-(\d{9})-([0-9a-f]{64})\.safetensors$")
 _TEMP = re.compile(r"^\.tmp-(\d+)-[0-9a-f]+-")
+_PIN_NAME = re.compile(r"^pin-([0-9a-f]{32})-(\d{7})-([0-9a-f]{64})$")
 _HEADER_LENGTH = struct.Struct("<Q")
 # A header larger than this is not one of ours (64 layers x 2 tensors take ~10 KiB).
 MAX_HEADER_BYTES = 16 << 20
 
 DTYPE_SIZES: Mapping[str, int] = {"F32": 4, "F16": 2, "BF16": 2}
+# Quantized pieces (--prompt-cache-kv-bits): the packed values, and beside them scales and biases.
+PACKED_DTYPE = "U32"
+QUANTIZED_PARTS = ("packed", "scales", "biases")
 
 
 class PieceRefused(Exception):
@@ -153,6 +157,8 @@ class DiskPlan:
     kept: int
     num_tokens: int
     memory_len: int
+    # A retained prompt ends where the plan does: pin the loaded prefix for this many more seconds.
+    retain_seconds: float = 0.0
 
 
 @attrs.frozen(kw_only=True)
@@ -215,6 +221,19 @@ def parse_name(filename: str) -> PieceName | None:
     if not 0 <= first < end or end - first > PIECE_BLOCKS:
         return None
     return PieceName(fingerprint=match[1], first_block=first, end_block=end, chain_hash=bytes.fromhex(match[4]))
+
+
+def pin_name(fingerprint: str, end_block: int, chain_hash: bytes) -> str:
+    """The empty file whose mtime is when the retention of a prefix ending at end_block runs out.
+
+    A retained prompt (cache_control, prompt_cache_retention) is pinned in memory; this record lets
+    a server that reads the prefix back from disk after a restart pin it again for the time left.
+    """
+    return f"pin-{fingerprint}-{end_block:07d}-{chain_hash.hex()}"
+
+
+def is_pin_name(filename: str) -> bool:
+    return _PIN_NAME.match(filename) is not None
 
 
 def parent_piece(spec: PieceSpec) -> str | None:
@@ -434,8 +453,28 @@ def layer_names(index: int) -> tuple[str, str]:
     return f"keys.{index}", f"values.{index}"
 
 
+def quantized_names(index: int) -> tuple[tuple[str, str, str], tuple[str, str, str]]:
+    """A quantized layer's tensors: keys' and values' (packed, scales, biases)."""
+    return (tuple(f"keys.{index}.{part}" for part in QUANTIZED_PARTS),  # type: ignore[return-value]
+            tuple(f"values.{index}.{part}" for part in QUANTIZED_PARTS))
+
+
+def quantization_metadata(bits: int, group_size: int) -> dict[str, str]:
+    return {"kv_bits": str(bits), "kv_group_size": str(group_size)} if bits else {}
+
+
+def _check_size(tensor_name: str, entry: TensorEntry, allowed: Iterable[str]) -> None:
+    if entry.dtype not in allowed:
+        raise PieceRefused("shape", f"{tensor_name} has dtype {entry.dtype}")
+    count = 1
+    for dim in entry.shape:
+        count *= dim
+    if entry.end - entry.start != count * (4 if entry.dtype == PACKED_DTYPE else DTYPE_SIZES[entry.dtype]):
+        raise PieceRefused("shape", f"{tensor_name} holds {entry.end - entry.start} bytes for shape {entry.shape}")
+
+
 def check_piece(spec: PieceSpec, metadata: Mapping[str, str], tensors: Sequence[TensorEntry],
-                num_layers: int | None) -> None:
+                num_layers: int | None, kv_bits: int = 0, kv_group_size: int = 64) -> None:
     """Refuse a file whose metadata or shapes do not match the piece it is named for (checksum aside)."""
     name = spec.name
     expected = piece_metadata(spec, checksum=metadata.get("checksum", ""),
@@ -451,25 +490,39 @@ def check_piece(spec: PieceSpec, metadata: Mapping[str, str], tensors: Sequence[
     layers = int(expected["num_layers"])
     if num_layers is not None and layers != num_layers:
         raise PieceRefused("shape", f"{layers} layers, the model has {num_layers}")
+    stored = quantization_metadata(kv_bits, kv_group_size)
+    found = {field: metadata[field] for field in ("kv_bits", "kv_group_size") if field in metadata}
+    if found != stored:
+        raise PieceRefused("fingerprint", f"stored KV {found or 'exact'}, this server keeps {stored or 'exact'}")
     by_name = {entry.name: entry for entry in tensors}
-    if len(by_name) != 2 * layers:
+    per_layer = 6 if kv_bits else 2
+    if len(by_name) != per_layer * layers:
         raise PieceRefused("shape", f"{len(by_name)} tensors for {layers} layers")
+
+    def entry_of(tensor_name: str) -> TensorEntry:
+        entry = by_name.get(tensor_name)
+        if entry is None:
+            raise PieceRefused("shape", f"no tensor {tensor_name}")
+        shape = entry.shape
+        if len(shape) != 4 or shape[0] != 1 or shape[2] != name.num_tokens:
+            raise PieceRefused("shape", f"{tensor_name} has shape {shape} for {name.num_tokens} tokens")
+        return entry
+
     for index in range(layers):
-        for tensor_name in layer_names(index):
-            entry = by_name.get(tensor_name)
-            if entry is None:
-                raise PieceRefused("shape", f"no tensor {tensor_name}")
-            size = DTYPE_SIZES.get(entry.dtype)
-            if size is None:
-                raise PieceRefused("shape", f"{tensor_name} has dtype {entry.dtype}")
-            shape = entry.shape
-            if len(shape) != 4 or shape[0] != 1 or shape[2] != name.num_tokens:
-                raise PieceRefused("shape", f"{tensor_name} has shape {shape} for {name.num_tokens} tokens")
-            count = 1
-            for dim in shape:
-                count *= dim
-            if entry.end - entry.start != count * size:
-                raise PieceRefused("shape", f"{tensor_name} holds {entry.end - entry.start} bytes, not {count * size}")
+        if not kv_bits:
+            for tensor_name in layer_names(index):
+                _check_size(tensor_name, entry_of(tensor_name), DTYPE_SIZES)
+            continue
+        for packed_name, scales_name, biases_name in quantized_names(index):
+            packed, scales, biases = entry_of(packed_name), entry_of(scales_name), entry_of(biases_name)
+            _check_size(packed_name, packed, (PACKED_DTYPE,))
+            _check_size(scales_name, scales, DTYPE_SIZES)
+            _check_size(biases_name, biases, DTYPE_SIZES)
+            head_dim = packed.shape[3] * 32 // kv_bits
+            if (scales.shape != biases.shape or scales.shape[:3] != packed.shape[:3]
+                    or scales.shape[3] * kv_group_size != head_dim):
+                raise PieceRefused("shape", f"{packed_name} {packed.shape} and its scales {scales.shape} do not "
+                                   f"make {kv_bits}-bit groups of {kv_group_size}")
 
 
 # --- snapshot files ------------------------------------------------------------------------

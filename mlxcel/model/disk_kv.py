@@ -24,8 +24,17 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from mlxcel.cache.disk_index import DiskPlan, PieceData, PieceRefused, PieceSpec, SnapshotName, layer_names
-from mlxcel.model.kv import DetachedKV, KvPiece
+from mlxcel.cache.disk_index import (
+    DiskPlan,
+    PieceData,
+    PieceRefused,
+    PieceSpec,
+    SnapshotName,
+    layer_names,
+    quantization_metadata,
+    quantized_names,
+)
+from mlxcel.model.kv import DetachedKV, KvPiece, StoreFormat
 from mlxcel.model.snapshot import SessionSnapshot
 
 if TYPE_CHECKING:
@@ -38,8 +47,9 @@ SLICE_BYTES = 4 << 20
 # Jobs (stored prefixes) waiting for conversion; past this the oldest is dropped.
 MAX_JOBS = 64
 
-_TO_SAFETENSORS = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16"}
-_HOST = {"F32": (np.float32, None), "F16": (np.float16, None), "BF16": (np.uint16, mx.bfloat16)}
+_TO_SAFETENSORS = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32"}
+_HOST = {"F32": (np.float32, None), "F16": (np.float16, None), "BF16": (np.uint16, mx.bfloat16),
+         "U32": (np.uint32, None)}
 
 
 def rows(payload: Any, start: int, end: int, layers: range | None = None) -> list[tuple[mx.array, mx.array]]:
@@ -54,7 +64,18 @@ def num_layers(payload: DetachedKV) -> int:
 
 
 def dtype_of(payload: DetachedKV) -> Any:
-    return payload.segments[0][0].layers[0][0].dtype
+    """The KV's dtype (a quantized piece's scales have it)."""
+    keys = payload.segments[0][0].layers[0][0]
+    return keys[1].dtype if isinstance(keys, tuple) else keys.dtype
+
+
+def _stored_tensors(payload: DetachedKV, start: int, end: int, layer: int) -> list[tuple[str, mx.array]]:
+    """One layer's rows [start, end) as the file holds them, by tensor name (quantized: six tensors)."""
+    ((keys, values),) = payload.stored_rows(start, end, range(layer, layer + 1))
+    if not isinstance(keys, tuple):
+        return list(zip(layer_names(layer), (keys, values), strict=True))
+    names = quantized_names(layer)
+    return [*zip(names[0], keys, strict=True), *zip(names[1], values, strict=True)]
 
 
 def _host(array: mx.array) -> tuple[str, np.ndarray]:
@@ -180,15 +201,16 @@ class DeviceDisk:
             if spec.name.end_token > job.payload.length:
                 job.piece = len(job.pieces)  # cannot happen for a planned piece; never write it wrong
             else:
-                ((keys, values),) = rows(job.payload, spec.name.first_token, spec.name.end_token,
-                                         range(job.layer, job.layer + 1))
-                for name, array in zip(layer_names(job.layer), (keys, values), strict=True):
+                for name, array in _stored_tensors(job.payload, spec.name.first_token, spec.name.end_token,
+                                                   job.layer):
                     dtype, host = _host(array)
                     job.tensors.append((name, dtype, tuple(array.shape), host))
                     done += host.nbytes
                 job.layer += 1
                 if job.layer == count:
-                    self.tier.submit(PieceData(spec=spec, tensors=tuple(job.tensors), num_layers=count))
+                    stored = job.payload.store_format
+                    self.tier.submit(PieceData(spec=spec, tensors=tuple(job.tensors), num_layers=count,
+                                               extra=quantization_metadata(stored.bits, stored.group_size)))
                     job.piece, job.layer, job.tensors = job.piece + 1, 0, []
             if job.piece >= len(job.pieces):
                 self._jobs.popleft()  # the payload is let go here, on the device thread
@@ -271,35 +293,46 @@ class DeviceDisk:
         segments: list[tuple[KvPiece, int]] = list(memory.cut(plan.kept).segments) if plan.kept else []
         reference = dtype_of(memory) if plan.kept else None
         length, nbytes = plan.kept, 0
-        for spec in plan.pieces:
-            try:
-                metadata, tensors = self.tier.read(spec, self._num_layers)
-                arrays = {entry.name: _device(entry.dtype, entry.shape, buffer) for entry, buffer in tensors}
-                dtypes = {array.dtype for array in arrays.values()}
-                if len(dtypes) != 1 or (reference is not None and reference not in dtypes):
-                    raise PieceRefused("shape", f"dtypes {sorted(map(str, dtypes))} do not match the model's KV")
-                reference = next(iter(dtypes))
-            except PieceRefused as error:
-                self.tier.refuse(spec, error)
-                break
-            except FileNotFoundError:
-                self.tier.vanished(spec)
-                break
-            except OSError as error:
-                logger.warning("prompt-cache disk tier: cannot read %s (%s)", spec.filename, error.strerror or error)
-                break
-            piece_layers = [(arrays[key], arrays[value]) for key, value in map(layer_names, range(self._num_layers))]
-            segments.append((KvPiece(piece_layers, spec.name.end_token - length), spec.name.end_token - length))
-            nbytes += sum(buffer.nbytes for _entry, buffer in tensors)
-            length = spec.name.end_token
-            read_seconds_per_token = (time.perf_counter() - started) / (length - plan.kept)
-            if (prefill_seconds_per_token is not None and spec is not plan.pieces[-1]
-                    and read_seconds_per_token > prefill_seconds_per_token):
-                self.tier.record_cut_short()
-                logger.info("prompt-cache disk hit cut short after %d tokens: reading took %.3f ms a token, "
-                            "prefilling takes %.3f", length, 1000 * read_seconds_per_token,
-                            1000 * prefill_seconds_per_token)
-                break
+        reads = self.tier.read_ahead(plan.pieces, self._num_layers)
+        try:
+            for spec, future in zip(plan.pieces, reads, strict=True):
+                try:
+                    metadata, tensors = future.result()
+                    # One copy per tensor out of the mapped file. (One MLX buffer per file, tensors as
+                    # views of it, cost more CPU here: each fresh 32 MiB allocation faults its pages in.)
+                    arrays = {entry.name: _device(entry.dtype, entry.shape, buffer) for entry, buffer in tensors}
+                    del tensors  # views of the mapped file: it is unmapped once the copies are made
+                    dtypes = {array.dtype for array in arrays.values() if array.dtype != mx.uint32}
+                    if len(dtypes) != 1 or (reference is not None and reference not in dtypes):
+                        raise PieceRefused("shape", f"dtypes {sorted(map(str, dtypes))} do not match the model's KV")
+                    reference = next(iter(dtypes))
+                    piece_layers, piece_format = _piece_layers(arrays, metadata, self._num_layers)
+                except PieceRefused as error:
+                    self.tier.refuse(spec, error)
+                    break
+                except FileNotFoundError:
+                    self.tier.vanished(spec)
+                    break
+                except OSError as error:
+                    logger.warning("prompt-cache disk tier: cannot read %s (%s)", spec.filename,
+                                   error.strerror or error)
+                    break
+                # Evaluated now, so the copy out of the mapped file is made while the readers verify the next.
+                mx.eval(list(arrays.values()))
+                piece = KvPiece(piece_layers, spec.name.end_token - length, piece_format)
+                segments.append((piece, spec.name.end_token - length))
+                nbytes += sum(array.nbytes for array in arrays.values())
+                length = spec.name.end_token
+                read_seconds_per_token = (time.perf_counter() - started) / (length - plan.kept)
+                if (prefill_seconds_per_token is not None and spec is not plan.pieces[-1]
+                        and read_seconds_per_token > prefill_seconds_per_token):
+                    self.tier.record_cut_short()
+                    logger.info("prompt-cache disk hit cut short after %d tokens: reading took %.3f ms a token, "
+                                "prefilling takes %.3f", length, 1000 * read_seconds_per_token,
+                                1000 * prefill_seconds_per_token)
+                    break
+        finally:
+            reads.close()
         if length <= plan.memory_len:
             self.tier.record_miss()
             return None
@@ -310,6 +343,19 @@ class DeviceDisk:
         logger.debug("prompt-cache disk hit: %d tokens (%d from memory), %d bytes read in %.1f ms",
                      length, plan.kept, nbytes, 1000 * seconds)
         return detached
+
+
+def _piece_layers(arrays: dict[str, mx.array], metadata: dict[str, str], count: int
+                  ) -> tuple[list[tuple[Any, Any]], StoreFormat]:
+    """A piece's per-layer keys and values from its tensors (checked by check_piece), and its format."""
+    bits = int(metadata.get("kv_bits", "0"))
+    if not bits:
+        return [(arrays[key], arrays[value]) for key, value in map(layer_names, range(count))], StoreFormat()
+    layers = []
+    for index in range(count):
+        keys, values = quantized_names(index)
+        layers.append((tuple(arrays[name] for name in keys), tuple(arrays[name] for name in values)))
+    return layers, StoreFormat(bits, int(metadata["kv_group_size"]))
 
 
 def _device(dtype: str, shape: tuple[int, ...], buffer: memoryview) -> mx.array:

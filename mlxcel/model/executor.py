@@ -72,6 +72,9 @@ class DeviceSettings:
     # LoRA adapters to load (unfused) and whether they start at their --lora scales or at 0.
     lora: tuple[AdapterSpec, ...] = ()
     lora_apply: bool = True
+    # --prompt-cache-kv-bits (0: stored KV exact) and --prompt-cache-kv-group-size: see mlxcel/model/kv.py.
+    kv_bits: int = 0
+    kv_group_size: int = 64
 
 
 @attrs.define

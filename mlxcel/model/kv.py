@@ -11,15 +11,72 @@ Only the device thread calls ``detach`` and ``adopt`` (they touch MLX). The
 metadata (``length``, ``nbytes``, ``pieces()``, ``can_adopt``) is plain
 Python, so the scheduler and the cache store may read it without touching an
 array.
+
+With ``--prompt-cache-kv-bits`` a piece keeps its rows quantized (``mx.quantize``
+along head_dim, each of keys and values a (packed, scales, biases) triple, as
+mlx-lm's ``QuantizedKVCache`` keeps them): the store's byte budget then holds
+about 1.9x (8 bits) or 3.6x (4 bits) the tokens of bf16 KV. Adoption
+dequantizes once into a plain ``KVCache``: mlx-lm's ``QuantizedKVCache`` has no
+``merge``, so a quantized live cache could not join the batch.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
+
+
+@attrs.frozen
+class StoreFormat:
+    """How stored pieces keep their rows: exact (bits 0), or quantized with bits and group_size."""
+
+    bits: int = 0
+    group_size: int = 64
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits != 0
+
+    def fits(self, head_dim: int) -> bool:
+        return self.quantized and head_dim % self.group_size == 0
+
+
+EXACT = StoreFormat()
+# The device thread's format for what it detaches (one device thread per engine, so one per engine).
+_device_format = threading.local()
+
+
+def use_store_format(store_format: StoreFormat) -> None:
+    """Set, on the calling (device) thread, the format ``detach`` stores new pieces in."""
+    _device_format.value = store_format
+
+
+def store_format() -> StoreFormat:
+    return getattr(_device_format, "value", EXACT)
+
+
+# One stored tensor: a plain array, or a quantized (packed, scales, biases) triple.
+Stored = Any
+
+
+def _rows_of(stored: Stored, begin: int, stop: int) -> Stored:
+    if isinstance(stored, tuple):
+        return tuple(part[..., begin:stop, :] for part in stored)
+    return stored[..., begin:stop, :]
+
+
+def _nbytes(stored: Stored) -> int:
+    return sum(part.nbytes for part in stored) if isinstance(stored, tuple) else stored.nbytes
+
+
+def _quantize(array: mx.array, store_format: StoreFormat) -> Stored:
+    packed, scales, biases = mx.quantize(array, group_size=store_format.group_size, bits=store_format.bits)
+    return packed, scales, biases
 
 
 class AdoptError(Exception):
@@ -27,17 +84,30 @@ class AdoptError(Exception):
 
 
 class KvPiece:
-    """Per-layer keys and values of ``length`` consecutive tokens, in a buffer of their own."""
+    """Per-layer keys and values of ``length`` consecutive tokens, in a buffer of their own.
 
-    __slots__ = ("layers", "length", "nbytes")
+    With a quantized ``store_format`` each of a layer's keys and values is a
+    (packed, scales, biases) triple; ``dense`` reads rows back as plain arrays.
+    """
 
-    def __init__(self, layers: list[tuple[mx.array, mx.array]], length: int) -> None:
+    __slots__ = ("layers", "length", "nbytes", "store_format")
+
+    def __init__(self, layers: list[tuple[Stored, Stored]], length: int, store_format: StoreFormat = EXACT) -> None:
         self.layers = layers
         self.length = length
-        self.nbytes = sum(keys.nbytes + values.nbytes for keys, values in layers)
+        self.store_format = store_format
+        self.nbytes = sum(_nbytes(keys) + _nbytes(values) for keys, values in layers)
+
+    def dense(self, stored: Stored) -> mx.array:
+        if not isinstance(stored, tuple):
+            return stored
+        packed, scales, biases = stored
+        return mx.dequantize(packed, scales, biases, group_size=self.store_format.group_size,
+                             bits=self.store_format.bits)
 
     def __repr__(self) -> str:
-        return f"KvPiece(length={self.length}, nbytes={self.nbytes})"
+        kind = f", kv_bits={self.store_format.bits}" if self.store_format.quantized else ""
+        return f"KvPiece(length={self.length}, nbytes={self.nbytes}{kind})"
 
 
 class DetachedKV:
@@ -65,7 +135,8 @@ class DetachedKV:
         return tuple(piece for piece, _ in self.segments)
 
     def arrays(self) -> list[mx.array]:
-        return [array for piece in self.pieces() for pair in piece.layers for array in pair]
+        return [array for piece in self.pieces() for pair in piece.layers for stored in pair
+                for array in (stored if isinstance(stored, tuple) else (stored,))]
 
     def can_adopt(self, num_tokens: int) -> bool:
         return 0 < num_tokens <= self.length
@@ -83,13 +154,11 @@ class DetachedKV:
             left -= used
         return DetachedKV(segments)
 
-    def rows(self, start: int, end: int, layers: range | None = None, *, spare: int = 0
-             ) -> list[tuple[mx.array, mx.array]]:
-        """Per layer (all, or those in ``layers``), the keys and values of token rows [start, end).
+    @property
+    def store_format(self) -> StoreFormat:
+        return self.segments[0][0].store_format if self.segments else EXACT
 
-        Views where the rows lie in one piece, else one concatenation per layer, followed by
-        ``spare`` zero rows (room for rows to be written next).
-        """
+    def _spans(self, start: int, end: int) -> list[tuple[KvPiece, int, int]]:
         if not 0 <= start <= end <= self.length:
             raise AdoptError(f"no rows [{start}, {end}) in an entry of {self.length}")
         spans: list[tuple[KvPiece, int, int]] = []
@@ -99,9 +168,36 @@ class DetachedKV:
             if begin < stop:
                 spans.append((piece, begin - offset, stop - offset))
             offset += used
+        return spans
+
+    def stored_rows(self, start: int, end: int, layers: range | None = None) -> list[tuple[Stored, Stored]]:
+        """Per layer, token rows [start, end) as stored (quantized triples stay quantized; for disk)."""
+        spans = self._spans(start, end)
+        if len({piece.store_format for piece, _begin, _stop in spans}) > 1:
+            raise AdoptError("the rows span pieces of different store formats")
         chosen = []
         for layer in layers if layers is not None else range(len(self.segments[0][0].layers)):
-            parts = [(piece.layers[layer][0][..., begin:stop, :], piece.layers[layer][1][..., begin:stop, :])
+            parts = [(_rows_of(piece.layers[layer][0], begin, stop), _rows_of(piece.layers[layer][1], begin, stop))
+                     for piece, begin, stop in spans]
+            if len(parts) == 1:
+                chosen.append(parts[0])
+                continue
+            keys, values = zip(*parts, strict=True)
+            chosen.append((_concatenated(list(keys)), _concatenated(list(values))))
+        return chosen
+
+    def rows(self, start: int, end: int, layers: range | None = None, *, spare: int = 0
+             ) -> list[tuple[mx.array, mx.array]]:
+        """Per layer (all, or those in ``layers``), the keys and values of token rows [start, end).
+
+        Views where the rows lie in one exact piece, else one concatenation per layer, followed by
+        ``spare`` zero rows (room for rows to be written next). Quantized rows are dequantized.
+        """
+        spans = self._spans(start, end)
+        chosen = []
+        for layer in layers if layers is not None else range(len(self.segments[0][0].layers)):
+            parts = [(piece.dense(_rows_of(piece.layers[layer][0], begin, stop)),
+                      piece.dense(_rows_of(piece.layers[layer][1], begin, stop)))
                      for piece, begin, stop in spans]
             if len(parts) == 1:
                 chosen.append(parts[0])
@@ -130,7 +226,12 @@ def detach(
     windows, recurrent state): those families go through session snapshots
     instead. With ``evaluate=False`` the caller evaluates ``arrays()``
     itself (with other work, in one go).
+
+    The new pieces take the device thread's ``store_format()``: quantized,
+    the copy out of the cache is the quantization itself (one kernel, run
+    with the step's other work when not evaluated here).
     """
+    chosen_format = store_format()
     start = 0
     if base is not None and base.length > 0:
         start = min(base.length, num_tokens)
@@ -144,17 +245,21 @@ def detach(
             return None
         if cache.offset < num_tokens:
             return None
+        if chosen_format.quantized and not chosen_format.fits(cache.keys.shape[-1]):
+            chosen_format = EXACT  # head_dim not a multiple of the group: the engine warned at start-up
         for run, begin, end in zip(runs, edges, edges[1:], strict=False):
             keys = cache.keys[..., begin:end, :]
             values = cache.values[..., begin:end, :]
-            if keys.shape[2] != cache.keys.shape[2]:
+            if keys.shape[2] != cache.keys.shape[2] and not chosen_format.quantized:
                 # A copy, so the piece owns its buffer instead of pinning the larger step-padded one.
                 keys, values = mx.contiguous(keys), mx.contiguous(values)
             run.append((keys, values))
     segments = list(base.segments) if base is not None and start else []
     for run, begin, end in zip(runs, edges, edges[1:], strict=False):
         if begin < end:
-            segments.append((KvPiece(run, end - begin), end - begin))
+            if chosen_format.quantized:
+                run = [(_quantize(keys, chosen_format), _quantize(values, chosen_format)) for keys, values in run]
+            segments.append((KvPiece(run, end - begin, chosen_format), end - begin))
     detached = DetachedKV(segments)
     if evaluate:
         mx.eval(detached.arrays())
@@ -182,6 +287,12 @@ def adopt(detached: DetachedKV, num_tokens: int, *, room: int = 0) -> list[KVCac
         cache.offset = num_tokens
         caches.append(cache)
     return caches
+
+
+def _concatenated(parts: list[Stored]) -> Stored:
+    if isinstance(parts[0], tuple):
+        return tuple(mx.concatenate(list(components), axis=2) for components in zip(*parts, strict=True))
+    return mx.concatenate(parts, axis=2)
 
 
 def _joined(parts: list[mx.array], spare: int) -> mx.array:

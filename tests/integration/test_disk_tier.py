@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,85 @@ async def test_session_snapshots_resume_from_disk_after_a_restart(tmp_path: Path
     assert hot.keys() == reference.keys()
     for token, logprob in reference.items():
         assert abs(hot[token] - logprob) < 1e-4, (token, hot[token], logprob)
+
+
+async def test_a_retained_prompt_read_back_after_a_restart_is_pinned_again(tmp_path: Path) -> None:
+    config = make_engine_config(prompt_cache=evolve_cache(disk_dir=tmp_path))
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Open the first file."}]
+    retained = CacheOptions(retain_seconds=3600.0)
+    async with open_engine(config) as engine:
+        first = await engine.chat(turn(history, cache=retained))
+        assert (await engine.cache_stats())["pinned_entries"] >= 1
+        await wait_for_writes(engine, 1)
+    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Now the second."}]
+    async with open_engine(config) as engine:
+        resumed = await engine.chat(turn(history))  # not retained itself: the pin comes from disk
+        stats = await engine.cache_stats()
+    assert stats["disk"]["hits"] == 1
+    assert resumed.usage.cached_tokens >= (first.usage.prompt_tokens // 16) * 16 - 16
+    assert stats["pinned_entries"] >= 1
+    assert stats["pinned_bytes"] > 0
+
+
+async def test_an_image_conversation_resumes_from_disk_after_a_restart(tmp_path: Path) -> None:
+    """Image prompts use the disk tier: their digest is in the fingerprint, so only the same images hit."""
+    import io
+    from functools import partial
+
+    import numpy as np
+    import openai
+    from PIL import Image
+
+    from mlxcel.config import EngineConfig, SchedulerConfig
+    from mlxcel.engine import run_engine
+    from mlxcel.http import serve
+    from mlxcel.vision.fixtures import vision_fixture_path
+
+    def png(seed: int) -> str:
+        pixels = np.random.default_rng(seed).integers(0, 256, (40, 50, 3), dtype=np.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+    def conversation(image: str) -> list[dict]:
+        return [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
+                                             {"type": "text", "text": "what is on the screen?"}]},
+                {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and the button?"}]
+
+    config = EngineConfig(model_path=vision_fixture_path("llava"), prompt_cache=evolve_cache(disk_dir=tmp_path),
+                          scheduler=SchedulerConfig(prefill_step_size=512, device_warmup="false"))
+
+    async def serving(requests: list[dict], *, wait_writes: bool = False) -> tuple[list, dict]:
+        async with trio.open_nursery() as nursery:
+            engine = await nursery.start(run_engine, config)
+            (base_url,) = await nursery.start(partial(serve, engine, "127.0.0.1", 0))
+            client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+            replies = []
+            for request in requests:
+                replies.append(await trio.to_thread.run_sync(partial(
+                    client.chat.completions.create, model=engine.model_id, temperature=0, max_tokens=3,
+                    logprobs=True, top_logprobs=3, **request)))
+            if wait_writes:
+                await wait_for_writes(engine, 1)
+            stats = await engine.cache_stats()
+            client.close()
+            nursery.cancel_scope.cancel()
+        return replies, stats
+
+    screenshot = png(1)
+    (first,), _stats = await serving([dict(messages=conversation(screenshot)[:2])], wait_writes=True)
+    assert has_pieces(tmp_path)
+    follow_up = conversation(screenshot)
+    (resumed, other, cold), stats = await serving([
+        dict(messages=follow_up), dict(messages=conversation(png(2))),
+        dict(messages=follow_up, extra_body={"cache_prompt": False})])
+    assert stats["disk"]["hits"] == 1
+    # The image's tokens and the first turn's prompt (to its last whole block) come from disk.
+    assert resumed.usage.prompt_tokens_details.cached_tokens >= (first.usage.prompt_tokens // 16) * 16 - 16
+    assert other.usage.prompt_tokens_details.cached_tokens == 0  # another image: another fingerprint
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    hot = {item.token: item.logprob for item in resumed.choices[0].logprobs.content[0].top_logprobs}
+    reference = {item.token: item.logprob for item in cold.choices[0].logprobs.content[0].top_logprobs}
+    assert hot.keys() == reference.keys()
+    assert max(abs(hot[token] - value) for token, value in reference.items()) < 1e-4

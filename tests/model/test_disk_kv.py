@@ -311,3 +311,46 @@ def test_a_session_snapshot_round_trips_through_disk(tmp_path: Path) -> None:
     assert DeviceDisk(tier, 3, "other").load_snapshot(found) is None
     assert tier.statistics().refusals["shape"] == 1
     assert not (tmp_path / found.filename).exists()
+
+
+def test_a_retention_is_recorded_and_read_back_by_a_new_process(tmp_path: Path) -> None:
+    prompt = TOKENS[:520]  # the retained prompt: 32 whole blocks and 8 tokens
+    tier = open_tier(tmp_path)
+    device = DeviceDisk(tier, LAYERS)
+    device.persist(payload(), tier.plan_write(CONTEXT, TOKENS, prompt_len=len(prompt)), urgent=True)
+    tier.record_retention(CONTEXT, prompt, 3600.0)
+    while device.has_work():
+        device.work()
+    tier.close()
+    pins = [path for path in tmp_path.iterdir() if disk_index.is_pin_name(path.name)]
+    assert len(pins) == 1
+    assert oct(pins[0].stat().st_mode & 0o777) == "0o600"
+    # After a restart, the same prompt with a new turn: the run ends at the retained prompt's last block.
+    reader = open_tier(tmp_path)
+    request = (*prompt, 9, 9, 9)
+    plan = reader.probe(CONTEXT, request, len(request) - 1, 0)
+    assert plan is not None
+    assert plan.num_tokens == 512
+    assert 3590 < plan.retain_seconds <= 3600
+    # Another prompt reaching into the same pieces but not ending there is not pinned.
+    other = reader.probe(CONTEXT, (*TOKENS[:300], 7, 7), 301, 0)
+    assert other is not None
+    assert other.retain_seconds == 0.0
+
+
+def test_a_retention_that_ran_out_pins_nothing_and_is_cleaned_up(tmp_path: Path) -> None:
+    prompt = TOKENS[:520]
+    tier = open_tier(tmp_path)
+    device = DeviceDisk(tier, LAYERS)
+    device.persist(payload(), tier.plan_write(CONTEXT, TOKENS, prompt_len=len(prompt)), urgent=True)
+    tier.record_retention(CONTEXT, prompt, 60.0)
+    while device.has_work():
+        device.work()
+    tier.close()
+    (pin,) = (path for path in tmp_path.iterdir() if disk_index.is_pin_name(path.name))
+    os.utime(pin, (1.0, 1.0))  # its time ran out long ago
+    reader = open_tier(tmp_path)  # the start-up scan removes it
+    assert not pin.exists()
+    plan = reader.probe(CONTEXT, (*prompt, 9), len(prompt), 0)
+    assert plan is not None
+    assert plan.retain_seconds == 0.0

@@ -1,0 +1,131 @@
+"""Quantized stored KV (--prompt-cache-kv-bits): bytes, accuracy, sharing, adoption and the disk tier."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from mlxcel.actors.disk_tier import DiskSettings, DiskTier
+from mlxcel.cache.key import CacheContext
+from mlxcel.model.disk_kv import DeviceDisk
+from mlxcel.model.kv import EXACT, StoreFormat, adopt, detach, store_format, use_store_format
+
+LAYERS, HEADS, DIM = 2, 2, 64
+TOKENS = tuple(range(100, 700))
+CONTEXT = CacheContext(model_id="m", template_sig="t")
+
+
+@pytest.fixture
+def stored_as():
+    """Sets this (the test's) thread's store format, as the device thread does at start-up."""
+    def set_format(bits: int, group_size: int = 64) -> None:
+        use_store_format(StoreFormat(bits, group_size))
+    yield set_format
+    use_store_format(EXACT)
+
+
+def caches_of(rows: int, dtype=mx.bfloat16, seed: int = 0) -> list[KVCache]:
+    generator = np.random.default_rng(seed)
+    caches = []
+    for _layer in range(LAYERS):
+        cache = KVCache()
+        keys, values = (mx.array(generator.standard_normal((1, HEADS, rows, DIM), dtype=np.float32)).astype(dtype)
+                        for _ in range(2))
+        cache.keys, cache.values, cache.offset = keys, values, rows
+        caches.append(cache)
+    return caches
+
+
+def dense(caches: list[KVCache], rows: int) -> np.ndarray:
+    return np.stack([np.array(cache.keys[..., :rows, :].astype(mx.float32)) for cache in caches])
+
+
+def test_the_default_stores_exact_rows() -> None:
+    assert store_format() == EXACT
+    caches = caches_of(40)
+    stored = detach(caches, 40)
+    assert stored is not None
+    assert np.array_equal(dense(adopt(stored, 40), 40), dense(caches, 40))
+
+
+@pytest.mark.parametrize(("bits", "ratio", "error"), [(8, 1.88, 0.06), (4, 3.5, 0.4)])
+def test_quantized_pieces_take_fewer_bytes_and_adopt_close_to_the_rows(stored_as, bits, ratio, error) -> None:
+    caches = caches_of(40)
+    exact = detach(caches, 40)
+    stored_as(bits)
+    quantized = detach(caches, 40)
+    assert exact is not None
+    assert quantized is not None
+    assert quantized.pieces()[0].store_format == StoreFormat(bits, 64)
+    # bf16, head_dim 64, groups of 64: 128 bytes a row become 64 + 4 (8 bits) or 32 + 4 (4 bits).
+    assert exact.nbytes / quantized.nbytes == pytest.approx(ratio, rel=0.03)
+    adopted = adopt(quantized, 33)
+    assert all(type(cache) is KVCache and cache.offset == 33 for cache in adopted)
+    assert adopted[0].keys.dtype == mx.bfloat16  # a plain cache: it joins the batch like any other
+    difference = np.abs(dense(adopted, 33) - dense(caches, 33)).max()
+    assert 0 < difference < error
+
+
+def test_a_quantized_donation_shares_its_base_and_quantizes_only_the_new_rows(stored_as) -> None:
+    stored_as(8)
+    base = detach(caches_of(64), 32)
+    assert base is not None
+    grown = detach(caches_of(64), 64, base=base, split_at=48)
+    assert grown is not None
+    assert grown.pieces()[0] is base.pieces()[0]
+    assert [piece.length for piece in grown.pieces()] == [32, 16, 16]
+    assert {piece.store_format.bits for piece in grown.pieces()} == {8}
+    # Rows across three quantized pieces come back as one dense run.
+    rows = grown.rows(10, 60)
+    assert rows[0][0].shape == (1, HEADS, 50, DIM)
+
+
+def test_a_head_dim_that_is_not_a_multiple_of_the_group_is_stored_exact(stored_as) -> None:
+    stored_as(8, 128)
+    stored = detach(caches_of(16), 16)  # head_dim 64 < 128
+    assert stored is not None
+    assert stored.pieces()[0].store_format == EXACT
+
+
+def open_tier(directory: Path, bits: int) -> DiskTier:
+    tier = DiskTier(DiskSettings(directory=directory, budget_bytes=1 << 30, write_bytes_per_second=1 << 30,
+                                 kv_bits=bits), "model-a")
+    tier.open()
+    return tier
+
+
+def test_quantized_pieces_go_to_disk_quantized_and_come_back_bit_for_bit(tmp_path: Path, stored_as) -> None:
+    stored_as(8)
+    stored = detach(caches_of(len(TOKENS)), len(TOKENS))
+    assert stored is not None
+    writer = open_tier(tmp_path, 8)
+    device = DeviceDisk(writer, LAYERS)
+    device.persist(stored, writer.plan_write(CONTEXT, TOKENS), urgent=False)
+    while device.has_work():
+        device.work()
+    writer.close()
+    files = sorted(path for path in tmp_path.iterdir() if path.name.startswith("kv-"))
+    assert len(files) == 3
+    exact_bytes = LAYERS * 2 * HEADS * DIM * 2 * len(TOKENS)
+    assert sum(path.stat().st_size for path in files) < exact_bytes * 0.56  # half, plus scales and headers
+    reader = open_tier(tmp_path, 8)
+    request = (*TOKENS, 1)
+    plan = reader.probe(CONTEXT, request, len(request) - 1, 0)
+    assert plan is not None
+    loaded = DeviceDisk(reader, LAYERS).load(plan, None)
+    assert loaded is not None
+    assert loaded.length == 592
+    assert {piece.store_format for piece in loaded.pieces()} == {StoreFormat(8, 64)}
+    for (keys, values), (want_keys, want_values) in zip(loaded.rows(0, 592), stored.rows(0, 592), strict=True):
+        assert np.array_equal(np.array(keys.astype(mx.float32)), np.array(want_keys.astype(mx.float32)))
+        assert np.array_equal(np.array(values.astype(mx.float32)), np.array(want_values.astype(mx.float32)))
+    # A server that keeps exact KV refuses them (in use their fingerprints differ as well).
+    exact = open_tier(tmp_path, 0)
+    plan = exact.probe(CONTEXT, request, len(request) - 1, 0)
+    assert plan is not None
+    assert DeviceDisk(exact, LAYERS).load(plan, None) is None
+    assert exact.statistics().refusals["fingerprint"] == 1
