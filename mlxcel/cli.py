@@ -113,6 +113,7 @@ def serve_entry() -> None:
 
 def request_limits(server_config: ServerConfig) -> Limits:
     """The parse policies the server's flags ask for."""
+    from mlxcel.core.grammar_bounds import GrammarBounds
     from mlxcel.http.validation import DEFAULT_VOLATILE_SYSTEM_PATTERNS, Limits
 
     patterns = server_config.volatile_system_patterns or DEFAULT_VOLATILE_SYSTEM_PATTERNS
@@ -124,6 +125,7 @@ def request_limits(server_config: ServerConfig) -> Limits:
         image_file_root=server_config.allow_image_files,
         allow_image_urls=server_config.allow_image_urls,
         image_fetch_timeout_s=server_config.image_fetch_timeout,
+        grammar=GrammarBounds(max_bytes=server_config.max_grammar_bytes),
     )
 
 

@@ -126,6 +126,8 @@ class EngineConfig:
     lora_init_without_apply: bool = False
     # Accept `chat_template` in a request's chat_template_kwargs (rendered in a bounded sandbox).
     allow_request_chat_template: bool = False
+    # Seconds a request's grammar (JSON Schema, GBNF, strict or forced tools) may take to compile.
+    grammar_timeout: float = 10.0
     prompt_cache: PromptCacheConfig = PromptCacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     kv_events: KvEventsConfig = KvEventsConfig()
@@ -141,6 +143,8 @@ class ServerConfig:
     port: int = 8080
     metrics: bool = False
     max_body_bytes: int = 16 << 20
+    # The largest JSON Schema (canonical JSON) or GBNF grammar a request may send.
+    max_grammar_bytes: int = 256 << 10
     log_level: str = "info"
     # Required as `Authorization: Bearer KEY` on every route but /health.
     api_key: str | None = attrs.field(default=None, repr=False)
@@ -418,6 +422,9 @@ SERVER_SETTINGS = (
             "a separate key required for /v1/cache/reset and /metrics"),
     Setting("max_body_bytes", "--max-body-bytes", ("MLXCEL_MAX_BODY_BYTES",), parse_positive_int,
             "largest accepted request body (default 16 MiB)"),
+    Setting("max_grammar_bytes", "--max-grammar-bytes", ("MLXCEL_MAX_GRAMMAR_BYTES",), parse_positive_int,
+            "largest JSON Schema (response_format, json_schema, a tool's parameters) or GBNF grammar a "
+            "request may send (default 256 KiB)"),
     Setting("shutdown_grace_seconds", "--shutdown-grace-seconds", ("MLXCEL_SHUTDOWN_GRACE_SECONDS",),
             parse_seconds, "after SIGTERM, seconds in-flight streams get to finish (default 30)"),
     Setting("max_connections", "--max-connections", ("MLXCEL_MAX_CONNECTIONS",), parse_positive_int,
@@ -487,6 +494,9 @@ ENGINE_SETTINGS = (
             ("MLXCEL_ALLOW_REQUEST_CHAT_TEMPLATE",), parse_bool,
             "accept a chat template in a request's chat_template_kwargs, rendered in a bounded "
             "sandbox (default false: such a request gets a 400)", optional_value=True),
+    Setting("grammar_timeout", "--grammar-timeout", ("MLXCEL_GRAMMAR_TIMEOUT",), parse_seconds,
+            "seconds a request's grammar (response_format, json_schema, grammar, strict or forced tools) "
+            "may take to compile before the request gets a 400 (default 10)"),
     Setting("served_model_names", "--served-model-name", ("MLXCEL_SERVED_MODEL_NAME",), parse_model_name,
             "the model ids requests may name, the first reported as the model's id (default: the model "
             "folder's name or repo id)", multiple=True),

@@ -40,6 +40,7 @@ from mlxcel.actors.messages import (
     UseDiskTier,
 )
 from mlxcel.actors.metrics import MetricsActor
+from mlxcel.actors.grammar_check import GrammarChecker
 from mlxcel.actors.router import PromptRenderer, RouterActor
 from mlxcel.actors.scheduler import SchedulerActor
 from mlxcel.actors.warmer import WarmerActor
@@ -456,6 +457,7 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             cache_enabled=config.prompt_cache.enabled,
             inbox=router_inbox,
             to_scheduler=to_scheduler.clone(),
+            grammar_checker=GrammarChecker(model.tokenizer, model.eos_token_ids, timeout_s=config.grammar_timeout),
         ).run)
         logger.info(
             "engine ready: model %s (%s, context %d, prefill step %d), prompt cache %s, APC %s",

@@ -55,6 +55,8 @@ class SamplingParams:
     # A llguidance grammar (its JSON form) the reply must match (response_format
     # json_object / json_schema); None: unconstrained.
     grammar: str | None = None
+    # The request field the grammar came from (what a refusal of it names); None: the router's tools.
+    grammar_param: str | None = None
     # Not sampling but the model the sequence runs: one scale per loaded LoRA adapter, in load
     # order (() : no adapters loaded). Carried here because it travels with the sequence to the
     # device exactly as the sampling settings do; the router sets it.

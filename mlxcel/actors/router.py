@@ -18,6 +18,7 @@ from typing import Any, assert_never
 import attrs
 import trio
 
+from mlxcel.actors.grammar_check import GrammarChecker
 from mlxcel.actors.messages import (
     AdapterScales,
     RenderPrompt,
@@ -102,14 +103,6 @@ def forced_tool_names(request: ChatRequest) -> tuple[str, ...]:
     return (effective_tool_choice(request.tool_choice, request.tools),)
 
 
-@functools.lru_cache(maxsize=256)
-def _grammar_error(grammar: str) -> str | None:
-    """llguidance's complaint about a grammar (None: usable); agents resend the same tools every turn."""
-    from llguidance import LLMatcher
-
-    return LLMatcher.validate_grammar(grammar) or None
-
-
 class PromptRenderer:
     """Chat rendering and tokenization; plain code, shared by the router and tests."""
 
@@ -158,7 +151,7 @@ class PromptRenderer:
             return RenderedPrompt(tokens=tokens, template_sig=template_signature(RAW_PROMPT_TEMPLATE, {}, "none", None))
         kwargs = self._template_kwargs(request)
         tools = rendered_tools(request)
-        namespace = self._memo_namespace(request)
+        namespace = self.memo_namespace(request)
         if request.images:
             return self._render_images(request, kwargs, tools, namespace)
         tokens = self._chat_tokens(request.messages, tools, kwargs, add_generation_prompt=True, namespace=namespace)
@@ -245,12 +238,7 @@ class PromptRenderer:
                             end_marker=fmt.tool_call_end, special_ids=self._special_ids)
         except UnforceableToolChoice as error:
             raise InvalidRequest(str(error), param=param, code="unsupported_value") from None
-        error_message = _grammar_error(grammar)
-        if error_message is not None:
-            raise InvalidRequest(
-                f"the tools' parameters cannot be enforced: {error_message}", param="tools",
-                code="unsupported_value",
-            )
+        # Whether it compiles is checked after rendering, off the render slots (RouterActor._check_grammar).
         return grammar
 
     def next_turn_history(self, request: ChatRequest, reply_text: str) -> tuple[int, ...]:
@@ -259,7 +247,7 @@ class PromptRenderer:
         tools = rendered_tools(request)
         messages = (*request.messages, {"role": "assistant", "content": reply_text})
         return self._chat_tokens(
-            messages, tools, kwargs, add_generation_prompt=False, namespace=self._memo_namespace(request)
+            messages, tools, kwargs, add_generation_prompt=False, namespace=self.memo_namespace(request)
         )
 
     def _template_kwargs(self, request: ChatRequest) -> dict[str, Any]:
@@ -276,7 +264,7 @@ class PromptRenderer:
                 )
         return {**self._default_template_kwargs, **request.chat_template_kwargs}
 
-    def _memo_namespace(self, request: ChatRequest) -> tuple[str, str | None]:
+    def memo_namespace(self, request: ChatRequest | CompletionRequest) -> tuple[str, str | None]:
         """Whose tokenizer memo a request may use: its salt's, and its session's when sessions are isolated."""
         return (request.cache.cache_salt, request.cache.session_key if self._memo_per_session else None)
 
@@ -366,6 +354,7 @@ class RouterActor:
         inbox: trio.MemoryReceiveChannel[RouterMsg],
         to_scheduler: trio.MemorySendChannel[Any],
         max_concurrent: int = MAX_CONCURRENT_ROUTES,
+        grammar_checker: GrammarChecker | None = None,
     ) -> None:
         self._model = model
         self._renderer = renderer
@@ -377,6 +366,7 @@ class RouterActor:
         self._num_in_flight = 0
         # Taken before a request leaves the inbox, so waiting requests stay there (a full inbox is a 503).
         self._slots = trio.Semaphore(max_concurrent)
+        self._grammars = grammar_checker or GrammarChecker(model.tokenizer, model.eos_token_ids)
         # The server-wide LoRA scales (GET/POST /lora-adapters), one per loaded adapter.
         self._adapter_scales: tuple[float, ...] = tuple(adapter.scale for adapter in model.adapters)
 
@@ -449,8 +439,13 @@ class RouterActor:
         _answer(message.reply_to, answer)
 
     async def _route(self, message: RouteRequest) -> None:
+        holds_slot = True
         try:
             rendered = await trio.to_thread.run_sync(self._renderer.render, message.request)
+            # A grammar compiles without a render slot, so it never holds a plain request up.
+            self._slot_done()
+            holds_slot = False
+            await self._check_grammar(message.request, rendered)
             submit = self._submission(message, rendered)
             self._to_scheduler.send_nowait(submit)
             self._num_routed += 1
@@ -459,7 +454,20 @@ class RouterActor:
         except InvalidRequest as error:
             self._reject(message, error)
         finally:
-            self._slot_done()
+            if holds_slot:
+                self._slot_done()
+
+    async def _check_grammar(self, request: ChatRequest | CompletionRequest, rendered: RenderedPrompt) -> None:
+        """A 400 naming the field whose grammar cannot be enforced (mlxcel.actors.grammar_check)."""
+        if rendered.tool_grammar is not None:
+            await self._grammars.check(rendered.tool_grammar, namespace=self._renderer.memo_namespace(request),
+                                       param="tools", what="the tools' parameters cannot be enforced",
+                                       code="unsupported_value")
+        elif request.sampling.grammar is not None:
+            param = request.sampling.grammar_param or "response_format"
+            what = "grammar cannot be used" if param == "grammar" else f"{param} cannot be enforced"
+            await self._grammars.check(request.sampling.grammar, namespace=self._renderer.memo_namespace(request),
+                                       param=param, what=what)
 
     def _slot_done(self) -> None:
         """A routed message is done with its slot (the router admits a bounded number at once)."""

@@ -17,7 +17,6 @@ Shared conventions (the choices the OpenAI spec leaves open):
 from __future__ import annotations
 
 import binascii
-import functools
 import json
 import math
 import os
@@ -26,6 +25,14 @@ from typing import Any, NoReturn, TypeGuard, TypeVar, overload
 
 import attrs
 
+from mlxcel.core.grammar_bounds import (
+    DEFAULT_GRAMMAR_BOUNDS,
+    BoundedMemo,
+    GrammarBounds,
+    gbnf_overrun,
+    schema_overrun,
+    text_nbytes,
+)
 from mlxcel.core.output import REASONING_FORMATS
 from mlxcel.errors import InvalidRequest
 from mlxcel.types import CacheOptions, ChatRequest, CompletionRequest, ImageSource, SamplingParams
@@ -55,6 +62,8 @@ MAX_JSON_DEPTH = 64
 MAX_TOKEN_ID = 2**31 - 1
 # Distinct tool and response schemas whose check (and grammar) is remembered.
 SCHEMA_MEMO_ENTRIES = 4096
+# Characters the schema memos hold at most (keys and values), each.
+SCHEMA_MEMO_BYTES = 32 << 20
 # Seeds may be any signed or unsigned 64-bit integer; they are stored reduced
 # modulo 2**64 so the sampler always sees a non-negative 64-bit value.
 _SEED_MIN = -(2**63)
@@ -103,6 +112,8 @@ class Limits:
     # `http(s)://` image URLs are fetched (`--allow-image-urls`), within max_image_bytes and this time.
     allow_image_urls: bool = False
     image_fetch_timeout_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
+    # The largest JSON Schema or GBNF grammar a request may send (checked before anything compiles it).
+    grammar: GrammarBounds = DEFAULT_GRAMMAR_BOUNDS
 
 
 DEFAULT_LIMITS = Limits()
@@ -180,7 +191,7 @@ def parse_chat_request(body: object, *, limits: Limits = DEFAULT_LIMITS) -> Chat
     messages = _messages(root, limits, images)  # first, so a body missing them says so first
     extra = _extra_body(root)
     cache = _cache_options(root, extra, user_scopes_session=limits.user_scopes_session, retention=True)
-    tools = _tools(root, _tenant(cache))
+    tools = _tools(root, _tenant(cache), limits)
     stream, include_usage = _stream(root)
     return ChatRequest(
         messages=messages,
@@ -286,7 +297,7 @@ def parse_native_completion(
         logit_bias=_optional(
             root, "logit_bias", lambda value, path: _native_logit_bias(value, path, limits), ()
         ),
-        grammar=_native_grammar(root, _tenant(cache)),
+        **_native_grammar(root, _tenant(cache), limits),
     )
     return CompletionRequest(
         prompt=_prompt(root, allow_single_item_list=False),
@@ -299,34 +310,37 @@ def parse_native_completion(
     )
 
 
-def _native_grammar(root: Mapping[str, Any], tenant: str) -> str | None:
-    """llama.cpp's `json_schema` (a JSON Schema) or `grammar` (GBNF); empty values leave output free."""
+def _native_grammar(root: Mapping[str, Any], tenant: str, limits: Limits) -> dict[str, str | None]:
+    """llama.cpp's `json_schema` (a JSON Schema) or `grammar` (GBNF) as SamplingParams fields; empty
+    values leave output free."""
     schema = _optional(root, "json_schema", _object)
     gbnf = _optional(root, "grammar", _string)
     if schema and gbnf:
         _fail("grammar", "send either json_schema or grammar, not both")
     if schema:
         schema = _json_value(schema, "json_schema")
-        _check_json_schema(schema, "json_schema", tenant)
-        return _json_grammar(schema, "json_schema", tenant)
+        _check_json_schema(schema, "json_schema", tenant, limits)
+        return {"grammar": _json_grammar(schema, "json_schema", limits), "grammar_param": "json_schema"}
     if gbnf:
-        grammar, error_message = _compiled_gbnf(tenant, gbnf)
+        overrun = gbnf_overrun(gbnf, limits.grammar)
+        if overrun is not None:
+            _fail("grammar", f"grammar is too large to compile: {overrun}", "grammar_too_large")
+        grammar, error_message = _GBNF_MEMO.get_or_compute((tenant, gbnf), lambda: _gbnf_to_lark(gbnf))
         if error_message:
             _fail("grammar", f"grammar cannot be used: {error_message}")
-        return grammar
-    return None
+        return {"grammar": grammar, "grammar_param": "grammar"}
+    return {}
 
 
-@functools.lru_cache(maxsize=SCHEMA_MEMO_ENTRIES)
-def _compiled_gbnf(tenant: str, gbnf: str) -> tuple[str, str | None]:
-    from llguidance import LLMatcher
+def _gbnf_to_lark(gbnf: str) -> tuple[str, str | None]:
+    """llguidance's Lark form of a GBNF grammar (pure Python, bounded by the rule count checked before);
+    whether it compiles is checked later, off the request threads (mlxcel.actors.grammar_check)."""
     from llguidance.gbnf_to_lark import any_to_lark
 
     try:
-        grammar = any_to_lark(gbnf)
+        return any_to_lark(gbnf), None
     except Exception as error:  # noqa: BLE001 - the converter raises bare Exception for unknown rules
-        return "", str(error) or type(error).__name__
-    return grammar, LLMatcher.validate_grammar(grammar) or None
+        return "", (str(error) or type(error).__name__).splitlines()[0]
 
 
 # llama.cpp samplers this server does not run, with the values that leave them off:
@@ -693,12 +707,20 @@ def _native_logit_bias(value: object, path: str, limits: Limits) -> tuple[tuple[
     return _biases(pairs, path, limits)
 
 
-def _json_grammar(schema: Mapping[str, Any], path: str, tenant: str) -> str:
-    """The llguidance grammar of a JSON Schema; a schema it cannot compile is a 400 naming ``path``."""
-    grammar, error_message = _compiled_grammar(tenant, json.dumps(schema, sort_keys=True))
-    if error_message:
-        _fail(path, f"{path} cannot be enforced: {error_message}", _UNSUPPORTED)
-    return grammar
+def _json_grammar(schema: Mapping[str, Any], path: str, limits: Limits) -> str:
+    """The llguidance grammar of a JSON Schema (a wrapper of its JSON: cheap); one too large is a 400
+    naming ``path``. Whether it compiles is checked later, under a time limit (mlxcel.actors.grammar_check)."""
+    from llguidance import LLMatcher
+
+    schema_json = json.dumps(schema, sort_keys=True)
+    overrun = schema_overrun(schema, schema_json, limits.grammar)
+    if overrun is not None:
+        _fail(path, f"{path} is too large to enforce: {overrun}", "grammar_too_large")
+    try:
+        # Compact JSON: no free whitespace, which an unsure model can repeat until max_tokens.
+        return LLMatcher.grammar_from_json_schema(schema_json, defaults={"whitespace_flexible": False})
+    except (ValueError, RuntimeError) as error:
+        _fail(path, f"{path} cannot be enforced: {str(error).splitlines()[0]}", _UNSUPPORTED)
 
 
 def _tenant(cache: CacheOptions) -> str:
@@ -707,34 +729,19 @@ def _tenant(cache: CacheOptions) -> str:
     return json.dumps([cache.cache_salt, cache.session_key])
 
 
-# Clients resend the same schemas every turn (agents: every tool, every request), so the
-# checks below are memoized by tenant and the schema's canonical JSON: values, not state
-# that a request could change. jsonschema's meta-schema check of 100 distinct tools
-# (353 KiB) took 266 ms on a tenant's first request, 15 ms on the next; 2,000 `anyOf`
-# branches take 0.6 s to compile to a grammar, once.
-@functools.lru_cache(maxsize=SCHEMA_MEMO_ENTRIES)
-def _compiled_grammar(tenant: str, schema_json: str) -> tuple[str, str | None]:
-    from llguidance import LLMatcher
-
-    try:
-        # Compact JSON: no free whitespace, which an unsure model can repeat until max_tokens.
-        grammar = LLMatcher.grammar_from_json_schema(schema_json, defaults={"whitespace_flexible": False})
-    except (ValueError, RuntimeError) as error:
-        return "", str(error)
-    return grammar, LLMatcher.validate_grammar(grammar) or None
-
-
-def _response_format(root: Mapping[str, Any], tenant: str) -> str | None:
-    """The grammar response_format asks for: None for text; json_object and json_schema compile one."""
+def _response_format(root: Mapping[str, Any], tenant: str, limits: Limits) -> dict[str, str | None]:
+    """The grammar response_format asks for, as SamplingParams fields: none for text; json_object and
+    json_schema make one."""
     value = root.get("response_format")
     if value is None:
-        return None
+        return {}
     response_format = _object(value, "response_format")
     format_type = _required(response_format, "type", "response_format")
     if format_type == "text":
-        return None
+        return {}
     if format_type == "json_object":
-        return _json_grammar({"type": "object"}, "response_format", tenant)
+        return {"grammar": _json_grammar({"type": "object"}, "response_format", limits),
+                "grammar_param": "response_format"}
     if format_type == "json_schema":
         path = "response_format.json_schema"
         spec = _object(_required(response_format, "json_schema", "response_format"), path)
@@ -745,8 +752,8 @@ def _response_format(root: Mapping[str, Any], tenant: str) -> str | None:
         # Required here (OpenAI's API lets it out): a schema-less json_schema is a mistake, not a request
         # for any object (that is json_object).
         schema = _json_value(_object(_required(spec, "schema", path), schema_path), schema_path)
-        _check_json_schema(schema, schema_path, tenant)
-        return _json_grammar(schema, schema_path, tenant)
+        _check_json_schema(schema, schema_path, tenant, limits)
+        return {"grammar": _json_grammar(schema, schema_path, limits), "grammar_param": schema_path}
     _fail("response_format.type", f"response_format.type {_kind(format_type)} is not supported; "
           "only 'text', 'json_object' and 'json_schema' are", _UNSUPPORTED)
 
@@ -781,7 +788,7 @@ def _openai_sampling(
     root: Mapping[str, Any], limits: Limits, *, default_max_tokens: int | None, legacy: bool, tenant: str
 ) -> SamplingParams:
     _check_n(root)
-    grammar = _response_format(root, tenant)
+    grammar = _response_format(root, tenant, limits)
     extra = _extra_body(root)
 
     def extension(key: str, read: Callable[[object, str], _T], default: _T) -> _T:
@@ -805,7 +812,7 @@ def _openai_sampling(
         presence_penalty=_optional(root, "presence_penalty", _penalty, 0.0),
         frequency_penalty=_optional(root, "frequency_penalty", _penalty, 0.0),
         logit_bias=_optional(root, "logit_bias", lambda value, path: _logit_bias(value, path, limits), ()),
-        grammar=grammar,
+        **grammar,
     )
 
 
@@ -1056,7 +1063,7 @@ def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
 # --- tools -------------------------------------------------------------------
 
 
-def _tools(root: Mapping[str, Any], tenant: str) -> tuple[dict[str, Any], ...] | None:
+def _tools(root: Mapping[str, Any], tenant: str, limits: Limits) -> tuple[dict[str, Any], ...] | None:
     items = _optional(root, "tools", _list)
     if not items:
         # An empty list means no tools, same as absent.
@@ -1080,23 +1087,38 @@ def _tools(root: Mapping[str, Any], tenant: str) -> tuple[dict[str, Any], ...] |
         parameters = _optional(function, "parameters", _object, prefix=function_path)
         if parameters is not None:
             _check_json_schema(
-                _json_value(parameters, f"{function_path}.parameters"), f"{function_path}.parameters", tenant
+                _json_value(parameters, f"{function_path}.parameters"), f"{function_path}.parameters", tenant,
+                limits,
             )
     return tuple(_json_value(items, "tools"))
 
 
-def _check_json_schema(schema: Mapping[str, Any], path: str, tenant: str) -> None:
-    """A tool's parameters must be a JSON Schema (checked against its draft's meta-schema)."""
-    error_message = _schema_error(tenant, json.dumps(schema, sort_keys=True))
+def _check_json_schema(schema: Mapping[str, Any], path: str, tenant: str, limits: Limits) -> None:
+    """A tool's parameters must be a JSON Schema (checked against its draft's meta-schema), and no
+    larger than a grammar may be (so the check itself stays cheap)."""
+    schema_json = json.dumps(schema, sort_keys=True)
+    overrun = schema_overrun(schema, schema_json, limits.grammar)
+    if overrun is not None:
+        _fail(path, f"{path} is too large: {overrun}", "grammar_too_large")
+    error_message = _SCHEMA_MEMO.get_or_compute((tenant, schema_json), lambda: _schema_error(schema))
     if error_message is not None:
         _fail(path, f"{path} is not a valid JSON Schema: {error_message}")
 
 
-@functools.lru_cache(maxsize=SCHEMA_MEMO_ENTRIES)
-def _schema_error(tenant: str, schema_json: str) -> str | None:
+# Clients resend the same schemas every turn (agents: every tool, every request), so the
+# checks are memoized by tenant and the schema's canonical JSON: values, not state that a
+# request could change. jsonschema's meta-schema check of 100 distinct tools (353 KiB)
+# took 266 ms on a tenant's first request, 15 ms on the next. The memos are bounded by the
+# characters they hold, not only their entries: 4,096 entries of 8 MB schemas kept +655 MB.
+_SCHEMA_MEMO: BoundedMemo[str | None] = BoundedMemo(
+    max_entries=SCHEMA_MEMO_ENTRIES, max_bytes=SCHEMA_MEMO_BYTES, value_nbytes=text_nbytes)
+_GBNF_MEMO: BoundedMemo[tuple[str, str | None]] = BoundedMemo(
+    max_entries=SCHEMA_MEMO_ENTRIES, max_bytes=SCHEMA_MEMO_BYTES, value_nbytes=text_nbytes)
+
+
+def _schema_error(schema: Any) -> str | None:
     from jsonschema import exceptions, validators
 
-    schema = json.loads(schema_json)
     try:
         validators.validator_for(schema, default=validators.Draft202012Validator).check_schema(schema)
     except exceptions.SchemaError as error:
