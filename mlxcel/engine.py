@@ -23,6 +23,7 @@ import trio
 from mlxcel.actors.cache_store import CacheStoreActor
 from mlxcel.actors.device import DeviceActor, DeviceSettings, ModelInfo
 from mlxcel.actors.disk_tier import DiskSettings, DiskTier, open_disk_tier
+from mlxcel.actors.grammar_check import GrammarChecker
 from mlxcel.actors.messages import (
     AdapterScales,
     CacheStoreStats,
@@ -40,7 +41,6 @@ from mlxcel.actors.messages import (
     UseDiskTier,
 )
 from mlxcel.actors.metrics import MetricsActor
-from mlxcel.actors.grammar_check import GrammarChecker
 from mlxcel.actors.router import PromptRenderer, RouterActor
 from mlxcel.actors.scheduler import SchedulerActor
 from mlxcel.actors.warmer import WarmerActor

@@ -47,26 +47,28 @@ def one_line(reason: str) -> str:
     return first[:_MAX_REASON_CHARS]
 
 
-# llguidance tokenizers by (tokenizer, eos ids): immutable once built, so engines of one model share one.
-_LL_TOKENIZERS: dict[tuple[int, tuple[int, ...]], tuple[Any, Any]] = {}
+# llguidance tokenizers by (tokenizer folder, size, eos ids): immutable once built, so engines of one model
+# share one (building it takes 1-12 s here).
+_LL_TOKENIZERS: dict[tuple[str, int, tuple[int, ...]], Any] = {}
 _LL_TOKENIZERS_LOCK = threading.Lock()
 
 
 def llguidance_tokenizer(tokenizer: Any, eos_token_ids: tuple[int, ...]) -> Any:
     from llguidance.hf import from_tokenizer
 
-    key = (id(tokenizer), eos_token_ids)
+    # mlx-lm's wrapper holds the Hugging Face tokenizer; its files' folder names it.
+    hf_tokenizer = getattr(tokenizer, "_tokenizer", tokenizer)
+    name = getattr(hf_tokenizer, "name_or_path", "") or str(id(hf_tokenizer))
+    key = (name, len(hf_tokenizer), eos_token_ids)
     with _LL_TOKENIZERS_LOCK:
         found = _LL_TOKENIZERS.get(key)
-        if found is not None and found[0] is tokenizer:
-            return found[1]
-    # mlx-lm's wrapper holds the Hugging Face tokenizer.
-    hf_tokenizer = getattr(tokenizer, "_tokenizer", tokenizer)
+        if found is not None:
+            return found
     built = from_tokenizer(hf_tokenizer, eos_token=list(eos_token_ids) or None)
     with _LL_TOKENIZERS_LOCK:
         if len(_LL_TOKENIZERS) >= 4:
             _LL_TOKENIZERS.clear()
-        _LL_TOKENIZERS[key] = (tokenizer, built)
+        _LL_TOKENIZERS[key] = built
     return built
 
 

@@ -68,6 +68,8 @@ MAX_CONCURRENT_ROUTES = 4
 # tokenizer gives no proven bound (see max_chars_per_token): only a size cap.
 FALLBACK_CHARS_PER_TOKEN = 1024
 REQUEST_TEMPLATE_PARAM = "chat_template_kwargs.chat_template"
+# The largest grammar strict or forced tools may make together (each tool's schema is bounded on its own).
+MAX_TOOL_GRAMMAR_CHARS = 1 << 20
 
 
 @attrs.frozen(kw_only=True)
@@ -238,6 +240,11 @@ class PromptRenderer:
                             end_marker=fmt.tool_call_end, special_ids=self._special_ids)
         except UnforceableToolChoice as error:
             raise InvalidRequest(str(error), param=param, code="unsupported_value") from None
+        if len(grammar) > MAX_TOOL_GRAMMAR_CHARS:
+            # Each schema is bounded; many tools together could still take minutes to compile.
+            raise InvalidRequest(
+                f"the tools' grammar is {len(grammar)} characters; the limit is {MAX_TOOL_GRAMMAR_CHARS}: "
+                "send fewer or smaller strict tools", param=param, code="grammar_too_large")
         # Whether it compiles is checked after rendering, off the render slots (RouterActor._check_grammar).
         return grammar
 
