@@ -280,6 +280,7 @@ def parse_native_completion(
     repeat_last_n = _optional(root, "repeat_last_n", lambda value, path: _int(value, path, -1, MAX_TOKEN_ID), 20)
     penalties_on = repeat_last_n != 0
     cache = _cache_options(root, extra, user_scopes_session=limits.user_scopes_session)
+    grammar, grammar_param = _native_grammar(root, _tenant(cache), limits)
     sampling = SamplingParams(
         temperature=_optional(root, "temperature", _temperature, 1.0),
         top_p=_optional(root, "top_p", _top_p, 1.0),
@@ -297,7 +298,8 @@ def parse_native_completion(
         logit_bias=_optional(
             root, "logit_bias", lambda value, path: _native_logit_bias(value, path, limits), ()
         ),
-        **_native_grammar(root, _tenant(cache), limits),
+        grammar=grammar,
+        grammar_param=grammar_param,
     )
     return CompletionRequest(
         prompt=_prompt(root, allow_single_item_list=False),
@@ -310,8 +312,8 @@ def parse_native_completion(
     )
 
 
-def _native_grammar(root: Mapping[str, Any], tenant: str, limits: Limits) -> dict[str, str | None]:
-    """llama.cpp's `json_schema` (a JSON Schema) or `grammar` (GBNF) as SamplingParams fields; empty
+def _native_grammar(root: Mapping[str, Any], tenant: str, limits: Limits) -> tuple[str | None, str | None]:
+    """llama.cpp's `json_schema` (a JSON Schema) or `grammar` (GBNF) and the field it came from; empty
     values leave output free."""
     schema = _optional(root, "json_schema", _object)
     gbnf = _optional(root, "grammar", _string)
@@ -320,7 +322,7 @@ def _native_grammar(root: Mapping[str, Any], tenant: str, limits: Limits) -> dic
     if schema:
         schema = _json_value(schema, "json_schema")
         _check_json_schema(schema, "json_schema", tenant, limits)
-        return {"grammar": _json_grammar(schema, "json_schema", limits), "grammar_param": "json_schema"}
+        return _json_grammar(schema, "json_schema", limits), "json_schema"
     if gbnf:
         overrun = gbnf_overrun(gbnf, limits.grammar)
         if overrun is not None:
@@ -328,8 +330,8 @@ def _native_grammar(root: Mapping[str, Any], tenant: str, limits: Limits) -> dic
         grammar, error_message = _GBNF_MEMO.get_or_compute((tenant, gbnf), lambda: _gbnf_to_lark(gbnf))
         if error_message:
             _fail("grammar", f"grammar cannot be used: {error_message}")
-        return {"grammar": grammar, "grammar_param": "grammar"}
-    return {}
+        return grammar, "grammar"
+    return None, None
 
 
 def _gbnf_to_lark(gbnf: str) -> tuple[str, str | None]:
@@ -729,19 +731,18 @@ def _tenant(cache: CacheOptions) -> str:
     return json.dumps([cache.cache_salt, cache.session_key])
 
 
-def _response_format(root: Mapping[str, Any], tenant: str, limits: Limits) -> dict[str, str | None]:
-    """The grammar response_format asks for, as SamplingParams fields: none for text; json_object and
+def _response_format(root: Mapping[str, Any], tenant: str, limits: Limits) -> tuple[str | None, str | None]:
+    """The grammar response_format asks for and the field it came from: none for text; json_object and
     json_schema make one."""
     value = root.get("response_format")
     if value is None:
-        return {}
+        return None, None
     response_format = _object(value, "response_format")
     format_type = _required(response_format, "type", "response_format")
     if format_type == "text":
-        return {}
+        return None, None
     if format_type == "json_object":
-        return {"grammar": _json_grammar({"type": "object"}, "response_format", limits),
-                "grammar_param": "response_format"}
+        return _json_grammar({"type": "object"}, "response_format", limits), "response_format"
     if format_type == "json_schema":
         path = "response_format.json_schema"
         spec = _object(_required(response_format, "json_schema", "response_format"), path)
@@ -753,7 +754,7 @@ def _response_format(root: Mapping[str, Any], tenant: str, limits: Limits) -> di
         # for any object (that is json_object).
         schema = _json_value(_object(_required(spec, "schema", path), schema_path), schema_path)
         _check_json_schema(schema, schema_path, tenant, limits)
-        return {"grammar": _json_grammar(schema, schema_path, limits), "grammar_param": schema_path}
+        return _json_grammar(schema, schema_path, limits), schema_path
     _fail("response_format.type", f"response_format.type {_kind(format_type)} is not supported; "
           "only 'text', 'json_object' and 'json_schema' are", _UNSUPPORTED)
 
@@ -788,7 +789,7 @@ def _openai_sampling(
     root: Mapping[str, Any], limits: Limits, *, default_max_tokens: int | None, legacy: bool, tenant: str
 ) -> SamplingParams:
     _check_n(root)
-    grammar = _response_format(root, tenant, limits)
+    grammar, grammar_param = _response_format(root, tenant, limits)
     extra = _extra_body(root)
 
     def extension(key: str, read: Callable[[object, str], _T], default: _T) -> _T:
@@ -812,7 +813,8 @@ def _openai_sampling(
         presence_penalty=_optional(root, "presence_penalty", _penalty, 0.0),
         frequency_penalty=_optional(root, "frequency_penalty", _penalty, 0.0),
         logit_bias=_optional(root, "logit_bias", lambda value, path: _logit_bias(value, path, limits), ()),
-        **grammar,
+        grammar=grammar,
+        grammar_param=grammar_param,
     )
 
 
