@@ -64,6 +64,12 @@ logger = logging.getLogger(__name__)
 RAW_PROMPT_TEMPLATE = "mlxcel:raw-prompt"
 # Requests rendered and tokenized at the same time (each in its own worker thread).
 MAX_CONCURRENT_ROUTES = 4
+# A prompt whose text (messages and tools) is longer than this renders in the large lane: one at a
+# time, at most MAX_LARGE_WAITING waiting. Four 9 MB prompts (under a 131k context's bound) held every
+# slot, and a normal request, for 114 s.
+LARGE_PROMPT_CHARS = 256 << 10
+MAX_LARGE_ROUTES = 1
+MAX_LARGE_WAITING = 16
 # Characters per token of context allowed in a rendered prompt when the
 # tokenizer gives no proven bound (see max_chars_per_token): only a size cap.
 FALLBACK_CHARS_PER_TOKEN = 1024
@@ -85,6 +91,23 @@ class RenderedPrompt:
     # The request's images: their digest (part of the cache key) and what the device encodes.
     mm_digest: bytes = TEXT_ONLY_MM_DIGEST
     vision: VisionInputs | None = attrs.field(default=None, repr=False)
+
+
+def prompt_chars(request: ChatRequest | CompletionRequest) -> int:
+    """The characters of a request's text (messages and tools, or a text prompt): what rendering costs."""
+    if isinstance(request, CompletionRequest):
+        return len(request.prompt) if isinstance(request.prompt, str) else 0
+    total = 0
+    stack: list[Any] = [request.messages, request.tools or ()]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            total += len(value)
+        elif isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, list | tuple):
+            stack.extend(value)
+    return total
 
 
 def rendered_tools(request: ChatRequest) -> list[Any] | None:
@@ -373,6 +396,9 @@ class RouterActor:
         self._num_in_flight = 0
         # Taken before a request leaves the inbox, so waiting requests stay there (a full inbox is a 503).
         self._slots = trio.Semaphore(max_concurrent)
+        # Prompts past LARGE_PROMPT_CHARS: rendered one at a time, a few waiting (more are a 503).
+        self._large_slots = trio.Semaphore(MAX_LARGE_ROUTES)
+        self._num_large_waiting = 0
         self._grammars = grammar_checker or GrammarChecker(model.tokenizer, model.eos_token_ids)
         # The server-wide LoRA scales (GET/POST /lora-adapters), one per loaded adapter.
         self._adapter_scales: tuple[float, ...] = tuple(adapter.scale for adapter in model.adapters)
@@ -390,23 +416,48 @@ class RouterActor:
                         except trio.EndOfChannel:
                             break
                         self._num_in_flight += 1
-                        nursery.start_soon(self._handle, message)
+                        if isinstance(message, RouteRequest | RenderPrompt) and (
+                                prompt_chars(message.request) > LARGE_PROMPT_CHARS):
+                            # Huge prompts render in a lane of their own, so they never take every slot.
+                            self._slots.release()
+                            self._start_large(nursery, message)
+                        else:
+                            nursery.start_soon(self._handle, message, self._slots)
+
+    def _start_large(self, nursery: trio.Nursery, message: RouteRequest | RenderPrompt) -> None:
+        if self._num_large_waiting >= MAX_LARGE_WAITING:
+            self._num_in_flight -= 1
+            busy = ServerBusy("too many very large prompts are waiting to be rendered; retry shortly")
+            if isinstance(message, RouteRequest):
+                self._reject(message, busy)
+            else:
+                _answer(message.reply_to, busy)
+            return
+        self._num_large_waiting += 1
+        nursery.start_soon(self._handle_large, message)
+
+    async def _handle_large(self, message: RouteRequest | RenderPrompt) -> None:
+        try:
+            await self._large_slots.acquire()
+        finally:
+            self._num_large_waiting -= 1
+        await self._handle(message, self._large_slots)
 
     def statistics(self) -> RouterStats:
         return RouterStats(num_routed=self._num_routed, num_rejected=self._num_rejected)
 
-    async def _handle(self, message: RouterMsg) -> None:
+    async def _handle(self, message: RouterMsg, slot: trio.Semaphore) -> None:
         match message:
             case RouteRequest():
-                await self._route(message)
+                await self._route(message, slot)
             case RenderPrompt():
-                await self._render(message)
+                await self._render(message, slot)
             case AdapterScales():
-                self._adapter_scales_message(message)
+                self._adapter_scales_message(message, slot)
             case _:
                 assert_never(message)
 
-    def _adapter_scales_message(self, message: AdapterScales) -> None:
+    def _adapter_scales_message(self, message: AdapterScales, slot: trio.Semaphore) -> None:
         try:
             if message.scales is not None:
                 self._adapter_scales = self._scales_of(message.scales, "body")
@@ -417,7 +468,7 @@ class RouterActor:
         except InvalidRequest as error:
             answer = error
         finally:
-            self._slot_done()
+            self._slot_done(slot)
         _answer(message.reply_to, answer)
 
     def _scales_of(self, pairs: tuple[tuple[int, float], ...], param: str) -> tuple[float, ...]:
@@ -435,22 +486,22 @@ class RouterActor:
     def _request_scales(self, request: ChatRequest | CompletionRequest) -> tuple[float, ...]:
         return self._adapter_scales if request.lora is None else self._scales_of(request.lora, "lora")
 
-    async def _render(self, message: RenderPrompt) -> None:
+    async def _render(self, message: RenderPrompt, slot: trio.Semaphore) -> None:
         try:
             rendered = await trio.to_thread.run_sync(self._renderer.render, message.request)
             answer: tuple[int, ...] | InvalidRequest = rendered.tokens
         except InvalidRequest as error:
             answer = error
         finally:
-            self._slot_done()
+            self._slot_done(slot)
         _answer(message.reply_to, answer)
 
-    async def _route(self, message: RouteRequest) -> None:
+    async def _route(self, message: RouteRequest, slot: trio.Semaphore) -> None:
         holds_slot = True
         try:
             rendered = await trio.to_thread.run_sync(self._renderer.render, message.request)
             # A grammar compiles without a render slot, so it never holds a plain request up.
-            self._slot_done()
+            self._slot_done(slot)
             holds_slot = False
             await self._check_grammar(message.request, rendered)
             submit = self._submission(message, rendered)
@@ -462,7 +513,7 @@ class RouterActor:
             self._reject(message, error)
         finally:
             if holds_slot:
-                self._slot_done()
+                self._slot_done(slot)
 
     async def _check_grammar(self, request: ChatRequest | CompletionRequest, rendered: RenderedPrompt) -> None:
         """A 400 naming the field whose grammar cannot be enforced (mlxcel.actors.grammar_check)."""
@@ -476,10 +527,10 @@ class RouterActor:
             await self._grammars.check(request.sampling.grammar, namespace=self._renderer.memo_namespace(request),
                                        param=param, what=what)
 
-    def _slot_done(self) -> None:
+    def _slot_done(self, slot: trio.Semaphore) -> None:
         """A routed message is done with its slot (the router admits a bounded number at once)."""
         self._num_in_flight -= 1
-        self._slots.release()
+        slot.release()
 
     def _reject(self, message: RouteRequest, error: InvalidRequest) -> None:
         self._num_rejected += 1

@@ -174,6 +174,8 @@ def _legacy_logprobs(logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
     }
 
 
+# The routes whose bodies are a few fields (cache reset, LoRA scales) take at most this much.
+SMALL_BODY_BYTES = 64 << 10
 # The stats carry every tenant's counters, so they are the admin's, like the reset.
 ADMIN_ROUTES = frozenset({"/v1/cache/reset", "/v1/cache/stats", "/metrics"})
 # GET lists the adapters; POST (the admin's) changes the server-wide scales, as llama.cpp's server.
@@ -245,7 +247,8 @@ def create_app(
     # Streams last as long as generation does; hypercorn's own timeouts guard idle sockets.
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = 60
-    app.config["MAX_CONTENT_LENGTH"] = None
+    # Any body Quart itself reads is bounded too (the routes read theirs through read_body).
+    app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     limits = limits or Limits()
 
     @app.before_request
@@ -306,11 +309,11 @@ def create_app(
             )
         return response
 
-    async def read_body(*, allow_list: bool = False) -> object:
+    async def read_raw_body(limit: int) -> bytes:
         declared = request.content_length
-        if declared is not None and declared > max_body_bytes:
+        if declared is not None and declared > limit:
             raise InvalidRequest(
-                f"the request body is {declared} bytes; the limit is {max_body_bytes}",
+                f"the request body is {declared} bytes; the limit is {limit}",
                 status=413, code="request_too_large",
             )
         # Read chunk by chunk so a body without a declared length is bounded too.
@@ -318,13 +321,17 @@ def create_app(
         size = 0
         async for chunk in request.body:
             size += len(chunk)
-            if size > max_body_bytes:
+            if size > limit:
                 raise InvalidRequest(
-                    f"the request body is over the limit of {max_body_bytes} bytes",
+                    f"the request body is over the limit of {limit} bytes",
                     status=413, code="request_too_large",
                 )
             chunks.append(chunk)
-        return decode_json_body(b"".join(chunks), max_bytes=max_body_bytes, allow_list=allow_list)
+        return b"".join(chunks)
+
+    async def read_body(*, allow_list: bool = False, limit: int = max_body_bytes) -> object:
+        raw = await read_raw_body(limit)
+        return decode_json_body(raw, max_bytes=limit, allow_list=allow_list)
 
     def check_model(parsed: ChatRequest | CompletionRequest) -> None:
         if parsed.model not in (None, "", *engine.model_names):
@@ -498,19 +505,21 @@ def create_app(
     async def completions_render() -> Response:
         return await render_route(parse_completion_request)
 
-    async def tokens_route(handler: Callable[[Engine, object], Any]) -> Response:
+    tokenizer_routes = llamacpp.TokenizerRoutes(engine)
+
+    async def tokens_route(handler: Callable[[object], Any]) -> Response:
         try:
-            return json_response(await handler(engine, await read_body()))
+            return json_response(await handler(await read_body()))
         except MlxcelError as error:
             return error_response(error)
 
     @app.post("/tokenize")
     async def tokenize() -> Response:
-        return await tokens_route(llamacpp.tokenize)
+        return await tokens_route(tokenizer_routes.tokenize)
 
     @app.post("/detokenize")
     async def detokenize() -> Response:
-        return await tokens_route(llamacpp.detokenize)
+        return await tokens_route(tokenizer_routes.detokenize)
 
     def model_card(name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": 0, "owned_by": "mlxcel"}
@@ -535,7 +544,8 @@ def create_app(
     @app.post(LORA_ROUTE)
     async def set_lora_adapters() -> Response:
         try:
-            scales = parse_adapter_scales(await read_body(allow_list=True), "body")
+            scales = parse_adapter_scales(
+                await read_body(allow_list=True, limit=min(SMALL_BODY_BYTES, max_body_bytes)), "body")
             return json_response(await engine.lora_adapters(scales))
         except MlxcelError as error:
             return error_response(error)
@@ -556,8 +566,15 @@ def create_app(
 
     @app.post("/v1/cache/reset")
     async def cache_reset() -> Response:
-        # ?disk=true (or {"disk": true}) clears the disk tier too.
-        body = await request.get_json(force=True, silent=True)
+        # ?disk=true (or {"disk": true}) clears the disk tier too; the body is optional and small.
+        try:
+            raw = await read_raw_body(min(SMALL_BODY_BYTES, max_body_bytes))
+        except MlxcelError as error:
+            return error_response(error)
+        try:
+            body = json.loads(raw) if raw.strip() else None
+        except ValueError:
+            body = None
         disk = request.args.get("disk", "").lower() in ("1", "true", "yes") or (
             isinstance(body, dict) and body.get("disk") is True)
         return json_response(await engine.reset_cache(disk=disk))
