@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from mlxcel.core.grammar_bounds import BoundedMemo, GrammarBounds, gbnf_overrun, schema_overrun, text_nbytes
+from mlxcel.core.grammar_bounds import DEFAULT_GRAMMAR_BOUNDS, BoundedMemo, GrammarBounds, gbnf_overrun, schema_overrun, text_nbytes
 
 
-def overrun(schema: object, bounds: GrammarBounds = GrammarBounds()) -> str | None:
+def overrun(schema: object, bounds: GrammarBounds = DEFAULT_GRAMMAR_BOUNDS) -> str | None:
     return schema_overrun(schema, json.dumps(schema), bounds)
 
 
