@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import json
 
-from mlxcel.core.grammar_bounds import DEFAULT_GRAMMAR_BOUNDS, BoundedMemo, GrammarBounds, gbnf_overrun, schema_overrun, text_nbytes
+from mlxcel.core.grammar_bounds import (
+    DEFAULT_GRAMMAR_BOUNDS,
+    BoundedMemo,
+    GrammarBounds,
+    gbnf_overrun,
+    schema_overrun,
+    text_nbytes,
+)
 
 
 def overrun(schema: object, bounds: GrammarBounds = DEFAULT_GRAMMAR_BOUNDS) -> str | None:
