@@ -160,6 +160,7 @@ async def run_server(
                 access_log=server_config.access_log,
                 limits=request_limits(server_config),
                 max_connections=server_config.max_connections,
+                max_connections_per_client=server_config.max_connections_per_client,
                 keep_alive_timeout=server_config.keep_alive_timeout,
                 body_timeout=server_config.body_timeout,
                 responses_store_entries=server_config.responses_store_entries,

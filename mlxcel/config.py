@@ -154,6 +154,9 @@ class ServerConfig:
     shutdown_grace_seconds: float = 30.0
     # Open connections at most (lowered to fit the open-file limit); the longest-idle one makes room.
     max_connections: int = 2048
+    # Without an API key: connections one client address may hold (0: no bound); the address's
+    # longest-waiting connection makes room for its next.
+    max_connections_per_client: int = 256
     # Seconds a connection may sit without a complete request (before the first one and between them).
     keep_alive_timeout: float = 5.0
     # Seconds a request body may take to arrive before a 408.
@@ -428,7 +431,11 @@ SERVER_SETTINGS = (
     Setting("shutdown_grace_seconds", "--shutdown-grace-seconds", ("MLXCEL_SHUTDOWN_GRACE_SECONDS",),
             parse_seconds, "after SIGTERM, seconds in-flight streams get to finish (default 30)"),
     Setting("max_connections", "--max-connections", ("MLXCEL_MAX_CONNECTIONS",), parse_positive_int,
-            "open connections at most; when full, the longest-idle one is closed (default 2048)"),
+            "open connections at most; when full, the one that has waited on its client longest (idle, "
+            "or a body still arriving) is closed (default 2048)"),
+    Setting("max_connections_per_client", "--max-connections-per-client", ("MLXCEL_MAX_CONNECTIONS_PER_CLIENT",),
+            parse_non_negative_int, "without --api-key, connections one client address may hold; past it the "
+            "address's own longest-waiting one is closed (default 256; 0: no bound; raise it behind a proxy)"),
     Setting("keep_alive_timeout", "--keep-alive-timeout", ("MLXCEL_KEEP_ALIVE_TIMEOUT",), parse_seconds,
             "seconds a connection may wait for its next complete request headers (default 5)"),
     Setting("body_timeout", "--body-timeout", ("MLXCEL_BODY_TIMEOUT",), parse_seconds,
