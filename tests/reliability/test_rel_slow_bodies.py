@@ -58,13 +58,13 @@ async def trickle(host: str, port: int, tally: FloodTally, stop: trio.Event, int
             await stream.aclose()
 
 
-async def normal_requests(base_url: str, count: int, timeout: float) -> list[float | None]:
+async def normal_requests(base_url: str, count: int, request_timeout: float) -> list[float | None]:
     """Each on a fresh connection, as a new client would come: its seconds, or None when it failed."""
     outcomes: list[float | None] = []
     for _ in range(count):
         started = time.monotonic()
         try:
-            async with httpx.AsyncClient(base_url=base_url, timeout=timeout) as client:
+            async with httpx.AsyncClient(base_url=base_url, timeout=request_timeout) as client:
                 response = await client.post("/v1/chat/completions", json=NORMAL)
             outcomes.append(time.monotonic() - started if response.status_code == 200 else None)
         except httpx.HTTPError:
@@ -73,7 +73,7 @@ async def normal_requests(base_url: str, count: int, timeout: float) -> list[flo
     return outcomes
 
 
-async def flood_and_measure(base_url: str, *, num_slow: int, num_normal: int, timeout: float = 5.0,
+async def flood_and_measure(base_url: str, *, num_slow: int, num_normal: int, request_timeout: float = 5.0,
                             ) -> tuple[list[float | None], FloodTally]:
     host, port = address(base_url)
     tally = FloodTally()
@@ -82,7 +82,7 @@ async def flood_and_measure(base_url: str, *, num_slow: int, num_normal: int, ti
         for _ in range(num_slow):
             nursery.start_soon(trickle, host, port, tally, stop)
         await trio.sleep(1.0)  # the flood fills the cap
-        outcomes = await normal_requests(base_url, num_normal, timeout)
+        outcomes = await normal_requests(base_url, num_normal, request_timeout)
         stop.set()
     return outcomes, tally
 
