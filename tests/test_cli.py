@@ -187,3 +187,23 @@ def test_volatile_system_normalization_flags() -> None:
     assert request_limits(server).volatile_system_patterns == ("^a", "^b")
     with pytest.raises(ConfigError, match="MLXCEL_VOLATILE_SYSTEM_PATTERNS"):
         configs([], {"MLXCEL_VOLATILE_SYSTEM_PATTERNS": "("})
+
+
+def test_grammar_and_connection_bounds_flags() -> None:
+    from mlxcel.cli import request_limits
+
+    engine, server = configs([])
+    assert engine.grammar_timeout == 10.0
+    assert request_limits(server).grammar.max_bytes == 256 << 10
+    assert server.max_connections_per_client == 256
+    engine, server = configs(["--grammar-timeout", "2.5", "--max-grammar-bytes", "4096",
+                              "--max-connections-per-client", "0"])
+    assert engine.grammar_timeout == 2.5
+    assert request_limits(server).grammar.max_bytes == 4096
+    assert server.max_connections_per_client == 0
+    engine, server = configs([], {"MLXCEL_GRAMMAR_TIMEOUT": "3", "MLXCEL_MAX_GRAMMAR_BYTES": "100",
+                                  "MLXCEL_MAX_CONNECTIONS_PER_CLIENT": "8"})
+    assert (engine.grammar_timeout, request_limits(server).grammar.max_bytes) == (3.0, 100)
+    assert server.max_connections_per_client == 8
+    with pytest.raises(ConfigError, match="MLXCEL_GRAMMAR_TIMEOUT"):
+        configs([], {"MLXCEL_GRAMMAR_TIMEOUT": "0"})

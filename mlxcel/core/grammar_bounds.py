@@ -31,7 +31,8 @@ class GrammarBounds:
 
     # A JSON Schema's canonical JSON, or a GBNF grammar's text.
     max_bytes: int = attrs.field(default=256 << 10, validator=attrs.validators.ge(1))
-    # Properties (and $defs, and other named subschemas) in one schema, however nested.
+    # Properties (and $defs, and other named subschemas) in one schema, however nested, and in all
+    # of a request's tools together (jsonschema's meta-schema check alone takes ~1 s per 1,000 here).
     max_schema_properties: int = attrs.field(default=2_000, validator=attrs.validators.ge(1))
     # patternProperties: each is a regex the compiler intersects with every other.
     max_pattern_properties: int = attrs.field(default=64, validator=attrs.validators.ge(0))
@@ -44,12 +45,29 @@ class GrammarBounds:
 DEFAULT_GRAMMAR_BOUNDS = GrammarBounds()
 
 
+def num_properties(schema: Any) -> int:
+    """Properties (and other named subschemas) in a schema, however nested: what a request's tools sum."""
+    total = 0
+    stack = [schema]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, Mapping):
+            for keyword in _NAMED_SUBSCHEMAS:
+                named = value.get(keyword)
+                if isinstance(named, Mapping):
+                    total += len(named)
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return total
+
+
 def schema_overrun(schema: Any, schema_json: str, bounds: GrammarBounds) -> str | None:
     """Why a JSON Schema is too large to compile (None: within bounds); ``schema_json`` is its JSON text."""
     nbytes = len(schema_json.encode())
     if nbytes > bounds.max_bytes:
         return f"the schema is {nbytes} bytes; the limit is {bounds.max_bytes}"
-    num_nodes = num_properties = num_patterns = 0
+    num_nodes = num_named = num_patterns = 0
     stack = [schema]
     while stack:
         value = stack.pop()
@@ -60,7 +78,7 @@ def schema_overrun(schema: Any, schema_json: str, bounds: GrammarBounds) -> str 
             for keyword in _NAMED_SUBSCHEMAS:
                 named = value.get(keyword)
                 if isinstance(named, Mapping):
-                    num_properties += len(named)
+                    num_named += len(named)
                     if keyword == "patternProperties":
                         num_patterns += len(named)
             stack.extend(value.values())
@@ -68,8 +86,8 @@ def schema_overrun(schema: Any, schema_json: str, bounds: GrammarBounds) -> str 
             stack.extend(value)
     if num_patterns > bounds.max_pattern_properties:
         return f"the schema has {num_patterns} patternProperties; the limit is {bounds.max_pattern_properties}"
-    if num_properties > bounds.max_schema_properties:
-        return f"the schema has {num_properties} properties; the limit is {bounds.max_schema_properties}"
+    if num_named > bounds.max_schema_properties:
+        return f"the schema has {num_named} properties; the limit is {bounds.max_schema_properties}"
     return None
 
 

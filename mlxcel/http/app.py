@@ -174,6 +174,9 @@ def _legacy_logprobs(logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
     }
 
 
+# Request fields that carry JSON Schemas or grammars, and the threads that parse such bodies at once.
+SCHEMA_FIELDS = ("tools", "response_format", "json_schema", "grammar")
+SCHEMA_PARSE_THREADS = 4
 # The routes whose bodies are a few fields (cache reset, LoRA scales) take at most this much.
 SMALL_BODY_BYTES = 64 << 10
 # The stats carry every tenant's counters, so they are the admin's, like the reset.
@@ -341,10 +344,18 @@ def create_app(
                 param="model", code="model_not_found", status=404,
             )
 
+    # Bodies with schemas or grammars parse on threads of their own: checking a new schema against its
+    # meta-schema takes up to seconds of Python, which must not take the threads plain requests parse on.
+    schema_parses = trio.CapacityLimiter(SCHEMA_PARSE_THREADS)
+
+    def parse_limiter(body: object, fields: tuple[str, ...] = SCHEMA_FIELDS) -> trio.CapacityLimiter | None:
+        return schema_parses if isinstance(body, dict) and any(body.get(field) for field in fields) else None
+
     async def parse_body(parse: Callable[..., _Parsed]) -> _Parsed:
         body = await read_body()
         # Off the event loop: a large tool set or a new response schema takes milliseconds to seconds.
-        parsed = await trio.to_thread.run_sync(functools.partial(parse, body, limits=limits))
+        parsed = await trio.to_thread.run_sync(functools.partial(parse, body, limits=limits),
+                                               limiter=parse_limiter(body))
         check_model(parsed)
         return parsed
 
@@ -401,7 +412,8 @@ def create_app(
                 raise responses.not_found(str(previous_id))
             template = getattr(getattr(engine, "config", None), "chat_template", None) or engine.model.chat_template
             prepared = await trio.to_thread.run_sync(functools.partial(
-                responses.prepare, body, previous, chat_template=template, limits=limits))
+                responses.prepare, body, previous, chat_template=template, limits=limits),
+                limiter=parse_limiter(body, ("tools", "text")))
             deltas, first = await start_parsed(prepared.chat)
             builder = responses.OutputBuilder(prepared, engine.model_id)
             if not prepared.chat.stream:

@@ -30,6 +30,7 @@ from mlxcel.core.grammar_bounds import (
     BoundedMemo,
     GrammarBounds,
     gbnf_overrun,
+    num_properties,
     schema_overrun,
     text_nbytes,
 )
@@ -1071,6 +1072,7 @@ def _tools(root: Mapping[str, Any], tenant: str, limits: Limits) -> tuple[dict[s
         # An empty list means no tools, same as absent.
         return None
     names: set[str] = set()
+    total_properties = 0
     for index, item in enumerate(items):
         path = f"tools[{index}]"
         tool = _object(item, path)
@@ -1088,10 +1090,14 @@ def _tools(root: Mapping[str, Any], tenant: str, limits: Limits) -> tuple[dict[s
         _optional(function, "strict", _bool, prefix=function_path)
         parameters = _optional(function, "parameters", _object, prefix=function_path)
         if parameters is not None:
-            _check_json_schema(
-                _json_value(parameters, f"{function_path}.parameters"), f"{function_path}.parameters", tenant,
-                limits,
-            )
+            schema_path = f"{function_path}.parameters"
+            schema = _json_value(parameters, schema_path)
+            _check_schema_size(schema, json.dumps(schema, sort_keys=True), schema_path, limits)
+            total_properties += num_properties(schema)
+            if total_properties > limits.grammar.max_schema_properties:
+                _fail("tools", f"the tools' parameters have more than {limits.grammar.max_schema_properties} "
+                      "properties in all", "grammar_too_large")
+            _check_json_schema(schema, schema_path, tenant, limits)
     return tuple(_json_value(items, "tools"))
 
 
@@ -1099,12 +1105,16 @@ def _check_json_schema(schema: Mapping[str, Any], path: str, tenant: str, limits
     """A tool's parameters must be a JSON Schema (checked against its draft's meta-schema), and no
     larger than a grammar may be (so the check itself stays cheap)."""
     schema_json = json.dumps(schema, sort_keys=True)
-    overrun = schema_overrun(schema, schema_json, limits.grammar)
-    if overrun is not None:
-        _fail(path, f"{path} is too large: {overrun}", "grammar_too_large")
+    _check_schema_size(schema, schema_json, path, limits)
     error_message = _SCHEMA_MEMO.get_or_compute((tenant, schema_json), lambda: _schema_error(schema))
     if error_message is not None:
         _fail(path, f"{path} is not a valid JSON Schema: {error_message}")
+
+
+def _check_schema_size(schema: Any, schema_json: str, path: str, limits: Limits) -> None:
+    overrun = schema_overrun(schema, schema_json, limits.grammar)
+    if overrun is not None:
+        _fail(path, f"{path} is too large: {overrun}", "grammar_too_large")
 
 
 # Clients resend the same schemas every turn (agents: every tool, every request), so the
