@@ -82,7 +82,7 @@ async def test_slow_compiles_are_cut_off_and_plain_requests_keep_their_threads_a
     """Within the size bounds a grammar may still compile slowly (2,000 properties: about a second here):
     past --grammar-timeout it is a 400, a grammar that found no compile place a 503, and a plain request
     sent among eight of them is served at once."""
-    client = await serve(grammar_timeout=0.2)
+    client = await serve(grammar_timeout=0.1)
 
     def schema(seed: int) -> dict[str, Any]:
         # Distinct per request, so no verdict is remembered.
