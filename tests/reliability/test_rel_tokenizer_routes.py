@@ -10,6 +10,7 @@ ids) and threads of their own, and every route reads its body within a limit.
 from __future__ import annotations
 
 import json
+import random
 import time
 from typing import Any
 
@@ -66,3 +67,27 @@ async def test_cache_reset_reads_a_small_body_only(client: httpx.AsyncClient) ->
     assert (await client.post("/v1/cache/reset")).status_code == 200
     lora = await client.post("/lora-adapters", content=big, headers={"content-type": "application/json"})
     assert lora.status_code == 413
+
+
+async def test_huge_prompts_under_the_bound_do_not_hold_up_a_small_one(client: httpx.AsyncClient) -> None:
+    """Prompts too large to tokenize quickly but under the character bound took every render slot, and a
+    normal request queued behind them (114 s on a 131k-context model); now they take a lane of their own,
+    so a normal request sent among eight of them is answered faster than the first of them."""
+    rng = random.Random(0)
+    done: dict[str, float] = {}
+    started = time.monotonic()
+
+    async def post(name: str, body: dict[str, Any]) -> None:
+        sent = time.monotonic()
+        await client.post("/v1/chat/completions", json=body)
+        done[name] = time.monotonic() - sent
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            for index in range(8):
+                # Distinct random words (no memo hits), 500k characters: under the bound, slow to tokenize.
+                text = " ".join(f"w{rng.randrange(10**6)}x" for _ in range(55_000))
+                nursery.start_soon(post, f"huge{index}", {**NORMAL, "messages": [{"role": "user", "content": text}]})
+            await trio.sleep(max(0.0, 0.3 - (time.monotonic() - started)))
+            nursery.start_soon(post, "normal", NORMAL)
+    assert done["normal"] < min(done[f"huge{index}"] for index in range(8)), done
