@@ -124,6 +124,7 @@ def serve_entry() -> None:
 
 def request_limits(server_config: ServerConfig) -> Limits:
     """The parse policies the server's flags ask for."""
+    from mlxcel.core.grammar_bounds import GrammarBounds
     from mlxcel.http.validation import DEFAULT_VOLATILE_SYSTEM_PATTERNS, Limits
 
     patterns = server_config.volatile_system_patterns or DEFAULT_VOLATILE_SYSTEM_PATTERNS
@@ -137,6 +138,7 @@ def request_limits(server_config: ServerConfig) -> Limits:
         allow_image_urls=server_config.allow_image_urls,
         image_fetch_timeout_s=server_config.image_fetch_timeout,
         image_fetch_allow=server_config.image_fetch_allow,
+        grammar=GrammarBounds(max_bytes=server_config.max_grammar_bytes),
     )
 
 
@@ -191,6 +193,7 @@ async def run_server(
                 access_log=server_config.access_log,
                 limits=request_limits(server_config),
                 max_connections=server_config.max_connections,
+                max_connections_per_client=server_config.max_connections_per_client,
                 keep_alive_timeout=server_config.keep_alive_timeout,
                 body_timeout=server_config.body_timeout,
                 responses_store_entries=server_config.responses_store_entries,

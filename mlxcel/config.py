@@ -138,6 +138,8 @@ class EngineConfig:
     lora_init_without_apply: bool = False
     # Accept `chat_template` in a request's chat_template_kwargs (rendered in a bounded sandbox).
     allow_request_chat_template: bool = False
+    # Seconds a request's grammar (JSON Schema, GBNF, strict or forced tools) may take to compile.
+    grammar_timeout: float = 10.0
     prompt_cache: PromptCacheConfig = PromptCacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     kv_events: KvEventsConfig = KvEventsConfig()
@@ -153,6 +155,8 @@ class ServerConfig:
     port: int = 8080
     metrics: bool = False
     max_body_bytes: int = 16 << 20
+    # The largest JSON Schema (canonical JSON) or GBNF grammar a request may send.
+    max_grammar_bytes: int = 256 << 10
     log_level: str = "info"
     # Required as `Authorization: Bearer KEY` on every route but /health.
     api_key: str | None = attrs.field(default=None, repr=False)
@@ -162,6 +166,9 @@ class ServerConfig:
     shutdown_grace_seconds: float = 30.0
     # Open connections at most (lowered to fit the open-file limit); the longest-idle one makes room.
     max_connections: int = 2048
+    # Without an API key: connections one client address may hold (0: no bound); the address's
+    # longest-waiting connection makes room for its next.
+    max_connections_per_client: int = 256
     # Seconds a connection may sit without a complete request (before the first one and between them).
     keep_alive_timeout: float = 5.0
     # Seconds a request body may take to arrive before a 408.
@@ -499,10 +506,17 @@ SERVER_SETTINGS = (
             "a separate key required for /v1/cache/reset and /metrics"),
     Setting("max_body_bytes", "--max-body-bytes", ("MLXCEL_MAX_BODY_BYTES",), parse_positive_int,
             "largest accepted request body (default 16 MiB)"),
+    Setting("max_grammar_bytes", "--max-grammar-bytes", ("MLXCEL_MAX_GRAMMAR_BYTES",), parse_positive_int,
+            "largest JSON Schema (response_format, json_schema, a tool's parameters) or GBNF grammar a "
+            "request may send (default 256 KiB)"),
     Setting("shutdown_grace_seconds", "--shutdown-grace-seconds", ("MLXCEL_SHUTDOWN_GRACE_SECONDS",),
             parse_seconds, "after SIGTERM, seconds in-flight streams get to finish (default 30)"),
     Setting("max_connections", "--max-connections", ("MLXCEL_MAX_CONNECTIONS",), parse_positive_int,
-            "open connections at most; when full, the longest-idle one is closed (default 2048)"),
+            "open connections at most; when full, the one that has waited on its client longest (idle, "
+            "or a body still arriving) is closed (default 2048)"),
+    Setting("max_connections_per_client", "--max-connections-per-client", ("MLXCEL_MAX_CONNECTIONS_PER_CLIENT",),
+            parse_non_negative_int, "without --api-key, connections one client address may hold; past it the "
+            "address's own longest-waiting one is closed (default 256; 0: no bound; raise it behind a proxy)"),
     Setting("keep_alive_timeout", "--keep-alive-timeout", ("MLXCEL_KEEP_ALIVE_TIMEOUT",), parse_seconds,
             "seconds a connection may wait for its next complete request headers (default 5)"),
     Setting("body_timeout", "--body-timeout", ("MLXCEL_BODY_TIMEOUT",), parse_seconds,
@@ -579,6 +593,9 @@ ENGINE_SETTINGS = (
             ("MLXCEL_ALLOW_REQUEST_CHAT_TEMPLATE",), parse_bool,
             "accept a chat template in a request's chat_template_kwargs, rendered in a bounded "
             "sandbox (default false: such a request gets a 400)", optional_value=True),
+    Setting("grammar_timeout", "--grammar-timeout", ("MLXCEL_GRAMMAR_TIMEOUT",), parse_seconds,
+            "seconds a request's grammar (response_format, json_schema, grammar, strict or forced tools) "
+            "may take to compile before the request gets a 400 (default 10)"),
     Setting("served_model_names", "--served-model-name", ("MLXCEL_SERVED_MODEL_NAME",), parse_model_name,
             "the model ids requests may name, the first reported as the model's id (default: the model "
             "folder's name or repo id)", multiple=True),

@@ -23,6 +23,7 @@ import trio
 from mlxcel.actors.cache_store import CacheStoreActor
 from mlxcel.actors.device import DeviceActor, DeviceSettings, ModelInfo
 from mlxcel.actors.disk_tier import DiskSettings, DiskTier, open_disk_tier
+from mlxcel.actors.grammar_check import GrammarChecker
 from mlxcel.actors.messages import (
     AdapterScales,
     CacheStoreStats,
@@ -508,6 +509,7 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             cache_enabled=config.prompt_cache.enabled,
             inbox=router_inbox,
             to_scheduler=to_scheduler.clone(),
+            grammar_checker=GrammarChecker(model.tokenizer, model.eos_token_ids, timeout_s=config.grammar_timeout),
         ).run)
         logger.info(
             "engine ready: model %s (%s, context %d, prefill step %d), prompt cache %s, APC %s",

@@ -74,6 +74,8 @@ class SamplingParams:
     # `ignore_eos` masks them for the whole reply (stop strings and max_tokens still end it).
     min_tokens: int = 0
     ignore_eos: bool = False
+    # The request field the grammar came from (what a refusal of it names); None: the router's tools.
+    grammar_param: str | None = None
     # Not sampling but the model the sequence runs: one scale per loaded LoRA adapter, in load
     # order (() : no adapters loaded). Carried here because it travels with the sequence to the
     # device exactly as the sampling settings do; the router sets it.

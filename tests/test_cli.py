@@ -246,3 +246,21 @@ def test_kv_event_addresses_bind_as_vllm_does_and_on_loopback() -> None:
     assert zmq_binds("tcp://[::1]:5557")
     assert not zmq_binds("tcp://collector:5557")
     assert not zmq_binds("tcp://10.0.0.5:5557")
+def test_grammar_and_connection_bounds_flags() -> None:
+    from mlxcel.cli import request_limits
+
+    engine, server = configs([])
+    assert engine.grammar_timeout == 10.0
+    assert request_limits(server).grammar.max_bytes == 256 << 10
+    assert server.max_connections_per_client == 256
+    engine, server = configs(["--grammar-timeout", "2.5", "--max-grammar-bytes", "4096",
+                              "--max-connections-per-client", "0"])
+    assert engine.grammar_timeout == 2.5
+    assert request_limits(server).grammar.max_bytes == 4096
+    assert server.max_connections_per_client == 0
+    engine, server = configs([], {"MLXCEL_GRAMMAR_TIMEOUT": "3", "MLXCEL_MAX_GRAMMAR_BYTES": "100",
+                                  "MLXCEL_MAX_CONNECTIONS_PER_CLIENT": "8"})
+    assert (engine.grammar_timeout, request_limits(server).grammar.max_bytes) == (3.0, 100)
+    assert server.max_connections_per_client == 8
+    with pytest.raises(ConfigError, match="MLXCEL_GRAMMAR_TIMEOUT"):
+        configs([], {"MLXCEL_GRAMMAR_TIMEOUT": "0"})

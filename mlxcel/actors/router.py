@@ -18,6 +18,7 @@ from typing import Any, assert_never
 import attrs
 import trio
 
+from mlxcel.actors.grammar_check import GrammarChecker
 from mlxcel.actors.messages import (
     AdapterScales,
     RenderPrompt,
@@ -68,12 +69,20 @@ RAW_PROMPT_TEMPLATE = "mlxcel:raw-prompt"
 MAX_CONCURRENT_ROUTES = 4
 # Requests fetching remote images at the same time (their own threads, not the render slots').
 MAX_CONCURRENT_FETCHES = 8
+# A prompt whose text (messages and tools) is longer than this renders in the large lane: one at a
+# time, at most MAX_LARGE_WAITING waiting. Four 9 MB prompts (under a 131k context's bound) held every
+# slot, and a normal request, for 114 s.
+LARGE_PROMPT_CHARS = 256 << 10
+MAX_LARGE_ROUTES = 1
+MAX_LARGE_WAITING = 16
 # Characters per token of context allowed in a rendered prompt when the
 # tokenizer gives no proven bound (see max_chars_per_token): only a size cap.
 FALLBACK_CHARS_PER_TOKEN = 1024
 REQUEST_TEMPLATE_PARAM = "chat_template_kwargs.chat_template"
 # Stands for a continued assistant message's text while the template renders (never in a prompt).
 CONTINUE_MARKER = "\x00mlxcel-continue\x00"
+# The largest grammar strict or forced tools may make together (each tool's schema is bounded on its own).
+MAX_TOOL_GRAMMAR_CHARS = 1 << 20
 
 
 @attrs.frozen(kw_only=True)
@@ -89,6 +98,23 @@ class RenderedPrompt:
     # The request's images: their digest (part of the cache key) and what the device encodes.
     mm_digest: bytes = TEXT_ONLY_MM_DIGEST
     vision: VisionInputs | None = attrs.field(default=None, repr=False)
+
+
+def prompt_chars(request: ChatRequest | CompletionRequest) -> int:
+    """The characters of a request's text (messages and tools, or a text prompt): what rendering costs."""
+    if isinstance(request, CompletionRequest):
+        return len(request.prompt) if isinstance(request.prompt, str) else 0
+    total = 0
+    stack: list[Any] = [request.messages, request.tools or ()]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            total += len(value)
+        elif isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, list | tuple):
+            stack.extend(value)
+    return total
 
 
 def rendered_tools(request: ChatRequest) -> list[Any] | None:
@@ -116,14 +142,6 @@ def forced_tool_names(request: ChatRequest) -> tuple[str, ...]:
     if request.tool_choice == "required":
         return tuple(tool["function"]["name"] for tool in request.tools)
     return (effective_tool_choice(request.tool_choice, request.tools),)
-
-
-@functools.lru_cache(maxsize=256)
-def _grammar_error(grammar: str) -> str | None:
-    """llguidance's complaint about a grammar (None: usable); agents resend the same tools every turn."""
-    from llguidance import LLMatcher
-
-    return LLMatcher.validate_grammar(grammar) or None
 
 
 class PromptRenderer:
@@ -175,7 +193,7 @@ class PromptRenderer:
             return RenderedPrompt(tokens=tokens, template_sig=template_signature(RAW_PROMPT_TEMPLATE, {}, "none", None))
         kwargs = self._template_kwargs(request)
         tools = rendered_tools(request)
-        namespace = self._memo_namespace(request)
+        namespace = self.memo_namespace(request)
         if request.images:
             return self._render_images(request, kwargs, tools, namespace)
         tokens = self._prompt_tokens(request, request.messages, tools, kwargs, namespace)
@@ -287,12 +305,12 @@ class PromptRenderer:
                             end_marker=fmt.tool_call_end, special_ids=self._special_ids)
         except UnforceableToolChoice as error:
             raise InvalidRequest(str(error), param=param, code="unsupported_value") from None
-        error_message = _grammar_error(grammar)
-        if error_message is not None:
+        if len(grammar) > MAX_TOOL_GRAMMAR_CHARS:
+            # Each schema is bounded; many tools together could still take minutes to compile.
             raise InvalidRequest(
-                f"the tools' parameters cannot be enforced: {error_message}", param="tools",
-                code="unsupported_value",
-            )
+                f"the tools' grammar is {len(grammar)} characters; the limit is {MAX_TOOL_GRAMMAR_CHARS}: "
+                "send fewer or smaller strict tools", param=param, code="grammar_too_large")
+        # Whether it compiles is checked after rendering, off the render slots (RouterActor._check_grammar).
         return grammar
 
     def next_turn_history(self, request: ChatRequest, reply_text: str) -> tuple[int, ...]:
@@ -306,7 +324,7 @@ class PromptRenderer:
         else:
             messages = (*request.messages, {"role": "assistant", "content": reply_text})
         return self._chat_tokens(
-            messages, tools, kwargs, add_generation_prompt=False, namespace=self._memo_namespace(request)
+            messages, tools, kwargs, add_generation_prompt=False, namespace=self.memo_namespace(request)
         )
 
     def _prompt_tokens(self, request: ChatRequest, messages: Any, tools: list[Any] | None,
@@ -345,7 +363,7 @@ class PromptRenderer:
         effort = effort_template_kwargs(request.reasoning_effort, template)
         return {**self._default_template_kwargs, **effort, **request.chat_template_kwargs}
 
-    def _memo_namespace(self, request: ChatRequest) -> tuple[str, str | None]:
+    def memo_namespace(self, request: ChatRequest | CompletionRequest) -> tuple[str, str | None]:
         """Whose tokenizer memo a request may use: its salt's, and its session's when sessions are isolated."""
         return (request.cache.cache_salt, request.cache.session_key if self._memo_per_session else None)
 
@@ -456,6 +474,7 @@ class RouterActor:
         inbox: trio.MemoryReceiveChannel[RouterMsg],
         to_scheduler: trio.MemorySendChannel[Any],
         max_concurrent: int = MAX_CONCURRENT_ROUTES,
+        grammar_checker: GrammarChecker | None = None,
     ) -> None:
         self._model = model
         self._renderer = renderer
@@ -469,6 +488,10 @@ class RouterActor:
         self._slots = trio.Semaphore(max_concurrent)
         # Requests whose remote images are being fetched (each fetch within --image-fetch-timeout).
         self._fetch_limiter = trio.CapacityLimiter(MAX_CONCURRENT_FETCHES)
+        # Prompts past LARGE_PROMPT_CHARS: rendered one at a time, a few waiting (more are a 503).
+        self._large_slots = trio.Semaphore(MAX_LARGE_ROUTES)
+        self._num_large_waiting = 0
+        self._grammars = grammar_checker or GrammarChecker(model.tokenizer, model.eos_token_ids)
         # The server-wide LoRA scales (GET/POST /lora-adapters), one per loaded adapter.
         self._adapter_scales: tuple[float, ...] = tuple(adapter.scale for adapter in model.adapters)
 
@@ -485,23 +508,48 @@ class RouterActor:
                         except trio.EndOfChannel:
                             break
                         self._num_in_flight += 1
-                        nursery.start_soon(self._handle, message)
+                        if isinstance(message, RouteRequest | RenderPrompt) and (
+                                prompt_chars(message.request) > LARGE_PROMPT_CHARS):
+                            # Huge prompts render in a lane of their own, so they never take every slot.
+                            self._slots.release()
+                            self._start_large(nursery, message)
+                        else:
+                            nursery.start_soon(self._handle, message, self._slots)
+
+    def _start_large(self, nursery: trio.Nursery, message: RouteRequest | RenderPrompt) -> None:
+        if self._num_large_waiting >= MAX_LARGE_WAITING:
+            self._num_in_flight -= 1
+            busy = ServerBusy("too many very large prompts are waiting to be rendered; retry shortly")
+            if isinstance(message, RouteRequest):
+                self._reject(message, busy)
+            else:
+                _answer(message.reply_to, busy)
+            return
+        self._num_large_waiting += 1
+        nursery.start_soon(self._handle_large, message)
+
+    async def _handle_large(self, message: RouteRequest | RenderPrompt) -> None:
+        try:
+            await self._large_slots.acquire()
+        finally:
+            self._num_large_waiting -= 1
+        await self._handle(message, self._large_slots)
 
     def statistics(self) -> RouterStats:
         return RouterStats(num_routed=self._num_routed, num_rejected=self._num_rejected)
 
-    async def _handle(self, message: RouterMsg) -> None:
+    async def _handle(self, message: RouterMsg, slot: trio.Semaphore) -> None:
         match message:
             case RouteRequest():
-                await self._route(message)
+                await self._route(message, slot)
             case RenderPrompt():
-                await self._render(message)
+                await self._render(message, slot)
             case AdapterScales():
-                self._adapter_scales_message(message)
+                self._adapter_scales_message(message, slot)
             case _:
                 assert_never(message)
 
-    def _adapter_scales_message(self, message: AdapterScales) -> None:
+    def _adapter_scales_message(self, message: AdapterScales, slot: trio.Semaphore) -> None:
         try:
             if message.scales is not None:
                 self._adapter_scales = self._scales_of(message.scales, "body")
@@ -512,7 +560,7 @@ class RouterActor:
         except InvalidRequest as error:
             answer = error
         finally:
-            self._slot_done()
+            self._slot_done(slot)
         _answer(message.reply_to, answer)
 
     def _scales_of(self, pairs: tuple[tuple[int, float], ...], param: str) -> tuple[float, ...]:
@@ -530,9 +578,9 @@ class RouterActor:
     def _request_scales(self, request: ChatRequest | CompletionRequest) -> tuple[float, ...]:
         return self._adapter_scales if request.lora is None else self._scales_of(request.lora, "lora")
 
-    async def _render(self, message: RenderPrompt) -> None:
+    async def _render(self, message: RenderPrompt, slot: trio.Semaphore) -> None:
         try:
-            request = await self._with_remote_images(message.request)
+            request = await self._with_remote_images(message.request, slot)
             rendered = await trio.to_thread.run_sync(self._renderer.render, request)
             answer: tuple[int, ...] | MlxcelError = rendered.tokens
         except InvalidRequest as error:
@@ -540,13 +588,18 @@ class RouterActor:
         except Exception:  # noqa: BLE001 - one request's failure must not end the router (and the server)
             answer = _preparation_failed()
         finally:
-            self._slot_done()
+            self._slot_done(slot)
         _answer(message.reply_to, answer)
 
-    async def _route(self, message: RouteRequest) -> None:
+    async def _route(self, message: RouteRequest, slot: trio.Semaphore) -> None:
+        holds_slot = True
         try:
-            request = await self._with_remote_images(message.request)
+            request = await self._with_remote_images(message.request, slot)
             rendered = await trio.to_thread.run_sync(self._renderer.render, request)
+            # A grammar compiles without a render slot, so it never holds a plain request up.
+            self._slot_done(slot)
+            holds_slot = False
+            await self._check_grammar(request, rendered)
             submit = self._submission(attrs.evolve(message, request=request), rendered)
             self._to_scheduler.send_nowait(submit)
             self._num_routed += 1
@@ -557,9 +610,11 @@ class RouterActor:
         except Exception:  # noqa: BLE001 - one request's failure must not end the router (and the server)
             self._reject(message, _preparation_failed())
         finally:
-            self._slot_done()
+            if holds_slot:
+                self._slot_done(slot)
 
-    async def _with_remote_images(self, request: ChatRequest | CompletionRequest) -> ChatRequest | CompletionRequest:
+    async def _with_remote_images(self, request: ChatRequest | CompletionRequest,
+                                  slot: trio.Semaphore) -> ChatRequest | CompletionRequest:
         """The request with its http(s) images fetched, its render slot given back meanwhile.
 
         Fetches run in threads of their own (at most ``MAX_CONCURRENT_FETCHES``
@@ -569,18 +624,30 @@ class RouterActor:
         if not isinstance(request, ChatRequest) or not any(
                 source.data is None and is_remote(source) for source in request.images):
             return request
-        self._slots.release()
+        slot.release()
         try:
             images = await trio.to_thread.run_sync(fetch_remote, request.images, limiter=self._fetch_limiter)
         finally:
             with trio.CancelScope(shield=True):
-                await self._slots.acquire()
+                await slot.acquire()
         return attrs.evolve(request, images=images)
 
-    def _slot_done(self) -> None:
+    async def _check_grammar(self, request: ChatRequest | CompletionRequest, rendered: RenderedPrompt) -> None:
+        """A 400 naming the field whose grammar cannot be enforced (mlxcel.actors.grammar_check)."""
+        if rendered.tool_grammar is not None:
+            await self._grammars.check(rendered.tool_grammar, namespace=self._renderer.memo_namespace(request),
+                                       param="tools", what="the tools' parameters cannot be enforced",
+                                       code="unsupported_value")
+        elif request.sampling.grammar is not None:
+            param = request.sampling.grammar_param or "response_format"
+            what = "grammar cannot be used" if param == "grammar" else f"{param} cannot be enforced"
+            await self._grammars.check(request.sampling.grammar, namespace=self._renderer.memo_namespace(request),
+                                       param=param, what=what)
+
+    def _slot_done(self, slot: trio.Semaphore) -> None:
         """A routed message is done with its slot (the router admits a bounded number at once)."""
         self._num_in_flight -= 1
-        self._slots.release()
+        slot.release()
 
     def _reject(self, message: RouteRequest, error: MlxcelError) -> None:
         self._num_rejected += 1

@@ -235,6 +235,11 @@ def _legacy_logprobs(logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
     }
 
 
+# Request fields that carry JSON Schemas or grammars, and the threads that parse such bodies at once.
+SCHEMA_FIELDS = ("tools", "response_format", "json_schema", "grammar")
+SCHEMA_PARSE_THREADS = 4
+# The routes whose bodies are a few fields (cache reset, LoRA scales) take at most this much.
+SMALL_BODY_BYTES = 64 << 10
 # The stats carry every tenant's counters, so they are the admin's, like the reset.
 ADMIN_ROUTES = frozenset({"/v1/cache/reset", "/v1/cache/stats", "/metrics"})
 # GET lists the adapters; POST (the admin's) changes the server-wide scales, as llama.cpp's server.
@@ -306,7 +311,8 @@ def create_app(
     # Streams last as long as generation does; hypercorn's own timeouts guard idle sockets.
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = 60
-    app.config["MAX_CONTENT_LENGTH"] = None
+    # Any body Quart itself reads is bounded too (the routes read theirs through read_body).
+    app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     limits = limits or Limits()
     fingerprint = system_fingerprint(engine)
 
@@ -368,11 +374,11 @@ def create_app(
             )
         return response
 
-    async def read_body(*, allow_list: bool = False) -> object:
+    async def read_raw_body(limit: int) -> bytes:
         declared = request.content_length
-        if declared is not None and declared > max_body_bytes:
+        if declared is not None and declared > limit:
             raise InvalidRequest(
-                f"the request body is {declared} bytes; the limit is {max_body_bytes}",
+                f"the request body is {declared} bytes; the limit is {limit}",
                 status=413, code="request_too_large",
             )
         # Read chunk by chunk so a body without a declared length is bounded too.
@@ -380,13 +386,17 @@ def create_app(
         size = 0
         async for chunk in request.body:
             size += len(chunk)
-            if size > max_body_bytes:
+            if size > limit:
                 raise InvalidRequest(
-                    f"the request body is over the limit of {max_body_bytes} bytes",
+                    f"the request body is over the limit of {limit} bytes",
                     status=413, code="request_too_large",
                 )
             chunks.append(chunk)
-        return decode_json_body(b"".join(chunks), max_bytes=max_body_bytes, allow_list=allow_list)
+        return b"".join(chunks)
+
+    async def read_body(*, allow_list: bool = False, limit: int = max_body_bytes) -> object:
+        raw = await read_raw_body(limit)
+        return decode_json_body(raw, max_bytes=limit, allow_list=allow_list)
 
     def check_model(parsed: ChatRequest | CompletionRequest | anthropic.MessagesRequest) -> None:
         if parsed.model not in (None, "", *engine.model_names):
@@ -396,10 +406,18 @@ def create_app(
                 param="model", code="model_not_found", status=404,
             )
 
+    # Bodies with schemas or grammars parse on threads of their own: checking a new schema against its
+    # meta-schema takes up to seconds of Python, which must not take the threads plain requests parse on.
+    schema_parses = trio.CapacityLimiter(SCHEMA_PARSE_THREADS)
+
+    def parse_limiter(body: object, fields: tuple[str, ...] = SCHEMA_FIELDS) -> trio.CapacityLimiter | None:
+        return schema_parses if isinstance(body, dict) and any(body.get(field) for field in fields) else None
+
     async def parse_body(parse: Callable[..., _Body]) -> _Body:
         body = await read_body()
         # Off the event loop: a large tool set or a new response schema takes milliseconds to seconds.
-        parsed = await trio.to_thread.run_sync(functools.partial(parse, body, limits=limits))
+        parsed = await trio.to_thread.run_sync(functools.partial(parse, body, limits=limits),
+                                               limiter=parse_limiter(body))
         check_model(parsed)
         return parsed
 
@@ -472,7 +490,8 @@ def create_app(
             if previous_id and previous is None:
                 raise responses.not_found(str(previous_id))
             prepared = await trio.to_thread.run_sync(functools.partial(
-                responses.prepare, body, previous, chat_template=template(), limits=limits))
+                responses.prepare, body, previous, chat_template=template(), limits=limits),
+                limiter=parse_limiter(body, ("tools", "text")))
             deltas, first = await start_parsed(prepared.chat)
             builder = responses.OutputBuilder(prepared, engine.model_id)
             # Hosted tools left out of the model's view are named, never dropped silently.
@@ -629,19 +648,21 @@ def create_app(
     async def completions_render() -> Response:
         return await render_route(parse_completion_request)
 
-    async def tokens_route(handler: Callable[[Engine, object], Any]) -> Response:
+    tokenizer_routes = llamacpp.TokenizerRoutes(engine)
+
+    async def tokens_route(handler: Callable[[object], Any]) -> Response:
         try:
-            return json_response(await handler(engine, await read_body()))
+            return json_response(await handler(await read_body()))
         except MlxcelError as error:
             return error_response(error)
 
     @app.post("/tokenize")
     async def tokenize() -> Response:
-        return await tokens_route(llamacpp.tokenize)
+        return await tokens_route(tokenizer_routes.tokenize)
 
     @app.post("/detokenize")
     async def detokenize() -> Response:
-        return await tokens_route(llamacpp.detokenize)
+        return await tokens_route(tokenizer_routes.detokenize)
 
     # llama.cpp's server routes (its README): what its web UI, tools and editor plugins call.
     @app.post("/infill")
@@ -711,7 +732,8 @@ def create_app(
     @app.post(LORA_ROUTE)
     async def set_lora_adapters() -> Response:
         try:
-            scales = parse_adapter_scales(await read_body(allow_list=True), "body")
+            scales = parse_adapter_scales(
+                await read_body(allow_list=True, limit=min(SMALL_BODY_BYTES, max_body_bytes)), "body")
             return json_response(await engine.lora_adapters(scales))
         except MlxcelError as error:
             return error_response(error)
@@ -732,8 +754,15 @@ def create_app(
 
     @app.post("/v1/cache/reset")
     async def cache_reset() -> Response:
-        # ?disk=true (or {"disk": true}) clears the disk tier too.
-        body = await request.get_json(force=True, silent=True)
+        # ?disk=true (or {"disk": true}) clears the disk tier too; the body is optional and small.
+        try:
+            raw = await read_raw_body(min(SMALL_BODY_BYTES, max_body_bytes))
+        except MlxcelError as error:
+            return error_response(error)
+        try:
+            body = json.loads(raw) if raw.strip() else None
+        except ValueError:
+            body = None
         disk = request.args.get("disk", "").lower() in ("1", "true", "yes") or (
             isinstance(body, dict) and body.get("disk") is True)
         return json_response(await engine.reset_cache(disk=disk))

@@ -18,8 +18,11 @@ from mlxcel.errors import ContextExceeded, InvalidRequest, MlxcelError
 from mlxcel.http.validation import _bool, _int, _list, _required, _root, _string
 from mlxcel.types import CompletionRequest, Delta, TokenLogprob, Usage
 
-__all__ = ["NativeReply", "detokenize", "error_body", "infill_prompt", "models", "props", "select_fields", "slots",
-           "tokenize"]
+__all__ = ["NativeReply", "TokenizerRoutes", "error_body", "infill_prompt", "models", "props", "select_fields",
+           "slots"]
+
+# Tokenizer-route requests tokenized at once (each in a thread of its own).
+TOKENIZER_ROUTE_THREADS = 2
 
 
 # --- token bytes -----------------------------------------------------------------
@@ -69,6 +72,48 @@ def _piece(raw: bytes) -> str | list[int]:
 # --- /tokenize and /detokenize ------------------------------------------------------
 
 
+class TokenizerRoutes:
+    """What bounds `/tokenize` and `/detokenize`: the prompt's own character bound (text that cannot fit
+    the context is refused before it is tokenized: 15 MB took 25-59 s and +4 GB), the context size for
+    ids, and threads of their own, so huge bodies never take the pool that rendering and parsing share."""
+
+    def __init__(self, engine: Engine, *, max_concurrent: int = TOKENIZER_ROUTE_THREADS) -> None:
+        self._engine = engine
+        self._limiter = trio.CapacityLimiter(max_concurrent)
+
+    @functools.cached_property
+    def max_chars(self) -> int:
+        from mlxcel.actors.router import FALLBACK_CHARS_PER_TOKEN
+        from mlxcel.model.tokenize import max_chars_per_token
+
+        model = self._engine.model
+        return model.context_size * (max_chars_per_token(model.tokenizer) or FALLBACK_CHARS_PER_TOKEN)
+
+    @property
+    def max_ids(self) -> int:
+        return self._engine.model.context_size
+
+    async def tokenize(self, body: object) -> dict[str, Any]:
+        root = _root(body)
+        content = _string(_required(root, "content"), "content")
+        if len(content) > self.max_chars:
+            raise InvalidRequest(
+                f"content is {len(content)} characters, more than this model's context can hold "
+                f"({self.max_chars} characters at most)", param="content", code="context_length_exceeded")
+        return await trio.to_thread.run_sync(_tokenize_sync, self._engine.model.tokenizer, root,
+                                             limiter=self._limiter, abandon_on_cancel=True)
+
+    async def detokenize(self, body: object) -> dict[str, Any]:
+        root = _root(body)
+        items = _list(_required(root, "tokens"), "tokens")
+        if len(items) > self.max_ids:
+            raise InvalidRequest(
+                f"tokens holds {len(items)} ids, more than this model's context size ({self.max_ids})",
+                param="tokens", code="context_length_exceeded")
+        return await trio.to_thread.run_sync(_detokenize_sync, self._engine.model.tokenizer, root,
+                                             limiter=self._limiter, abandon_on_cancel=True)
+
+
 def _tokenize_sync(tokenizer: Any, body: Mapping[str, Any]) -> dict[str, Any]:
     content = _string(_required(body, "content"), "content")
     add_special = _optional_bool(body, "add_special", False)
@@ -95,14 +140,6 @@ def detokenize_ids(tokenizer: Any, ids: tuple[int, ...]) -> str:
 def _optional_bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
     value = body.get(key)
     return default if value is None else _bool(value, key)
-
-
-async def tokenize(engine: Engine, body: object) -> dict[str, Any]:
-    return await trio.to_thread.run_sync(_tokenize_sync, engine.model.tokenizer, _root(body))
-
-
-async def detokenize(engine: Engine, body: object) -> dict[str, Any]:
-    return await trio.to_thread.run_sync(_detokenize_sync, engine.model.tokenizer, _root(body))
 
 
 # --- /completion replies ----------------------------------------------------------

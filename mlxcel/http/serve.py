@@ -20,6 +20,9 @@ answers 503 while the engine is still loading.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import contextvars
 import errno
 import json
 import logging
@@ -113,18 +116,33 @@ def connection_cap(max_connections: int) -> int:
 
 
 class _Connections:
-    """Open connections, which of them are idle (between requests) and since when."""
+    """Open connections: which are idle (between requests) or still receiving a body, since when, and
+    how many each client address holds.
 
-    def __init__(self, cap: int) -> None:
+    A connection that waits on its client (idle, or a body still arriving) is what makes room at the
+    cap, the one that has waited longest first; a connection whose request arrived whole is never
+    closed for room. So slow bodies, however many, cannot keep out a request that arrives complete.
+    """
+
+    def __init__(self, cap: int, per_client: int = 0) -> None:
         self.cap = cap
+        # 0: no per-client bound.
+        self.per_client = per_client
         self.idle_since: dict[_Connection, float | None] = {}
+        self.receiving_since: dict[_Connection, float] = {}
+        self.num_by_client: collections.Counter[str] = collections.Counter()
         self.changed = trio.Event()
 
     def add(self, connection: _Connection) -> None:
         self.idle_since[connection] = trio.current_time()
+        self.num_by_client[connection.client_host] += 1
 
     def remove(self, connection: _Connection) -> None:
+        self.receiving_since.pop(connection, None)
         if self.idle_since.pop(connection, False) is not False:
+            self.num_by_client[connection.client_host] -= 1
+            if self.num_by_client[connection.client_host] <= 0:
+                del self.num_by_client[connection.client_host]
             self.changed.set()
             self.changed = trio.Event()
 
@@ -132,14 +150,46 @@ class _Connections:
         if connection in self.idle_since:
             self.idle_since[connection] = trio.current_time() if idle else None
 
+    def receiving(self, connection: _Connection, receiving: bool) -> None:
+        """A request's body has started (True) or finished (False) arriving on ``connection``."""
+        if receiving and connection in self.idle_since:
+            self.receiving_since[connection] = trio.current_time()
+        else:
+            self.receiving_since.pop(connection, None)
+
     def idle(self) -> list[_Connection]:
         pairs = [(since, id(c), c) for c, since in self.idle_since.items() if since is not None and not c.closing]
         return [c for _, _, c in sorted(pairs)]
+
+    def waiting(self, client_host: str | None = None) -> list[_Connection]:
+        """Connections waiting on their client (idle, or a body still arriving), longest-waiting first."""
+        pairs = []
+        for connection, idle_since in self.idle_since.items():
+            if connection.closing or (client_host is not None and connection.client_host != client_host):
+                continue
+            since = idle_since if idle_since is not None else self.receiving_since.get(connection)
+            if since is not None:
+                pairs.append((since, id(connection), connection))
+        return [c for _, _, c in sorted(pairs)]
+
+    def over_client_bound(self, client_host: str) -> bool:
+        return self.per_client > 0 and self.num_by_client[client_host] >= self.per_client
 
 
 def _shielded() -> trio.CancelScope:
     """Safe from outside cancellation, but never stuck: a close takes at most a few seconds."""
     return trio.CancelScope(shield=True, deadline=trio.current_time() + CLOSE_SECONDS)
+
+
+# The connection a request arrived on, for the guard (the app's tasks run in its context).
+_CONNECTION: contextvars.ContextVar[_Connection | None] = contextvars.ContextVar("mlxcel_connection", default=None)
+
+
+def _client_host(stream: Any) -> str:
+    try:
+        return str(stream.socket.getpeername()[0])
+    except (OSError, IndexError, TypeError):
+        return ""
 
 
 class _Connection(TCPServer):
@@ -149,8 +199,10 @@ class _Connection(TCPServer):
         super().__init__(*args)
         self.connections = connections
         self.closing = False
+        self.client_host = _client_host(self.stream)
 
     async def run(self) -> None:
+        _CONNECTION.set(self)
         self.connections.add(self)
         try:
             await super().run()
@@ -216,8 +268,13 @@ class _Guard:
         body_done = trio.Event()
         started = False
         declared, chunked = _body_framing(scope)
+        connection = _CONNECTION.get()
         if not chunked and not declared:
             body_done.set()
+        elif connection is not None:
+            # Until the body is whole, this connection may be closed to make room (see _Connections).
+            connection.connections.receiving(connection, True)
+        # The whole body must arrive within body_timeout, however steadily it trickles.
         deadline_scope = trio.CancelScope(deadline=trio.current_time() + self.body_timeout)
 
         async def guarded_receive() -> dict[str, Any]:
@@ -225,6 +282,8 @@ class _Guard:
             if message["type"] != "http.request" or not message.get("more_body", False):
                 body_done.set()
                 deadline_scope.deadline = math.inf
+                if connection is not None:
+                    connection.connections.receiving(connection, False)
             return message
 
         async def guarded_send(message: dict[str, Any]) -> None:
@@ -243,13 +302,17 @@ class _Guard:
                 message = {**message, "headers": headers}
             await send(message)
 
-        with deadline_scope:
-            if self.app is None:
-                await _drain(guarded_receive)
-                status, body, headers = _loading_body(scope["path"])
-                await _send_json(guarded_send, status, body, headers)
-            else:
-                await self.app(scope, guarded_receive, guarded_send, sync_spawn, call_soon)
+        try:
+            with deadline_scope:
+                if self.app is None:
+                    await _drain(guarded_receive)
+                    status, body, headers = _loading_body(scope["path"])
+                    await _send_json(guarded_send, status, body, headers)
+                else:
+                    await self.app(scope, guarded_receive, guarded_send, sync_spawn, call_soon)
+        finally:
+            if connection is not None:
+                connection.connections.receiving(connection, False)
         if deadline_scope.cancelled_caught and not started:
             error = InvalidRequest(f"the request body did not arrive within {self.body_timeout:g} s",
                                    status=408, code="request_timeout")
@@ -285,9 +348,9 @@ async def _accept_loop(
     while True:
         if len(connections.idle_since) >= connections.cap:
             changed = connections.changed
-            idle = connections.idle()
-            if idle:
-                await idle[0].close_now()  # the longest-idle connection makes room
+            waiting = connections.waiting()
+            if waiting:
+                await waiting[0].close_now()  # the connection that has waited on its client longest makes room
             await changed.wait()
             continue
         try:
@@ -304,7 +367,27 @@ async def _accept_loop(
                 await connection.close_now()
             await trio.sleep(0.05)
             continue
+        client_host = _client_host(stream)
+        if connections.over_client_bound(client_host):
+            # One address holds its share: its own longest-waiting connection makes room, else it waits its turn.
+            own = connections.waiting(client_host)
+            if not own:
+                handler_nursery.start_soon(_refuse, stream)
+                continue
+            await own[0].close_now()
         handler_nursery.start_soon(make_connection(stream).run)
+
+
+async def _refuse(stream: trio.SocketStream) -> None:
+    """A 503 on a connection over its client's bound whose requests are all in progress, then close."""
+    error = ServerBusy("this client holds its share of connections, all busy; retry shortly")
+    payload = json.dumps(error.to_body()).encode()
+    head = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: "
+            f"{len(payload)}\r\nretry-after: 1\r\nconnection: close\r\n\r\n").encode()
+    with _shielded():
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await stream.send_all(head + payload)
+        await stream.aclose()
 
 
 async def serve(
@@ -321,6 +404,7 @@ async def serve(
     access_log: bool = False,
     limits: Limits | None = None,
     max_connections: int = 2048,
+    max_connections_per_client: int = 256,
     keep_alive_timeout: float = 5.0,
     body_timeout: float = 60.0,
     responses_store_entries: int = 1024,
@@ -351,7 +435,9 @@ async def serve(
     pending = engine if isinstance(engine, PendingEngine) else None
     guard = _Guard(body_timeout)
     context = WorkerContext(None)
-    connections = _Connections(connection_cap(max_connections))
+    # Without an API key nothing but the address tells clients apart: each gets a bounded share.
+    connections = _Connections(connection_cap(max_connections),
+                               per_client=max_connections_per_client if api_key is None else 0)
 
     def make_connection(stream: trio.SocketStream) -> _Connection:
         return _Connection(connections, guard, config, context, ConnectionState({}), stream)

@@ -461,8 +461,9 @@ class GatedRenderer:
         self.release = threading.Event()
 
     def render(self, request: Any) -> Any:
-        if isinstance(request, CompletionRequest) and request.prompt == "slow":
+        if isinstance(request, CompletionRequest) and str(request.prompt).startswith("slow"):
             assert self.release.wait(10)
+            request = attrs.evolve(request, prompt="slow")
         return self.inner.render(request)
 
 
@@ -480,6 +481,27 @@ async def test_a_slow_render_does_not_hold_up_other_requests(nursery: trio.Nurse
         submit = await harness.scheduler.receive()
     assert submit.request.request_id == "slow"
     assert harness.actor.statistics() == RouterStats(num_routed=2, num_rejected=0)
+
+
+async def test_huge_prompts_never_take_every_render_slot(nursery: trio.Nursery) -> None:
+    """Four prompts of many megabytes (under a long context's bound) took all four slots, and a normal
+    request waited for their tokenizing (114 s); huge ones now render one at a time in a lane of their own."""
+    from mlxcel.actors.router import LARGE_PROMPT_CHARS
+
+    renderer = GatedRenderer()
+    harness = await start_router(nursery, renderer=renderer)
+    huge = "slow" + "x" * LARGE_PROMPT_CHARS
+    for index in range(6):
+        events_send, _events = trio.open_memory_channel[StreamEvent](4)
+        await harness.inbox.send(RouteRequest(request=CompletionRequest(prompt=huge), request_id=f"huge{index}",
+                                              events=events_send))
+    submit, _ = await harness.route(CompletionRequest(prompt="hello"), "small")
+    assert submit is not None
+    assert submit.request_id == "small"
+    renderer.release.set()
+    with trio.fail_after(20):
+        routed = {(await harness.scheduler.receive()).request.request_id for _ in range(6)}
+    assert routed == {f"huge{index}" for index in range(6)}
 
 
 async def test_render_prompt_renders_without_submitting(nursery: trio.Nursery) -> None:

@@ -181,12 +181,11 @@ BAD_OPENAI_SAMPLING: list[tuple[dict[str, Any], str, str]] = [
      "response_format.json_schema.schema", TYPE),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format.json_schema.schema", VALUE),
-    # Valid JSON Schema the grammar engine cannot enforce: refused, not ignored.
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}},
-     "response_format.json_schema.schema", UNSUPPORTED),
-    ({"response_format": {"type": "json_schema",
-                          "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(?=x)"}}}},
-     "response_format.json_schema.schema", UNSUPPORTED),
+    # Valid JSON Schema the grammar engine cannot enforce is refused by the router, once compiled
+    # (tests/actors/test_grammar_check.py); one too large to compile is refused here.
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "patternProperties": {f"^a{i}": {"type": "string"} for i in range(65)}}}}},
+     "response_format.json_schema.schema", "grammar_too_large"),
     ({"response_format": {}}, "response_format.type", MISSING),
     ({"response_format": "text"}, "response_format", TYPE),
     ({"top_logprobs": 2}, "top_logprobs", VALUE),
@@ -1168,7 +1167,9 @@ def test_native_json_schema_and_gbnf_grammar_compile_to_a_grammar() -> None:
     ({"grammar": "root ::= missing"}, "grammar", "missing"),
     ({"grammar": 7}, "grammar", None),
     ({"json_schema": {"type": "nope"}}, "json_schema", "not a valid JSON Schema"),
-    ({"json_schema": {"type": "string", "pattern": "(?=x)"}}, "json_schema", "cannot be enforced"),
+    ({"json_schema": {"properties": {f"p{i}": {} for i in range(2001)}}}, "json_schema", "2001 properties"),
+    ({"grammar": "root ::= a\n" + "".join(f'a ::= "{i}"\n' for i in range(512))}, "grammar", "513 rules"),
+    ({"grammar": 'root ::= "' + "x" * (256 << 10) + '"'}, "grammar", "the limit is 262144"),
     ({"json_schema": {"type": "object"}, "grammar": 'root ::= "a"'}, "grammar", "not both"),
 ])
 def test_native_grammars_that_cannot_be_used_are_refused_with_a_reason(
@@ -1212,7 +1213,7 @@ def test_schema_checks_are_remembered_per_tenant_only(monkeypatch: pytest.Monkey
 
     from mlxcel.http import validation
 
-    validation._schema_error.cache_clear()
+    validation._SCHEMA_MEMO.clear()
     checked: list[object] = []
     original = validators.Draft202012Validator.check_schema
     monkeypatch.setattr(validators.Draft202012Validator, "check_schema",

@@ -14,6 +14,7 @@ and its cache stats are consistent.
 from __future__ import annotations
 
 import json
+import socket
 import time
 from typing import Any
 
@@ -87,6 +88,44 @@ unknown_roles = st.one_of(
 )
 
 # --- body strategies -----------------------------------------------------------------
+
+
+# Grammar bombs within the fuzz server's 64 KiB body: each shape whose compile time grows fast
+# (patternProperties, properties, enum members, nesting, GBNF rules and branches), from well within
+# the bounds to past them, and regexes llguidance cannot enforce.
+regexes = st.sampled_from(["^a+$", "(a+)+$", "(?=x)", "[", "^(a|b|ab){1,20}$", "\\p{L}+", "x{2,1}", "."])
+
+
+@st.composite
+def schema_bombs(draw: st.DrawFn) -> Any:
+    shape = draw(st.sampled_from(["pattern_properties", "properties", "enum", "nested", "any_of", "pattern"]))
+    count = draw(st.one_of(st.integers(min_value=0, max_value=80), st.integers(min_value=500, max_value=2500)))
+    if shape == "pattern_properties":
+        return {"type": "object", "patternProperties": {
+            f"^a{i}[a-z]+{i}$": {"type": "string"} for i in range(min(count, 900))}}
+    if shape == "properties":
+        return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(count)}}
+    if shape == "enum":
+        return {"enum": [f"v{i}" for i in range(count * 4)]}
+    if shape == "nested":
+        schema: Any = {"type": "string"}
+        for _ in range(min(count, 60)):
+            schema = {"type": "array", "items": schema}
+        return schema
+    if shape == "any_of":
+        return {"anyOf": [{"const": i} for i in range(count)]}
+    return {"type": "string", "pattern": draw(regexes)}
+
+
+@st.composite
+def gbnf_bombs(draw: st.DrawFn) -> str:
+    shape = draw(st.sampled_from(["rules", "branches", "broken"]))
+    count = draw(st.one_of(st.integers(min_value=1, max_value=60), st.integers(min_value=500, max_value=2000)))
+    if shape == "rules":
+        return "root ::= r0\n" + "".join(f'r{i} ::= "x" r{i + 1} | "y"\n' for i in range(count)) + f'r{count} ::= "z"'
+    if shape == "branches":
+        return "root ::= " + " | ".join(f'"a{i}"' for i in range(count * 3))
+    return draw(st.sampled_from(['root ::= "yes', "root ::= missing", "root ::= ( ( (", "::=", 'root ::= [a-']))
 
 
 @st.composite
@@ -200,7 +239,7 @@ def mutated(draw: st.DrawFn, base: st.SearchStrategy[dict[str, Any]], kind: str)
     for _ in range(draw(st.integers(min_value=0, max_value=2))):
         choice = draw(st.sampled_from([
             "retype", "retype", "retype", "max_tokens", "sampling", "stop_many", "cache_key",
-            "role", "parts", "context", "unknown_field",
+            "role", "parts", "context", "unknown_field", "grammar",
         ]))
         labels.append(choice)
         if choice == "retype":
@@ -242,6 +281,15 @@ def mutated(draw: st.DrawFn, base: st.SearchStrategy[dict[str, Any]], kind: str)
                 body["messages"] = [{"role": "user", "content": long_text}]
             else:
                 body["prompt"] = long_text
+        elif choice == "grammar":
+            if kind == "native":
+                if draw(st.booleans()):
+                    body["grammar"] = draw(gbnf_bombs())
+                else:
+                    body["json_schema"] = draw(schema_bombs())
+            else:
+                body["response_format"] = {"type": "json_schema", "json_schema": {
+                    "name": "bomb", "schema": draw(schema_bombs())}}
         elif choice == "unknown_field":
             key = draw(st.text(min_size=1, max_size=10).filter(lambda k: k not in LIMIT_KEYS))
             body[key] = draw(json_values)
@@ -469,3 +517,108 @@ async def test_unread_bodies_on_every_status_leave_the_connection_answering(star
     assert {status for status, _ in outcomes} == set(UNREAD_BODY_CASES), outcomes
     # Bodies the server could wait for keep the connection; refusals that never read it close it.
     assert all(follow_up == "answered" for (status, follow_up) in outcomes if status in (200, 404, 405, 400)), outcomes
+
+
+# --- the tokenizer routes -----------------------------------------------------------
+
+tokenize_bodies = st.fixed_dictionaries(
+    {"content": st.one_of(words, json_values, st.integers(min_value=0, max_value=60_000).map(lambda n: "ab " * n))},
+    optional={"add_special": st.one_of(st.booleans(), json_values), "with_pieces": st.one_of(st.booleans(), json_values),
+              "parse_special": st.one_of(st.booleans(), json_values)},
+)
+detokenize_bodies = st.fixed_dictionaries({"tokens": st.one_of(
+    st.lists(token_ids, max_size=8), json_values,
+    st.integers(min_value=4000, max_value=8000).map(lambda n: [1] * n),  # around the 4,096 context
+)})
+
+
+async def test_fuzzed_tokenizer_route_bodies_never_get_a_5xx(start_engine, start_server) -> None:
+    engine = await start_engine()
+    base_url = await start_server(engine, max_body_bytes=MAX_BODY_BYTES)
+    seen: dict[str, int] = {}
+
+    with httpx.Client(base_url=base_url, timeout=60) as client:
+
+        @settings(FUZZ_SETTINGS, max_examples=80)
+        @given(path=st.sampled_from(["/tokenize", "/detokenize"]), data=st.data())
+        def fuzz(path: str, data: st.DataObject) -> None:
+            body = data.draw(tokenize_bodies if path == "/tokenize" else detokenize_bodies)
+            raw = json.dumps(body).encode()
+            if data.draw(st.integers(min_value=0, max_value=9)) == 0:
+                raw = raw[:-1] + b', "pad": "' + b"x" * (MAX_BODY_BYTES + 10) + b'"}'
+            response = client.post(path, content=raw, headers={"content-type": "application/json"})
+            seen[str(response.status_code)] = seen.get(str(response.status_code), 0) + 1
+            context = f"{path} {raw[:200]!r} -> {response.status_code} {response.text[:200]!r}"
+            assert response.status_code in (200, 400, 413), context
+            if response.status_code == 200:
+                key = "tokens" if path == "/tokenize" else "content"
+                assert key in response.json(), context
+            else:
+                assert set(response.json()["error"]) == {"message", "type", "param", "code"}, context
+
+        with trio.fail_after(120):
+            await trio.to_thread.run_sync(fuzz)
+        assert seen.get("200", 0) >= 5, seen
+        assert seen.get("400", 0) >= 5, seen
+        good = await trio.to_thread.run_sync(lambda: client.post("/v1/chat/completions", json=GOOD_CHAT))
+        assert good.status_code == 200
+
+
+# --- slow bodies ------------------------------------------------------------------------
+
+
+async def test_fuzzed_slow_bodies_are_answered_or_timed_out_never_stuck(start_engine, start_server) -> None:
+    """Fuzzed bodies sent in pieces at fuzzed pace: within --body-timeout they get their answer
+    (never a 5xx), past it a 408; either way the server serves a normal request afterwards."""
+    from tests.reliability.test_rel_connections import read_response
+
+    engine = await start_engine()
+    base_url = await start_server(engine, max_body_bytes=MAX_BODY_BYTES, body_timeout=1.0)
+    host, port = base_url.removeprefix("http://").split(":")
+    seen: dict[str, int] = {}
+
+    @settings(FUZZ_SETTINGS, max_examples=30)
+    @given(case=mutated(chat_bodies(), "chat"), num_pieces=st.integers(min_value=1, max_value=6),
+           pause=st.sampled_from([0.0, 0.05, 0.15, 0.4]))
+    def fuzz(case: Case, num_pieces: int, pause: float) -> None:
+        raw = case.raw
+        head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(raw))
+        size = max(1, -(-len(raw) // num_pieces))
+        # Generous: the first grammar builds llguidance's tokenizer tables (seconds on this CPU).
+        with socket.create_connection((host, int(port)), timeout=90) as sock:
+            sock.sendall(head)
+            try:
+                for start in range(0, len(raw), size):
+                    time.sleep(pause)
+                    sock.sendall(raw[start:start + size])
+            except OSError:
+                pass  # refused before the body ended (a 413, a 408): the answer below says which
+            started = time.monotonic()
+            try:
+                response = read_response(sock)
+            except TimeoutError as error:
+                raise AssertionError(f"no answer after {time.monotonic() - started:.1f} s: {case!r}") from error
+        assert response is not None, case
+        status = response[0]
+        seen[str(status)] = seen.get(str(status), 0) + 1
+        assert status < 500, (case, response)
+        if pause * num_pieces > 1.5:
+            assert status in (408, 413, 400), (case, response)
+
+    with trio.fail_after(240):
+        await trio.to_thread.run_sync(fuzz)
+    assert seen.get("200", 0) >= 1, seen
+
+    def after() -> tuple[int | None, int]:
+        # A body still arriving after --body-timeout (1 s here) is a 408, then a normal request is served.
+        raw = json.dumps(GOOD_CHAT).encode()
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                         b"\r\nContent-Length: %d\r\n\r\n" % len(raw) + raw[:5])
+            time.sleep(1.5)
+            late = read_response(sock)
+        with httpx.Client(base_url=base_url, timeout=30) as client:
+            return (late[0] if late else None), client.post("/v1/chat/completions", json=GOOD_CHAT).status_code
+
+    assert await trio.to_thread.run_sync(after) == (408, 200)

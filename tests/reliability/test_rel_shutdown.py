@@ -224,3 +224,41 @@ async def test_health_answers_while_the_model_loads_then_turns_200() -> None:
             process.wait(timeout=10)
 
     await run_in_thread(scenario)
+
+
+async def test_sigterm_exits_promptly_while_a_grammar_compiles(tmp_path: Path) -> None:
+    """Issue 33: with grammars compiling (strict tools of many properties: seconds each, and the first
+    builds llguidance's tokenizer tables), SIGTERM still ends the process within the grace period;
+    before, compiles held worker threads that shutdown could not cancel and it needed SIGKILL."""
+    from tests.http.test_tool_loop_and_logprobs import fixture_copy
+    from tests.integration.test_tool_calls import TOOL_TEMPLATE
+
+    folder = fixture_copy(tmp_path / "tools", template=TOOL_TEMPLATE)
+    tools = [{"type": "function", "function": {"name": f"tool{t}", "strict": True, "parameters": {
+        "type": "object", "properties": {f"t{t}p{i}": {"type": "integer"} for i in range(1000)}}}}
+        for t in range(2)]
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 4}
+
+    def scenario() -> None:
+        with mlxcel_serve("-m", str(folder), "--shutdown-grace-seconds", "2", "--grammar-timeout", "300") as (
+                process, base_url):
+            outcome: list[object] = []
+
+            def post() -> None:
+                try:
+                    outcome.append(httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120).status_code)
+                except httpx.HTTPError as error:
+                    outcome.append(type(error).__name__)
+
+            sender = threading.Thread(target=post, daemon=True)
+            sender.start()
+            time.sleep(4.0)  # parsed (~2 s here) and rendered; its grammar (or the tokenizer tables) compiling
+            assert sender.is_alive(), outcome
+            signalled = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            status = process.wait(timeout=30)
+            assert status == 0
+            assert time.monotonic() - signalled < 12
+            sender.join(10)
+
+    await run_in_thread(scenario)

@@ -1,0 +1,116 @@
+"""Grammars built to hurt the server, through real HTTP against a real server (issue 33, items 1 and 2).
+
+Found by hostile testing: a 30 KB schema of 800 patternProperties compiled for
+399 s, a 20,000-rule GBNF grammar for over 7 minutes, 41 such requests took
+every worker thread (a normal chat timed out, SIGTERM no longer worked), and
+100k GBNF branches reached a llguidance panic answered as a 500 with its Rust
+backtrace. Now each is refused with a 400 naming its field, in about a
+second, while a normal request beside them is served.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+NORMAL = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
+PATTERN_BOMB = {"type": "object", "patternProperties": {f"^a{i}[a-z]+{i}$": {"type": "string"} for i in range(800)}}
+PROPERTY_BOMB = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(100_000)}}
+RULES_BOMB = "root ::= r0\n" + "\n".join(f'r{i} ::= "x{i}" r{i + 1} | "y"' for i in range(20_000)) + '\nr20000 ::= "z"'
+BRANCH_BOMB = "root ::= " + " | ".join(f'"a{i}"' for i in range(100_000))
+
+BOMBS = [
+    ("/v1/chat/completions", {**NORMAL, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "bomb", "schema": PATTERN_BOMB}}}, "response_format.json_schema.schema"),
+    ("/completion", {"prompt": "hi", "n_predict": 1, "json_schema": PROPERTY_BOMB}, "json_schema"),
+    ("/completion", {"prompt": "hi", "n_predict": 1, "grammar": RULES_BOMB}, "grammar"),
+    ("/completion", {"prompt": "hi", "n_predict": 1, "grammar": BRANCH_BOMB}, "grammar"),
+    ("/v1/chat/completions", {**NORMAL, "tools": [{"type": "function", "function": {
+        "name": "bomb", "parameters": PROPERTY_BOMB}}]}, "tools[0].function.parameters"),
+    # Each within the bounds, together not: 20,000 properties took 17 s to check against the meta-schema.
+    ("/v1/chat/completions", {**NORMAL, "tools": [{"type": "function", "function": {"name": f"t{t}", "parameters": {
+        "type": "object", "properties": {f"t{t}p{i}": {"type": "integer"} for i in range(1000)}}}}
+        for t in range(20)]}, "tools"),
+]
+
+
+@pytest.fixture
+async def serve(start_engine, start_server):
+    clients: list[httpx.AsyncClient] = []
+
+    async def start(**engine_changes: Any) -> httpx.AsyncClient:
+        engine = await start_engine(**engine_changes)
+        client = httpx.AsyncClient(base_url=await start_server(engine), timeout=120)
+        clients.append(client)
+        return client
+
+    yield start
+    for client in clients:
+        await client.aclose()
+
+
+async def test_grammar_bombs_are_refused_at_once_naming_the_field_and_others_are_served(serve) -> None:
+    client = await serve()
+    results: dict[str, tuple[httpx.Response, float]] = {}
+
+    async def post(name: str, path: str, body: dict[str, Any]) -> None:
+        started = time.monotonic()
+        results[name] = (await client.post(path, json=body), time.monotonic() - started)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            for index, (path, body, _param) in enumerate(BOMBS):
+                nursery.start_soon(post, f"bomb{index}", path, body)
+            nursery.start_soon(post, "normal", "/v1/chat/completions", NORMAL)
+    assert results["normal"][0].status_code == 200, results["normal"][0].text
+    for index, (_path, _body, param) in enumerate(BOMBS):
+        response, seconds = results[f"bomb{index}"]
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param
+        assert error["code"] == "grammar_too_large"
+        assert "\n" not in error["message"]
+        assert "backtrace" not in response.text
+        assert seconds < 15, (param, seconds)  # minutes before; a few seconds on this loaded CPU
+
+
+async def test_slow_compiles_are_cut_off_and_plain_requests_keep_their_threads_and_slots(serve) -> None:
+    """Within the size bounds a grammar may still compile slowly (2,000 properties: about a second here):
+    past --grammar-timeout it is a 400, a grammar that found no compile place a 503, and a plain request
+    sent among eight of them is served at once."""
+    client = await serve(grammar_timeout=0.1)
+
+    def schema(seed: int) -> dict[str, Any]:
+        # Distinct per request, so no verdict is remembered.
+        return {"type": "object", "properties": {f"s{seed}p{i}": {"type": "integer"} for i in range(2000)}}
+
+    results: dict[str, tuple[int, float]] = {}
+
+    async def post(name: str, path: str, body: dict[str, Any]) -> None:
+        started = time.monotonic()
+        response = await (client.post(path, json=body) if body else client.get(path))
+        results[name] = (response.status_code, time.monotonic() - started)
+
+    # The first grammar builds the llguidance tokenizer (seconds, outside the limit).
+    first = await client.post("/v1/chat/completions", json={**NORMAL, "response_format": {"type": "json_object"}})
+    assert first.status_code == 200, first.text
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            for seed in range(8):
+                nursery.start_soon(post, f"grammar{seed}", "/v1/chat/completions", {
+                    **NORMAL, "response_format": {"type": "json_schema", "json_schema": {
+                        "name": "big", "schema": schema(seed)}}})
+            await trio.sleep(0.2)
+            nursery.start_soon(post, "normal", "/v1/chat/completions", NORMAL)
+            nursery.start_soon(post, "health", "/health", {})
+    assert results["normal"][0] == 200
+    assert results["health"][0] == 200
+    statuses = [results[f"grammar{seed}"][0] for seed in range(8)]
+    assert set(statuses) <= {400, 503}, statuses
+    assert 400 in statuses
+    assert results["normal"][1] < 10, results
+    assert results["health"][1] < 5, results  # the schemas' meta-schema checks still take the CPU
