@@ -7,7 +7,7 @@ from typing import Any
 import attrs
 
 from mlxcel.config import EngineConfig, PromptCacheConfig, SchedulerConfig
-from mlxcel.model.fixtures import fixture_path
+from mlxcel.fixtures import fixture_path
 
 # A small budget keeps test memory low and skips the model-aware sizing.
 TEST_CACHE = PromptCacheConfig(capacity_bytes=512 << 20)

@@ -28,7 +28,7 @@ from mlxcel.core.plan import (
     StepPlan,
     StepResult,
 )
-from mlxcel.model.fixtures import fixture_path
+from mlxcel.fixtures import fixture_path
 from mlxcel.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -19,8 +19,8 @@ from mlxcel.cache.store import PromptCacheStore, StoreLimits
 from mlxcel.config import SchedulerConfig
 from mlxcel.core.plan import Capabilities, StepResult
 from mlxcel.core.scheduler import NewRequest
+from mlxcel.fixtures import fixture_path
 from mlxcel.model.family import FamilyKind, ModelFamily
-from mlxcel.model.fixtures import fixture_path
 from mlxcel.types import SamplingParams
 
 # Outgoing channels an actor owns and must close when it stops, by name.

@@ -21,8 +21,8 @@ from mlxcel.actors.messages import (
 from mlxcel.actors.router import RAW_PROMPT_TEMPLATE, PromptRenderer, RouterActor
 from mlxcel.cache.key import ANONYMOUS_SESSION, RopeRegime, template_signature
 from mlxcel.core.scheduler import NewRequest
+from mlxcel.fixtures import fixture_path
 from mlxcel.model.family import detect_family
-from mlxcel.model.fixtures import fixture_path
 from mlxcel.model.loader import load_model, read_model_config
 from mlxcel.types import (
     CacheOptions,

@@ -13,8 +13,8 @@ import trio
 
 from mlxcel.actors.router import PromptRenderer
 from mlxcel.engine import Engine, run_engine
+from mlxcel.fixtures import fixture_path
 from mlxcel.http.validation import parse_chat_request
-from mlxcel.model.fixtures import fixture_path
 from mlxcel.types import ChatRequest, CompletionRequest, SamplingParams
 from tests.support import make_engine_config
 

@@ -18,8 +18,8 @@ import trio
 
 from mlxcel.cli import serve_main
 from mlxcel.engine import Engine, run_engine
+from mlxcel.fixtures import fixture_path, lora_fixture_path
 from mlxcel.model.adapters import AdapterSpec
-from mlxcel.model.fixtures import fixture_path, lora_fixture_path
 from tests.support import make_engine_config
 
 SYSTEM = {"role": "system", "content": "You answer briefly and stay on topic. " * 10}

@@ -19,7 +19,7 @@ import pytest
 import trio
 from tokenizers import Tokenizer
 
-from mlxcel.model import fixtures
+from mlxcel import fixtures
 
 MESSAGES = [{"role": "user", "content": "Say something about sampling."}]
 

@@ -37,7 +37,7 @@ import pytest
 import trio
 
 from mlxcel.engine import run_engine
-from mlxcel.model.fixtures import SPECIAL_TOKENS, fixture_path
+from mlxcel.fixtures import SPECIAL_TOKENS, fixture_path
 from tests.integration.test_tool_calls import TOOL_TEMPLATE
 from tests.support import make_engine_config
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from mlxcel.model.fixtures import fixture_path
+from mlxcel.fixtures import fixture_path
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_SECONDS = 60
