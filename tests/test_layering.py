@@ -26,13 +26,26 @@ MLX_ROOTS = {"mlx", "mlx_lm"}
 
 # Plain synchronous logic: no Trio, no MLX, however deep the mlxcel imports go.
 PURE_MODULES = (
+    "mlxcel.blas",
     "mlxcel.cache",
     "mlxcel.core",
+    "mlxcel.config",
+    "mlxcel.errors",
+    "mlxcel.types",
     "mlxcel.http.validation",
     "mlxcel.http.guards",
     "mlxcel.model.family",
     "mlxcel.model.info",
     "mlxcel.model.adapters",
+    "mlxcel.model.chat_template",
+    "mlxcel.model.tokenize",
+    "mlxcel.vision.images",
+    "mlxcel.vision.processing",
+    "mlxcel.vision.prompt",
+    "mlxcel.fixtures.folders",
+    "mlxcel.fixtures.tokenizer",
+    "mlxcel.bench.summary",
+    "mlxcel.bench.workload",
 )
 
 

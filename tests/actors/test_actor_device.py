@@ -31,6 +31,8 @@ from mlxcel.core.plan import (
 from mlxcel.fixtures import fixture_path
 from mlxcel.types import SamplingParams
 
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(temperature=0.0)
 WITH_LOGPROBS = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)
 FAIL_STEP = 20

@@ -23,6 +23,8 @@ from mlxcel.fixtures import fixture_path
 from mlxcel.model.family import FamilyKind, ModelFamily
 from mlxcel.types import SamplingParams
 
+pytestmark = pytest.mark.slow
+
 # Outgoing channels an actor owns and must close when it stops, by name.
 Built = tuple[Any, trio.MemorySendChannel[Any], dict[str, trio.MemoryReceiveChannel[Any]]]
 

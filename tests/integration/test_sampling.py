@@ -21,6 +21,8 @@ from tokenizers import Tokenizer
 
 from mlxcel import fixtures
 
+pytestmark = pytest.mark.slow
+
 MESSAGES = [{"role": "user", "content": "Say something about sampling."}]
 
 

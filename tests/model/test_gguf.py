@@ -12,6 +12,8 @@ from mlxcel import fixtures
 from mlxcel.cli import fixture_main
 from mlxcel.model.gguf import gguf_to_mlx_name
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize(("gguf", "mlx"), [
     ("blk.7.attn_q.scales", "model.layers.7.self_attn.q_proj.scales"),
@@ -53,7 +55,6 @@ def test_tokenizer_splits_digits_then_bytes() -> None:
     assert tokenizer.decode(tokenizer.encode(text).ids) == text
 
 
-@pytest.mark.slow
 def test_4_bit_model_answers_paris_through_mlx_lm() -> None:
     from mlx_lm import generate, load
     from mlx_lm.sample_utils import make_sampler

@@ -13,6 +13,8 @@ from mlxcel.fixtures import CHAT_TEMPLATE
 from mlxcel.model.family import FamilyKind
 from mlxcel.model.loader import ModelLoadError, load_model, read_chat_template, read_model_config, resolve_model
 
+pytestmark = pytest.mark.slow
+
 EXPECTED = {
     "llama": ("llama", FamilyKind.DENSE, None, True, False),
     "phi3-longrope": ("phi3", FamilyKind.DENSE, 512, True, False),

@@ -19,6 +19,8 @@ from mlxcel.fixtures import VISION_FAMILIES, vision_fixture_path
 from mlxcel.http.validation import Limits
 from tests.support import TEST_CACHE
 
+pytestmark = pytest.mark.slow
+
 SYSTEM = "You look at screenshots. " + " ".join(f"rule{i} applies" for i in range(40))
 
 
