@@ -183,7 +183,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None, help="write every row and summary here")
     args = parser.parse_args()
     if args.model is None:
-        from mlxcel.model.fixtures import fixture_path
+        from mlxcel.fixtures import fixture_path
 
         args.model = fixture_path("llama-bench")
     # The servers run this checkout's mlxcel (`python -m mlxcel`), whatever the venv has installed.

@@ -36,7 +36,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from disk_restart import chat, start_server, stop_server  # noqa: E402
 
-from mlxcel.model.fixtures import fixture_path  # noqa: E402
+from mlxcel.fixtures import fixture_path  # noqa: E402
 
 SYSTEM = " ".join(("rule", "number", "alpha", "river", "stone", "paper", "music")[index % 7] + str(index % 13)
                   for index in range(1500))

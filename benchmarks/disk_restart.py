@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=0.0,
                         help="seconds to wait after turn 1 before SIGTERM (default 0: at once)")
     args = parser.parse_args()
-    from mlxcel.model.fixtures import fixture_path
+    from mlxcel.fixtures import fixture_path
 
     model = args.model_path or fixture_path("llama")
     system = " ".join(WORDS[(index * 7) % len(WORDS)] for index in range(args.system_words))

@@ -169,7 +169,7 @@ def main() -> None:
     parser.add_argument("--serve-flag", action="append", default=[], help="one more `mlxcel serve` flag")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    from mlxcel.model.fixtures import fixture_path
+    from mlxcel.fixtures import fixture_path
 
     model = args.model_path or fixture_path("llama")
     with tempfile.TemporaryDirectory(prefix="mlxcel-disk-two-") as scratch:

@@ -47,7 +47,7 @@ def write_4bit_model(out: Path) -> None:
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
-    from mlxcel.model.fixtures import fixture_path
+    from mlxcel.fixtures import fixture_path
 
     config = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=151646,
                   rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,

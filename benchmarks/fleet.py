@@ -40,7 +40,7 @@ from mlxcel.bench.client import stream_chat
 from mlxcel.bench.kv_consumer import KvEventSubscriber
 from mlxcel.bench.launcher import free_port, mlxcel_spec, start_server
 from mlxcel.bench.workload import Shape, build_workload
-from mlxcel.model.fixtures import fixture_path
+from mlxcel.fixtures import fixture_path
 
 BLOCK = 16
 

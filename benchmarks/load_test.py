@@ -106,7 +106,7 @@ def words(rng: random.Random, count: int) -> str:
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
-    from mlxcel.model.fixtures import fixture_path
+    from mlxcel.fixtures import fixture_path
 
     flags = ["--max-queued-requests", str(args.max_queued_requests), "--max-batch-size", str(args.max_batch_size)]
     if args.prompt_cache_capacity_bytes:

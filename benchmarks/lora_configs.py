@@ -47,14 +47,14 @@ async def run(arguments: argparse.Namespace, with_adapters: bool) -> dict[str, f
 
     from mlxcel.config import EngineConfig, PromptCacheConfig, SchedulerConfig
     from mlxcel.engine import open_engine
+    from mlxcel.fixtures import fixture_path, lora_fixture_path
     from mlxcel.model.adapters import AdapterSpec
-    from mlxcel.model.fixtures import fixture_path, lora_fixture_path
 
     if arguments.model_path is None:
         model_path = fixture_path("llama")
         folders = [lora_fixture_path(seed=1), lora_fixture_path(seed=2)]
     else:
-        from mlxcel.model.fixtures import write_lora_fixture
+        from mlxcel.fixtures import write_lora_fixture
 
         model_path = Path(arguments.model_path)
         folders = [model_path.parent / f"{model_path.name}-lora{seed}" for seed in (1, 2)]

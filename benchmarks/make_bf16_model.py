@@ -13,7 +13,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
-from mlxcel.model.fixtures import fixture_path
+from mlxcel.fixtures import fixture_path
 
 SHAPES = {
     "llama-3.2-1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,

@@ -15,7 +15,7 @@ reexec_with_optimized_blas()
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from mlxcel.model.fixtures import fixture_path  # noqa: E402
+from mlxcel.fixtures import fixture_path  # noqa: E402
 from mlxcel.model.loader import load_model  # noqa: E402
 
 

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     import shlex
 
     from mlxcel.bench.launcher import launch, mlx_lm_spec, mlxcel_spec
-    from mlxcel.model.fixtures import fixture_path
+    from mlxcel.fixtures import fixture_path
 
     model_path = str(Path(namespace.model_path or fixture_path("llama")).resolve())
     out = Path(namespace.out)

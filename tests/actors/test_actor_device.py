@@ -28,8 +28,10 @@ from mlxcel.core.plan import (
     StepPlan,
     StepResult,
 )
-from mlxcel.model.fixtures import fixture_path
+from mlxcel.fixtures import fixture_path
 from mlxcel.types import SamplingParams
+
+pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(temperature=0.0)
 WITH_LOGPROBS = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)

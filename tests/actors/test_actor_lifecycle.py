@@ -19,9 +19,11 @@ from mlxcel.cache.store import PromptCacheStore, StoreLimits
 from mlxcel.config import SchedulerConfig
 from mlxcel.core.plan import Capabilities, StepResult
 from mlxcel.core.scheduler import NewRequest
+from mlxcel.fixtures import fixture_path
 from mlxcel.model.family import FamilyKind, ModelFamily
-from mlxcel.model.fixtures import fixture_path
 from mlxcel.types import SamplingParams
+
+pytestmark = pytest.mark.slow
 
 # Outgoing channels an actor owns and must close when it stops, by name.
 Built = tuple[Any, trio.MemorySendChannel[Any], dict[str, trio.MemoryReceiveChannel[Any]]]

@@ -21,8 +21,8 @@ from mlxcel.actors.messages import (
 from mlxcel.actors.router import RAW_PROMPT_TEMPLATE, PromptRenderer, RouterActor
 from mlxcel.cache.key import ANONYMOUS_SESSION, RopeRegime, template_signature
 from mlxcel.core.scheduler import NewRequest
+from mlxcel.fixtures import fixture_path
 from mlxcel.model.family import detect_family
-from mlxcel.model.fixtures import fixture_path
 from mlxcel.model.loader import load_model, read_model_config
 from mlxcel.types import (
     CacheOptions,
@@ -31,6 +31,9 @@ from mlxcel.types import (
     SamplingParams,
     ServerBusy,
 )
+from tests.support import wait_until
+
+pytestmark = pytest.mark.slow
 
 MESSAGES = ({"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there"})
 TOOL = {
@@ -70,14 +73,16 @@ class RouterHarness:
     scheduler: trio.MemoryReceiveChannel[Any]
     num_sent: int = 0
 
+    def num_answered(self) -> int:
+        stats = self.actor.statistics()
+        return stats.num_routed + stats.num_rejected
+
     async def send(self, message: RouteRequest) -> None:
         """Sends one request and waits until the router has routed or rejected it."""
         self.num_sent += 1
         await self.inbox.send(message)
-        with trio.fail_after(10):
-            # Rendering runs in a worker thread, which wait_all_tasks_blocked cannot see.
-            while (stats := self.actor.statistics()).num_routed + stats.num_rejected < self.num_sent:
-                await trio.sleep(0.002)
+        # Rendering runs in a worker thread, which wait_all_tasks_blocked cannot see.
+        await wait_until(lambda: self.num_answered() >= self.num_sent, seconds=10, interval=0.002)
         await trio.testing.wait_all_tasks_blocked()
 
     async def route(

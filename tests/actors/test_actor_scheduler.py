@@ -24,7 +24,7 @@ from mlxcel.actors.messages import (
     StreamEvent,
     SubmitRequest,
 )
-from mlxcel.actors.scheduler import SchedulerActor
+from mlxcel.actors.scheduler import ARRIVAL_WINDOW_SECONDS, SchedulerActor
 from mlxcel.cache.key import CacheContext
 from mlxcel.config import PromptCacheConfig, SchedulerConfig
 from mlxcel.core.output import StopMatcher
@@ -796,11 +796,13 @@ async def test_decode_batch_sizes_are_reported(start_scheduler: StartScheduler) 
     assert harness.actor.statistics() == stats
 
 
-async def test_requests_queued_behind_the_first_join_its_step(start_scheduler: StartScheduler) -> None:
+async def test_requests_queued_behind_the_first_join_its_step(
+    start_scheduler: StartScheduler, autojump_clock: trio.testing.MockClock,
+) -> None:
     harness = await start_scheduler()
     await harness.submit("r1", more_pending=True)
-    # The device is idle, but the router said more is coming: no step yet.
-    with trio.move_on_after(0.005):
+    # The device is idle, but the router said more is coming: no step within the window.
+    with trio.move_on_after(ARRIVAL_WINDOW_SECONDS * 0.9):
         await harness.device.receive()
         raise AssertionError("the scheduler did not wait for the queued arrivals")
     await harness.submit("r2", more_pending=False)
@@ -808,11 +810,16 @@ async def test_requests_queued_behind_the_first_join_its_step(start_scheduler: S
     assert [admission.sequence_id for admission in step.plan.starts] == [0, 1]
 
 
-async def test_the_arrival_window_is_bounded(start_scheduler: StartScheduler) -> None:
+async def test_the_arrival_window_is_bounded(
+    start_scheduler: StartScheduler, autojump_clock: trio.testing.MockClock,
+) -> None:
     harness = await start_scheduler()
+    submitted_at = trio.current_time()
     await harness.submit("r1", more_pending=True)  # the promised request never comes
     step = await harness.step()
     assert [admission.sequence_id for admission in step.plan.starts] == [0]
+    # The clock moves only when every task waits: the step came when the window closed, not later.
+    assert trio.current_time() - submitted_at == pytest.approx(ARRIVAL_WINDOW_SECONDS)
 
 
 async def test_a_one_chunk_prompt_donates_its_prompt_kv_only_to_requests_parked_on_it(

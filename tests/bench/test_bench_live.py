@@ -6,12 +6,15 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import trio
 
 from mlxcel.bench.client import ConversationRunner
 from mlxcel.bench.launcher import ServerSpec, process_tree_rss, start_server
 from mlxcel.bench.workload import Shape, build_workload
-from mlxcel.model.fixtures import fixture_path
+from mlxcel.fixtures import fixture_path
+
+pytestmark = pytest.mark.slow
 
 # A stand-in server: answers 200 on every GET, exits on SIGINT.
 TINY_SERVER = (

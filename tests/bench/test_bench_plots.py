@@ -12,6 +12,7 @@ from mlxcel.bench import cli
 from mlxcel.bench.plot import PLOTS_MISSING
 
 
+@pytest.mark.slow
 async def test_bench_without_matplotlib_skips_the_plot_with_one_line_up_front(
     start_engine, start_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:

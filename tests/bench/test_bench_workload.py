@@ -8,7 +8,7 @@ import attrs
 import pytest
 
 from mlxcel.bench.workload import UNSEEN_USER_STEP, Shape, build_workload, load_word_counter
-from mlxcel.model.fixtures import fixture_path
+from mlxcel.fixtures import fixture_path
 
 SHAPE = Shape(conversations=3, turns=4, system_tokens=300, user_tokens=40, reply_tokens=8, seed=5)
 

@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.tool_parsers import glm47, json_tools, mistral, pythonic, qwen3_coder
 
 from mlxcel.core.output import ReplyFormat, RequestOutput
-from mlxcel.model.fixtures import fixture_path
+from mlxcel.fixtures import fixture_path
 from mlxcel.types import ChatRequest, Delta, SamplingParams, ToolCall
 
 EOS = 151645

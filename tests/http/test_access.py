@@ -5,6 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+pytestmark = pytest.mark.slow
+
 CHAT = {"messages": [{"role": "system", "content": "rules " * 60}, {"role": "user", "content": "hi"}],
         "max_tokens": 2, "temperature": 0}
 

@@ -10,6 +10,8 @@ import pytest
 
 from mlxcel.http.llamacpp import token_bytes
 
+pytestmark = pytest.mark.slow
+
 MODEL_ID = "llama-v1-seed0"
 TIMING_KEYS = {
     "cache_n", "prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second",

@@ -490,12 +490,14 @@ def test_the_store_evicts_least_recently_used_by_count_and_bytes() -> None:
     assert store.get("o", "b") is None
     assert store.get("o", "a") is not None
     assert store.statistics().num_entries == 2
-    big = ({"type": "message", "role": "user", "content": "y" * 700},)
+    big = ({"type": "message", "role": "user", "content": "y" * 800},)
     assert store.put("o", "d", {"id": "d"}, big, big)
-    # a (~140 bytes) + c + d (~740) is over 1000: the least recent go first.
+    # The count bound takes c (the least recent); then a (~160 bytes) + d (~860) is over 1000 bytes: a goes too.
+    assert store.get("o", "c") is None
+    assert store.get("o", "a") is None
     assert store.get("o", "d") is not None
+    assert (store.statistics().num_entries, store.statistics().num_evicted) == (1, 3)
     assert store.statistics().nbytes <= 1000
-    assert store.get("o", "c") is None or store.get("o", "a") is None
     assert not store.put("o", "e", {"id": "e"}, ({"content": "z" * 2000},), ())
     assert store.get("o", "e") is None
     assert store.get("other", "d") is None

@@ -9,14 +9,17 @@ from typing import Any
 
 import attrs
 import httpx
+import pytest
 import trio
 
 from mlxcel.actors.router import PromptRenderer
 from mlxcel.engine import Engine, run_engine
+from mlxcel.fixtures import fixture_path
 from mlxcel.http.validation import parse_chat_request
-from mlxcel.model.fixtures import fixture_path
 from mlxcel.types import ChatRequest, CompletionRequest, SamplingParams
 from tests.support import make_engine_config
+
+pytestmark = pytest.mark.slow
 
 # In the manner of Qwen2.5's template: `+ message['content']` fails on null,
 # and tool-call arguments are printed with `| tojson`, so they must be objects.

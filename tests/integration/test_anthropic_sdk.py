@@ -24,6 +24,8 @@ from mlxcel.types import ChatRequest, Delta, ServerBusy, ToolCall
 from tests.fakes import FAKE_MODEL_ID, FakeEngine, finish
 from tests.support import evolve_cache
 
+pytestmark = pytest.mark.slow
+
 TIMEOUT = 60.0
 KEY = "sekret"
 WEATHER = ToolCall(index=0, id="toolu_weather", name="get_weather", arguments='{"city": "Paris"}')
@@ -311,7 +313,6 @@ async def test_the_billing_header_changing_every_request(fixture_server, client,
 # --- the real model --------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 async def test_smollm2_answers_and_a_second_call_reads_the_cache(start_engine, start_server, client) -> None:
     engine = await start_engine("smollm2-f32", prompt_cache=evolve_cache(min_prefix=16))
     sdk = client(await start_server(engine), api_key="unused")

@@ -9,9 +9,11 @@ older than the traffic after it, is evicted.
 from __future__ import annotations
 
 import httpx
-import trio
+import pytest
 
-from tests.support import evolve_cache
+from tests.support import evolve_cache, wait_until
+
+pytestmark = pytest.mark.slow
 
 MODEL = "llama-v1-seed0"
 # A conversation of this system prompt is ~160 tokens: ~80 KiB of float32 KV on the fixture.
@@ -99,6 +101,10 @@ async def first_token_then_leave(http: httpx.AsyncClient, body: dict) -> None:
     raise AssertionError("the stream ended before its first token")
 
 
+async def idle(engine) -> bool:
+    return (await engine.scheduler_stats()).num_running == 0
+
+
 async def test_a_cancelled_retaining_request_still_stores_its_prompt(start_engine, start_server) -> None:
     engine = await start_engine()
     base_url = await start_server(engine)
@@ -107,9 +113,7 @@ async def test_a_cancelled_retaining_request_still_stores_its_prompt(start_engin
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as http:
         for body in (kept, plain):
             await first_token_then_leave(http, body)
-            with trio.fail_after(30):
-                while (await engine.scheduler_stats()).num_running:
-                    await trio.sleep(0.02)
+            await wait_until(lambda: idle(engine))
         stats = await engine.scheduler_stats()
         assert (stats.num_cancelled, stats.num_completed) == (2, 0)
         cached, prompt = await cached_chat(http, {**kept, "max_tokens": 4})

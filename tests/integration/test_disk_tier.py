@@ -6,12 +6,13 @@ import base64
 from pathlib import Path
 
 import pytest
-import trio
 
 from mlxcel import ChatRequest, SamplingParams
 from mlxcel.engine import open_engine
 from mlxcel.types import CacheOptions
-from tests.support import evolve_cache, make_engine_config
+from tests.support import evolve_cache, make_engine_config, wait_until
+
+pytestmark = pytest.mark.slow
 
 SYSTEM = "You are a careful assistant for a coding agent. " + " ".join(
     f"tool_{index}(path, mode, options) edits file number {index} in place." for index in range(40))
@@ -33,13 +34,16 @@ def first_logprobs(completion) -> dict[str, float]:
     return dict(completion.logprobs[0].top)
 
 
+async def warmed_up(engine) -> bool:
+    return (await engine.scheduler_stats()).num_warm_completed >= 1
+
+
 async def wait_for_writes(engine, minimum: int) -> dict:
-    with trio.fail_after(30):
-        while True:
-            disk = (await engine.cache_stats())["disk"]
-            if disk["writes"] + disk["duplicates"] >= minimum and disk["entries"] >= minimum:
-                return disk
-            await trio.sleep(0.05)
+    async def written() -> dict | None:
+        disk = (await engine.cache_stats())["disk"]
+        return disk if disk["writes"] + disk["duplicates"] >= minimum and disk["entries"] >= minimum else None
+
+    return await wait_until(written)
 
 
 async def test_a_conversation_resumes_from_disk_after_a_restart(tmp_path: Path) -> None:
@@ -100,9 +104,7 @@ async def test_session_snapshots_resume_from_disk_after_a_restart(tmp_path: Path
     history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Open the first file."}]
     async with open_engine(config) as engine:
         first = await engine.chat(turn(history))
-        with trio.fail_after(60):
-            while (await engine.scheduler_stats()).num_warm_completed < 1:
-                await trio.sleep(0.02)
+        await wait_until(lambda: warmed_up(engine), seconds=60)
         await wait_for_writes(engine, 2)
     assert has_pieces(tmp_path, "snap-")
     history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Now the second."}]

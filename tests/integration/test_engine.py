@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import trio
 
 from mlxcel import ChatRequest, SamplingParams, ServerBusy
 from mlxcel.config import SchedulerConfig
 from mlxcel.engine import open_engine
-from tests.support import make_engine_config
+from tests.support import make_engine_config, wait_until
+
+pytestmark = pytest.mark.slow
 
 
 def chat(text: str, max_tokens: int = 8, **sampling: object) -> ChatRequest:
@@ -15,12 +18,6 @@ def chat(text: str, max_tokens: int = 8, **sampling: object) -> ChatRequest:
         messages=({"role": "user", "content": text},),
         sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, **sampling),
     )
-
-
-async def wait_until(predicate, seconds: float = 30.0) -> None:
-    with trio.fail_after(seconds):
-        while not await predicate():
-            await trio.sleep(0.02)
 
 
 async def test_open_engine_chat_and_stream_agree() -> None:

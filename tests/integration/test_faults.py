@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 import trio
+
+pytestmark = pytest.mark.slow
 
 CHAT = {"messages": [{"role": "user", "content": "hello " * 40}], "max_tokens": 8, "temperature": 0}
 

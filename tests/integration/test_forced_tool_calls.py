@@ -26,6 +26,8 @@ from tests.http.test_tool_loop_and_logprobs import fixture_copy
 from tests.integration.test_tool_calls import TOOL_TEMPLATE
 from tests.support import make_engine_config
 
+pytestmark = pytest.mark.slow
+
 # Mistral's way: tools listed up front, calls written as [TOOL_CALLS]name[ARGS]{...}.
 MISTRAL_TEMPLATE = (
     "{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}"

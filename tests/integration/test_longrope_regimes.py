@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from mlxcel import CacheOptions, ChatRequest, SamplingParams
+
+pytestmark = pytest.mark.slow
 
 SHORT_SYSTEM = "Base rules. " + " ".join(f"item{i}" for i in range(120))
 

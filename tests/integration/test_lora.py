@@ -18,9 +18,11 @@ import trio
 
 from mlxcel.cli import serve_main
 from mlxcel.engine import Engine, run_engine
+from mlxcel.fixtures import fixture_path, lora_fixture_path
 from mlxcel.model.adapters import AdapterSpec
-from mlxcel.model.fixtures import fixture_path, lora_fixture_path
 from tests.support import make_engine_config
+
+pytestmark = pytest.mark.slow
 
 SYSTEM = {"role": "system", "content": "You answer briefly and stay on topic. " * 10}
 CONFIGS: dict[str, list[dict[str, Any]]] = {
@@ -214,8 +216,14 @@ def test_the_fixture_adapter_is_mlx_lms_format(tmp_path: Path) -> None:
     load_adapters(model, str(folder))  # mlx-lm's own loader takes it
 
 
-def train_secret_word_adapter(model_dir: Path, out_dir: Path, *, steps: int = 50) -> Path:
-    """A LoRA adapter trained, with mlx-lm's LoRA layers and loss, to answer a question its own way."""
+def train_secret_word_adapter(
+    model_dir: Path, out_dir: Path, *, max_steps: int = 50, loss_goal: float = 0.02,
+) -> Path:
+    """A LoRA adapter trained, with mlx-lm's LoRA layers and loss, to answer a question its own way.
+
+    Training stops once the reply's mean loss is under ``loss_goal`` nats a token (about
+    10 steps here, from 3.0 at the start; a step is ~1.7 s of CPU), else fails after ``max_steps``.
+    """
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optimizers
@@ -243,10 +251,14 @@ def train_secret_word_adapter(model_dir: Path, out_dir: Path, *, steps: int = 50
     lengths = mx.array([[len(prompt), len(prompt) + len(reply) - 1] for prompt, reply in rows])
     optimizer = optimizers.Adam(learning_rate=1e-3)
     loss_and_grad = nn.value_and_grad(model, default_loss)
-    for _ in range(steps):
-        (_loss, _tokens), grads = loss_and_grad(model, batch, lengths)
+    for _ in range(max_steps):
+        (loss, _tokens), grads = loss_and_grad(model, batch, lengths)
+        if loss.item() < loss_goal:
+            break
         optimizer.update(model, grads)
         mx.eval(model.trainable_parameters(), optimizer.state)
+    else:
+        raise AssertionError(f"the adapter did not learn the reply in {max_steps} steps (loss {loss.item():.3f})")
     out_dir.mkdir(parents=True)
     mx.save_safetensors(str(out_dir / "adapters.safetensors"), dict(tree_flatten(model.trainable_parameters())))
     (out_dir / "adapter_config.json").write_text(json.dumps(
@@ -254,7 +266,6 @@ def train_secret_word_adapter(model_dir: Path, out_dir: Path, *, steps: int = 50
     return out_dir
 
 
-@pytest.mark.slow
 async def test_a_trained_adapter_changes_smollm2s_reply_as_trained(
     nursery: trio.Nursery, start_server: Any, tmp_path: Path,
 ) -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import trio
 
 from mlxcel import CacheOptions, ChatRequest, SamplingParams
+
+pytestmark = pytest.mark.slow
 
 SYSTEM = "Shared instructions for every user. " + " ".join(f"clause{i}" for i in range(150))
 

@@ -13,6 +13,8 @@ from mlxcel.config import SchedulerConfig
 from mlxcel.core import scheduler as core_scheduler
 from tests.support import evolve_cache
 
+pytestmark = pytest.mark.slow
+
 SYSTEM = "You are a careful assistant. " + " ".join(f"rule{i} applies" for i in range(60))
 BLOCK = 16
 

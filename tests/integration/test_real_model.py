@@ -15,7 +15,7 @@ import openai
 import pytest
 import trio
 
-from mlxcel.model.fixtures import fixture_path
+from mlxcel.fixtures import fixture_path
 from tests.support import evolve_cache
 
 pytestmark = pytest.mark.slow

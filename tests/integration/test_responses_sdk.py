@@ -22,6 +22,8 @@ from mlxcel.types import ChatRequest, Delta, ToolCall
 from tests.fakes import FAKE_MODEL_ID, FakeEngine, finish
 from tests.support import evolve_cache
 
+pytestmark = pytest.mark.slow
+
 TIMEOUT = 60.0
 WEATHER = ToolCall(index=0, id="call_weather_0", name="get_weather", arguments='{"city": "Paris"}')
 CALL_REPLY = [Delta(reasoning="The user wants the weather; "), Delta(reasoning="call get_weather."),
@@ -261,7 +263,6 @@ async def test_previous_response_id_hits_the_prompt_cache_on_a_fixture_engine(
 # --- the real model --------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 async def test_smollm2_answers_and_the_follow_up_is_cached(start_engine, start_server, openai_client) -> None:
     engine = await start_engine("smollm2-f32", prompt_cache=evolve_cache(min_prefix=16))
     client = openai_client(await start_server(engine))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
+from collections.abc import Callable
 
 import httpx
 import msgpack
@@ -13,7 +15,9 @@ import zmq
 
 from mlxcel.bench.kv_consumer import KvEventLog, KvEventSubscriber, block_keys, decode_event
 from mlxcel.config import KvEventsConfig
-from tests.support import evolve_cache
+from tests.support import evolve_cache, wait_until
+
+pytestmark = pytest.mark.slow
 
 BLOCK = 16
 SYSTEMS = [f"You are assistant {name}. " + " ".join(f"{name}{i} holds" for i in range(50)) for name in "abc"]
@@ -44,9 +48,22 @@ async def post(client: httpx.AsyncClient, url: str, body: dict) -> dict:
 
 
 async def settle(subscriber: KvEventSubscriber, num_batches: int) -> None:
+    await wait_until(lambda: len(subscriber.log.seqs) >= num_batches, seconds=10)
+
+
+async def subscribed(client: httpx.AsyncClient, num_received: Callable[[], int]) -> None:
+    """Reset the cache until its batch reaches the subscriber: then the subscription is through.
+
+    ZeroMQ drops what a PUB socket sends before a SUB's subscription has reached
+    it, and says nothing when that happens; a batch that arrives is the handshake.
+    """
     with trio.fail_after(10):
-        while len(subscriber.log.seqs) < num_batches:
-            await trio.sleep(0.02)
+        while True:
+            before = num_received()
+            await post(client, "/v1/cache/reset", {})
+            with trio.move_on_after(0.5):
+                await wait_until(lambda before=before: num_received() > before)
+                return
 
 
 @pytest.mark.parametrize("form", ["positional", "map"])
@@ -54,10 +71,10 @@ async def test_events_announce_stores_evictions_and_resets(serve_with_events, fo
     # About two 250-token entries fit (512 bytes a token): the third conversation evicts the first.
     engine, base_url, subscriber = await serve_with_events(form, prompt_cache=evolve_cache(capacity_bytes=300_000))
     prompts = [chat(system, "first question") for system in SYSTEMS]
-    # The subscriber joined after start-up: batch 0 (AllBlocksCleared) it only gets by replay.
-    await trio.sleep(0.3)
     with subscriber:
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+            # The subscriber joined after start-up: batch 0 (AllBlocksCleared) it only gets by replay.
+            await subscribed(client, lambda: len(subscriber.log.seqs))
             rendered = [(await post(client, "/v1/chat/completions/render", {"messages": p}))["token_ids"]
                         for p in prompts]
             for number, messages in enumerate(prompts, 1):
@@ -128,9 +145,17 @@ async def test_events_are_framed_as_vllm_sends_them(serve_with_events) -> None:
     socket.setsockopt(zmq.SUBSCRIBE, b"kv@test")
     socket.setsockopt(zmq.RCVTIMEO, 20_000)
     socket.connect(engine.config.kv_events.endpoint)
+    received: list[list[bytes]] = []
+
+    def num_received() -> int:
+        with contextlib.suppress(zmq.Again):
+            while True:
+                received.append(socket.recv_multipart(zmq.NOBLOCK))
+        return len(received)
+
     try:
-        await trio.sleep(0.3)
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+            await subscribed(client, num_received)
             await post(client, "/v1/chat/completions", {"messages": chat(SYSTEMS[0], "q"), "max_tokens": 2})
         frames = await trio.to_thread.run_sync(socket.recv_multipart)
     finally:
@@ -139,7 +164,8 @@ async def test_events_are_framed_as_vllm_sends_them(serve_with_events) -> None:
     topic, seq, payload = frames
     assert topic == b"kv@test"
     assert len(seq) == 8
-    assert int.from_bytes(seq, "big") == 1
+    # The sequence number counts on from the handshake's reset batch.
+    assert int.from_bytes(seq, "big") == int.from_bytes(received[-1][1], "big") + 1
     ts, events, rank = msgpack.unpackb(payload)
     assert isinstance(ts, float)
     assert rank == 0

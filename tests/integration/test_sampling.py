@@ -19,7 +19,9 @@ import pytest
 import trio
 from tokenizers import Tokenizer
 
-from mlxcel.model import fixtures
+from mlxcel import fixtures
+
+pytestmark = pytest.mark.slow
 
 MESSAGES = [{"role": "user", "content": "Say something about sampling."}]
 

@@ -37,9 +37,11 @@ import pytest
 import trio
 
 from mlxcel.engine import run_engine
-from mlxcel.model.fixtures import SPECIAL_TOKENS, fixture_path
+from mlxcel.fixtures import SPECIAL_TOKENS, fixture_path
 from tests.integration.test_tool_calls import TOOL_TEMPLATE
 from tests.support import make_engine_config
+
+pytestmark = pytest.mark.slow
 
 TOOL_CALL_TOKENS = {"<tool_call>": 151646, "</tool_call>": 151647}
 # No token repeats in this spelling (checked in `write_scripted_tool_model`).

@@ -10,7 +10,9 @@ import trio
 import trio.lowlevel
 
 from mlxcel import CacheOptions, ChatRequest, SamplingParams
-from tests.support import evolve_cache
+from tests.support import evolve_cache, wait_until
+
+pytestmark = pytest.mark.slow
 
 SYSTEM = "You are helpful. " + " ".join(f"rule{i}" for i in range(80))
 
@@ -36,9 +38,10 @@ def assert_first_logprobs_close(hot, cold) -> None:
 
 
 async def wait_for_warmups(engine, count: int) -> None:
-    with trio.fail_after(60):
-        while (await engine.scheduler_stats()).num_warm_completed < count:
-            await trio.sleep(0.02)
+    async def done() -> bool:
+        return (await engine.scheduler_stats()).num_warm_completed >= count
+
+    await wait_until(done, seconds=60)
 
 
 @pytest.mark.parametrize("family", ["gemma3", "hybrid"])

@@ -7,10 +7,13 @@ from the whole previous prompt instead of only the system prompt.
 
 from __future__ import annotations
 
+import pytest
 import trio
 
 from mlxcel.types import CacheOptions, ChatRequest, SamplingParams
 from tests.support import evolve_cache
+
+pytestmark = pytest.mark.slow
 
 SYSTEM = "You are a careful assistant. " + " ".join(f"rule{i} applies" for i in range(120))
 CONVERSATIONS = 8

@@ -15,7 +15,10 @@ from typing import Any
 import httpx
 import jsonschema
 import openai
+import pytest
 import trio
+
+pytestmark = pytest.mark.slow
 
 CITY = {
     "type": "object",

@@ -16,6 +16,7 @@ from typing import Any
 
 import attrs
 import openai
+import pytest
 import trio
 
 from mlxcel.actors.router import PromptRenderer
@@ -24,6 +25,8 @@ from mlxcel.engine import Engine, run_engine
 from mlxcel.http.validation import parse_chat_request
 from tests.http.test_tool_loop_and_logprobs import fixture_copy
 from tests.support import make_engine_config
+
+pytestmark = pytest.mark.slow
 
 # Qwen2.5's way with tools: listed in the system turn, calls written as
 # `<tool_call>` JSON after the content, results sent back as user turns.

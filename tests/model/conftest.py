@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxcel.model.fixtures import FAMILIES, fixture_path
+from mlxcel.fixtures import FAMILIES, fixture_path
 from mlxcel.model.loader import LoadedModel, load_model
 
 

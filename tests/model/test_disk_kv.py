@@ -18,6 +18,8 @@ from mlxcel.cache.key import CacheContext
 from mlxcel.model.disk_kv import DeviceDisk, rows
 from mlxcel.model.kv import DetachedKV
 
+pytestmark = pytest.mark.slow
+
 CONTEXT = CacheContext(model_id="m", template_sig="t")
 TOKENS = tuple(range(100, 700))  # 600 tokens: pieces of blocks [0, 16), [16, 32), [32, 37)
 LAYERS = 2

@@ -1,12 +1,7 @@
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
 import pytest
 
-from mlxcel import blas
-from mlxcel.model import family as family_module
 from mlxcel.model.family import (
     APC_EXCLUDED_MODEL_TYPES,
     FamilyKind,
@@ -282,21 +277,3 @@ def test_family_is_a_frozen_value() -> None:
         family.kind = FamilyKind.RECURRENT  # type: ignore[misc]
     assert family == detect_family(dict(LLAMA_3_8B))
 
-
-FORBIDDEN_TOP_LEVEL = {"mlx", "mlx_lm", "trio"}
-
-
-def imported_top_level_names(path: Path) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
-    return names
-
-
-@pytest.mark.parametrize("module", [family_module, blas])
-def test_pure_modules_import_neither_mlx_nor_trio(module) -> None:
-    # Checked in the source, so a package __init__ that imports more is no excuse.
-    assert not imported_top_level_names(Path(module.__file__)) & FORBIDDEN_TOP_LEVEL

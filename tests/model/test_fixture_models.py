@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+
+pytestmark = pytest.mark.slow
 
 EXPECTED_CACHE_KINDS = {
     "llama": [KVCache, KVCache],

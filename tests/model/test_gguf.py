@@ -8,8 +8,11 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from mlxcel.model import fixtures
+from mlxcel import fixtures
+from mlxcel.cli import fixture_main
 from mlxcel.model.gguf import gguf_to_mlx_name
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize(("gguf", "mlx"), [
@@ -30,7 +33,7 @@ def test_unknown_tensor_is_refused() -> None:
 
 
 def test_fixture_command_writes_the_4_bit_folder(tmp_path: Path) -> None:
-    assert fixtures.fixture_main(["--family", "smollm2", "--out", str(tmp_path)]) == 0
+    assert fixture_main(["--family", "smollm2", "--out", str(tmp_path)]) == 0
     config = json.loads((tmp_path / "config.json").read_text())
     # Q4_1 layers are 4-bit; the GGUF keeps the embedding in 8 bits.
     assert config["quantization"] == {"group_size": 32, "bits": 4,
@@ -52,7 +55,6 @@ def test_tokenizer_splits_digits_then_bytes() -> None:
     assert tokenizer.decode(tokenizer.encode(text).ids) == text
 
 
-@pytest.mark.slow
 def test_4_bit_model_answers_paris_through_mlx_lm() -> None:
     from mlx_lm import generate, load
     from mlx_lm.sample_utils import make_sampler

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from mlxcel.fixtures import CHAT_TEMPLATE
 from mlxcel.model.family import FamilyKind
-from mlxcel.model.fixtures import CHAT_TEMPLATE
 from mlxcel.model.loader import ModelLoadError, load_model, read_chat_template, read_model_config, resolve_model
+
+pytestmark = pytest.mark.slow
 
 EXPECTED = {
     "llama": ("llama", FamilyKind.DENSE, None, True, False),

@@ -12,6 +12,8 @@ from mlxcel.model.tokenize import (
     vocabulary_size,
 )
 
+pytestmark = pytest.mark.slow
+
 ROLES = ("system", "user", "assistant", "tool")
 TEXT = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=60)
 

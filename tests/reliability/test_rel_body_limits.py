@@ -12,7 +12,10 @@ import socket
 from urllib.parse import urlsplit
 
 import httpx
+import pytest
 import trio
+
+pytestmark = pytest.mark.slow
 
 MAX_BODY_BYTES = 64 << 10
 SMALL = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}

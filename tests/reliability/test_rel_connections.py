@@ -184,6 +184,7 @@ async def test_a_reply_whose_small_body_never_comes_closes_the_connection(
         assert await server_closed(stream)
 
 
+@pytest.mark.slow
 async def test_connection_close_from_the_client_is_honoured(base_url: str) -> None:
     def exchange() -> bool:
         with socket.create_connection(address(base_url), timeout=TIMEOUT) as sock:
@@ -224,6 +225,7 @@ async def test_a_body_that_never_finishes_gets_408_and_the_connection_closes(ope
         assert await server_closed(stream)
 
 
+@pytest.mark.slow
 async def test_at_the_connection_cap_the_longest_idle_connection_makes_room(start_engine, start_server) -> None:
     base_url = await start_server(await start_engine(), max_connections=3)
 
@@ -246,6 +248,7 @@ async def test_at_the_connection_cap_the_longest_idle_connection_makes_room(star
     assert oldest_closed
 
 
+@pytest.mark.slow
 async def test_while_the_engine_loads_routes_answer_503_then_200(nursery, start_engine) -> None:
     pending = PendingEngine()
     binds = await nursery.start(partial(serve, pending, "127.0.0.1", 0))

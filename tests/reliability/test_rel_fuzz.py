@@ -405,6 +405,7 @@ ROUTES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(ROUTES))
 async def test_fuzzed_bodies_never_get_a_5xx(start_engine, start_server, kind: str) -> None:
     engine = await start_engine()
@@ -455,6 +456,7 @@ async def test_fuzzed_bodies_never_get_a_5xx(start_engine, start_server, kind: s
 OVERSIZE_CASES = [pytest.param(True, id="chunked"), pytest.param(False, id="content-length")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunked", OVERSIZE_CASES)
 async def test_oversize_body_is_413_with_the_documented_code(start_engine, start_server, chunked: bool) -> None:
     """docs/api.md: bodies over the limit get 413 `request_too_large`, whichever way they are framed."""
@@ -494,6 +496,7 @@ UNREAD_BODY_CASES = {
 }
 
 
+@pytest.mark.slow
 async def test_unread_bodies_on_every_status_leave_the_connection_answering(start_engine, start_server) -> None:
     from tests.reliability.test_rel_connections import unread_body_then_follow_up
 

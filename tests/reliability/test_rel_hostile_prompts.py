@@ -14,6 +14,8 @@ import httpx
 import pytest
 import trio
 
+pytestmark = pytest.mark.slow
+
 VOCAB_SIZE = 151_646  # the llama fixture's embedding rows and tokenizer size
 NORMAL = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
 BOMB = '{{ "ab " * 30000000 }}'

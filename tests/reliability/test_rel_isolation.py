@@ -14,6 +14,8 @@ import trio
 
 from tests.support import evolve_cache
 
+pytestmark = pytest.mark.slow
+
 SYSTEM = "You are the support assistant of a large company. " + " ".join(
     f"Policy {i}: answer clearly and cite rule {i * 3}." for i in range(40)
 )

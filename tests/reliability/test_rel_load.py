@@ -18,12 +18,15 @@ from typing import Any
 
 import attrs
 import httpx
+import pytest
 import trio
 
 from mlxcel.config import SchedulerConfig
 from mlxcel.engine import run_engine
 from mlxcel.http import serve
 from tests.support import evolve_cache, make_engine_config
+
+pytestmark = pytest.mark.slow
 
 CLIENTS = 24
 SYSTEM_PROMPTS = 6

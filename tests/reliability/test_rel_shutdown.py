@@ -20,8 +20,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import pytest
 
-from mlxcel.model.fixtures import fixture_path
+from mlxcel.fixtures import fixture_path
+
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_SECONDS = 60

@@ -15,9 +15,11 @@ from PIL import Image
 
 from mlxcel.config import EngineConfig, SchedulerConfig
 from mlxcel.engine import run_engine
+from mlxcel.fixtures import VISION_FAMILIES, vision_fixture_path
 from mlxcel.http.validation import Limits
-from mlxcel.vision.fixtures import VISION_FAMILIES, vision_fixture_path
 from tests.support import TEST_CACHE
+
+pytestmark = pytest.mark.slow
 
 SYSTEM = "You look at screenshots. " + " ".join(f"rule{i} applies" for i in range(40))
 
