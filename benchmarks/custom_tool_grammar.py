@@ -28,7 +28,7 @@ from transformers import AutoTokenizer
 
 from mlxcel.core.tool_grammar import strict_tools_grammar
 from mlxcel.http.responses import prepare
-from mlxcel.model.fixtures import SPECIAL_TOKENS, fixture_path
+from mlxcel.fixtures import SPECIAL_TOKENS, fixture_path
 from tests.integration.client_shapes import codex_request
 
 PATCH = (

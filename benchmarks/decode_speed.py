@@ -736,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
 
     reexec_with_optimized_blas()
     if args.model_path is None:
-        from mlxcel.model.fixtures import fixture_path
+        from mlxcel.fixtures import fixture_path
 
         args.model_path = fixture_path("llama-bench")
     if args.floor_json:

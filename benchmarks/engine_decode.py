@@ -191,7 +191,7 @@ def main() -> None:
     args = parser.parse_args()
     args.levels = [int(level) for level in args.levels.split(",")]
     if args.model_path is None:
-        from mlxcel.model.fixtures import fixture_path
+        from mlxcel.fixtures import fixture_path
 
         args.model_path = fixture_path("llama-bench")
     aheads = [int(value) for value in args.steps_ahead.split(",")]

@@ -19,7 +19,7 @@ import openai
 import pytest
 import trio
 
-from mlxcel.model.fixtures import EOS_TOKEN, SPECIAL_TOKENS
+from mlxcel.fixtures.tokenizer import EOS_TOKEN, SPECIAL_TOKENS
 from tests.http.test_tool_loop_and_logprobs import fixture_copy, start
 from tests.integration.test_forced_tool_calls import TOOLS
 from tests.integration.test_tool_calls import TOOL_TEMPLATE
@@ -199,7 +199,7 @@ def test_parsers_by_name_change_the_reply_format_only() -> None:
 
 
 def fixture_copy_path() -> Path:
-    from mlxcel.model.fixtures import fixture_path
+    from mlxcel.fixtures import fixture_path
 
     return fixture_path("llama")
 

@@ -152,7 +152,7 @@ async def test_an_image_conversation_resumes_from_disk_after_a_restart(tmp_path:
     from mlxcel.config import EngineConfig, SchedulerConfig
     from mlxcel.engine import run_engine
     from mlxcel.http import serve
-    from mlxcel.vision.fixtures import vision_fixture_path
+    from mlxcel.fixtures import vision_fixture_path
 
     def png(seed: int) -> str:
         pixels = np.random.default_rng(seed).integers(0, 256, (40, 50, 3), dtype=np.uint8)

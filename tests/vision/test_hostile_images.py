@@ -16,7 +16,7 @@ from PIL import Image
 
 from mlxcel.config import EngineConfig, SchedulerConfig
 from mlxcel.engine import run_engine
-from mlxcel.vision.fixtures import vision_fixture_path
+from mlxcel.fixtures import vision_fixture_path
 from tests.support import TEST_CACHE
 
 
