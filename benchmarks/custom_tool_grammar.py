@@ -27,8 +27,8 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 from transformers import AutoTokenizer
 
 from mlxcel.core.tool_grammar import strict_tools_grammar
-from mlxcel.http.responses import prepare
 from mlxcel.fixtures import SPECIAL_TOKENS, fixture_path
+from mlxcel.http.responses import prepare
 from tests.integration.client_shapes import codex_request
 
 PATCH = (

@@ -73,7 +73,6 @@ def measure_generator(model: Any, previous: list[int], suffix: list[int], runs: 
     """``donate`` copies the prompt's KV out when its prefill ends (as the engine does);
     ``clear_cache=False`` stubs out mlx-lm's ``mx.clear_cache()`` calls to price them."""
     import mlx.core as mx
-
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.models.cache import make_prompt_cache
 

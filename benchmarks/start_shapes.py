@@ -132,11 +132,10 @@ def main() -> int:
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
+    from mlxcel.actors import device
     from mlxcel.actors.device import DeviceSettings
     from mlxcel.model.executor import StepExecutor
     from mlxcel.model.kv import detach
-
-    from mlxcel.actors import device
 
     if options.prefix_align is not None:
         device.START_PREFIX_ALIGN = options.prefix_align

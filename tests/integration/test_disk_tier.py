@@ -6,6 +6,7 @@ import base64
 from pathlib import Path
 
 import pytest
+import trio
 
 from mlxcel import ChatRequest, SamplingParams
 from mlxcel.engine import open_engine
@@ -151,8 +152,8 @@ async def test_an_image_conversation_resumes_from_disk_after_a_restart(tmp_path:
 
     from mlxcel.config import EngineConfig, SchedulerConfig
     from mlxcel.engine import run_engine
-    from mlxcel.http import serve
     from mlxcel.fixtures import vision_fixture_path
+    from mlxcel.http import serve
 
     def png(seed: int) -> str:
         pixels = np.random.default_rng(seed).integers(0, 256, (40, 50, 3), dtype=np.uint8)

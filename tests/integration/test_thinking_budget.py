@@ -21,8 +21,8 @@ import pytest
 import trio
 
 from mlxcel.engine import run_engine
-from mlxcel.http.effort import EFFORT_BUDGETS
 from mlxcel.fixtures import fixture_path
+from mlxcel.http.effort import EFFORT_BUDGETS
 from tests.support import make_engine_config
 
 # Two tokens past the fixture's vocabulary (its embedding gains two rows).

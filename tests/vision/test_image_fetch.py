@@ -14,9 +14,9 @@ import pytest
 from mlxcel.config import EngineConfig, SchedulerConfig, parse_fetch_allow
 from mlxcel.engine import run_engine
 from mlxcel.errors import InvalidRequest
+from mlxcel.fixtures import vision_fixture_path
 from mlxcel.http.validation import Limits
 from mlxcel.types import ImageSource
-from mlxcel.fixtures import vision_fixture_path
 from mlxcel.vision.images import MAX_REDIRECTS, resolve
 from tests.support import TEST_CACHE
 from tests.vision.test_images import png
