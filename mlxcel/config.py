@@ -22,7 +22,7 @@ import attrs
 
 from mlxcel.cache.apc import ALGORITHMS, HashAlgorithm
 from mlxcel.model.adapters import AdapterSpec, parse_adapter_spec
-from mlxcel.model.reply_parsers import parse_reasoning_parser, parse_tool_call_parser
+from mlxcel.model.parser_names import parse_reasoning_parser, parse_tool_call_parser
 
 GIB = 1 << 30
 

@@ -15,6 +15,8 @@ from mlxcel.actors.grammar_check import GrammarChecker, one_line
 from mlxcel.errors import InvalidRequest, ServerBusy
 from tests.actors.test_actor_router import chat, llama_info, start_router
 
+pytestmark = pytest.mark.slow
+
 
 def schema_grammar(schema: dict[str, Any]) -> str:
     from llguidance import LLMatcher

@@ -151,6 +151,7 @@ def test_stream_result_round_trips_through_a_dict() -> None:
     assert StreamResult(**asdict(result)) == result
 
 
+@pytest.mark.slow
 async def test_stream_client_times_every_token_of_real_streams(start_engine, start_server) -> None:
     # The decode benchmark's client against mlxcel over HTTP: one process and two (the results in body order).
     import trio

@@ -14,12 +14,15 @@ from typing import Any
 
 import attrs
 import openai
+import pytest
 import trio
 
 from mlxcel.engine import run_engine
 from tests.http.test_tool_loop_and_logprobs import fixture_copy
 from tests.integration.test_tool_calls import TOOL_TEMPLATE
 from tests.support import evolve_cache, make_engine_config
+
+pytestmark = pytest.mark.slow
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",

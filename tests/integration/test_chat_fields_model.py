@@ -24,6 +24,8 @@ from tests.http.test_tool_loop_and_logprobs import fixture_copy, start
 from tests.integration.test_forced_tool_calls import TOOLS
 from tests.integration.test_tool_calls import TOOL_TEMPLATE
 
+pytestmark = pytest.mark.slow
+
 MESSAGES = [{"role": "user", "content": "Say something."}]
 EOS_BIAS = {str(SPECIAL_TOKENS[EOS_TOKEN]): 100}
 

@@ -29,6 +29,8 @@ from tests.integration.client_shapes import APPLY_PATCH_LARK, claude_code_reques
 from tests.integration.test_tool_calls import TOOL_TEMPLATE
 from tests.support import evolve_cache, make_engine_config
 
+pytestmark = pytest.mark.slow
+
 TIMEOUT = 300.0
 
 

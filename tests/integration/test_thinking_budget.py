@@ -25,6 +25,8 @@ from mlxcel.fixtures import fixture_path
 from mlxcel.http.effort import EFFORT_BUDGETS
 from tests.support import make_engine_config
 
+pytestmark = pytest.mark.slow
+
 # Two tokens past the fixture's vocabulary (its embedding gains two rows).
 THINK_IDS = {"<think>": 151646, "</think>": 151647}
 THINKING_TEMPLATE = (

@@ -535,6 +535,7 @@ detokenize_bodies = st.fixed_dictionaries({"tokens": st.one_of(
 )})
 
 
+@pytest.mark.slow
 async def test_fuzzed_tokenizer_route_bodies_never_get_a_5xx(start_engine, start_server) -> None:
     engine = await start_engine()
     base_url = await start_server(engine, max_body_bytes=MAX_BODY_BYTES)
@@ -570,6 +571,7 @@ async def test_fuzzed_tokenizer_route_bodies_never_get_a_5xx(start_engine, start
 # --- slow bodies ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_fuzzed_slow_bodies_are_answered_or_timed_out_never_stuck(start_engine, start_server) -> None:
     """Fuzzed bodies sent in pieces at fuzzed pace: within --body-timeout they get their answer
     (never a 5xx), past it a 408; either way the server serves a normal request afterwards."""

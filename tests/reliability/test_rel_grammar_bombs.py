@@ -17,6 +17,8 @@ import httpx
 import pytest
 import trio
 
+pytestmark = pytest.mark.slow
+
 NORMAL = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
 PATTERN_BOMB = {"type": "object", "patternProperties": {f"^a{i}[a-z]+{i}$": {"type": "string"} for i in range(800)}}
 PROPERTY_BOMB = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(100_000)}}

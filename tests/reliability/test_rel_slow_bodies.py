@@ -15,9 +15,12 @@ import time
 
 import attrs
 import httpx
+import pytest
 import trio
 
 from tests.reliability.test_rel_connections import address
+
+pytestmark = pytest.mark.slow
 
 NORMAL = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
 SLOW_HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"

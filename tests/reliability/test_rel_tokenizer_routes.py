@@ -18,6 +18,8 @@ import httpx
 import pytest
 import trio
 
+pytestmark = pytest.mark.slow
+
 NORMAL = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
 HUGE = "lorem ipsum " * 1_250_000  # 15 MB
 

@@ -19,6 +19,8 @@ from mlxcel.engine import run_engine
 from mlxcel.fixtures import vision_fixture_path
 from tests.support import TEST_CACHE
 
+pytestmark = pytest.mark.slow
+
 
 def blank_png(width: int, height: int) -> str:
     """A base64 PNG of one colour: 1 x 7,000,000 pixels compress to about 27 KB."""
