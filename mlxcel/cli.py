@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -109,7 +110,23 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"cannot listen on {server_config.host}:{server_config.port}: {error.strerror or error}")
     with contextlib.suppress(KeyboardInterrupt):
         trio.run(run_server, engine_config, server_config, sock)
+    _exit_now(0)
     return 0
+
+
+def _exit_now(status: int) -> None:
+    """End the server process once its engine has shut down, without the interpreter's teardown.
+
+    Everything that matters has ended by now (the device thread joined, the
+    disk tier flushed, connections drained). What may remain are worker
+    threads abandoned mid-call in native code (a grammar compile, a
+    tokenizer), and tearing the interpreter and MLX's statics down under
+    them crashed the process (SIGABRT / SIGSEGV after a clean shutdown).
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def fixture_main(argv: Sequence[str] | None = None) -> int:

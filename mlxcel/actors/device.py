@@ -69,7 +69,7 @@ class DeviceActor:
                 with contextlib.suppress(trio.RunFinishedError):
                     token.run_sync_soon(finished.set)
 
-        thread = threading.Thread(target=main, name="mlxcel-device")
+        thread = threading.Thread(target=main, name="mlxcel-device", daemon=True)
         with self.inbox:
             thread.start()
             with trio.CancelScope(shield=True):

@@ -141,6 +141,7 @@ def test_the_allow_flag_takes_hosts_addresses_and_networks() -> None:
             parse_fetch_allow(bad)
 
 
+@pytest.mark.slow
 async def test_dripping_image_urls_do_not_hold_up_text_requests(nursery, start_server, image_server) -> None:
     """Four requests whose image drips (and more than there are render slots) leave text requests alone."""
     import trio
