@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 
-def _timed(step: Any, first: Any, steps: int) -> float:
+def pipelined_step_ms(step: Any, first: Any, steps: int) -> float:
+    """ms per step of ``step`` fed its own output, the next step built before this one's tokens are read."""
     import mlx.core as mx
 
     following = step(first)
@@ -66,7 +67,7 @@ def main() -> None:
                 logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
                 return (mx.argmax(logprobs, axis=-1), *list(logprobs))
 
-            results.append(_timed(step, first, args.steps))
+            results.append(pipelined_step_ms(step, first, args.steps))
         generator = BatchGenerator(model, completion_batch_size=max(batch, 8), prefill_batch_size=max(batch, 8))
         generator.insert([prompt] * batch, max_tokens=[args.steps + 40] * batch)
         for _ in range(24):  # prefill, then decode shapes built

@@ -155,27 +155,21 @@ async def _engine_run(model_path: Path, steps_ahead: int, args: argparse.Namespa
 
 
 def floor_step_ms(model_path: Path, batch: int, steps: int = 64) -> float:
+    """The in-process floor: a plain KV cache per layer, B equal rows, greedy, pipelined (decode_step_pieces.py)."""
     import mlx.core as mx
+    from decode_step_pieces import pipelined_step_ms
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
     model, _tokenizer = load(str(model_path))
     cache = make_prompt_cache(model)
     logits = model(mx.array([[10 + i for i in range(32)]] * batch), cache=cache)
-    y = mx.argmax(logits[:, -1, :], axis=-1)
+    first = mx.argmax(logits[:, -1, :], axis=-1)
 
     def step(tokens: Any) -> Any:
         return mx.argmax(model(tokens[:, None], cache=cache)[:, -1, :], axis=-1)
 
-    following = step(y)
-    mx.async_eval(following)
-    for timed in (False, True):
-        started = time.perf_counter()
-        for _ in range(steps if timed else 8):
-            y, following = following, step(following)
-            mx.async_eval(following)
-            y.tolist()
-    return 1000 * (time.perf_counter() - started) / steps
+    return pipelined_step_ms(step, first, steps)
 
 
 def main() -> None:

@@ -479,16 +479,21 @@ def create_app(
             store.put(owner, builder.response["id"], builder.response, builder.conversation(),
                       builder.prepared.input_items)
 
+    async def read_response_body() -> tuple[dict[str, Any], str, Any]:
+        """A Responses body, its owner, and the stored response its `previous_response_id` names (404 if none)."""
+        body = await read_body()
+        assert isinstance(body, dict)
+        owner = responses.owner_of(body, request.headers.get("Authorization", ""), limits)
+        previous_id = body.get("previous_response_id")
+        previous = store.get(owner, previous_id) if isinstance(previous_id, str) and previous_id else None
+        if previous_id and previous is None:
+            raise responses.not_found(str(previous_id))
+        return body, owner, previous
+
     @app.post("/v1/responses")
     async def create_response() -> Response:
         try:
-            body = await read_body()
-            assert isinstance(body, dict)
-            owner = responses.owner_of(body, request.headers.get("Authorization", ""), limits)
-            previous_id = body.get("previous_response_id")
-            previous = store.get(owner, previous_id) if isinstance(previous_id, str) and previous_id else None
-            if previous_id and previous is None:
-                raise responses.not_found(str(previous_id))
+            body, owner, previous = await read_response_body()
             prepared = await trio.to_thread.run_sync(functools.partial(
                 responses.prepare, body, previous, chat_template=template(), limits=limits),
                 limiter=parse_limiter(body, ("tools", "text")))
@@ -518,15 +523,10 @@ def create_app(
     @app.post("/v1/responses/input_tokens")
     async def count_response_tokens() -> Response:
         try:
-            body = await read_body()
-            assert isinstance(body, dict)
-            owner = responses.owner_of(body, request.headers.get("Authorization", ""), limits)
-            previous_id = body.get("previous_response_id")
-            previous = store.get(owner, previous_id) if isinstance(previous_id, str) and previous_id else None
-            if previous_id and previous is None:
-                raise responses.not_found(str(previous_id))
+            body, _owner, previous = await read_response_body()
             prepared = await trio.to_thread.run_sync(functools.partial(
-                responses.prepare_count, body, previous, chat_template=template(), limits=limits))
+                responses.prepare_count, body, previous, chat_template=template(), limits=limits),
+                limiter=parse_limiter(body, ("tools", "text")))
             check_model(prepared.chat)
             counted = await engine.count_prompt_tokens(prepared.chat)
         except MlxcelError as error:
