@@ -75,6 +75,8 @@ class DeviceSettings:
     # --prompt-cache-kv-bits (0: stored KV exact) and --prompt-cache-kv-group-size: see mlxcel/model/kv.py.
     kv_bits: int = 0
     kv_group_size: int = 64
+    # Masked one-token attention on mlxcel's kernel (mlxcel/model/ragged_attention.py); CUDA only.
+    ragged_attention: bool = True
 
 
 @attrs.define
@@ -156,6 +158,11 @@ class StepExecutor:
         from mlx_lm.models.cache import KVCache, make_prompt_cache
 
         self._model = model
+        if settings.ragged_attention:
+            from mlxcel.model import ragged_attention
+
+            if changed := ragged_attention.install(model):
+                logger.info("decode attention of %s runs on the ragged kernel", ", ".join(changed))
         # How a direct start gets its last token's logits: on a GPU in the same
         # forward pass as the rest (projecting every position to the vocabulary
         # costs less than reading the weights again); on the CPU in a second
