@@ -126,7 +126,8 @@ async def _wave(engine: Any, size: int) -> dict[str, Any]:
             nursery.start_soon(one, index)
     ttfts.sort()
     return {"wave": size, "ttft_median_s": statistics.median(ttfts),
-            "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]}
+            "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+            "ttft_deciles_s": [round(ttfts[min(len(ttfts) - 1, len(ttfts) * tenth // 10)], 4) for tenth in range(11)]}
 
 
 async def _engine_run(model_path: Path, steps_ahead: int, args: argparse.Namespace, profile: bool) -> dict[str, Any]:
@@ -149,7 +150,13 @@ async def _engine_run(model_path: Path, steps_ahead: int, args: argparse.Namespa
             print(f"steps_ahead={steps_ahead} {row}", flush=True)
         if args.wave:
             await _wave(engine, 4)
-            results["wave"] = await _wave(engine, args.wave)
+            await _wave(engine, args.wave)  # the wave's shapes built: untimed
+            if profile:
+                with StackSampler() as sampler:
+                    results["wave"] = await _wave(engine, args.wave)
+                results["wave_profile"] = sampler.report()
+            else:
+                results["wave"] = await _wave(engine, args.wave)
             print(f"steps_ahead={steps_ahead} {results['wave']}", flush=True)
     return results
 
@@ -207,10 +214,12 @@ def main() -> None:
         if "wave" in run:
             wave = run["wave"]
             print(f"wave of {wave['wave']} (steps ahead {run['steps_ahead']}): TTFT median "
-                  f"{wave['ttft_median_s']:.3f} s, p99 {wave['ttft_p99_s']:.3f} s")
+                  f"{wave['ttft_median_s']:.3f} s, p99 {wave['ttft_p99_s']:.3f} s; deciles {wave['ttft_deciles_s']}")
     for run in runs:
         if run["profile"]:
             print(f"\nprofile, steps ahead {run['steps_ahead']}, {max(args.levels)} streams:\n{run['profile']}")
+        if run.get("wave_profile"):
+            print(f"\nprofile of the wave, steps ahead {run['steps_ahead']}:\n{run['wave_profile']}")
     if args.json is not None:
         args.json.write_text(json.dumps({"runs": runs, "floor_ms": floor}, indent=1))
 
