@@ -62,13 +62,17 @@ class AdapterBatches:
         return self._register(config, join_decoding(self._generator(config), joiners))
 
     def remove(self, uids: list[int], return_prompt_caches: bool = False) -> dict[int, Any]:
-        found: dict[int, Any] = {}
+        # One remove per generator: each call filters (copies) its whole batch cache.
+        by_config: dict[Config, list[tuple[int, int]]] = {}
         for uid in uids:
             config, inner = self._inner.pop(uid)
             del self._outer[(config, inner)]
-            caches = self._generators[config].remove([inner], return_prompt_caches=return_prompt_caches)
-            if return_prompt_caches and inner in caches:
-                found[uid] = caches[inner]
+            by_config.setdefault(config, []).append((uid, inner))
+        found: dict[int, Any] = {}
+        for config, pairs in by_config.items():
+            caches = self._generators[config].remove([inner for _uid, inner in pairs],
+                                                     return_prompt_caches=return_prompt_caches)
+            found.update((uid, caches[inner]) for uid, inner in pairs if inner in caches)
         return found
 
     def extract_cache(self, uids: list[int]) -> dict[int, Any]:

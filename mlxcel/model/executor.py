@@ -263,8 +263,7 @@ class StepExecutor:
 
     def _execute(self, plan: StepPlan, report: _Report, direct: list[_DirectStart]) -> tuple[list[Any], list[Any]]:
         """Removals, starts, the chunk alone, one evaluation of the direct starts, then the batch."""
-        for removal in plan.removals:
-            self._remove(removal, report.detached)
+        self._remove_all(plan.removals, report.detached)
         cold = [start for start in plan.starts if isinstance(start, StartDirect) and self._starts_cold(start)]
         if len(cold) < 2:
             cold = []
@@ -379,21 +378,29 @@ class StepExecutor:
                     report.detached.append(item)
                     sequence.base = item.payload
 
-    def _remove(self, removal: Removal, detached: list[DetachedSequence]) -> None:
-        uid = self._uid_of.pop(removal.sequence_id, None)
-        if uid is None:
-            # Prefilled alone, or finished already: no KV to give.
-            self._alone.pop(removal.sequence_id, None)
-            self._alone_done.pop(removal.sequence_id, None)
+    def _remove_all(self, removals: tuple[Removal, ...], detached: list[DetachedSequence]) -> None:
+        """A step's removals in one ``remove``: mlx-lm filters (copies) every layer's batch cache once per call."""
+        leaving: list[tuple[Removal, int, _Sequence]] = []
+        for removal in removals:
+            uid = self._uid_of.pop(removal.sequence_id, None)
+            if uid is None:
+                # Prefilled alone, or finished already: no KV to give.
+                self._alone.pop(removal.sequence_id, None)
+                self._alone_done.pop(removal.sequence_id, None)
+                continue
+            leaving.append((removal, uid, self._by_uid.pop(uid)))
+        if not leaving:
             return
-        sequence = self._by_uid.pop(uid)
-        caches = self._generator.remove([uid], return_prompt_caches=removal.donate)
-        if removal.donate and uid in caches:
-            cache_list, tokens = caches[uid]
-            item = _detach(sequence.sequence_id, cache_list, tokens, base=sequence.base,
-                           split_at=sequence.prompt_len)
-            if item is not None:
-                detached.append(item)
+        donors = [uid for removal, uid, _sequence in leaving if removal.donate]
+        caches = self._generator.extract_cache(donors) if donors else {}
+        self._generator.remove([uid for _removal, uid, _sequence in leaving])
+        for _removal, uid, sequence in leaving:
+            if uid in caches:
+                cache_list, tokens = caches[uid]
+                item = _detach(sequence.sequence_id, cache_list, tokens, base=sequence.base,
+                               split_at=sequence.prompt_len)
+                if item is not None:
+                    detached.append(item)
 
     def _start(self, start: StartDirect | InsertBatch | StartAlone, direct: list[_DirectStart]) -> str | None:
         """Carry out one start; returns why a snapshot could not be restored (it then runs cold)."""

@@ -10,6 +10,7 @@ Loading the model takes seconds, so one test drives one actor through a lot.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -390,3 +391,32 @@ def test_a_strict_tools_grammar_constrains_a_call_once_its_marker_is_written() -
     call = json_tools.parse_tool_call(body)
     assert call["name"] == "forecast"
     jsonschema.validate(call["arguments"], parameters)
+
+
+async def test_a_steps_removals_filter_the_batch_once_and_each_donor_gets_its_own_kv(monkeypatch) -> None:
+    """mlx-lm copies every layer's batch cache on each filter: a wave of cancellations must not copy it per removal."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    filters = []
+    original = BatchKVCache.filter
+
+    def counted(self: Any, batch_indices: Any) -> None:
+        filters.append(len(batch_indices))
+        original(self, batch_indices)
+
+    prompts = {sequence: tuple(range(1000 + 100 * sequence, 1010 + 100 * sequence)) for sequence in range(4)}
+    async with running_device() as (driver, _info, _actor):
+        done = await driver.step(starts=tuple(batch(sequence, prompt, 40) for sequence, prompt in prompts.items()),
+                                 run_batch=True)
+        while len({token.sequence_id for step in driver.steps for token in step.sampled}) < 4:
+            done = await driver.step(run_batch=True)
+        monkeypatch.setattr(BatchKVCache, "filter", counted)
+        done = await driver.step(removals=(Removal(sequence_id=0, donate=True), Removal(sequence_id=1, donate=False),
+                                           Removal(sequence_id=2, donate=True)), run_batch=True)
+        layers = json.loads((fixture_path("llama") / "config.json").read_text())["num_hidden_layers"]
+        # One filter per layer, keeping the one row left (removing one by one filtered 3 times per layer).
+        assert filters == [1] * layers
+        assert [item.sequence_id for item in done.detached] == [0, 2]
+        for item in done.detached:
+            assert item.tokens[:10] == prompts[item.sequence_id]
+        assert {token.sequence_id for token in done.sampled} == {3}
