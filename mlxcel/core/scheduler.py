@@ -28,7 +28,7 @@ from typing import Any, Literal, Protocol
 
 import attrs
 
-from mlxcel.cache.key import CacheContext
+from mlxcel.cache.key import CacheContext, session_id, trie_key
 from mlxcel.cache.snapshots import common_prefix_length
 from mlxcel.core.effects import (
     DonateSequence,
@@ -331,11 +331,9 @@ class SchedulerCore:
         """Queue a warm-up; it replaces a pending one of the same conversation (whose tokens it extends)."""
         if not self._snapshots:
             return
-        session = (job.context.model_id, job.context.cache_salt, job.context.session_key)
+        session = session_id(job.context)
         for key, pending in list(self._pending_warmups.items()):
-            same_session = (pending.context.model_id, pending.context.cache_salt,
-                            pending.context.session_key) == session
-            if same_session and job.tokens[: len(pending.tokens)] == pending.tokens:
+            if session_id(pending.context) == session and job.tokens[: len(pending.tokens)] == pending.tokens:
                 del self._pending_warmups[key]
         self._num_warm_queued += 1
         self._pending_warmups[(str(self._num_warm_queued),)] = job
@@ -462,9 +460,7 @@ class SchedulerCore:
             other = running.request.cache_context
             if running.prompt_done or running.finished or other is None:
                 continue
-            if (other.bucket, other.rope_regime, other.mm_digest) != (
-                context.bucket, context.rope_regime, context.mm_digest
-            ):
+            if trie_key(other) != trie_key(context):
                 continue
             if not self._cross_session and other.session_key != context.session_key:
                 continue

@@ -451,3 +451,36 @@ def test_pending_warm_ups_are_kept_per_conversation() -> None:
     harness.core.warm(WarmSession(context=CONTEXT, tokens=(7, 8, 9)))  # a sibling in the same session
     harness.core.warm(WarmSession(context=CONTEXT, tokens=(1, 2, 3, 4, 5)))  # the first one's next turn
     assert [job.tokens for job in harness.core._pending_warmups.values()] == [(7, 8, 9), (1, 2, 3, 4, 5)]
+
+
+def test_a_warm_up_under_one_adapter_configuration_never_replaces_one_under_another() -> None:
+    """The snapshot store keeps a session per adapter configuration, so the warm-up queue must too."""
+    harness = Harness(snapshots=True)
+    plain = attrs.evolve(CONTEXT, lora_id="")
+    adapted = attrs.evolve(CONTEXT, lora_id="adapter-a@1.0")
+    harness.core.warm(WarmSession(context=plain, tokens=(1, 2, 3)))
+    # Its tokens extend the plain one's, but it warms another store session.
+    harness.core.warm(WarmSession(context=adapted, tokens=(1, 2, 3, 4, 5)))
+    warmed: list[str] = []
+    while (lookup := harness.core.next_lookup(0.0)) is not None:
+        assert lookup.kind == "warm"
+        warmed.append(lookup.context.lora_id)
+        # Already stored in full: nothing to run, so the next pending warm-up is asked for at once.
+        harness.core.resolve(lookup, Hit(length=len(lookup.tokens), payload=None))
+    assert warmed == ["", "adapter-a@1.0"]
+
+
+def test_the_core_and_the_snapshot_store_name_a_session_alike() -> None:
+    """One function names a session on both sides: every field of the store's session counts in the core."""
+    from mlxcel.cache.key import session_id
+    from mlxcel.cache.snapshots import SnapshotLimits, SnapshotStore
+
+    store = SnapshotStore(SnapshotLimits(capacity_bytes=1 << 20))
+    for change in ({"lora_id": "x"}, {"cache_salt": "tenant"}, {"session_key": "other"}, {"model_id": "n"}):
+        other = attrs.evolve(CONTEXT, **change)
+        assert session_id(other) != session_id(CONTEXT)
+        store.insert(CONTEXT, (1, 2, 3), payload="mine", nbytes=1, now=0.0)
+        store.insert(other, (1, 2, 3, 4), payload="theirs", nbytes=1, now=0.0)
+        # The other session's longer snapshot did not supersede this one.
+        assert {info.tokens for info in store.entries_by_recency()} == {(1, 2, 3), (1, 2, 3, 4)}
+        store.reset()
