@@ -13,7 +13,7 @@ import attrs
 import pytest
 
 from mlxcel.cache.key import CacheContext
-from mlxcel.core import scheduler as core_scheduler
+from mlxcel.core import placement
 from mlxcel.core.effects import DonateSequence
 from mlxcel.core.plan import (
     Capabilities,
@@ -200,8 +200,8 @@ def test_a_first_token_the_batch_owes_is_never_held_back() -> None:
 
 
 def test_a_hit_in_bucketed_shapes_cuts_the_prefix_and_pads_its_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(core_scheduler, "START_PREFIX_ALIGN", 8)
-    monkeypatch.setattr(core_scheduler, "START_QUERY_BUCKET", 32)
+    monkeypatch.setattr(placement, "START_PREFIX_ALIGN", 8)
+    monkeypatch.setattr(placement, "START_QUERY_BUCKET", 32)
 
     def start_of_a_hit(bucket: bool, context_size: int = 4096) -> StartDirect:
         harness = Harness(bucket_starts=bucket, context_size=context_size)
@@ -223,7 +223,7 @@ def test_a_hit_in_bucketed_shapes_cuts_the_prefix_and_pads_its_tokens(monkeypatc
 def test_a_long_prompt_in_bucketed_shapes_is_prefilled_alone_then_starts_its_rest(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(core_scheduler, "START_PREFIX_ALIGN", 8)
+    monkeypatch.setattr(placement, "START_PREFIX_ALIGN", 8)
     harness = Harness(bucket_starts=True)
     harness.add("long", 45)
     plans = [harness.step() for _ in range(3)]
@@ -264,7 +264,7 @@ def test_bucketed_direct_starts_are_charged_for_their_own_forward_pass() -> None
 
     assert per_step(False) == [[0, 1, 2, 3, 4, 5], [], []]
     # 100 new tokens + DIRECT_START_TOKENS each: two fit a 1024-token step.
-    assert core_scheduler.DIRECT_START_TOKENS == 256
+    assert placement.DIRECT_START_TOKENS == 256
     assert per_step(True) == [[0, 1], [2, 3], [4, 5]]
 
 
@@ -450,7 +450,7 @@ def test_pending_warm_ups_are_kept_per_conversation() -> None:
     harness.core.warm(WarmSession(context=CONTEXT, tokens=(1, 2, 3)))
     harness.core.warm(WarmSession(context=CONTEXT, tokens=(7, 8, 9)))  # a sibling in the same session
     harness.core.warm(WarmSession(context=CONTEXT, tokens=(1, 2, 3, 4, 5)))  # the first one's next turn
-    assert [job.tokens for job in harness.core._pending_warmups.values()] == [(7, 8, 9), (1, 2, 3, 4, 5)]
+    assert [job.tokens for job in harness.core._warm_ups.pending()] == [(7, 8, 9), (1, 2, 3, 4, 5)]
 
 
 def test_a_warm_up_under_one_adapter_configuration_never_replaces_one_under_another() -> None:
