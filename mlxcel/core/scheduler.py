@@ -30,6 +30,7 @@ import attrs
 
 from mlxcel.cache.key import CacheContext, trie_key
 from mlxcel.cache.snapshots import common_prefix_length
+from mlxcel.core.cache_plan import CACHE_OFF, CachePlan
 from mlxcel.core.effects import (
     DonateSequence,
     DonateSnapshot,
@@ -169,13 +170,7 @@ class SchedulerCore:
         tokenizer: Any,
         eos_token_ids: frozenset[int],
         max_queued_requests: int = 256,
-        cache_enabled: bool = False,
-        cross_session: bool = False,
-        prompt_donation: bool = False,
-        boundary_snapshots: bool = False,
-        checkpoint_spacing: int = 0,
-        max_chunk_checkpoints: int = 0,
-        share_threshold: int = 0,
+        cache: CachePlan = CACHE_OFF,
         keep_reply_text: bool = False,
         on_trace: Callable[[str], None] | None = None,
     ) -> None:
@@ -186,18 +181,9 @@ class SchedulerCore:
         self._reply_format = ReplyFormat.of(tokenizer)
         self._eos_token_ids = eos_token_ids
         self._max_queued = max_queued_requests
-        self._cache_enabled = cache_enabled
-        self._cross_session = cross_session
-        self._prompt_donation = prompt_donation and cache_enabled
-        self._snapshots = capabilities.snapshots and cache_enabled
-        self._boundary_snapshots = boundary_snapshots
-        # Snapshot families: checkpoints at multiples of this many tokens of a long
-        # prompt (0: none), the last max_chunk_checkpoints of them before its boundary.
-        self._checkpoint_spacing = checkpoint_spacing
-        self._max_chunk_checkpoints = max_chunk_checkpoints
-        # Requests that share at least this many more tokens with a prompt being
-        # prefilled than the store can give them wait for it instead of duplicating it.
-        self._share_threshold = share_threshold
+        # How this server caches (off, KV prefixes or session snapshots), decided once at start-up.
+        self._cache = cache
+        self._snapshots = cache.snapshots
         self._keep_reply_text = keep_reply_text
         self._trace = on_trace
         self._waiting: collections.deque[NewRequest] = collections.deque()
@@ -368,13 +354,13 @@ class SchedulerCore:
             if candidate.peeked is None:
                 return Lookup(kind="peek", context=context, tokens=request.prompt_tokens)
             matched = candidate.peeked.length if isinstance(candidate.peeked, Hit) else 0
-            if candidate.shared - matched >= self._share_threshold:
+            if candidate.shared - matched >= self._cache.share_threshold:
                 self._waiting.popleft()
                 self._candidate = None
                 self._parked.setdefault(candidate.leader, []).append(request)
                 return None
             candidate.leader = None
-        if context is not None and self._cache_enabled and len(request.prompt_tokens) > 1 and candidate.found is None:
+        if context is not None and self._cache.enabled and len(request.prompt_tokens) > 1 and candidate.found is None:
             return Lookup(kind="snapshot" if self._snapshots else "prefix", context=context,
                           tokens=request.prompt_tokens)
         self._waiting.popleft()
@@ -385,7 +371,7 @@ class SchedulerCore:
     def _prefix_leader(self, request: NewRequest) -> tuple[int | None, int]:
         """A prefilling sequence whose prompt KV may serve this request better than the store."""
         context = request.cache_context
-        if not self._prompt_donation or context is None or len(request.prompt_tokens) < 2:
+        if not self._cache.prompt_donation or context is None or len(request.prompt_tokens) < 2:
             return None, 0
         best_sequence, best_shared = None, 0
         for running in self._running.values():
@@ -394,12 +380,12 @@ class SchedulerCore:
                 continue
             if trie_key(other) != trie_key(context):
                 continue
-            if not self._cross_session and other.session_key != context.session_key:
+            if not self._cache.cross_session and other.session_key != context.session_key:
                 continue
             shared = common_prefix_length(running.request.prompt_tokens, request.prompt_tokens)
             if shared > best_shared:
                 best_sequence, best_shared = running.sequence_id, shared
-        if best_sequence is None or best_shared < self._share_threshold:
+        if best_sequence is None or best_shared < self._cache.share_threshold:
             return None, 0
         return best_sequence, best_shared
 
@@ -419,7 +405,7 @@ class SchedulerCore:
             matched, adopted, restore = 0, None, None
         sequence_id = self._new_sequence_id()
         snapshots = (self._snapshot_points(request, matched)
-                     if self._snapshots and self._boundary_snapshots and vision is None else ())
+                     if self._snapshots and self._cache.boundary_snapshots and vision is None else ())
         output = RequestOutput(tokenizer=self._tokenizer, sampling=request.sampling,
                                eos_token_ids=self._eos_token_ids, prompt_tokens=len(prompt),
                                submitted_at=now, keep_text=self._keep_reply_text,
@@ -436,9 +422,9 @@ class SchedulerCore:
             snapshots=snapshots,
             sampling=request.sampling,
             max_tokens=request.max_tokens,
-            donate_on_finish=request.cache_context is not None and self._cache_enabled,
+            donate_on_finish=request.cache_context is not None and self._cache.enabled,
             donate_prompt=request.cache_context is not None and (
-                self._prompt_donation or self._retains(request) or self._keeps_image_prompt(request)),
+                self._cache.prompt_donation or self._retains(request) or self._keeps_image_prompt(request)),
             vision=vision if matched == 0 else None,
             image_end=vision.end if vision is not None and matched else 0,
         ))
@@ -446,12 +432,12 @@ class SchedulerCore:
     def _snapshot_points(self, request: NewRequest, matched: int) -> tuple[SnapshotPoint, ...]:
         return snapshot_points(
             prompt_len=len(request.prompt_tokens), matched=matched, history_boundary=request.history_boundary,
-            shared_prefix=request.shared_prefix, checkpoint_spacing=self._checkpoint_spacing,
-            max_chunk_checkpoints=self._max_chunk_checkpoints, sliding_window=self.capabilities.sliding_window)
+            shared_prefix=request.shared_prefix, checkpoint_spacing=self._cache.checkpoint_spacing,
+            max_chunk_checkpoints=self._cache.max_chunk_checkpoints, sliding_window=self._cache.sliding_window)
 
     def _retains(self, request: NewRequest) -> bool:
         """A retaining request's prompt goes to the prefix store at the end of its prefill, whatever follows."""
-        return request.retain_seconds > 0 and self._cache_enabled and not self._snapshots
+        return request.retain_seconds > 0 and self._cache.prefix
 
     def _start_warmup(self, job: WarmSession, found: LookupResult) -> None:
         tokens = job.tokens
@@ -562,7 +548,7 @@ class SchedulerCore:
         prompt's own entry (an alias once the reply supersedes it) still covers
         the images and the history before the reply.
         """
-        return request.vision is not None and self._cache_enabled and not self._snapshots
+        return request.vision is not None and self._cache.prefix
 
     # --- what came of it ------------------------------------------------------------------
 

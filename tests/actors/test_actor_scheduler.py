@@ -26,7 +26,8 @@ from mlxcel.actors.messages import (
 )
 from mlxcel.actors.scheduler import ARRIVAL_WINDOW_SECONDS, SchedulerActor
 from mlxcel.cache.key import CacheContext
-from mlxcel.config import PromptCacheConfig, SchedulerConfig
+from mlxcel.config import SchedulerConfig
+from mlxcel.core.cache_plan import CacheMode, CachePlan
 from mlxcel.core.output import StopMatcher
 from mlxcel.core.plan import Capabilities, DetachedSequence, Removal, SampledToken, StepResult
 from mlxcel.core.scheduler import NewRequest
@@ -165,7 +166,7 @@ def start_scheduler(nursery: trio.Nursery) -> StartScheduler:
             to_warmer=to_warmer,
             tokenizer=FakeTokenizer(),
             eos_token_ids=frozenset({EOS}),
-            **(actor_options or {}),
+            **{"cache": CachePlan(mode=CacheMode.PREFIX), **(actor_options or {})},
         )
         await nursery.start(actor.run)
         return Harness(
@@ -828,7 +829,9 @@ async def test_a_one_chunk_prompt_donates_its_prompt_kv_only_to_requests_parked_
     """Such a prompt is done within its admitting step; its final KV comes a few tokens later."""
     harness = await start_scheduler(
         with_store=True, prefill_step_size=64,
-        actor_options={"cache_config": PromptCacheConfig(), "prompt_donation": True},
+        # The plan of a plain KV model with the default cache settings.
+        actor_options={"cache": CachePlan(mode=CacheMode.PREFIX, prompt_donation=True, cross_session=True,
+                                          share_threshold=32)},
     )
     assert harness.store is not None
     short, long = tuple(range(100, 140)), tuple(range(200, 300))

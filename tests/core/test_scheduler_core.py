@@ -14,6 +14,7 @@ import pytest
 
 from mlxcel.cache.key import CacheContext
 from mlxcel.core import placement
+from mlxcel.core.cache_plan import CacheMode, CachePlan
 from mlxcel.core.effects import DonateSequence
 from mlxcel.core.plan import (
     Capabilities,
@@ -117,11 +118,12 @@ class SimulatedDevice:
 
 
 class Harness:
-    def __init__(self, **capabilities: Any) -> None:
+    def __init__(self, *, snapshots: bool = False, **capabilities: Any) -> None:
         capabilities.setdefault("prefill_step_size", 16)
         capabilities.setdefault("context_size", 4096)
+        cache = CachePlan(mode=CacheMode.SNAPSHOTS if snapshots else CacheMode.PREFIX)
         self.core = SchedulerCore(Capabilities(**capabilities), tokenizer=LetterTokenizer(),
-                                  eos_token_ids=frozenset({999}), cache_enabled=True)
+                                  eos_token_ids=frozenset({999}), cache=cache)
         self.device = SimulatedDevice(capabilities["prefill_step_size"])
         self.clients = Clients()
         self.plans: list[StepPlan] = []
@@ -413,10 +415,9 @@ class _Payload:
 
 
 def _snapshot_core(**changes) -> SchedulerCore:
-    capabilities = Capabilities(prefill_step_size=64, context_size=100_000, snapshots=True,
-                                sliding_window=changes.pop("sliding_window", None))
-    return SchedulerCore(capabilities, tokenizer=LetterTokenizer(), eos_token_ids=frozenset(), cache_enabled=True,
-                         boundary_snapshots=True, **changes)
+    capabilities = Capabilities(prefill_step_size=64, context_size=100_000)
+    cache = CachePlan(mode=CacheMode.SNAPSHOTS, boundary_snapshots=True, **changes)
+    return SchedulerCore(capabilities, tokenizer=LetterTokenizer(), eos_token_ids=frozenset(), cache=cache)
 
 
 def _request(length: int, **fields) -> NewRequest:
