@@ -18,6 +18,11 @@ here and only here:
 - bucketing: the prefix cut of a start and the padding of its tokens;
 - donation of prompt KV (early, for parked requests and retaining ones) and of finished replies;
 - background warm-ups of session snapshots, only while idle.
+
+It computes the shapes and costs of starts with ``core/placement.py`` and
+keeps its warm-up jobs in ``core/warmups.py``; how the server caches (off,
+KV prefixes or session snapshots, and what goes with each) comes whole in
+the ``CachePlan`` (``core/cache_plan.py``).
 """
 
 from __future__ import annotations
