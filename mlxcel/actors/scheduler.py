@@ -117,8 +117,8 @@ class SchedulerActor:
         eos_token_ids: frozenset[int],
         cache: CachePlan = CACHE_OFF,
     ) -> None:
-        # Without a cache store to ask, nothing is looked up or donated, whatever the plan.
-        cache = cache if to_cache_store is not None else CACHE_OFF
+        if cache.enabled and to_cache_store is None:
+            raise ValueError(f"a {cache.mode.value} cache plan needs a cache store to ask")
         self.core = SchedulerCore(
             capabilities,
             tokenizer=tokenizer,

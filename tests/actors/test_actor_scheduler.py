@@ -27,7 +27,7 @@ from mlxcel.actors.messages import (
 from mlxcel.actors.scheduler import ARRIVAL_WINDOW_SECONDS, SchedulerActor
 from mlxcel.cache.key import CacheContext
 from mlxcel.config import SchedulerConfig
-from mlxcel.core.cache_plan import CacheMode, CachePlan
+from mlxcel.core.cache_plan import CACHE_OFF, CacheMode, CachePlan
 from mlxcel.core.output import StopMatcher
 from mlxcel.core.plan import Capabilities, DetachedSequence, Removal, SampledToken, StepResult
 from mlxcel.core.scheduler import NewRequest
@@ -166,7 +166,7 @@ def start_scheduler(nursery: trio.Nursery) -> StartScheduler:
             to_warmer=to_warmer,
             tokenizer=FakeTokenizer(),
             eos_token_ids=frozenset({EOS}),
-            **{"cache": CachePlan(mode=CacheMode.PREFIX), **(actor_options or {})},
+            **{"cache": CachePlan(mode=CacheMode.PREFIX) if with_store else CACHE_OFF, **(actor_options or {})},
         )
         await nursery.start(actor.run)
         return Harness(
@@ -858,3 +858,13 @@ async def test_a_one_chunk_prompt_donates_its_prompt_kv_only_to_requests_parked_
         await harness.reply(step, sampled=(token(2, 0, "length"), token(3, 0, "length")))
         assert (await harness.stats()).num_shared_prefills == 1
         nursery.cancel_scope.cancel()
+
+
+def test_a_plan_with_a_prompt_cache_needs_a_cache_store_to_ask() -> None:
+    to_device, _device = trio.open_memory_channel[RunStep](0)
+    _send, inbox = trio.open_memory_channel[Any](1)
+    with pytest.raises(ValueError, match="a prefix cache plan needs a cache store"):
+        SchedulerActor(config=SchedulerConfig(), capabilities=Capabilities(prefill_step_size=64, context_size=4096),
+                       inbox=inbox, to_device=to_device, to_cache_store=None, to_metrics=None, to_warmer=None,
+                       tokenizer=FakeTokenizer(), eos_token_ids=frozenset({EOS}),
+                       cache=CachePlan(mode=CacheMode.PREFIX))
