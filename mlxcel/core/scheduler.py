@@ -33,7 +33,7 @@ from typing import Any, Literal, Protocol
 
 import attrs
 
-from mlxcel.cache.key import CacheContext, trie_key
+from mlxcel.cache.key import CacheContext, session_id, trie_key
 from mlxcel.cache.snapshots import common_prefix_length
 from mlxcel.core.cache_plan import CACHE_OFF, CachePlan
 from mlxcel.core.effects import (
@@ -385,7 +385,7 @@ class SchedulerCore:
                 continue
             if trie_key(other) != trie_key(context):
                 continue
-            if not self._cache.cross_session and other.session_key != context.session_key:
+            if not self._cache.cross_session and session_id(other) != session_id(context):
                 continue
             shared = common_prefix_length(running.request.prompt_tokens, request.prompt_tokens)
             if shared > best_shared:
