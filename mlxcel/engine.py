@@ -45,20 +45,13 @@ from mlxcel.actors.router import PromptRenderer, RouterActor
 from mlxcel.actors.scheduler import SchedulerActor
 from mlxcel.actors.warmer import WarmerActor
 from mlxcel.cache import disk_index
-from mlxcel.cache.capacity import (
-    KV_STORE_FLOOR_BYTES,
-    CapacityDecision,
-    kv_bytes_per_token,
-    kv_head_dim,
-    plan_kv_store_capacity,
-    plan_snapshot_store_capacity,
-)
+from mlxcel.cache.capacity import CapacityDecision, kv_bytes_per_token, kv_head_dim
 from mlxcel.cache.snapshots import SnapshotLimits, SnapshotStore
 from mlxcel.cache.store import ApcSettings, PromptCacheStore, StoreLimits
 from mlxcel.config import EngineConfig, PromptCacheConfig, auto_bool
+from mlxcel.core.cache_plan import CachePlan, plan_cache
 from mlxcel.core.plan import Capabilities
 from mlxcel.errors import MlxcelError, ServerBusy
-from mlxcel.model.family import FamilyKind
 from mlxcel.model.reply_parsers import with_reply_parsers
 from mlxcel.types import ChatRequest, Completion, CompletionRequest, Delta, TokenLogprob, ToolCall
 
@@ -122,14 +115,15 @@ class Engine:
         to_scheduler: trio.MemorySendChannel[Any],
         to_cache_store: trio.MemorySendChannel[Any],
         to_metrics: trio.MemorySendChannel[Any],
-        apc_enabled: bool,
+        cache_plan: CachePlan,
         disk: DiskTier | None = None,
     ) -> None:
         self.model = model
         self._disk = disk
         self.config = config
         self.served_model_names = config.served_model_names
-        self.apc_enabled = apc_enabled
+        # How this engine caches, as run_engine decided it (core/cache_plan.py).
+        self.cache_plan = cache_plan
         self._to_router = to_router
         self._to_scheduler = to_scheduler
         self._to_cache_store = to_cache_store
@@ -216,7 +210,7 @@ class Engine:
         """The cache store's statistics as the JSON body of ``/v1/cache/stats``."""
         stats: CacheStoreStats = await self._ask(self._to_cache_store, GetCacheStats)
         body = stats.to_json()
-        body["apc_enabled"] = body["apc_enabled"] and self.apc_enabled
+        body["apc_enabled"] = body["apc_enabled"] and self.cache_plan.apc
         body["disk"] = {"enabled": False}
         if self._disk is not None:
             body["disk"] = {"enabled": True, **(await trio.to_thread.run_sync(self._disk.statistics)).to_json()}
@@ -252,11 +246,6 @@ class Engine:
             self._to_scheduler.send_nowait(CancelRequest(request_id=request_id))
 
 
-def _uses_snapshots(model: ModelInfo) -> bool:
-    """Families whose state cannot resume from a KV prefix: they use session snapshots."""
-    return model.family.snapshot_only or model.family.kind is not FamilyKind.DENSE
-
-
 def _log_capacity(plan: CapacityDecision, store: str, flag: str) -> None:
     if plan.applied:
         logger.info(
@@ -272,28 +261,20 @@ def _log_capacity(plan: CapacityDecision, store: str, flag: str) -> None:
         )
 
 
-def _build_store(config: EngineConfig, model: ModelInfo, apc_enabled: bool) -> PromptCacheStore | None:
+def _build_store(config: EngineConfig, plan: CachePlan) -> PromptCacheStore | None:
     cache = config.prompt_cache
-    if not cache.enabled:
+    if not plan.enabled:
         return None
-    if _uses_snapshots(model):
-        # Snapshot families never donate into the KV store: it stays at its floor, unsized.
-        capacity = cache.capacity_bytes or KV_STORE_FLOOR_BYTES
-    else:
-        plan = plan_kv_store_capacity(model.config, ctx_size=config.ctx_size, configured=cache.capacity_bytes)
-        _log_capacity(plan, "KV store", "--prompt-cache-capacity-bytes")
-        capacity = plan.recommended
-        _log_kv_bits(cache, model)
     return PromptCacheStore(
         StoreLimits(
-            capacity_bytes=capacity,
+            capacity_bytes=plan.kv_capacity_bytes,
             max_entries=cache.max_entries,
             ttl_seconds=cache.ttl_seconds,
             min_prefix=cache.min_prefix,
             pinned_share=cache.pinned_share,
         ),
         ApcSettings(
-            enabled=apc_enabled,
+            enabled=plan.apc,
             block_size=cache.apc_block_size,
             num_blocks=cache.apc_num_blocks,
             algorithm=cache.apc_hash,
@@ -301,6 +282,20 @@ def _build_store(config: EngineConfig, model: ModelInfo, apc_enabled: bool) -> P
         # The store logs its block changes only for a KV event stream.
         log_blocks=config.kv_events.enabled,
     )
+
+
+def _log_plan(plan: CachePlan, config: EngineConfig, model: ModelInfo) -> None:
+    """What the cache plan decided that an operator may want to know."""
+    for note in plan.notes:
+        logger.info("%s", note)
+    if plan.kv_capacity is not None:
+        _log_capacity(plan.kv_capacity, "KV store", "--prompt-cache-capacity-bytes")
+    if plan.prefix:
+        _log_kv_bits(config.prompt_cache, model)
+    if plan.snapshot_capacity is not None:
+        _log_capacity(plan.snapshot_capacity, "snapshot", "--prompt-cache-snapshot-capacity-bytes")
+    if config.prompt_cache.disk_dir is not None and not plan.disk:
+        logger.warning("--prompt-cache-dir is ignored: the prompt cache is off")
 
 
 def _log_kv_bits(cache: PromptCacheConfig, model: ModelInfo) -> None:
@@ -319,23 +314,19 @@ def _log_kv_bits(cache: PromptCacheConfig, model: ModelInfo) -> None:
                 "a cold run; session snapshots stay exact)", cache.kv_bits, cache.kv_group_size)
 
 
-def _build_snapshot_store(config: EngineConfig, model: ModelInfo) -> SnapshotStore | None:
+def _build_snapshot_store(config: EngineConfig, plan: CachePlan) -> SnapshotStore | None:
     """The session snapshot store, for families that cannot resume from a prefix."""
-    if not _uses_snapshots(model):
+    if not plan.snapshots:
         return None
     cache = config.prompt_cache
-    plan = plan_snapshot_store_capacity(
-        model.config, ctx_size=config.ctx_size, configured=cache.snapshot_capacity_bytes
-    )
-    _log_capacity(plan, "snapshot", "--prompt-cache-snapshot-capacity-bytes")
     return SnapshotStore(SnapshotLimits(
-        capacity_bytes=plan.recommended,
+        capacity_bytes=plan.snapshot_capacity_bytes,
         max_entries=cache.snapshot_max_entries,
         ttl_seconds=cache.snapshot_ttl_seconds,
     ))
 
 
-def _disk_file_bounds(config: EngineConfig, model: ModelInfo) -> tuple[int | None, int | None]:
+def _disk_file_bounds(plan: CachePlan, model: ModelInfo) -> tuple[int | None, int | None]:
     """The largest piece and snapshot file this model can write (None: unknown, the budget bounds it).
 
     Reads refuse anything larger unopened: a planted file must not cost its size. A factor of 4
@@ -346,23 +337,18 @@ def _disk_file_bounds(config: EngineConfig, model: ModelInfo) -> tuple[int | Non
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         piece = None
     snapshot = None
-    if _uses_snapshots(model):
-        plan = plan_snapshot_store_capacity(model.config, ctx_size=config.ctx_size,
-                                            configured=config.prompt_cache.snapshot_capacity_bytes)
+    if plan.snapshots:
         # A snapshot larger than the memory store could not have been stored, so not written either.
-        snapshot = plan.recommended + disk_index.MAX_HEADER_BYTES
+        snapshot = plan.snapshot_capacity_bytes + disk_index.MAX_HEADER_BYTES
     return piece, snapshot
 
 
-async def _open_disk(config: EngineConfig, model: ModelInfo, cache_on: bool) -> DiskTier | None:
+async def _open_disk(config: EngineConfig, model: ModelInfo, plan: CachePlan) -> DiskTier | None:
     """The disk tier (--prompt-cache-dir), fingerprinted and indexed in a worker thread; None when off."""
     cache = config.prompt_cache
-    if cache.disk_dir is None:
+    if not plan.disk or cache.disk_dir is None:
         return None
-    if not cache_on:
-        logger.warning("--prompt-cache-dir is ignored: the prompt cache is off")
-        return None
-    max_piece_bytes, max_snapshot_bytes = _disk_file_bounds(config, model)
+    max_piece_bytes, max_snapshot_bytes = _disk_file_bounds(plan, model)
     settings = DiskSettings(directory=cache.disk_dir, budget_bytes=cache.disk_bytes,
                             write_bytes_per_second=cache.disk_write_bytes_per_second,
                             session_scoped=not cache.cross_session, min_prefix=cache.min_prefix,
@@ -429,37 +415,29 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
         model = attrs.evolve(model, tokenizer=with_reply_parsers(
             model.tokenizer, chat_template=config.chat_template, tool_call_parser=config.tool_call_parser,
             reasoning_parser=config.reasoning_parser))
-        apc_enabled = config.prompt_cache.enabled and config.prompt_cache.apc_enabled
-        if apc_enabled and not model.family.apc_supported:
-            logger.info(
-                "APC disabled for model family %s (%s); the whole-prefix cache stays on",
-                model.family.model_type, model.family.apc_disabled_reason or "recurrent state",
-            )
-            apc_enabled = False
-        if apc_enabled and _uses_snapshots(model):
-            logger.info("APC unused for %s: it resumes from session snapshots, not KV prefixes",
-                        model.family.model_type)
-            apc_enabled = False
-        store = _build_store(config, model, apc_enabled)
-        snapshots = _build_snapshot_store(config, model) if store is not None else None
-        disk = await _open_disk(config, model, store is not None)
+        # How this server caches, decided once here and handed whole to every part that needs it.
+        plan = plan_cache(config, model.family, model.config)
+        _log_plan(plan, config, model)
+        store = _build_store(config, plan)
+        snapshots = _build_snapshot_store(config, plan)
+        disk = await _open_disk(config, model, plan)
         if disk is not None:
             await to_device.send(UseDiskTier(tier=disk))
         renderer = PromptRenderer(
             model,
             default_template_kwargs=config.chat_template_kwargs,
-            cache_enabled=config.prompt_cache.enabled,
-            history_boundaries=snapshots is not None,
+            cache_enabled=plan.enabled,
+            history_boundaries=plan.snapshots,
             allow_request_template=config.allow_request_chat_template,
-            memo_per_session=not config.prompt_cache.cross_session,
+            memo_per_session=not plan.cross_session,
             chat_template=config.chat_template,
         )
         await nursery.start(MetricsActor(
             inbox=metrics_inbox,
             model_name=model.model_id,
             block_size=config.prompt_cache.apc_block_size,
-            num_blocks=store.apc.block_cap(store.limits.max_entries) if store is not None and apc_enabled else 0,
-            prefix_caching=store is not None,
+            num_blocks=store.apc.block_cap(store.limits.max_entries) if store is not None and plan.apc else 0,
+            prefix_caching=plan.enabled,
         ).run)
         to_kv_events = None
         if config.kv_events.enabled:
@@ -472,16 +450,15 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             ).run)
         await nursery.start(CacheStoreActor(
             store=store, snapshots=snapshots, inbox=cache_inbox, to_metrics=to_metrics.clone(),
-            cross_session=config.prompt_cache.cross_session,
+            cross_session=plan.cross_session,
             to_scheduler=to_scheduler.clone(),
             to_kv_events=to_kv_events,
             disk=disk, to_device=to_device.clone() if disk is not None else None,
         ).run)
-        warm = snapshots is not None and config.prompt_cache.warmup
         await nursery.start(WarmerActor(
             inbox=warmer_inbox,
-            renderer=renderer if warm else None,
-            to_scheduler=to_scheduler.clone() if warm else None,
+            renderer=renderer if plan.warm_ups else None,
+            to_scheduler=to_scheduler.clone() if plan.warm_ups else None,
         ).run)
         await nursery.start(SchedulerActor(
             config=config.scheduler,
@@ -489,8 +466,6 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             capabilities=Capabilities(
                 prefill_step_size=model.prefill_step_size, context_size=model.context_size,
                 max_batch_size=config.scheduler.max_batch_size, bucket_starts=model.bucket_starts,
-                snapshots=snapshots is not None,
-                sliding_window=model.family.sliding_window if snapshots is not None else None,
             ),
             inbox=scheduler_inbox,
             to_device=to_device,
@@ -499,14 +474,12 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             to_warmer=to_warmer,
             tokenizer=model.tokenizer,
             eos_token_ids=model.eos_token_ids,
-            cache_config=config.prompt_cache if store is not None else None,
-            # Only plain KV tables can be detached mid-flight and adopted by others.
-            prompt_donation=store is not None and not _uses_snapshots(model),
+            cache=plan,
         ).run)
         await nursery.start(RouterActor(
             model=model,
             renderer=renderer,
-            cache_enabled=config.prompt_cache.enabled,
+            cache_enabled=plan.enabled,
             inbox=router_inbox,
             to_scheduler=to_scheduler.clone(),
             grammar_checker=GrammarChecker(model.tokenizer, model.eos_token_ids, timeout_s=config.grammar_timeout),
@@ -514,7 +487,7 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
         logger.info(
             "engine ready: model %s (%s, context %d, prefill step %d), prompt cache %s, APC %s",
             model.model_id, model.family.kind.value, model.context_size, model.prefill_step_size,
-            "on" if store is not None else "off", "on" if apc_enabled else "off",
+            plan.mode.value, "on" if plan.apc else "off",
         )
         task_status.started(Engine(
             model=model,
@@ -523,7 +496,7 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             to_scheduler=to_scheduler,
             to_cache_store=to_cache_store,
             to_metrics=to_metrics,
-            apc_enabled=apc_enabled,
+            cache_plan=plan,
             disk=disk,
         ))
 

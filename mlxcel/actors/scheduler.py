@@ -25,7 +25,6 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import attrs
 import trio
 
 from mlxcel.actors.messages import (
@@ -57,7 +56,8 @@ from mlxcel.actors.messages import (
     WarmerMsg,
     WarmSession,
 )
-from mlxcel.config import PromptCacheConfig, SchedulerConfig
+from mlxcel.config import SchedulerConfig
+from mlxcel.core.cache_plan import CACHE_OFF, CachePlan
 from mlxcel.core.effects import ReplyFinished, RequestFinished
 from mlxcel.core.plan import Capabilities, StepPlan, StepResult
 from mlxcel.core.scheduler import Hit, Lookup, LookupResult, Miss, SchedulerCore
@@ -115,24 +115,19 @@ class SchedulerActor:
         to_warmer: trio.MemorySendChannel[WarmerMsg] | None,
         tokenizer: Any,
         eos_token_ids: frozenset[int],
-        cache_config: PromptCacheConfig | None = None,
-        prompt_donation: bool = False,
+        cache: CachePlan = CACHE_OFF,
     ) -> None:
+        if cache.enabled and to_cache_store is None:
+            raise ValueError(f"a {cache.mode.value} cache plan needs a cache store to ask")
         self.core = SchedulerCore(
-            # Snapshot families resume from snapshots only when there is a prompt cache.
-            attrs.evolve(capabilities, snapshots=capabilities.snapshots and cache_config is not None),
+            capabilities,
             tokenizer=tokenizer,
             eos_token_ids=eos_token_ids,
             max_queued_requests=config.max_queued_requests,
-            cache_enabled=to_cache_store is not None,
-            cross_session=cache_config.cross_session if cache_config else False,
-            prompt_donation=prompt_donation and cache_config is not None,
-            boundary_snapshots=cache_config.boundary_snapshots if cache_config else False,
-            checkpoint_spacing=cache_config.snapshot_checkpoint_tokens if cache_config else 0,
-            max_chunk_checkpoints=cache_config.snapshot_chunk_checkpoints if cache_config else 0,
-            share_threshold=max(cache_config.min_prefix, cache_config.apc_block_size, 1) if cache_config else 0,
-            keep_reply_text=capabilities.snapshots and to_warmer is not None,
-            on_trace=(lambda text: logger.info("apc-trace: %s", text)) if cache_config and cache_config.trace else None,
+            cache=cache,
+            # The warmer renders the next turn from the reply's text.
+            keep_reply_text=cache.snapshots and to_warmer is not None,
+            on_trace=(lambda text: logger.info("apc-trace: %s", text)) if cache.trace else None,
         )
         self.inbox = inbox
         # Steps in flight at most: 2 lets the next decode step wait on the device while the host reads this one.

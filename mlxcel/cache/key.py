@@ -108,6 +108,38 @@ class CacheContext:
         return self.mm_digest != TEXT_ONLY_MM_DIGEST
 
 
+@attrs.frozen
+class TrieKey:
+    """Which radix trie a context's prefixes live in: entries of one trie may serve each other."""
+
+    bucket: tuple[str, str, str, str]
+    rope_regime: RopeRegime | None
+    mm_digest: bytes
+
+
+@attrs.frozen
+class SessionId:
+    """One conversation's place in the stores: its session key within one model, adapter set and tenant.
+
+    A session's newer snapshot supersedes its older ones, and a pending warm-up
+    its older ones; both sides name a session with this.
+    """
+
+    model_id: str
+    lora_id: str
+    cache_salt: str
+    session_key: str
+
+
+def trie_key(context: CacheContext) -> TrieKey:
+    return TrieKey(bucket=context.bucket, rope_regime=context.rope_regime, mm_digest=context.mm_digest)
+
+
+def session_id(context: CacheContext) -> SessionId:
+    return SessionId(model_id=context.model_id, lora_id=context.lora_id, cache_salt=context.cache_salt,
+                     session_key=context.session_key)
+
+
 def context_header(context: CacheContext) -> bytes:
     """The digest input that precedes prefix_len and the tokens."""
     rope = b"\x00\x00" if context.rope_regime is None else bytes((1, int(context.rope_regime)))

@@ -32,7 +32,7 @@ from typing import Any
 
 import attrs
 
-from mlxcel.cache.key import CacheContext, pack_tokens
+from mlxcel.cache.key import CacheContext, SessionId, TrieKey, pack_tokens, session_id, trie_key
 from mlxcel.cache.trie import PackedPrefix, RadixTrie
 
 # A request sharing fewer tokens than this with its session's snapshots is a
@@ -111,7 +111,7 @@ class SnapshotInfo:
 class _Snapshot:
     entry_id: int
     context: CacheContext
-    trie_key: tuple[Any, ...]
+    trie_key: TrieKey
     tokens: tuple[int, ...]
     payload: Any
     nbytes: int
@@ -126,17 +126,6 @@ class _Candidate:
     entry_id: int
     usable: int
     partial: bool
-
-
-_SessionId = tuple[str, str, str, str]
-
-
-def _session(context: CacheContext) -> _SessionId:
-    return (context.model_id, context.lora_id, context.cache_salt, context.session_key)
-
-
-def _trie_key(context: CacheContext) -> tuple[Any, ...]:
-    return (context.bucket, context.rope_regime, context.mm_digest)
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -158,8 +147,8 @@ class SnapshotStore:
         self._entries: dict[int, _Snapshot] = {}
         # Least recently used first.
         self._recency: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._tries: dict[tuple[Any, ...], RadixTrie[int]] = {}
-        self._by_session: dict[_SessionId, set[int]] = {}
+        self._tries: dict[TrieKey, RadixTrie[int]] = {}
+        self._by_session: dict[SessionId, set[int]] = {}
         self._ids = itertools.count()
         self._bytes = 0
         self._num_cuttable = 0
@@ -209,12 +198,12 @@ class SnapshotStore:
     ) -> SnapshotHit | SnapshotRefused | None:
         if context.is_multimodal:
             # Media state is never stored; say so when the session had something to offer.
-            own = self._by_session.get(_session(context))
+            own = self._by_session.get(session_id(context))
             if own:
                 longest = max(len(self._entries[entry_id].tokens) for entry_id in own)
                 return SnapshotRefused(cause=RefusalCause.MULTIMODAL, snapshot_tokens=longest)
             return None
-        trie = self._tries.get(_trie_key(context))
+        trie = self._tries.get(trie_key(context))
         cap = len(tokens) - 1
         if trie is not None and cap >= 1:
             walk = trie.walk(PackedPrefix(pack_tokens(tokens)))
@@ -255,7 +244,7 @@ class SnapshotStore:
 
     def _refusal(self, context: CacheContext, tokens: tuple[int, ...]) -> SnapshotRefused | None:
         """Why the session's own snapshots could not serve this prompt (None: a plain miss)."""
-        own = self._by_session.get(_session(context), ())
+        own = self._by_session.get(session_id(context), ())
         best: tuple[int, int, RefusalCause] | None = None  # (common, stored, cause)
         for entry_id in own:
             entry = self._entries[entry_id]
@@ -299,7 +288,7 @@ class SnapshotStore:
         if nbytes > self.limits.capacity_bytes or not tokens or context.is_multimodal:
             self._released.append(payload)
             return False
-        key = _trie_key(context)
+        key = trie_key(context)
         trie = self._tries.setdefault(key, RadixTrie())
         packed = pack_tokens(tokens)
         walk = trie.walk(PackedPrefix(packed))
@@ -319,7 +308,7 @@ class SnapshotStore:
         trie.insert(packed, entry.entry_id, tag=context.session_key)
         self._entries[entry.entry_id] = entry
         self._recency[entry.entry_id] = None
-        self._by_session.setdefault(_session(context), set()).add(entry.entry_id)
+        self._by_session.setdefault(session_id(context), set()).add(entry.entry_id)
         self._bytes += nbytes
         self._num_cuttable += cuttable
         self._inserts += 1
@@ -413,7 +402,7 @@ class SnapshotStore:
         trie.remove(pack_tokens(entry.tokens), entry.entry_id)
         if not len(trie):
             del self._tries[entry.trie_key]
-        session = _session(entry.context)
+        session = session_id(entry.context)
         owned = self._by_session[session]
         owned.discard(entry.entry_id)
         if not owned:

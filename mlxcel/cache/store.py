@@ -30,7 +30,7 @@ from typing import Literal, Protocol, runtime_checkable
 import attrs
 
 from mlxcel.cache.apc import ALGORITHMS, BlockHasher, HashAlgorithm, agreeing_blocks
-from mlxcel.cache.key import CacheContext, digest_packed, pack_tokens
+from mlxcel.cache.key import CacheContext, TrieKey, digest_packed, pack_tokens, trie_key
 from mlxcel.cache.kv_events import BlockChange, BlocksCleared, BlocksRemoved, BlocksStored
 from mlxcel.cache.trie import PackedPrefix, RadixTrie, TrieWalk
 
@@ -187,7 +187,7 @@ class EntryInfo:
 class _Entry:
     entry_id: bytes
     context: CacheContext
-    trie_key: tuple
+    trie_key: TrieKey
     num_tokens: int
     payload: object
     nbytes: int
@@ -259,7 +259,7 @@ class PromptCacheStore:
         self._recency: OrderedDict[bytes, None] = OrderedDict()
         self._owner_recency: OrderedDict[bytes, None] = OrderedDict()
         self._released: list[object] = []
-        self._tries: dict[tuple, RadixTrie[bytes]] = {}
+        self._tries: dict[TrieKey, RadixTrie[bytes]] = {}
         self._block_refs: dict[bytes, int] = {}
         # Unique bytes (each held piece once) and logical bytes (each owner's nbytes).
         self._bytes = 0
@@ -334,8 +334,8 @@ class PromptCacheStore:
                 pinned_until=self._pins.get(owner.entry_id), pin_too_large=too_large,
             )
 
-        trie_key = (context.bucket, context.rope_regime, context.mm_digest)
-        trie = self._tries.get(trie_key)
+        which = trie_key(context)
+        trie = self._tries.get(which)
         superseded: list[_Entry] = []
         dominated: _Entry | None = None
         chain: list[bytes] = []
@@ -360,7 +360,7 @@ class PromptCacheStore:
                 neighbor_chain, neighbor_blocks = self._chain_of(self._entries[nearest[0]])
                 chain = neighbor_chain[: min(nearest[1] // self.apc.block_size, neighbor_blocks)]
         else:
-            trie = self._tries[trie_key] = RadixTrie()
+            trie = self._tries[which] = RadixTrie()
         if self.apc.enabled:
             chain = self._hasher.extend_packed(
                 chain, token_bytes, context.mm_digest, self._block_cap
@@ -369,7 +369,7 @@ class PromptCacheStore:
         entry = _Entry(
             entry_id=entry_id,
             context=context,
-            trie_key=trie_key,
+            trie_key=which,
             num_tokens=len(tokens),
             payload=payload,
             nbytes=nbytes,
@@ -564,7 +564,7 @@ class PromptCacheStore:
         num_tokens = len(tokens)
         cap = num_tokens if max_len is None else min(max_len, num_tokens)
         floor = max(self.limits.min_prefix, 1)
-        trie = self._tries.get((context.bucket, context.rope_regime, context.mm_digest))
+        trie = self._tries.get(trie_key(context))
         if trie is None or cap < floor:
             self._misses += record
             return None

@@ -28,17 +28,16 @@ class KVHandle(Protocol):
 
 @attrs.frozen(kw_only=True)
 class Capabilities:
-    """What the core must know of the model and the device, given once at start-up."""
+    """What the core must know of the device and the model's shape, given once at start-up.
+
+    Device facts only: how the server caches is the ``CachePlan`` (core/cache_plan.py).
+    """
 
     prefill_step_size: int
     context_size: int
     max_batch_size: int = 64
     # Starts run in bucketed shapes and long prompts are prefilled alone (CUDA, plain KV caches).
     bucket_starts: bool = False
-    # Snapshot families resume from session snapshots instead of the prefix store.
-    snapshots: bool = False
-    # The sliding layers' window (sliding-window snapshot families), else None.
-    sliding_window: int | None = None
 
 
 # --- what a step runs ----------------------------------------------------------------

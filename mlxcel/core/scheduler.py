@@ -18,6 +18,11 @@ here and only here:
 - bucketing: the prefix cut of a start and the padding of its tokens;
 - donation of prompt KV (early, for parked requests and retaining ones) and of finished replies;
 - background warm-ups of session snapshots, only while idle.
+
+It computes the shapes and costs of starts with ``core/placement.py`` and
+keeps its warm-up jobs in ``core/warmups.py``; how the server caches (off,
+KV prefixes or session snapshots, and what goes with each) comes whole in
+the ``CachePlan`` (``core/cache_plan.py``).
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ from typing import Any, Literal, Protocol
 
 import attrs
 
-from mlxcel.cache.key import CacheContext
+from mlxcel.cache.key import CacheContext, session_id, trie_key
 from mlxcel.cache.snapshots import common_prefix_length
+from mlxcel.core.cache_plan import CACHE_OFF, CachePlan
 from mlxcel.core.effects import (
     DonateSequence,
     DonateSnapshot,
@@ -41,8 +47,8 @@ from mlxcel.core.effects import (
     SnapshotRestoreFailed,
 )
 from mlxcel.core.output import ReplyFormat, RequestOutput
+from mlxcel.core.placement import AlonePrefill, Pending, Placement, snapshot_points
 from mlxcel.core.plan import (
-    Admission,
     AloneChunk,
     Capabilities,
     DetachedSequence,
@@ -52,37 +58,17 @@ from mlxcel.core.plan import (
     SnapshotPoint,
     Start,
     StartAlone,
-    StartDirect,
     StepPlan,
     StepResult,
 )
+from mlxcel.core.warmups import WarmSession as WarmSession, WarmUps
 from mlxcel.errors import GenerationFailed, MlxcelError, ServerBusy
 from mlxcel.types import ChatRequest, Delta, SamplingParams
 
 # Steps in a row in which direct starts may hold back the batch's decode step.
 MAX_BATCH_HOLDS = 4
-# Shape buckets of starts with ``bucket_starts`` (CUDA): the adopted prefix is
-# cut to a multiple of START_PREFIX_ALIGN tokens and the tokens run are padded
-# to a multiple of START_QUERY_BUCKET, so key lengths are multiples of 128 too.
-# A 256-token cut gave the same shapes with twice the tokens run again: 8B hits
-# of random lengths, median 31.2 vs 23.0 ms once planned (benchmarks/start_shapes.py).
-START_PREFIX_ALIGN = 128
-START_QUERY_BUCKET = 128
-# With bucket_starts (CUDA), what a direct start costs beyond its own tokens, in tokens of
-# the per-step budget: each is a forward pass of its own (the weights are read again,
-# attention runs over its whole adopted prefix). Counting only its tokens put 12 hits of
-# 154 new tokens on an 8k prefix into one 0.49 s step on the H200 (8B), so the first
-# tokens of all twelve waited for the slowest; at 256, four go per step.
-DIRECT_START_TOKENS = 256
-# Warm-ups waiting for an idle device, newest per session; older ones are dropped.
-MAX_PENDING_WARMUPS = 64
 # Cancels remembered for requests not yet submitted (the cancel overtook them).
 MAX_EARLY_CANCELS = 1024
-
-
-def _starts_cold(start: StartDirect) -> bool:
-    """A direct start from no stored state, of a text prompt: the device runs such starts in one pass."""
-    return start.kept == 0 and start.restore is None and not start.from_alone and start.vision is None
 
 
 @attrs.frozen(kw_only=True)
@@ -108,14 +94,6 @@ class NewRequest:
     retain_seconds: float = 0.0
     # The request's images (mlxcel.vision.processing.VisionInputs; its `end` is past the last image token).
     vision: Any = attrs.field(default=None, repr=False)
-
-
-@attrs.frozen(kw_only=True)
-class WarmSession:
-    """Extend the session's snapshot to cover ``tokens`` (the next turn's history), when idle."""
-
-    context: CacheContext
-    tokens: tuple[int, ...] = attrs.field(repr=False)
 
 
 # --- cache lookups the core asks for ---------------------------------------------------
@@ -177,28 +155,6 @@ class _Running:
     finished: bool = False
 
 
-@attrs.frozen(kw_only=True)
-class _Pending(Admission):
-    """A start decided but not yet placed; a direct start over a step's budget waits as this."""
-
-    snapshots: tuple[SnapshotPoint, ...] = ()
-    warm: bool = False
-    from_alone: bool = False
-    # Past the last image token of an adopted prefix: a bucketed start never cuts it back below this.
-    image_end: int = 0
-
-
-def _admission_fields(pending: _Pending) -> dict[str, Any]:
-    return {field.name: getattr(pending, field.name) for field in attrs.fields(Admission)}
-
-
-@attrs.define(kw_only=True)
-class _Alone:
-    pending: _Pending
-    tokens: tuple[int, ...]
-    done: int
-
-
 @attrs.define(kw_only=True)
 class _Candidate:
     """The head of the queue while its lookups are answered."""
@@ -219,34 +175,20 @@ class SchedulerCore:
         tokenizer: Any,
         eos_token_ids: frozenset[int],
         max_queued_requests: int = 256,
-        cache_enabled: bool = False,
-        cross_session: bool = False,
-        prompt_donation: bool = False,
-        boundary_snapshots: bool = False,
-        checkpoint_spacing: int = 0,
-        max_chunk_checkpoints: int = 0,
-        share_threshold: int = 0,
+        cache: CachePlan = CACHE_OFF,
         keep_reply_text: bool = False,
         on_trace: Callable[[str], None] | None = None,
     ) -> None:
         self.capabilities = capabilities
+        self._placement = Placement(capabilities)
         self._tokenizer = tokenizer
         # The model's thinking and tool-call markers and its mlx-lm tool parser.
         self._reply_format = ReplyFormat.of(tokenizer)
         self._eos_token_ids = eos_token_ids
         self._max_queued = max_queued_requests
-        self._cache_enabled = cache_enabled
-        self._cross_session = cross_session
-        self._prompt_donation = prompt_donation and cache_enabled
-        self._snapshots = capabilities.snapshots and cache_enabled
-        self._boundary_snapshots = boundary_snapshots
-        # Snapshot families: checkpoints at multiples of this many tokens of a long
-        # prompt (0: none), the last max_chunk_checkpoints of them before its boundary.
-        self._checkpoint_spacing = checkpoint_spacing
-        self._max_chunk_checkpoints = max_chunk_checkpoints
-        # Requests that share at least this many more tokens with a prompt being
-        # prefilled than the store can give them wait for it instead of duplicating it.
-        self._share_threshold = share_threshold
+        # How this server caches (off, KV prefixes or session snapshots), decided once at start-up.
+        self._cache = cache
+        self._snapshots = cache.snapshots
         self._keep_reply_text = keep_reply_text
         self._trace = on_trace
         self._waiting: collections.deque[NewRequest] = collections.deque()
@@ -258,10 +200,10 @@ class SchedulerCore:
         self._parked: dict[int, list[NewRequest]] = {}
         self._next_sequence_id = 0
         # Starts decided since the last plan, and direct starts over a step's budget.
-        self._admitted: list[_Pending] = []
-        self._deferred: list[_Pending] = []
+        self._admitted: list[Pending] = []
+        self._deferred: list[Pending] = []
         # Long prompts prefilled alone, oldest first.
-        self._alone: list[_Alone] = []
+        self._alone: list[AlonePrefill] = []
         # What the device holds: sequences in its batch, prefilling there, owing a first token.
         self._in_batch: set[int] = set()
         self._batch_prefilling: set[int] = set()
@@ -271,9 +213,7 @@ class SchedulerCore:
         self._release: list[Any] = []
         # Finished sequences whose KV is still on its way back: (context, prompt length, retain seconds).
         self._pending_donations: dict[int, tuple[CacheContext, int, float]] = {}
-        self._pending_warmups: collections.OrderedDict[tuple[str, ...], WarmSession] = collections.OrderedDict()
-        self._warming: dict[int, WarmSession] = {}
-        self._warm_lookup: WarmSession | None = None
+        self._warm_ups = WarmUps()
         self._effects: list[Effect] = []
         self._num_steps = 0
         self._num_completed = 0
@@ -281,11 +221,6 @@ class SchedulerCore:
         self._num_failed = 0
         self._num_interleaved_steps = 0
         self._num_shared_prefills = 0
-        self._num_warm_queued = 0
-        self._num_warm_started = 0
-        self._num_warm_completed = 0
-        self._num_warm_preempted = 0
-        self._num_warm_steps_with_foreground = 0
         self._decode_batch_sizes: collections.Counter[int] = collections.Counter()
 
     # --- input ----------------------------------------------------------------------------
@@ -331,16 +266,7 @@ class SchedulerCore:
         """Queue a warm-up; it replaces a pending one of the same conversation (whose tokens it extends)."""
         if not self._snapshots:
             return
-        session = (job.context.model_id, job.context.cache_salt, job.context.session_key)
-        for key, pending in list(self._pending_warmups.items()):
-            same_session = (pending.context.model_id, pending.context.cache_salt,
-                            pending.context.session_key) == session
-            if same_session and job.tokens[: len(pending.tokens)] == pending.tokens:
-                del self._pending_warmups[key]
-        self._num_warm_queued += 1
-        self._pending_warmups[(str(self._num_warm_queued),)] = job
-        while len(self._pending_warmups) > MAX_PENDING_WARMUPS:
-            self._pending_warmups.popitem(last=False)
+        self._warm_ups.queue(job)
 
     def release(self, payloads: tuple[Any, ...]) -> None:
         """Payloads the stores let go of, to be dropped on the device thread with the next step."""
@@ -352,9 +278,9 @@ class SchedulerCore:
         return release
 
     def has_work(self) -> bool:
-        if self._waiting or self._running or self._removals or self._warming or self._release:
+        if self._waiting or self._running or self._removals or self._warm_ups.is_running() or self._release:
             return True
-        return bool(self._pending_warmups) and self._idle()
+        return self._warm_ups.has_pending() and self._idle()
 
     def can_plan_ahead(self) -> bool:
         """The next plan only decodes (and removes): it may go to the device before the step in flight reports.
@@ -385,38 +311,33 @@ class SchedulerCore:
 
     def next_lookup(self, now: float) -> Lookup | None:
         """The cache lookup the next admission waits for, or None when the step can be planned."""
-        if self._waiting and self._warming:
+        if self._waiting and self._warm_ups.is_running():
             if all(self._extends_a_warm_up(request) for request in self._waiting):
                 # Only the next turns of the conversations being warmed are waiting: the
                 # warm-ups compute exactly the prefix they resume from, so they wait for them.
                 return None
             # Other foreground work arrived: warm-ups give way at once and store nothing.
-            for sequence_id in self._warming:
+            for sequence_id in self._warm_ups.preempt():
                 self._remove(sequence_id, donate=False)
-            self._num_warm_preempted += len(self._warming)
-            self._warming.clear()
         while self._waiting and len(self._running) < self.capabilities.max_batch_size:
             lookup = self._admit_head(now)
             if lookup is not None:
                 return lookup
-        if (not self._admitted and self._idle() and not self._warming and self._pending_warmups
-                and self._warm_lookup is None):
-            _key, job = self._pending_warmups.popitem(last=False)
-            self._warm_lookup = job
-            return Lookup(kind="warm", context=job.context, tokens=job.tokens)
+        if not self._admitted and self._idle() and not self._warm_ups.is_running():
+            job = self._warm_ups.next_lookup()
+            if job is not None:
+                return Lookup(kind="warm", context=job.context, tokens=job.tokens)
         return None
 
     def _extends_a_warm_up(self, request: NewRequest) -> bool:
         """``request`` is a running warm-up's conversation, its prompt going on from the warmed tokens."""
         prompt = request.prompt_tokens
         return any(job.context == request.cache_context and len(prompt) > len(job.tokens)
-                   and prompt[:len(job.tokens)] == job.tokens for job in self._warming.values())
+                   and prompt[:len(job.tokens)] == job.tokens for job in self._warm_ups)
 
     def resolve(self, lookup: Lookup, result: LookupResult) -> None:
         if lookup.kind == "warm":
-            job, self._warm_lookup = self._warm_lookup, None
-            assert job is not None
-            self._start_warmup(job, result)
+            self._start_warmup(self._warm_ups.looked_up(), result)
             return
         candidate = self._candidate
         assert candidate is not None
@@ -438,13 +359,13 @@ class SchedulerCore:
             if candidate.peeked is None:
                 return Lookup(kind="peek", context=context, tokens=request.prompt_tokens)
             matched = candidate.peeked.length if isinstance(candidate.peeked, Hit) else 0
-            if candidate.shared - matched >= self._share_threshold:
+            if candidate.shared - matched >= self._cache.share_threshold:
                 self._waiting.popleft()
                 self._candidate = None
                 self._parked.setdefault(candidate.leader, []).append(request)
                 return None
             candidate.leader = None
-        if context is not None and self._cache_enabled and len(request.prompt_tokens) > 1 and candidate.found is None:
+        if context is not None and self._cache.enabled and len(request.prompt_tokens) > 1 and candidate.found is None:
             return Lookup(kind="snapshot" if self._snapshots else "prefix", context=context,
                           tokens=request.prompt_tokens)
         self._waiting.popleft()
@@ -455,23 +376,21 @@ class SchedulerCore:
     def _prefix_leader(self, request: NewRequest) -> tuple[int | None, int]:
         """A prefilling sequence whose prompt KV may serve this request better than the store."""
         context = request.cache_context
-        if not self._prompt_donation or context is None or len(request.prompt_tokens) < 2:
+        if not self._cache.prompt_donation or context is None or len(request.prompt_tokens) < 2:
             return None, 0
         best_sequence, best_shared = None, 0
         for running in self._running.values():
             other = running.request.cache_context
             if running.prompt_done or running.finished or other is None:
                 continue
-            if (other.bucket, other.rope_regime, other.mm_digest) != (
-                context.bucket, context.rope_regime, context.mm_digest
-            ):
+            if trie_key(other) != trie_key(context):
                 continue
-            if not self._cross_session and other.session_key != context.session_key:
+            if not self._cache.cross_session and session_id(other) != session_id(context):
                 continue
             shared = common_prefix_length(running.request.prompt_tokens, request.prompt_tokens)
             if shared > best_shared:
                 best_sequence, best_shared = running.sequence_id, shared
-        if best_sequence is None or best_shared < self._share_threshold:
+        if best_sequence is None or best_shared < self._cache.share_threshold:
             return None, 0
         return best_sequence, best_shared
 
@@ -491,7 +410,7 @@ class SchedulerCore:
             matched, adopted, restore = 0, None, None
         sequence_id = self._new_sequence_id()
         snapshots = (self._snapshot_points(request, matched)
-                     if self._snapshots and self._boundary_snapshots and vision is None else ())
+                     if self._snapshots and self._cache.boundary_snapshots and vision is None else ())
         output = RequestOutput(tokenizer=self._tokenizer, sampling=request.sampling,
                                eos_token_ids=self._eos_token_ids, prompt_tokens=len(prompt),
                                submitted_at=now, keep_text=self._keep_reply_text,
@@ -499,7 +418,7 @@ class SchedulerCore:
         output.cached_tokens = matched
         self._running[sequence_id] = _Running(request=request, sequence_id=sequence_id, output=output)
         self._sequence_of[request.request_id] = sequence_id
-        self._admitted.append(_Pending(
+        self._admitted.append(Pending(
             sequence_id=sequence_id,
             prompt_tokens=prompt[matched:],
             cached_tokens=prompt[:matched],
@@ -508,50 +427,22 @@ class SchedulerCore:
             snapshots=snapshots,
             sampling=request.sampling,
             max_tokens=request.max_tokens,
-            donate_on_finish=request.cache_context is not None and self._cache_enabled,
+            donate_on_finish=request.cache_context is not None and self._cache.enabled,
             donate_prompt=request.cache_context is not None and (
-                self._prompt_donation or self._retains(request) or self._keeps_image_prompt(request)),
+                self._cache.prompt_donation or self._retains(request) or self._keeps_image_prompt(request)),
             vision=vision if matched == 0 else None,
             image_end=vision.end if vision is not None and matched else 0,
         ))
 
     def _snapshot_points(self, request: NewRequest, matched: int) -> tuple[SnapshotPoint, ...]:
-        """Where a snapshot family's prefill stops for snapshots, past what it resumed from.
-
-        - the end of the shared prefix (system prompt and tools): a checkpoint
-          every conversation with that prefix resumes from;
-        - the history boundary: the conversation's tip, which its next turn extends;
-        - chunk boundaries of a long prompt, at multiples of the spacing, the
-          last few before the boundary: checkpoints, so a prompt that diverges
-          late re-prefills at most one chunk;
-        - sliding-window families: a checkpoint at the window's length, taken
-          before the sliding layers wrap, so it can be cut back (partial restore).
-        Each point is a snapshot's bytes: recurrent state is a constant per
-        layer, attention KV grows with the position (docs/prompt-cache.md).
-        """
-        prompt_len = len(request.prompt_tokens)
-        points: dict[int, bool] = {}
-        boundary = request.history_boundary
-        if boundary is not None and matched < boundary < prompt_len:
-            points[boundary] = False
-        shared = request.shared_prefix
-        if shared is not None and matched < shared < prompt_len:
-            points[shared] = True
-        end = boundary if boundary is not None and boundary < prompt_len else prompt_len - 1
-        spacing = self._checkpoint_spacing
-        if spacing > 0 and self._max_chunk_checkpoints > 0:
-            edges = range((matched // spacing + 1) * spacing, end, spacing)
-            for edge in list(edges)[-self._max_chunk_checkpoints:]:
-                points[edge] = True
-        window = self.capabilities.sliding_window
-        if window is not None and matched < window < end:
-            points[window] = True
-        return tuple(SnapshotPoint(after=position - matched, checkpoint=points[position])
-                     for position in sorted(points))
+        return snapshot_points(
+            prompt_len=len(request.prompt_tokens), matched=matched, history_boundary=request.history_boundary,
+            shared_prefix=request.shared_prefix, checkpoint_spacing=self._cache.checkpoint_spacing,
+            max_chunk_checkpoints=self._cache.max_chunk_checkpoints, sliding_window=self._cache.sliding_window)
 
     def _retains(self, request: NewRequest) -> bool:
         """A retaining request's prompt goes to the prefix store at the end of its prefill, whatever follows."""
-        return request.retain_seconds > 0 and self._cache_enabled and not self._snapshots
+        return request.retain_seconds > 0 and self._cache.prefix
 
     def _start_warmup(self, job: WarmSession, found: LookupResult) -> None:
         tokens = job.tokens
@@ -559,11 +450,10 @@ class SchedulerCore:
         if len(tokens) - matched < 1:
             return
         sequence_id = self._new_sequence_id()
-        self._warming[sequence_id] = job
-        self._num_warm_started += 1
+        self._warm_ups.start(sequence_id, job)
         if self._trace is not None:
             self._trace(f"warm-up session={job.context.session_key} extends snapshot {matched} -> {len(tokens)} tokens")
-        self._admitted.append(_Pending(
+        self._admitted.append(Pending(
             sequence_id=sequence_id, prompt_tokens=tokens[matched:], cached_tokens=tokens[:matched],
             restore=payload, snapshots=(SnapshotPoint(after=len(tokens) - matched),), warm=True,
             sampling=SamplingParams(temperature=0.0), max_tokens=1,
@@ -586,54 +476,41 @@ class SchedulerCore:
 
     def schedule(self) -> StepPlan:
         """The next step. Call once ``next_lookup`` returns None."""
-        step = self.capabilities.prefill_step_size
+        placement = self._placement
         admitted = [self._trim_prompt_donation(pending) for pending in self._admitted]
         candidates, self._admitted, self._deferred = [*self._deferred, *admitted], [], []
         starts: list[Start] = []
-        direct_tokens, has_direct = 0, False
-        charge = DIRECT_START_TOKENS if self.capabilities.bucket_starts else 0
-        cold_charged = False
+        budget = placement.budget()
         for pending in candidates:
-            if self._starts_directly(pending):
-                start = self._direct(pending)
-                cold = _starts_cold(start)
-                # Cold starts share one forward pass on the device: the pass is charged once.
-                cost = len(start.cached_tokens) + len(start.prompt_tokens) if cold else len(pending.prompt_tokens)
-                direct_tokens += cost + (0 if cold and cold_charged else charge)
-                if has_direct and direct_tokens > step:
+            if placement.starts_directly(pending):
+                start = placement.direct(pending)
+                if not budget.take(start):
                     self._deferred.append(pending)
                     continue
-                has_direct = True
-                cold_charged = cold_charged or cold
                 starts.append(start)
-            elif self._prefills_alone(pending):
-                kept = self._kept(pending, len(pending.cached_tokens)) if pending.adopted is not None else 0
-                tokens = pending.cached_tokens + pending.prompt_tokens
-                self._alone.append(_Alone(pending=pending, tokens=tokens, done=kept))
-                starts.append(StartAlone(sequence_id=pending.sequence_id, tokens=tokens,
-                                         adopted=pending.adopted if kept else None, kept=kept,
+            elif placement.prefills_alone(pending):
+                alone = placement.alone(pending)
+                self._alone.append(alone)
+                starts.append(StartAlone(sequence_id=pending.sequence_id, tokens=alone.tokens,
+                                         adopted=pending.adopted if alone.done else None, kept=alone.done,
                                          adapter_scales=pending.sampling.adapter_scales))
             else:
                 starts.append(self._insert(pending))
         alone_chunk, alone_rest = None, None
         if self._alone:
             prefill = self._alone[0]
-            body_end = (len(prefill.tokens) - 1) // START_PREFIX_ALIGN * START_PREFIX_ALIGN
-            end = min((prefill.done // step + 1) * step, body_end)
-            alone_chunk = AloneChunk(sequence_id=prefill.pending.sequence_id, start=prefill.done, end=end,
-                                     last=end == body_end)
+            end, last = placement.alone_chunk_end(prefill)
+            alone_chunk = AloneChunk(sequence_id=prefill.pending.sequence_id, start=prefill.done, end=end, last=last)
             prefill.done = end
-            if end == body_end:
+            if last:
                 self._alone.pop(0)
-                rest = attrs.evolve(prefill.pending, cached_tokens=prefill.tokens[:end],
-                                    prompt_tokens=prefill.tokens[end:], adopted=None, from_alone=True)
-                if has_direct and direct_tokens + len(rest.prompt_tokens) + charge > step:
-                    self._deferred.append(rest)
+                rest = placement.alone_rest(prefill, end)
+                if budget.take_rest(len(rest.prompt_tokens)):
+                    alone_rest = placement.direct(rest)
                 else:
-                    direct_tokens += len(rest.prompt_tokens) + charge
-                    alone_rest = self._direct(rest)
+                    self._deferred.append(rest)
         run_batch = False
-        if self._in_batch or has_direct or alone_rest is not None:
+        if self._in_batch or budget.has_direct or alone_rest is not None:
             # While started prompts wait, first tokens go ahead of the batch's decode
             # and prefill chunk, for a bounded number of steps in a row; never ahead
             # of a first token the batch itself owes.
@@ -641,72 +518,17 @@ class SchedulerCore:
             self._batch_holds = self._batch_holds + 1 if hold else 0
             run_batch = bool(self._in_batch) and not hold
         removals, self._removals = tuple(self._removals), []
-        if self._warming and self._running:
-            self._num_warm_steps_with_foreground += 1
+        if self._warm_ups.is_running() and self._running:
+            self._warm_ups.num_steps_with_foreground += 1
         return StepPlan(removals=removals, starts=tuple(starts), alone_chunk=alone_chunk, alone_rest=alone_rest,
                         run_batch=run_batch)
 
-    def _starts_directly(self, pending: _Pending) -> bool:
-        # A prompt with images runs its vision tower and its prefill in one direct start, whatever its length.
-        return (not pending.snapshots and not pending.warm
-                and (len(pending.prompt_tokens) <= self.capabilities.prefill_step_size or pending.vision is not None))
-
-    def _prefills_alone(self, pending: _Pending) -> bool:
-        """Longer than one chunk, with buckets: prefilled outside the batch, a chunk per step.
-
-        With CUDA (where starts are bucketed), an 8k-token prefill through the
-        batch took 2.4-2.6x (8B) and 4-5x (1B) the time it takes on a plain
-        cache (benchmarks/start_shapes.py --cold): the batch cache hands
-        attention a mask array where a plain one gets the causal kernel. The
-        chunks end on multiples of the chunk size and the last one on a
-        multiple of START_PREFIX_ALIGN, so their shapes repeat; the last
-        1-START_PREFIX_ALIGN tokens then start directly like a hit's new turn.
-        """
-        step = self.capabilities.prefill_step_size
-        return (self.capabilities.bucket_starts and pending.restore is None and pending.vision is None
-                and not pending.snapshots and not pending.warm
-                and len(pending.prompt_tokens) > step >= START_PREFIX_ALIGN)
-
-    def _cut(self, cached: int) -> int:
-        """The adopted prefix a bucketed start keeps (the cut tokens run again)."""
-        return cached - cached % START_PREFIX_ALIGN if self.capabilities.bucket_starts else cached
-
-    def _kept(self, pending: _Pending, cached: int) -> int:
-        """`_cut`, except that image rows never run again as text: such a start keeps its whole prefix."""
-        cut = self._cut(cached)
-        return cached if cut < pending.image_end else cut
-
-    def _direct(self, pending: _Pending) -> StartDirect:
-        cached = len(pending.cached_tokens)
-        # A restored snapshot covers every cached token; an adopted prefix may be cut.
-        kept = self._kept(pending, cached) if (pending.adopted is not None or pending.from_alone) else cached
-        return StartDirect(
-            **{**_admission_fields(pending), "adopted": pending.adopted if kept else None},
-            kept=kept, padding=self._padding(kept, cached - kept + len(pending.prompt_tokens)),
-            from_alone=pending.from_alone,
-        )
-
-    def _padding(self, kept: int, length: int) -> int:
-        """Throwaway tokens after a bucketed start's ``length`` tokens (0: none).
-
-        MLX's CUDA backend builds a cuDNN attention plan for every new pair of
-        query and key lengths, 0.06-0.16 s each on the H200 (docs/benchmarks.md),
-        and a hit's lengths are nearly always new. Causal attention keeps the
-        padding out of the real tokens' results, and the cache drops it after.
-        """
-        if not self.capabilities.bucket_starts:
-            return 0
-        padding = -length % START_QUERY_BUCKET
-        if kept + length + padding > self.capabilities.context_size:
-            return 0
-        return padding
-
-    def _insert(self, pending: _Pending) -> InsertBatch:
+    def _insert(self, pending: Pending) -> InsertBatch:
         self._in_batch.add(pending.sequence_id)
         self._batch_prefilling.add(pending.sequence_id)
-        return InsertBatch(**_admission_fields(pending), snapshots=pending.snapshots, warm=pending.warm)
+        return self._placement.insert(pending)
 
-    def _trim_prompt_donation(self, pending: _Pending) -> _Pending:
+    def _trim_prompt_donation(self, pending: Pending) -> Pending:
         """Drop a prompt donation no request can use before the final one.
 
         A prompt of one prefill chunk is done within the step that admits it,
@@ -731,7 +553,7 @@ class SchedulerCore:
         prompt's own entry (an alias once the reply supersedes it) still covers
         the images and the history before the reply.
         """
-        return request.vision is not None and self._cache_enabled and not self._snapshots
+        return request.vision is not None and self._cache.prefix
 
     # --- what came of it ------------------------------------------------------------------
 
@@ -755,8 +577,7 @@ class SchedulerCore:
             if item.final or item.snapshot:
                 self._donate(item)
         for sequence_id in result.warmed:
-            if self._warming.pop(sequence_id, None) is not None:
-                self._num_warm_completed += 1
+            self._warm_ups.finished(sequence_id)
         for sequence_id, reason in result.restore_failures:
             running = self._running.get(sequence_id)
             if running is not None:
@@ -792,7 +613,7 @@ class SchedulerCore:
         self._awaiting_first.discard(sequence_id)
 
     def _donate_snapshot(self, item: DetachedSequence) -> None:
-        warm = self._warming.get(item.sequence_id)
+        warm = self._warm_ups.running(item.sequence_id)
         running = self._running.get(item.sequence_id)
         context = warm.context if warm is not None else (
             running.request.cache_context if running is not None else None)
@@ -839,7 +660,7 @@ class SchedulerCore:
         self._awaiting_first.clear()
         self._batch_holds = 0
         for sequence_id in sorted(failed):
-            self._warming.pop(sequence_id, None)
+            self._warm_ups.lost(sequence_id)
             running = self._running.get(sequence_id)
             if running is None or running.finished:
                 continue
@@ -957,9 +778,9 @@ class SchedulerCore:
             num_interleaved_steps=self._num_interleaved_steps,
             num_parked=sum(len(parked) for parked in self._parked.values()),
             num_shared_prefills=self._num_shared_prefills,
-            num_warm_started=self._num_warm_started,
-            num_warm_completed=self._num_warm_completed,
-            num_warm_preempted=self._num_warm_preempted,
-            num_warm_steps_with_foreground=self._num_warm_steps_with_foreground,
+            num_warm_started=self._warm_ups.num_started,
+            num_warm_completed=self._warm_ups.num_completed,
+            num_warm_preempted=self._warm_ups.num_preempted,
+            num_warm_steps_with_foreground=self._warm_ups.num_steps_with_foreground,
             running_request_ids=tuple(r.request.request_id for r in self._running.values()),
         )

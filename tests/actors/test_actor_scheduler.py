@@ -26,7 +26,8 @@ from mlxcel.actors.messages import (
 )
 from mlxcel.actors.scheduler import ARRIVAL_WINDOW_SECONDS, SchedulerActor
 from mlxcel.cache.key import CacheContext
-from mlxcel.config import PromptCacheConfig, SchedulerConfig
+from mlxcel.config import SchedulerConfig
+from mlxcel.core.cache_plan import CACHE_OFF, CacheMode, CachePlan
 from mlxcel.core.output import StopMatcher
 from mlxcel.core.plan import Capabilities, DetachedSequence, Removal, SampledToken, StepResult
 from mlxcel.core.scheduler import NewRequest
@@ -165,7 +166,7 @@ def start_scheduler(nursery: trio.Nursery) -> StartScheduler:
             to_warmer=to_warmer,
             tokenizer=FakeTokenizer(),
             eos_token_ids=frozenset({EOS}),
-            **(actor_options or {}),
+            **{"cache": CachePlan(mode=CacheMode.PREFIX) if with_store else CACHE_OFF, **(actor_options or {})},
         )
         await nursery.start(actor.run)
         return Harness(
@@ -828,7 +829,9 @@ async def test_a_one_chunk_prompt_donates_its_prompt_kv_only_to_requests_parked_
     """Such a prompt is done within its admitting step; its final KV comes a few tokens later."""
     harness = await start_scheduler(
         with_store=True, prefill_step_size=64,
-        actor_options={"cache_config": PromptCacheConfig(), "prompt_donation": True},
+        # The plan of a plain KV model with the default cache settings.
+        actor_options={"cache": CachePlan(mode=CacheMode.PREFIX, prompt_donation=True, cross_session=True,
+                                          share_threshold=32)},
     )
     assert harness.store is not None
     short, long = tuple(range(100, 140)), tuple(range(200, 300))
@@ -855,3 +858,13 @@ async def test_a_one_chunk_prompt_donates_its_prompt_kv_only_to_requests_parked_
         await harness.reply(step, sampled=(token(2, 0, "length"), token(3, 0, "length")))
         assert (await harness.stats()).num_shared_prefills == 1
         nursery.cancel_scope.cancel()
+
+
+def test_a_plan_with_a_prompt_cache_needs_a_cache_store_to_ask() -> None:
+    to_device, _device = trio.open_memory_channel[RunStep](0)
+    _send, inbox = trio.open_memory_channel[Any](1)
+    with pytest.raises(ValueError, match="a prefix cache plan needs a cache store"):
+        SchedulerActor(config=SchedulerConfig(), capabilities=Capabilities(prefill_step_size=64, context_size=4096),
+                       inbox=inbox, to_device=to_device, to_cache_store=None, to_metrics=None, to_warmer=None,
+                       tokenizer=FakeTokenizer(), eos_token_ids=frozenset({EOS}),
+                       cache=CachePlan(mode=CacheMode.PREFIX))

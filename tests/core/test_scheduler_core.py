@@ -13,7 +13,8 @@ import attrs
 import pytest
 
 from mlxcel.cache.key import CacheContext
-from mlxcel.core import scheduler as core_scheduler
+from mlxcel.core import placement
+from mlxcel.core.cache_plan import CacheMode, CachePlan
 from mlxcel.core.effects import DonateSequence
 from mlxcel.core.plan import (
     Capabilities,
@@ -117,11 +118,12 @@ class SimulatedDevice:
 
 
 class Harness:
-    def __init__(self, **capabilities: Any) -> None:
+    def __init__(self, *, snapshots: bool = False, **capabilities: Any) -> None:
         capabilities.setdefault("prefill_step_size", 16)
         capabilities.setdefault("context_size", 4096)
+        cache = CachePlan(mode=CacheMode.SNAPSHOTS if snapshots else CacheMode.PREFIX)
         self.core = SchedulerCore(Capabilities(**capabilities), tokenizer=LetterTokenizer(),
-                                  eos_token_ids=frozenset({999}), cache_enabled=True)
+                                  eos_token_ids=frozenset({999}), cache=cache)
         self.device = SimulatedDevice(capabilities["prefill_step_size"])
         self.clients = Clients()
         self.plans: list[StepPlan] = []
@@ -200,8 +202,8 @@ def test_a_first_token_the_batch_owes_is_never_held_back() -> None:
 
 
 def test_a_hit_in_bucketed_shapes_cuts_the_prefix_and_pads_its_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(core_scheduler, "START_PREFIX_ALIGN", 8)
-    monkeypatch.setattr(core_scheduler, "START_QUERY_BUCKET", 32)
+    monkeypatch.setattr(placement, "START_PREFIX_ALIGN", 8)
+    monkeypatch.setattr(placement, "START_QUERY_BUCKET", 32)
 
     def start_of_a_hit(bucket: bool, context_size: int = 4096) -> StartDirect:
         harness = Harness(bucket_starts=bucket, context_size=context_size)
@@ -223,7 +225,7 @@ def test_a_hit_in_bucketed_shapes_cuts_the_prefix_and_pads_its_tokens(monkeypatc
 def test_a_long_prompt_in_bucketed_shapes_is_prefilled_alone_then_starts_its_rest(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(core_scheduler, "START_PREFIX_ALIGN", 8)
+    monkeypatch.setattr(placement, "START_PREFIX_ALIGN", 8)
     harness = Harness(bucket_starts=True)
     harness.add("long", 45)
     plans = [harness.step() for _ in range(3)]
@@ -264,7 +266,7 @@ def test_bucketed_direct_starts_are_charged_for_their_own_forward_pass() -> None
 
     assert per_step(False) == [[0, 1, 2, 3, 4, 5], [], []]
     # 100 new tokens + DIRECT_START_TOKENS each: two fit a 1024-token step.
-    assert core_scheduler.DIRECT_START_TOKENS == 256
+    assert placement.DIRECT_START_TOKENS == 256
     assert per_step(True) == [[0, 1], [2, 3], [4, 5]]
 
 
@@ -413,10 +415,9 @@ class _Payload:
 
 
 def _snapshot_core(**changes) -> SchedulerCore:
-    capabilities = Capabilities(prefill_step_size=64, context_size=100_000, snapshots=True,
-                                sliding_window=changes.pop("sliding_window", None))
-    return SchedulerCore(capabilities, tokenizer=LetterTokenizer(), eos_token_ids=frozenset(), cache_enabled=True,
-                         boundary_snapshots=True, **changes)
+    capabilities = Capabilities(prefill_step_size=64, context_size=100_000)
+    cache = CachePlan(mode=CacheMode.SNAPSHOTS, boundary_snapshots=True, **changes)
+    return SchedulerCore(capabilities, tokenizer=LetterTokenizer(), eos_token_ids=frozenset(), cache=cache)
 
 
 def _request(length: int, **fields) -> NewRequest:
@@ -450,4 +451,37 @@ def test_pending_warm_ups_are_kept_per_conversation() -> None:
     harness.core.warm(WarmSession(context=CONTEXT, tokens=(1, 2, 3)))
     harness.core.warm(WarmSession(context=CONTEXT, tokens=(7, 8, 9)))  # a sibling in the same session
     harness.core.warm(WarmSession(context=CONTEXT, tokens=(1, 2, 3, 4, 5)))  # the first one's next turn
-    assert [job.tokens for job in harness.core._pending_warmups.values()] == [(7, 8, 9), (1, 2, 3, 4, 5)]
+    assert [job.tokens for job in harness.core._warm_ups.pending()] == [(7, 8, 9), (1, 2, 3, 4, 5)]
+
+
+def test_a_warm_up_under_one_adapter_configuration_never_replaces_one_under_another() -> None:
+    """The snapshot store keeps a session per adapter configuration, so the warm-up queue must too."""
+    harness = Harness(snapshots=True)
+    plain = attrs.evolve(CONTEXT, lora_id="")
+    adapted = attrs.evolve(CONTEXT, lora_id="adapter-a@1.0")
+    harness.core.warm(WarmSession(context=plain, tokens=(1, 2, 3)))
+    # Its tokens extend the plain one's, but it warms another store session.
+    harness.core.warm(WarmSession(context=adapted, tokens=(1, 2, 3, 4, 5)))
+    warmed: list[str] = []
+    while (lookup := harness.core.next_lookup(0.0)) is not None:
+        assert lookup.kind == "warm"
+        warmed.append(lookup.context.lora_id)
+        # Already stored in full: nothing to run, so the next pending warm-up is asked for at once.
+        harness.core.resolve(lookup, Hit(length=len(lookup.tokens), payload=None))
+    assert warmed == ["", "adapter-a@1.0"]
+
+
+def test_the_core_and_the_snapshot_store_name_a_session_alike() -> None:
+    """One function names a session on both sides: every field of the store's session counts in the core."""
+    from mlxcel.cache.key import session_id
+    from mlxcel.cache.snapshots import SnapshotLimits, SnapshotStore
+
+    store = SnapshotStore(SnapshotLimits(capacity_bytes=1 << 20))
+    for change in ({"lora_id": "x"}, {"cache_salt": "tenant"}, {"session_key": "other"}, {"model_id": "n"}):
+        other = attrs.evolve(CONTEXT, **change)
+        assert session_id(other) != session_id(CONTEXT)
+        store.insert(CONTEXT, (1, 2, 3), payload="mine", nbytes=1, now=0.0)
+        store.insert(other, (1, 2, 3, 4), payload="theirs", nbytes=1, now=0.0)
+        # The other session's longer snapshot did not supersede this one.
+        assert {info.tokens for info in store.entries_by_recency()} == {(1, 2, 3), (1, 2, 3, 4)}
+        store.reset()

@@ -7,8 +7,9 @@ import trio
 
 from mlxcel import ChatRequest, SamplingParams, ServerBusy
 from mlxcel.config import SchedulerConfig
+from mlxcel.core.cache_plan import CacheMode
 from mlxcel.engine import open_engine
-from tests.support import make_engine_config, wait_until
+from tests.support import evolve_cache, make_engine_config, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -22,6 +23,9 @@ def chat(text: str, max_tokens: int = 8, **sampling: object) -> ChatRequest:
 
 async def test_open_engine_chat_and_stream_agree() -> None:
     async with open_engine(make_engine_config()) as engine:
+        # A plain KV model: resumes from prefixes, with APC and prompt donation (core/cache_plan.py).
+        assert (engine.cache_plan.mode, engine.cache_plan.apc, engine.cache_plan.prompt_donation) == (
+            CacheMode.PREFIX, True, True)
         completion = await engine.chat(chat("Hello there", max_tokens=6))
         assert completion.finish_reason in ("length", "stop")
         assert completion.usage.completion_tokens == 6 or completion.finish_reason == "stop"
@@ -35,6 +39,19 @@ async def test_open_engine_chat_and_stream_agree() -> None:
         assert "".join(texts) == completion.text
         assert last.usage is not None
         assert last.usage.completion_tokens == completion.usage.completion_tokens
+
+
+async def test_with_the_prompt_cache_off_nothing_is_stored_or_reused(tmp_path) -> None:
+    config = make_engine_config(prompt_cache=evolve_cache(enabled=False, disk_dir=tmp_path))
+    async with open_engine(config) as engine:
+        assert engine.cache_plan.mode is CacheMode.OFF
+        first = await engine.chat(chat("Hello there, the same prompt twice", max_tokens=3))
+        second = await engine.chat(chat("Hello there, the same prompt twice", max_tokens=3))
+        assert (first.usage.cached_tokens, second.usage.cached_tokens) == (0, 0)
+        stats = await engine.cache_stats()
+        assert (stats["enabled"], stats["disk"]) == (False, {"enabled": False})
+    # The disk tier was never opened: nothing was written there.
+    assert not any(tmp_path.iterdir())
 
 
 async def test_engine_cancelled_from_outside_stops_cleanly() -> None:

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from mlxcel.config import SchedulerConfig
-from mlxcel.core import scheduler as core_scheduler
+from mlxcel.core import placement as core_placement
 from tests.support import evolve_cache
 
 pytestmark = pytest.mark.slow
@@ -76,12 +76,12 @@ async def test_bucketed_starts_answer_as_the_plain_path_does(serve_family, monke
     """CUDA's shape buckets, forced on here with small buckets: a cold prompt longer than a
     chunk (prefilled alone, its last chunk started directly, padded) and hits resumed from a cut
     prefix give the replies and first-token logprobs of the unbucketed path."""
-    monkeypatch.setattr(core_scheduler, "START_PREFIX_ALIGN", 16)
-    monkeypatch.setattr(core_scheduler, "START_QUERY_BUCKET", 32)
+    monkeypatch.setattr(core_placement, "START_PREFIX_ALIGN", 16)
+    monkeypatch.setattr(core_placement, "START_QUERY_BUCKET", 32)
     alone = []  # whether each admission was prefilled alone (only the bucketed engine's can be)
-    original = core_scheduler.SchedulerCore._prefills_alone
-    monkeypatch.setattr(core_scheduler.SchedulerCore, "_prefills_alone",
-                        lambda core, pending: alone.append(original(core, pending)) or alone[-1])
+    original = core_placement.Placement.prefills_alone
+    monkeypatch.setattr(core_placement.Placement, "prefills_alone",
+                        lambda where, pending: alone.append(original(where, pending)) or alone[-1])
     servers = {}
     for buckets in ("false", "true"):
         scheduler = SchedulerConfig(prefill_step_size=64, device_warmup="false", start_buckets=buckets)

@@ -10,6 +10,7 @@ import trio
 import trio.lowlevel
 
 from mlxcel import CacheOptions, ChatRequest, SamplingParams
+from mlxcel.core.cache_plan import CacheMode
 from tests.support import evolve_cache, wait_until
 
 pytestmark = pytest.mark.slow
@@ -47,6 +48,11 @@ async def wait_for_warmups(engine, count: int) -> None:
 @pytest.mark.parametrize("family", ["gemma3", "hybrid"])
 async def test_four_turns_resume_from_snapshots_and_match_cold_runs(start_engine, start_server, family) -> None:
     engine = await start_engine(family)
+    # The plan run_engine made for this family and handed to every part.
+    assert (engine.cache_plan.mode, engine.cache_plan.apc, engine.cache_plan.prompt_donation) == (
+        CacheMode.SNAPSHOTS, False, False)
+    assert engine.cache_plan.warm_ups
+    assert (engine.cache_plan.sliding_window is not None) == (family == "gemma3")
     base_url = await start_server(engine)
     client = client_for(base_url)
     messages = [{"role": "system", "content": SYSTEM}]

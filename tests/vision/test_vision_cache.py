@@ -300,10 +300,10 @@ async def test_responses_input_images_and_previous_response_id_reuse_the_entry(s
 async def test_bucketed_starts_answer_images_as_the_plain_path_does(serve_vision, family, monkeypatch) -> None:
     """CUDA's shape buckets, forced on with small buckets: a padded cold start over embeddings (and, for
     M-RoPE, positions) and a cut hit give the plain path's first-token logprobs."""
-    from mlxcel.core import scheduler as core_scheduler
+    from mlxcel.core import placement
 
-    monkeypatch.setattr(core_scheduler, "START_PREFIX_ALIGN", 16)
-    monkeypatch.setattr(core_scheduler, "START_QUERY_BUCKET", 32)
+    monkeypatch.setattr(placement, "START_PREFIX_ALIGN", 16)
+    monkeypatch.setattr(placement, "START_QUERY_BUCKET", 32)
     servers = {buckets: await serve_vision(family, scheduler=SchedulerConfig(
         prefill_step_size=64, device_warmup="false", start_buckets=buckets)) for buckets in ("false", "true")}
     replies: dict[str, list] = {}

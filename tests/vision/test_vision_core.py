@@ -6,7 +6,7 @@ import attrs
 import pytest
 
 from mlxcel.cache.key import CacheContext, multimodal_digest
-from mlxcel.core import scheduler as core_scheduler
+from mlxcel.core import placement
 from mlxcel.core.plan import StartAlone, StartDirect
 from mlxcel.core.scheduler import Hit, NewRequest
 from tests.core.test_scheduler_core import GREEDY, Harness, _Payload
@@ -54,7 +54,7 @@ def test_a_long_prompt_with_images_still_starts_directly() -> None:
 
 
 def test_a_bucketed_start_never_cuts_back_into_the_images(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(core_scheduler, "START_PREFIX_ALIGN", 8)
+    monkeypatch.setattr(placement, "START_PREFIX_ALIGN", 8)
     # 34 cached tokens would be cut to 32, under the image end at 33: the whole prefix is kept instead.
     start = start_with(40, image_end=33, hit=34, bucket_starts=True)
     assert (len(start.cached_tokens), start.kept, start.vision) == (34, 34, None)
@@ -63,7 +63,7 @@ def test_a_bucketed_start_never_cuts_back_into_the_images(monkeypatch: pytest.Mo
 
 
 def test_a_long_hit_prefilled_alone_keeps_the_image_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(core_scheduler, "START_PREFIX_ALIGN", 8)
+    monkeypatch.setattr(placement, "START_PREFIX_ALIGN", 8)
     harness = Harness(bucket_starts=True)
     prompt = tuple(range(80))
     harness.found[repr(prompt)] = Hit(length=34, payload=_Payload(length=34))
