@@ -23,6 +23,9 @@ from mlxcel.core.plan import Admission, Capabilities, InsertBatch, SnapshotPoint
 # of random lengths, median 31.2 vs 23.0 ms once planned (benchmarks/start_shapes.py).
 START_PREFIX_ALIGN = 128
 START_QUERY_BUCKET = 128
+# A cold start's rows (nothing kept before them) pad to the first of these that holds them, then to
+# multiples of START_QUERY_BUCKET: a wave of 40-token prompts ran 128-position rows, 3x its tokens.
+COLD_QUERY_BUCKETS = (32, 64)
 # With bucket_starts (CUDA), what a direct start costs beyond its own tokens, in tokens of
 # the per-step budget: each is a forward pass of its own (the weights are read again,
 # attention runs over its whole adopted prefix). Counting only its tokens put 12 hits of
@@ -106,7 +109,8 @@ class Placement:
         """
         if not self.capabilities.bucket_starts:
             return 0
-        padding = -length % START_QUERY_BUCKET
+        fine = [bucket for bucket in COLD_QUERY_BUCKETS if kept == 0 and length <= bucket]
+        padding = fine[0] - length if fine else -length % START_QUERY_BUCKET
         if kept + length + padding > self.capabilities.context_size:
             return 0
         return padding

@@ -5,7 +5,8 @@ builds a plan for each new attention shape (0.06-0.16 s each on the H200):
 seconds for the first requests otherwise. The plans come from a scheduling
 core of the real capabilities, so the warm-up runs what real requests will:
 a direct start, a chunked prefill, decoding, and on bucketed backends the
-batched cold starts of each power-of-two row count up to the batch size.
+batched cold starts of each power-of-two row count up to the batch size, at
+each cold row width (core/placement.py).
 Runs on the device thread.
 """
 
@@ -16,9 +17,10 @@ from typing import Any
 
 import attrs
 
+from mlxcel.core.placement import COLD_QUERY_BUCKETS, START_QUERY_BUCKET
 from mlxcel.core.plan import Capabilities
 from mlxcel.core.scheduler import NewRequest, SchedulerCore
-from mlxcel.model.executor import StepExecutor
+from mlxcel.model.executor import COLD_GROUP_POSITIONS, StepExecutor
 from mlxcel.model.info import ModelInfo
 from mlxcel.types import SamplingParams
 
@@ -53,10 +55,14 @@ def warm_up(executor: StepExecutor, info: ModelInfo) -> float:
     clients = _NoClients()
     rounds: list[list[int]] = [[8, settings.prefill_step_size + 8]]  # one chunk; two chunks
     if executor.bucket_starts:
-        count = 2
-        while count <= settings.max_batch_size:
-            rounds.append([8] * count)  # a wave of short prompts: one batched pass of `count` rows
-            count *= 2
+        # Waves of short prompts: one batched pass of `count` rows, at each cold row width.
+        for width in (*COLD_QUERY_BUCKETS, START_QUERY_BUCKET):
+            if width - 4 > settings.prefill_step_size:
+                break  # longer prompts are prefilled alone, not in a batched pass
+            count = 2
+            while count <= min(settings.max_batch_size, COLD_GROUP_POSITIONS // width):
+                rounds.append([width - 4] * count)
+                count *= 2
     number = 0
     for lengths in rounds:
         for length in lengths:

@@ -27,6 +27,8 @@ def test_bucketed_starts_cut_to_the_alignment_pad_to_the_bucket_and_stay_inside_
     assert where.cut(300) == 300 - 300 % placement.START_PREFIX_ALIGN
     assert where.padding(256, 5) == placement.START_QUERY_BUCKET - 5
     assert where.padding(4090, 5) == 0  # would run past the context
+    # A cold start (nothing kept) pads short rows to the finer buckets first.
+    assert [length + where.padding(0, length) for length in (5, 32, 33, 64, 65, 129)] == [32, 32, 64, 64, 128, 256]
     # Image rows are never cut back into: the whole prefix is kept.
     assert where.kept(_pending(10, image_end=290), 300) == 300
     assert where.budget().charge == placement.DIRECT_START_TOKENS
