@@ -533,7 +533,7 @@ def run_mlxcel(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     flags = ["--max-batch-size", str(concurrency_needed(args)), *args.mlxcel_args.split()]
     log = log_dir / "server-mlxcel.log"
     print(f"starting mlxcel {' '.join(flags)} (log {log})", file=sys.stderr, flush=True)
-    process, base_url = start_mlxcel(args.model_path, flags, log=log, log_level="warning")
+    process, base_url = start_mlxcel(args.model_path, flags, log=log, log_level="warning", stacks=args.server_stacks)
     started = time.monotonic()
     try:
         wait_healthy(process, base_url, seconds=args.start_timeout)
@@ -707,6 +707,7 @@ def build_parser() -> argparse.ArgumentParser:
     for section in ("floor", "mlxcel", "streams", "wave", "conversations"):
         parser.add_argument(f"--skip-{section}", action="store_true")
     parser.add_argument("--out", type=Path, help="write the figures, the table and the settings here as JSON")
+    parser.add_argument("--server-stacks", type=Path, help="run mlxcel under the sampling profiler; its report here")
     parser.add_argument("--log-dir", type=Path, help="the servers' logs (default: beside --out, else /tmp)")
     parser.add_argument("--floor-json", action="store_true", help=argparse.SUPPRESS)
     return parser

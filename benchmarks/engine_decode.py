@@ -18,12 +18,10 @@ The HTTP benchmark (benchmarks/decode_speed.py) measures the same through the se
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,50 +30,9 @@ import attrs
 import trio
 
 import mlxcel
+from mlxcel.bench.stacks import StackSampler
 from mlxcel.config import EngineConfig, SchedulerConfig
 from mlxcel.types import ChatRequest, SamplingParams
-
-
-class StackSampler:
-    """Counts each thread's innermost frames every ``interval`` seconds (a sampling profiler, no ptrace)."""
-
-    def __init__(self, interval: float = 0.005, depth: int = 3) -> None:
-        self._interval, self._depth = interval, depth
-        self.counts: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> StackSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        names = {thread.ident: thread.name for thread in threading.enumerate()}
-        own = threading.get_ident()
-        while not self._stop.wait(self._interval):
-            for ident, frame in sys._current_frames().items():
-                if ident == own:
-                    continue
-                if ident not in names:
-                    names = {thread.ident: thread.name for thread in threading.enumerate()}
-                parts, current = [], frame
-                while current is not None and len(parts) < self._depth:
-                    code = current.f_code
-                    parts.append(f"{code.co_name} ({Path(code.co_filename).name}:{current.f_lineno})")
-                    current = current.f_back
-                self.counts[names.get(ident, str(ident))][" <- ".join(parts)] += 1
-
-    def report(self, top: int = 20) -> str:
-        lines = []
-        for name, counter in sorted(self.counts.items(), key=lambda item: -sum(item[1].values())):
-            total = sum(counter.values())
-            lines.append(f"thread {name}: {total} samples")
-            lines.extend(f"  {100 * count / total:5.1f}%  {where}" for where, count in counter.most_common(top))
-        return "\n".join(lines)
 
 
 def _request(index: int, reply_tokens: int) -> ChatRequest:

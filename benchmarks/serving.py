@@ -30,11 +30,14 @@ WORDS = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "paper", 
 
 
 def start_mlxcel(model: Path | str, flags: list[str], *, log: Path | None = None,
-                 log_level: str = "info") -> tuple[subprocess.Popen[bytes], str]:
+                 log_level: str = "info", stacks: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """`mlxcel serve -m MODEL FLAGS...` on a free loopback port (not waited for); its log appended to ``log``."""
     port = free_port()
     command = [sys.executable, "-m", "mlxcel", "serve", "-m", str(model), "--host", "127.0.0.1",
                "--port", str(port), "--log-level", log_level, *flags]
+    if stacks is not None:
+        # The server under the sampling profiler (mlxcel/bench/stacks.py): its report rewritten every 2 s.
+        command[1:3] = ["-m", "mlxcel.bench.stacks", str(stacks), "--"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     output: IO[bytes] | int = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=output)
