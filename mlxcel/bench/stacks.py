@@ -10,6 +10,7 @@ import collections
 import sys
 import threading
 from pathlib import Path
+from types import FrameType
 
 
 class StackSampler:
@@ -43,14 +44,15 @@ class StackSampler:
                     continue
                 if ident not in names:
                     names = {thread.ident: thread.name for thread in threading.enumerate()}
-                parts, current = [], frame
+                parts: list[str] = []
+                current: FrameType | None = frame
                 while current is not None and len(parts) < self._depth:
                     code = current.f_code
                     parts.append(f"{code.co_name} ({Path(code.co_filename).name}:{current.f_lineno})")
                     current = current.f_back
                 name = names.get(ident, str(ident))
                 self.counts[name][" <- ".join(parts)] += 1
-                seen = set()
+                seen: set[str] = set()
                 while current is not None:
                     code = current.f_code
                     seen.add(f"{code.co_name} ({Path(code.co_filename).name})")
