@@ -1,0 +1,100 @@
+"""The executor's decode step on one thread, without actors: is the gap to the floor in the step or around it?
+
+Usage: python benchmarks/executor_decode.py --model-path DIR [--batches 1,16,64] [--steps 64]
+
+A scheduling core of the real capabilities plans for mlxcel's StepExecutor on this thread, as the
+device warm-up does (no Trio, no HTTP, no steps ahead beyond mlx-lm's own): B short requests start,
+then ms per step while all B decode (the core's update included), against the floor (plain KV cache,
+B equal rows, decode_step_pieces.pipelined_step_ms) measured in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+
+class _Clients:
+    def send(self, request_id: str, delta: Any) -> bool:
+        return True
+
+    def fail(self, request_id: str, error: Any) -> None:
+        raise RuntimeError(error.message)
+
+    def close(self, request_id: str) -> None:
+        pass
+
+
+def executor_step_ms(executor: Any, info: Any, batch: int, steps: int) -> tuple[float, float]:
+    """(ms per step of plan + run_step + update, ms inside run_step) once all ``batch`` requests decode."""
+    from mlxcel.core.plan import Capabilities
+    from mlxcel.core.scheduler import NewRequest, SchedulerCore
+    from mlxcel.types import SamplingParams
+
+    settings = executor.settings
+    core = SchedulerCore(
+        Capabilities(prefill_step_size=settings.prefill_step_size, context_size=settings.context_size,
+                     max_batch_size=settings.max_batch_size, bucket_starts=executor.bucket_starts),
+        tokenizer=info.tokenizer, eos_token_ids=frozenset(),
+    )
+    clients = _Clients()
+    for index in range(batch):
+        prompt = tuple(10 + (7 * index + i) % 1000 for i in range(40))
+        core.add(NewRequest(request_id=f"r{index}", prompt_tokens=prompt, max_tokens=steps + 64,
+                            sampling=SamplingParams(temperature=0.0), cache_context=None), clients)
+    timed = inside = 0.0
+    count = 0
+    while core.has_work() and count < steps:
+        assert core.next_lookup(0.0) is None
+        started = time.perf_counter()
+        plan = core.schedule()
+        result = executor.run_step(plan)
+        ran = time.perf_counter()
+        core.update(plan, result, clients, 0.0)
+        if result.decode_batch_size == batch and not plan.starts:
+            count += 1
+            if count > 8:  # shapes built
+                timed += time.perf_counter() - started
+                inside += ran - started
+    executor.reset()
+    return 1000 * timed / (count - 8), 1000 * inside / (count - 8)
+
+
+def main() -> None:
+    import mlx.core as mx
+    from decode_step_pieces import pipelined_step_ms
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxcel.model.executor import DeviceSettings, StepExecutor
+    from mlxcel.model.loader import default_prefill_step_size, load_model
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-path", type=Path, required=True)
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--steps", type=int, default=64)
+    args = parser.parse_args()
+    loaded = load_model(args.model_path)
+    batches = [int(value) for value in args.batches.split(",")]
+    settings = DeviceSettings(model_path=args.model_path, context_size=4096, max_batch_size=max(batches),
+                              prefill_step_size=default_prefill_step_size())
+    executor = StepExecutor(loaded.model, loaded.eos_token_ids, settings, loaded.family.model_type,
+                            tokenizer=loaded.tokenizer)
+    print("| B | floor ms | executor step ms | inside run_step ms | ratio |")
+    print("|---|---|---|---|---|")
+    for batch in batches:
+        executor_step_ms(executor, loaded, batch, 24)  # build the shapes
+        step, inside = executor_step_ms(executor, loaded, batch, args.steps)
+        cache = make_prompt_cache(loaded.model)
+        first = mx.argmax(loaded.model(mx.array([[10 + i for i in range(40)]] * batch), cache=cache)[:, -1], axis=-1)
+
+        def floor_step(tokens: Any, cache: list[Any] = cache) -> Any:
+            return mx.argmax(loaded.model(tokens[:, None], cache=cache)[:, -1, :], axis=-1)
+
+        floor = pipelined_step_ms(floor_step, first, args.steps)
+        print(f"| {batch} | {floor:.2f} | {step:.2f} | {inside:.2f} | {step / floor:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
