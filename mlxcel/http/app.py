@@ -22,18 +22,19 @@ from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from mlxcel.config import ServerConfig
 from mlxcel.engine import DeltaStream, Engine
 from mlxcel.errors import ContextExceeded, InternalError, InvalidRequest, MlxcelError, ServerBusy
 from mlxcel.http import anthropic, llamacpp, responses
 from mlxcel.http.guards import check_browser_safety, normalized_path, single_authorization
 from mlxcel.http.validation import (
-    Limits,
     decode_json_body,
     parse_adapter_scales,
     parse_chat_completions,
     parse_chat_request,
     parse_completion_request,
     parse_native_completion,
+    request_limits,
 )
 from mlxcel.types import (
     ChatRequest,
@@ -291,29 +292,23 @@ def render_body(parsed: ChatRequest | CompletionRequest, token_ids: tuple[int, .
 
 
 def create_app(
-    engine: Engine,
-    *,
-    max_body_bytes: int = 16 << 20,
-    metrics: bool = False,
-    limits: Limits | None = None,
-    api_key: str | None = None,
-    admin_api_key: str | None = None,
-    trusted_hosts: frozenset[str] | None = None,
-    access_log: bool = False,
-    responses_store_entries: int = responses.DEFAULT_STORE_ENTRIES,
-    responses_store_bytes: int = responses.DEFAULT_STORE_BYTES,
+    engine: Engine, config: ServerConfig | None = None, *, trusted_hosts: frozenset[str] | None = None,
 ) -> QuartTrio:
-    """``trusted_hosts``: the Host names a keyless server answers to (None: any).
+    """The app serving ``engine`` as ``config`` says (None: the defaults).
 
-    ``responses_store_*``: the bounds of the stored responses behind ``previous_response_id``.
+    ``trusted_hosts``: the Host names a keyless server answers to (None: any); ``serve`` derives them
+    from the bind address.
     """
+    config = ServerConfig() if config is None else config
     app = QuartTrio(__name__)
+    app.config["MLXCEL_SERVER"] = config
     # Streams last as long as generation does; hypercorn's own timeouts guard idle sockets.
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = 60
     # Any body Quart itself reads is bounded too (the routes read theirs through read_body).
-    app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
-    limits = limits or Limits()
+    app.config["MAX_CONTENT_LENGTH"] = max_body_bytes = config.max_body_bytes
+    limits = request_limits(config)
+    api_key, admin_api_key = config.api_key, config.admin_api_key
     fingerprint = system_fingerprint(engine)
 
     @app.before_request
@@ -366,7 +361,7 @@ def create_app(
     @app.after_request
     async def log_access(response: Response) -> Response:
         started = g.get("started")
-        if access_log and started is not None:
+        if config.access_log and started is not None:
             # Method, path, status and time only: never a prompt or a key.
             access_logger.info(
                 "%s %s %s %d %.1fms", request.remote_addr, request.method, request.path,
@@ -472,7 +467,8 @@ def create_app(
         configured = getattr(getattr(engine, "config", None), "chat_template", None)
         return configured or engine.model.chat_template
 
-    store = responses.ResponseStore(max_entries=responses_store_entries, max_bytes=responses_store_bytes)
+    store = responses.ResponseStore(max_entries=config.responses_store_entries,
+                                    max_bytes=config.responses_store_bytes)
 
     def keep(owner: str, builder: responses.OutputBuilder) -> None:
         if builder.prepared.store:
@@ -767,7 +763,7 @@ def create_app(
             isinstance(body, dict) and body.get("disk") is True)
         return json_response(await engine.reset_cache(disk=disk))
 
-    if metrics:
+    if config.metrics:
         @app.get("/metrics")
         async def metrics_route() -> Response:
             return Response(await engine.metrics_text(), mimetype="text/plain; version=0.0.4")

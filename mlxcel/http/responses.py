@@ -61,8 +61,6 @@ if TYPE_CHECKING:
     from mlxcel.engine import DeltaStream
 
 __all__ = [
-    "DEFAULT_STORE_BYTES",
-    "DEFAULT_STORE_ENTRIES",
     "OutputBuilder",
     "PreparedResponse",
     "ResponseStore",
@@ -80,9 +78,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_STORE_ENTRIES = 1024
-DEFAULT_STORE_BYTES = 64 << 20
 
 # Fields of a Responses body this server acts on; any other is refused by name.
 RESPONSES_FIELDS = frozenset({
@@ -200,7 +195,7 @@ class ResponseStore:
     locking); an entry's size is its JSON length.
     """
 
-    def __init__(self, *, max_entries: int = DEFAULT_STORE_ENTRIES, max_bytes: int = DEFAULT_STORE_BYTES) -> None:
+    def __init__(self, *, max_entries: int, max_bytes: int) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         # Per owner, its responses least recently used first.

@@ -26,6 +26,7 @@ from typing import Any, NoReturn, TypeGuard, TypeVar, overload
 
 import attrs
 
+from mlxcel.config import DEFAULT_VOLATILE_SYSTEM_PATTERNS, ServerConfig
 from mlxcel.core.grammar_bounds import (
     DEFAULT_GRAMMAR_BOUNDS,
     BoundedMemo,
@@ -49,6 +50,7 @@ __all__ = [
     "parse_chat_request",
     "parse_completion_request",
     "parse_native_completion",
+    "request_limits",
 ]
 
 _T = TypeVar("_T")
@@ -79,9 +81,6 @@ MAX_LOGIT_BIAS = 100.0
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
 
-# Claude Code starts its system prompt with a line whose `cch=` changes on every request.
-DEFAULT_VOLATILE_SYSTEM_PATTERNS: tuple[str, ...] = (r"^x-anthropic-billing-header:[^\n]*(?:\n|$)",)
-
 _MISSING = "missing_required_parameter"
 _TYPE = "invalid_type"
 _VALUE = "invalid_value"
@@ -89,9 +88,17 @@ _UNSUPPORTED = "unsupported_parameter"
 _JSON = "invalid_json"
 
 
+# The server's defaults: the policies below that a flag sets take theirs from here (defined once).
+_SERVER = ServerConfig()
+
+
 @attrs.frozen(kw_only=True)
 class Limits:
-    """Bounds beyond which a request is refused with a 400, and the server-wide parse policies."""
+    """Bounds beyond which a request is refused with a 400, and the server-wide parse policies.
+
+    The server builds its own from its config (``request_limits``); the bounds without a flag keep
+    their defaults here.
+    """
 
     max_tokens_cap: int = attrs.field(default=1 << 20, validator=attrs.validators.ge(1))
     max_stop_strings: int = attrs.field(default=16, validator=attrs.validators.ge(0))
@@ -109,22 +116,39 @@ class Limits:
     # Empty: nothing is cut (`--no-normalize-volatile-system`).
     volatile_system_patterns: tuple[str, ...] = DEFAULT_VOLATILE_SYSTEM_PATTERNS
     # `/v1/responses`: hosted tools (web_search...) are a 400 instead of left out of the model's view.
-    refuse_hosted_tools: bool = False
+    refuse_hosted_tools: bool = _SERVER.refuse_hosted_tools
     # Image parts: how many one request may carry, and the bytes of each (decoded).
-    max_images: int = attrs.field(default=8, validator=attrs.validators.ge(0))
-    max_image_bytes: int = attrs.field(default=20 << 20, validator=attrs.validators.ge(1))
+    max_images: int = attrs.field(default=_SERVER.max_images, validator=attrs.validators.ge(0))
+    max_image_bytes: int = attrs.field(default=_SERVER.max_image_bytes, validator=attrs.validators.ge(1))
     # `file://` image URLs are read only under this folder (`--allow-image-files DIR`); None: refused.
-    image_file_root: str | None = None
+    image_file_root: str | None = _SERVER.allow_image_files
     # `http(s)://` image URLs are fetched (`--allow-image-urls`), within max_image_bytes and this time.
-    allow_image_urls: bool = False
-    image_fetch_timeout_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
+    allow_image_urls: bool = _SERVER.allow_image_urls
+    image_fetch_timeout_s: float = attrs.field(default=_SERVER.image_fetch_timeout, validator=attrs.validators.gt(0))
     # Hosts (names, addresses) and networks (CIDR) a fetch may reach although they are not public addresses.
-    image_fetch_allow: tuple[str, ...] = ()
+    image_fetch_allow: tuple[str, ...] = _SERVER.image_fetch_allow
     # The largest JSON Schema or GBNF grammar a request may send (checked before anything compiles it).
     grammar: GrammarBounds = DEFAULT_GRAMMAR_BOUNDS
 
 
 DEFAULT_LIMITS = Limits()
+
+
+def request_limits(config: ServerConfig) -> Limits:
+    """The parse policies a server's config asks for."""
+    patterns = config.volatile_system_patterns or DEFAULT_VOLATILE_SYSTEM_PATTERNS
+    return Limits(
+        user_scopes_session=config.session_key_scope == "user",
+        volatile_system_patterns=patterns if config.normalize_volatile_system else (),
+        refuse_hosted_tools=config.refuse_hosted_tools,
+        max_images=config.max_images,
+        max_image_bytes=config.max_image_bytes,
+        image_file_root=config.allow_image_files,
+        allow_image_urls=config.allow_image_urls,
+        image_fetch_timeout_s=config.image_fetch_timeout,
+        image_fetch_allow=config.image_fetch_allow,
+        grammar=GrammarBounds(max_bytes=config.max_grammar_bytes),
+    )
 
 
 # --- the JSON body ---------------------------------------------------------------
