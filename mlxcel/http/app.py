@@ -26,6 +26,7 @@ from mlxcel.config import ServerConfig
 from mlxcel.engine import DeltaStream, Engine
 from mlxcel.errors import ContextExceeded, InternalError, InvalidRequest, MlxcelError, ServerBusy
 from mlxcel.http import anthropic, llamacpp, responses
+from mlxcel.http import sse as sse_events
 from mlxcel.http.guards import check_browser_safety, normalized_path, single_authorization
 from mlxcel.http.validation import (
     decode_json_body,
@@ -100,8 +101,7 @@ def tool_call_body(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def sse(body: Any) -> bytes:
-    return f"data: {json.dumps(body)}\n\n".encode()
+sse = sse_events.encode
 
 
 def system_fingerprint(engine: Engine) -> str:

@@ -15,7 +15,7 @@ import trio
 
 from mlxcel.engine import Engine
 from mlxcel.errors import ContextExceeded, InvalidRequest, MlxcelError
-from mlxcel.http.validation import _bool, _int, _list, _required, _root, _string
+from mlxcel.http.validation import read_bool, read_int, read_list, read_required, read_root, read_string
 from mlxcel.types import CompletionRequest, Delta, TokenLogprob, Usage
 
 __all__ = ["NativeReply", "TokenizerRoutes", "error_body", "infill_prompt", "models", "props", "select_fields",
@@ -94,8 +94,8 @@ class TokenizerRoutes:
         return self._engine.model.context_size
 
     async def tokenize(self, body: object) -> dict[str, Any]:
-        root = _root(body)
-        content = _string(_required(root, "content"), "content")
+        root = read_root(body)
+        content = read_string(read_required(root, "content"), "content")
         if len(content) > self.max_chars:
             raise InvalidRequest(
                 f"content is {len(content)} characters, more than this model's context can hold "
@@ -104,8 +104,8 @@ class TokenizerRoutes:
                                              limiter=self._limiter, abandon_on_cancel=True)
 
     async def detokenize(self, body: object) -> dict[str, Any]:
-        root = _root(body)
-        items = _list(_required(root, "tokens"), "tokens")
+        root = read_root(body)
+        items = read_list(read_required(root, "tokens"), "tokens")
         if len(items) > self.max_ids:
             raise InvalidRequest(
                 f"tokens holds {len(items)} ids, more than this model's context size ({self.max_ids})",
@@ -115,7 +115,7 @@ class TokenizerRoutes:
 
 
 def _tokenize_sync(tokenizer: Any, body: Mapping[str, Any]) -> dict[str, Any]:
-    content = _string(_required(body, "content"), "content")
+    content = read_string(read_required(body, "content"), "content")
     add_special = _optional_bool(body, "add_special", False)
     with_pieces = _optional_bool(body, "with_pieces", False)
     parse_special = _optional_bool(body, "parse_special", True)
@@ -126,9 +126,9 @@ def _tokenize_sync(tokenizer: Any, body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _detokenize_sync(tokenizer: Any, body: Mapping[str, Any]) -> dict[str, Any]:
-    items = _list(_required(body, "tokens"), "tokens")
+    items = read_list(read_required(body, "tokens"), "tokens")
     last = vocabulary_size(tokenizer) - 1
-    ids = [_int(item, f"tokens[{index}]", 0, last) for index, item in enumerate(items)]
+    ids = [read_int(item, f"tokens[{index}]", 0, last) for index, item in enumerate(items)]
     return {"content": _backend(tokenizer).decode(ids)}
 
 
@@ -139,7 +139,7 @@ def detokenize_ids(tokenizer: Any, ids: tuple[int, ...]) -> str:
 
 def _optional_bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
     value = body.get(key)
-    return default if value is None else _bool(value, key)
+    return default if value is None else read_bool(value, key)
 
 
 # --- /completion replies ----------------------------------------------------------
@@ -371,18 +371,18 @@ def _infill_prompt_sync(tokenizer: Any, body: Mapping[str, Any]) -> tuple[int, .
 
     def text_field(key: str) -> str:
         value = body.get(key)
-        return "" if value is None else _string(value, key)
+        return "" if value is None else read_string(value, key)
 
     tokens: list[int] = []
     extra = body.get("input_extra")
-    chunks = [] if extra is None else _list(extra, "input_extra")
+    chunks = [] if extra is None else read_list(extra, "input_extra")
     if repository_id is not None and separator_id is not None:
         tokens += [repository_id, *encode("myproject\n")]
     for index, item in enumerate(chunks):
         path = f"input_extra[{index}]"
         chunk = _root_object(item, path)
-        filename = _string(chunk.get("filename") or "", f"{path}.filename")
-        text = _string(_required(chunk, "text", path), f"{path}.text")
+        filename = read_string(chunk.get("filename") or "", f"{path}.filename")
+        text = read_string(read_required(chunk, "text", path), f"{path}.text")
         if separator_id is not None:
             tokens += [separator_id, *encode(f"{filename}\n{text}")]
         else:
