@@ -25,8 +25,7 @@ from werkzeug.exceptions import HTTPException
 from mlxcel.config import ServerConfig
 from mlxcel.engine import DeltaStream, Engine
 from mlxcel.errors import ContextExceeded, InternalError, InvalidRequest, MlxcelError, ServerBusy
-from mlxcel.http import anthropic, llamacpp, responses
-from mlxcel.http import sse as sse_events
+from mlxcel.http import anthropic, llamacpp, responses, sse as sse_events
 from mlxcel.http.guards import check_browser_safety, normalized_path, single_authorization
 from mlxcel.http.validation import (
     decode_json_body,
