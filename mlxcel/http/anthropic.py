@@ -17,7 +17,9 @@ Choices the Anthropic API leaves to a server (docs/api.md says the same):
   stays the same from one request to the next (`Limits.volatile_system_patterns`).
 - Any other field this server cannot honour is a 400 naming it, never ignored.
 
-Pure and synchronous except the stream shaping at the end: no Quart, Trio or MLX.
+The translation is pure and synchronous; the reply is one ``MessageBuilder`` for
+the whole message and the stream alike, and the routes at the end answer through
+the route driver (``mlxcel/http/route.py``).
 """
 
 from __future__ import annotations
@@ -26,14 +28,17 @@ import functools
 import json
 import re
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 import attrs
+from quart import Response
 
-from mlxcel.errors import InvalidRequest, MlxcelError, ServerBusy
-from mlxcel.http import sse
+from mlxcel.errors import InvalidRequest, MlxcelError
 from mlxcel.http.effort import ReasoningChoice, effort_choice
+from mlxcel.http.errors import anthropic_body
+from mlxcel.http.reply import Event
+from mlxcel.http.route import RouteContext, json_response
 
 # The chat validator's primitive readers: one wording of "must be an object" and of a value's kind.
 from mlxcel.http.validation import (
@@ -57,11 +62,8 @@ from mlxcel.vision.images import IMAGE_SENTINEL
 
 __all__ = [
     "DEFAULT_VOLATILE_SYSTEM_PATTERNS",
-    "MessageStreamer",
+    "MessageBuilder",
     "MessagesRequest",
-    "error_body",
-    "error_status",
-    "message_body",
     "parse_count_tokens_request",
     "parse_messages",
     "parse_messages_request",
@@ -94,31 +96,6 @@ _MEDIA_BLOCKS = frozenset({"document", "search_result", "container_upload"})
 _IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 _ROLES = ("user", "assistant")
 
-
-
-# --- errors --------------------------------------------------------------------
-
-
-def error_status(error: MlxcelError) -> int:
-    # Anthropic answers "overloaded" with 529, where OpenAI-style servers say 503.
-    return 529 if isinstance(error, ServerBusy) else error.status
-
-
-def _error_type(error: MlxcelError) -> str:
-    status = error.status
-    if isinstance(error, ServerBusy):
-        return "overloaded_error"
-    return {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-            413: "request_too_large", 429: "rate_limit_error"}.get(
-        status, "invalid_request_error" if status < 500 else "api_error")
-
-
-def error_body(error: MlxcelError) -> dict[str, Any]:
-    """Anthropic's error shape; the param, when there is one, is named in the message."""
-    message = error.message
-    if error.param and error.param not in message:
-        message = f"{error.param}: {message}"
-    return {"type": "error", "error": {"type": _error_type(error), "message": message}}
 
 
 # --- readers -----------------------------------------------------------------------
@@ -783,141 +760,145 @@ def tool_use_block(call: ToolCall) -> dict[str, Any]:
     return {"type": "tool_use", "id": call.id, "name": call.name, "input": tool_input(call.arguments)}
 
 
-def message_body(
-    *, message_id: str, model: str, reasoning: str, text: str, tool_calls: tuple[ToolCall, ...],
-    finish_reason: str, stop_string: str | None, usage: dict[str, int],
-) -> dict[str, Any]:
-    content: list[dict[str, Any]] = []
-    if reasoning:
-        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
-    if text:
-        content.append({"type": "text", "text": text})
-    content.extend(tool_use_block(call) for call in tool_calls)
-    reason, sequence = stop_reason(finish_reason, stop_string)
-    return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": reason, "stop_sequence": sequence, "usage": usage}
-
-
-async def whole_message(
-    deltas: AsyncIterator[Delta], first: Delta, *, model: str, stores_prompt: bool, cache_prefix_tokens: int = 0,
-) -> dict[str, Any]:
-    """Read a reply to its end into one message body (an error mid-way propagates)."""
-    texts, reasoning, calls = [first.text], [first.reasoning], list(first.tool_calls)
-    last = first
-    if first.finish_reason is None:
-        async for delta in deltas:
-            texts.append(delta.text)
-            reasoning.append(delta.reasoning)
-            calls.extend(delta.tool_calls)
-            last = delta
-            if delta.finish_reason is not None:
-                break
-    assert last.finish_reason is not None
-    assert last.usage is not None
-    return message_body(
-        message_id=new_message_id(), model=model, reasoning="".join(reasoning), text="".join(texts),
-        tool_calls=tuple(calls), finish_reason=last.finish_reason, stop_string=last.stop_string,
-        usage=usage_body(last.usage, stores_prompt=stores_prompt, cache_prefix_tokens=cache_prefix_tokens),
-    )
-
-
-def sse_event(name: str, body: dict[str, Any]) -> bytes:
-    return sse.encode(body, event=name)
-
-
-class MessageStreamer:
-    """Deltas in, Anthropic's stream events out: one content block open at a time.
+class MessageBuilder:
+    """One `/v1/messages` reply (a ``ReplyBuilder``): Anthropic's stream events, one content block open at
+    a time, and the whole message made of the same blocks.
 
     The usage arrives on the last delta, so message_start reports zeros (the real
     counts when the first delta is already the last) and message_delta the whole
     usage, which Anthropic's SDKs take over message_start's.
     """
 
+    named_events = True
+    done = b""
+
     def __init__(self, *, model: str, stores_prompt: bool, cache_prefix_tokens: int = 0) -> None:
         self.model = model
         self.stores_prompt = stores_prompt
         self.cache_prefix_tokens = cache_prefix_tokens
         self.message_id = new_message_id()
-        self._index = -1
+        # The message's content blocks; the last is the open one while `_open` is set.
+        self.content: list[dict[str, Any]] = []
         self._open: str | None = None
-        # Calls whose input streamed as it was generated (their block is open until the call completes).
-        self._streamed_calls: set[int] = set()
-
-    def start(self, first: Delta) -> bytes:
-        usage = self._usage(first.usage) if first.usage else ZERO_USAGE
-        message: dict[str, Any] = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
-                   "content": [], "stop_reason": None, "stop_sequence": None, "usage": {**usage, "output_tokens": 0}}
-        return sse_event("message_start", {"type": "message_start", "message": message}) + sse_event(
-            "ping", {"type": "ping"})
+        # Calls whose input streams as it is generated, by index: their block is open until the call
+        # completes, and a call that never completes is not part of the whole message.
+        self._streaming_calls: dict[int, dict[str, Any]] = {}
+        self._last: Delta | None = None
 
     def _usage(self, usage: Usage) -> dict[str, int]:
         return usage_body(usage, stores_prompt=self.stores_prompt, cache_prefix_tokens=self.cache_prefix_tokens)
 
-    def _close(self) -> bytes:
+    def _close(self) -> list[Event]:
         if self._open is None:
-            return b""
+            return []
         self._open = None
-        return sse_event("content_block_stop", {"type": "content_block_stop", "index": self._index})
+        return [{"type": "content_block_stop", "index": len(self.content) - 1}]
 
-    def _open_block(self, block: dict[str, Any]) -> bytes:
+    def _open_block(self, block: dict[str, Any], start: dict[str, Any]) -> list[Event]:
         events = self._close()
-        self._index += 1
+        self.content.append(block)
         self._open = block["type"]
-        return events + sse_event("content_block_start",
-                                  {"type": "content_block_start", "index": self._index, "content_block": block})
+        return [*events, {"type": "content_block_start", "index": len(self.content) - 1, "content_block": start}]
 
-    def _delta(self, delta: dict[str, Any]) -> bytes:
-        return sse_event("content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta})
+    def _delta(self, delta: dict[str, Any]) -> Event:
+        return {"type": "content_block_delta", "index": len(self.content) - 1, "delta": delta}
 
-    def feed(self, delta: Delta) -> bytes:
-        events = b""
+    def start(self, first: Delta) -> list[Event]:
+        usage = self._usage(first.usage) if first.usage else ZERO_USAGE
+        message: dict[str, Any] = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
+                   "content": [], "stop_reason": None, "stop_sequence": None, "usage": {**usage, "output_tokens": 0}}
+        return [{"type": "message_start", "message": message}, {"type": "ping"}]
+
+    def feed(self, delta: Delta) -> list[Event]:
+        events: list[Event] = []
         if delta.reasoning:
             if self._open != "thinking":
-                events += self._open_block({"type": "thinking", "thinking": "", "signature": ""})
-            events += self._delta({"type": "thinking_delta", "thinking": delta.reasoning})
+                events += self._open_block({"type": "thinking", "thinking": "", "signature": ""},
+                                           {"type": "thinking", "thinking": "", "signature": ""})
+            self.content[-1]["thinking"] += delta.reasoning
+            events.append(self._delta({"type": "thinking_delta", "thinking": delta.reasoning}))
         if delta.text:
             if self._open != "text":
-                events += self._open_block({"type": "text", "text": ""})
-            events += self._delta({"type": "text_delta", "text": delta.text})
+                events += self._open_block({"type": "text", "text": ""}, {"type": "text", "text": ""})
+            self.content[-1]["text"] += delta.text
+            events.append(self._delta({"type": "text_delta", "text": delta.text}))
         for part in delta.tool_call_parts:
             # The call's input as it is generated (mlxcel/core/output.py streams the formats it can).
             if part.name:
-                self._streamed_calls.add(part.index)
-                events += self._open_block({"type": "tool_use", "id": part.id, "name": part.name, "input": {}})
+                block = {"type": "tool_use", "id": part.id, "name": part.name, "input": {}}
+                self._streaming_calls[part.index] = block
+                events += self._open_block(block, dict(block, input={}))
             if part.arguments:
-                events += self._delta({"type": "input_json_delta", "partial_json": part.arguments})
+                events.append(self._delta({"type": "input_json_delta", "partial_json": part.arguments}))
         for call in delta.tool_calls:
-            if call.index in self._streamed_calls:
+            if call.index in self._streaming_calls:
+                self._streaming_calls.pop(call.index).update(tool_use_block(call))
                 events += self._close()
                 continue
             # A format that does not stream: the call whole, its arguments complete once it is parsed.
-            events += self._open_block({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
-            events += self._delta({"type": "input_json_delta", "partial_json": tool_input_json(call.arguments)})
+            events += self._open_block(tool_use_block(call),
+                                       {"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+            events.append(self._delta({"type": "input_json_delta", "partial_json": tool_input_json(call.arguments)}))
             events += self._close()
-        if delta.finish_reason is not None:
-            assert delta.usage is not None
-            reason, sequence = stop_reason(delta.finish_reason, delta.stop_string)
-            events += self._close()
-            events += sse_event("message_delta", {
-                "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                "usage": self._usage(delta.usage),
-            })
-            events += sse_event("message_stop", {"type": "message_stop"})
         return events
 
-    def error(self, error: MlxcelError) -> bytes:
-        return sse_event("error", error_body(error))
+    def finish(self, last: Delta) -> list[Event]:
+        assert last.usage is not None
+        assert last.finish_reason is not None
+        events = self.feed(last)
+        self._last = last
+        reason, sequence = stop_reason(last.finish_reason, last.stop_string)
+        events += self._close()
+        events.append({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                       "usage": self._usage(last.usage)})
+        events.append({"type": "message_stop"})
+        return events
 
-    async def events(self, deltas: AsyncIterator[Delta], first: Delta) -> AsyncIterator[bytes]:
-        yield self.start(first)
-        delta = first
-        try:
-            while True:
-                yield self.feed(delta)
-                if delta.finish_reason is not None:
-                    return
-                delta = await deltas.__anext__()
-        except StopAsyncIteration:
-            return
-        except MlxcelError as error:
-            yield self.error(error)
+    def fail(self, error: MlxcelError) -> list[Event]:
+        return [anthropic_body(error)]
+
+    def body(self) -> dict[str, Any]:
+        """The whole message: the blocks the stream opened, a call only once it is complete."""
+        last = self._last
+        assert last is not None
+        assert last.finish_reason is not None
+        assert last.usage is not None
+        unfinished = {id(block) for block in self._streaming_calls.values()}
+        content = [block for block in self.content if id(block) not in unfinished]
+        reason, sequence = stop_reason(last.finish_reason, last.stop_string)
+        return {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
+                "content": content, "stop_reason": reason, "stop_sequence": sequence,
+                "usage": self._usage(last.usage)}
+
+
+# --- routes --------------------------------------------------------------------------------
+
+
+async def _cache_prefix_tokens(context: RouteContext, messages_request: MessagesRequest) -> int:
+    """The tokens the last cache_control breakpoint covers (0: none is set)."""
+    prefix = messages_request.cache_prefix
+    if prefix is None:
+        return 0
+    if prefix is messages_request.chat:
+        return WHOLE_PROMPT
+    try:
+        return await context.engine.count_prompt_tokens(prefix)
+    except InvalidRequest:
+        # The template cannot render the conversation cut there: count the whole prompt as written.
+        return WHOLE_PROMPT
+
+
+async def messages(context: RouteContext) -> Response:
+    """`POST /v1/messages`, translated onto the chat pipeline."""
+    messages_request = await context.parse_body(parse_messages, chat_template=context.chat_template())
+    parsed = messages_request.chat
+    prefix_tokens = await _cache_prefix_tokens(context, messages_request)
+    deltas, first = await context.start(parsed)
+    builder = MessageBuilder(model=context.engine.model_id, cache_prefix_tokens=prefix_tokens,
+                             stores_prompt=parsed.cache.cache_prompt and context.engine.config.prompt_cache.enabled)
+    return await context.reply(deltas, first, builder, stream=parsed.stream)
+
+
+async def count_tokens(context: RouteContext) -> Response:
+    parsed = await context.parse_body(parse_count_tokens_request, chat_template=context.chat_template())
+    return json_response({"input_tokens": await context.engine.count_prompt_tokens(parsed)})

@@ -15,14 +15,15 @@ to each) for `previous_response_id` and `GET /v1/responses/{id}`: an LRU
 bounded by count and bytes, keyed by the owner (API key, cache salt and
 session) so one tenant never sees another's responses.
 
-It imports neither Trio nor Quart (nor, but for types, the engine): the app
-awaits `collect` or serves `event_stream` over the engine's `DeltaStream`.
+The routes at the end answer through the route driver (mlxcel/http/route.py),
+which runs the builder over the engine's `DeltaStream` whole or streamed.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import json
 import logging
@@ -31,16 +32,18 @@ import secrets
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
+from quart import Response
 
 from mlxcel.core.lark_regex import UnsupportedGrammar, lark_to_regex
 from mlxcel.core.tool_grammar import ENFORCED_PARAMETERS
-from mlxcel.errors import InternalError, InvalidRequest, MlxcelError
-from mlxcel.http import sse
+from mlxcel.errors import InvalidRequest, MlxcelError
 from mlxcel.http.effort import EFFORTS, ReasoningChoice, effort_choice
+from mlxcel.http.reply import Event
+from mlxcel.http.route import RouteContext, json_response
 
 # The chat validator's primitive readers: one wording of a value's kind and of a failed check.
 from mlxcel.http.validation import (
@@ -63,16 +66,12 @@ from mlxcel.http.validation import (
 )
 from mlxcel.types import ChatRequest, Delta, ReasoningBudget, TokenLogprob, ToolCall, ToolCallPart, Usage
 
-if TYPE_CHECKING:
-    from mlxcel.engine import DeltaStream
-
 __all__ = [
     "OutputBuilder",
     "PreparedResponse",
     "ResponseStore",
     "StoredResponse",
-    "collect",
-    "event_stream",
+    "ResponsesRoutes",
     "input_items_page",
     "not_found",
     "owner_of",
@@ -80,7 +79,6 @@ __all__ = [
     "prepare",
     "prepare_count",
     "split_query",
-    "sse_event",
 ]
 
 logger = logging.getLogger(__name__)
@@ -1011,19 +1009,18 @@ def _logprob_body(item: TokenLogprob) -> dict[str, Any]:
     }
 
 
-def sse_event(event: Mapping[str, Any]) -> bytes:
-    return sse.encode(event, event=event["type"])
-
-
-Event = dict[str, Any]
 
 
 class OutputBuilder:
     """Builds a reply's output items from its deltas; `feed` and `finish` return the stream's events.
 
     Items open in the order the model produces them (reasoning, then text, then calls, as
-    the deltas come); a change of kind closes the open item.
+    the deltas come); a change of kind closes the open item. A ``ReplyBuilder``
+    (mlxcel/http/reply.py): the whole Response is ``body()`` once it has finished.
     """
+
+    named_events = True
+    done = b""
 
     def __init__(self, prepared: PreparedResponse, model: str) -> None:
         self.prepared = prepared
@@ -1047,7 +1044,7 @@ class OutputBuilder:
         self._sequence += 1
         return event
 
-    def start(self) -> list[Event]:
+    def start(self, first: Delta | None = None) -> list[Event]:
         snapshot = _snapshot(self.response)
         return [self._event("response.created", response=snapshot),
                 self._event("response.in_progress", response=snapshot)]
@@ -1228,6 +1225,9 @@ class OutputBuilder:
         events.append(self._event("response.failed", response=self.response))
         return events
 
+    def body(self) -> dict[str, Any]:
+        return self.response
+
     def conversation(self) -> tuple[Mapping[str, Any], ...]:
         """The items a follow-up continues from: the request's (and its chain's), then the output."""
         return (*self.prepared.items, *(_snapshot(item) for item in self.output))
@@ -1254,45 +1254,76 @@ def _snapshot(value: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(value))
 
 
-# --- driving a reply --------------------------------------------------------------------
+# --- routes ---------------------------------------------------------------------------
+
+# The response header naming the hosted tools a request sent that the model did not see.
+DROPPED_TOOLS_HEADER = "X-Mlxcel-Dropped-Tools"
+# Only these fields make a Responses body schema-bearing (its parse then takes the schema threads).
+SCHEMA_FIELDS = ("tools", "text")
 
 
-async def _next_delta(deltas: DeltaStream) -> Delta:
-    try:
-        return await deltas.__anext__()
-    except StopAsyncIteration:
-        raise InternalError("the reply ended without a finish") from None
+class ResponsesRoutes:
+    """The `/v1/responses` routes of one app, and the store behind `previous_response_id`."""
 
+    def __init__(self, store: ResponseStore) -> None:
+        self.store = store
 
-async def collect(deltas: DeltaStream, first: Delta, builder: OutputBuilder) -> dict[str, Any]:
-    """The whole Response object of a reply (an error while generating is raised)."""
-    async with deltas:
-        delta = first
-        while delta.finish_reason is None:
-            builder.feed(delta)
-            delta = await _next_delta(deltas)
-        builder.finish(delta)
-    return builder.response
+    def _keep(self, owner: str, builder: OutputBuilder) -> None:
+        if builder.prepared.store:
+            self.store.put(owner, builder.response["id"], builder.response, builder.conversation(),
+                           builder.prepared.input_items)
 
+    def _owner(self, context: RouteContext, query: dict[str, list[str]] | None = None) -> str:
+        # GET and DELETE have no body: the session and salt come as query parameters.
+        query = context.query if query is None else query
+        return owner_of(owner_query(query), context.header("Authorization"), context.limits)
 
-async def event_stream(
-    deltas: DeltaStream, first: Delta, builder: OutputBuilder, on_finish: Callable[[OutputBuilder], None]
-) -> AsyncIterator[bytes]:
-    """The reply as Responses server-sent events; ``on_finish`` runs before the last event is sent,
-    so a follow-up sent on seeing it finds the response stored."""
-    async with deltas:
-        # The events of one delta go out as one chunk: one write, not one per event.
-        yield b"".join(map(sse_event, builder.start()))
-        delta = first
-        try:
-            while delta.finish_reason is None:
-                chunk = b"".join(map(sse_event, builder.feed(delta)))
-                if chunk:
-                    yield chunk
-                delta = await _next_delta(deltas)
-            events = builder.finish(delta)
-        except MlxcelError as error:
-            events = builder.fail(error)
-        else:
-            on_finish(builder)
-        yield b"".join(map(sse_event, events))
+    def _stored(self, context: RouteContext, response_id: str, query: dict[str, list[str]] | None = None,
+                ) -> StoredResponse:
+        stored = self.store.get(self._owner(context, query), response_id)
+        if stored is None:
+            raise not_found(response_id, param=None)
+        return stored
+
+    async def _read(self, context: RouteContext) -> tuple[dict[str, Any], str, StoredResponse | None]:
+        """A Responses body, its owner, and the stored response its `previous_response_id` names (404 if none)."""
+        body = await context.read_body()
+        assert isinstance(body, dict)
+        owner = owner_of(body, context.header("Authorization"), context.limits)
+        previous_id = body.get("previous_response_id")
+        previous = self.store.get(owner, previous_id) if isinstance(previous_id, str) and previous_id else None
+        if previous_id and previous is None:
+            raise not_found(str(previous_id))
+        return body, owner, previous
+
+    async def create(self, context: RouteContext) -> Response:
+        body, owner, previous = await self._read(context)
+        prepared = await context.parse(prepare, body, previous, schema_fields=SCHEMA_FIELDS,
+                                       chat_template=context.chat_template())
+        deltas, first = await context.start(prepared.chat)
+        builder = OutputBuilder(prepared, context.engine.model_id)
+        # Hosted tools left out of the model's view are named, never dropped silently.
+        dropped = {DROPPED_TOOLS_HEADER: ", ".join(prepared.dropped_tools)} if prepared.dropped_tools else {}
+        return await context.reply(deltas, first, builder, stream=prepared.chat.stream, headers=dropped,
+                                   on_finish=functools.partial(self._keep, owner, builder))
+
+    async def count_tokens(self, context: RouteContext) -> Response:
+        body, _owner, previous = await self._read(context)
+        prepared = await context.parse(prepare_count, body, previous, schema_fields=SCHEMA_FIELDS,
+                                       chat_template=context.chat_template())
+        context.check_model(prepared.chat)
+        counted = await context.engine.count_prompt_tokens(prepared.chat)
+        return json_response({"object": "response.input_tokens", "input_tokens": counted})
+
+    async def input_items(self, context: RouteContext, response_id: str) -> Response:
+        page_query, owner_query_ = split_query(context.query)
+        stored = self._stored(context, response_id, owner_query_)
+        return json_response(input_items_page(stored, response_id, page_query))
+
+    async def get(self, context: RouteContext, response_id: str) -> Response:
+        return json_response(self._stored(context, response_id).body)
+
+    async def delete(self, context: RouteContext, response_id: str) -> Response:
+        if not self.store.delete(self._owner(context), response_id):
+            raise not_found(response_id, param=None)
+        return json_response({"id": response_id, "object": "response", "deleted": True})
