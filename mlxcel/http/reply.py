@@ -49,11 +49,11 @@ class ReplyBuilder(Protocol):
         ...
 
 
-async def next_delta(deltas: DeltaStream, request_id: str = "") -> Delta:
+async def next_delta(deltas: DeltaStream) -> Delta:
     try:
         return await deltas.__anext__()
     except StopAsyncIteration:
-        logger.error("the reply of %s ended without a finish", request_id or getattr(deltas, "request_id", "?"))
+        logger.error("the reply of %s ended without a finish", getattr(deltas, "request_id", "a request"))
         raise InternalError("the reply ended without a finish") from None
 
 
