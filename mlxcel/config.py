@@ -240,7 +240,8 @@ def parse_auto_bool(text: str) -> bool | None:
 
 
 def auto_bool(value: bool | None) -> bool | None:
-    """A tri-state setting as the device settings take it (None: auto); the settings hold it so already."""
+    """A tri-state setting as the device settings take it (None: auto). The settings hold ``bool | None``
+    already, so this is the identity, kept while engine.py (outside this change) still calls it."""
     return value
 
 
