@@ -24,7 +24,7 @@ from mlxcel.fixtures import fixture_path
 async def main(family: str, conversations: int, turns: int) -> None:
     path = fixture_path(family)
     workload = build_workload(Shape(conversations=conversations, turns=turns), model_path=path)
-    config = EngineConfig(model_path=path, scheduler=SchedulerConfig(device_warmup="false"))
+    config = EngineConfig(model_path=path, scheduler=SchedulerConfig(device_warmup=False))
     async with trio.open_nursery() as nursery:
         engine = await nursery.start(run_engine, config)
         replies: list[list[str]] = [[] for _ in range(conversations)]

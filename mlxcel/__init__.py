@@ -1,6 +1,6 @@
 """mlxcel: an OpenAI-compatible MLX inference server with a prompt-prefix KV cache."""
 
-from mlxcel.config import EngineConfig, PromptCacheConfig, SchedulerConfig
+from mlxcel.config import EngineConfig, PromptCacheConfig, SchedulerConfig, ServerConfig
 from mlxcel.engine import DeltaStream, Engine, open_engine, run_engine
 from mlxcel.errors import GenerationFailed, InternalError, InvalidRequest, MlxcelError, ServerBusy
 from mlxcel.types import (
@@ -30,6 +30,7 @@ __all__ = [
     "SamplingParams",
     "SchedulerConfig",
     "ServerBusy",
+    "ServerConfig",
     "Usage",
     "open_engine",
     "run_engine",

@@ -15,7 +15,6 @@ import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import trio
 
@@ -27,9 +26,6 @@ from mlxcel.config import (
     build_serve_parser,
     zmq_binds_beyond_loopback,
 )
-
-if TYPE_CHECKING:
-    from mlxcel.http.validation import Limits
 
 logger = logging.getLogger("mlxcel")
 
@@ -174,26 +170,6 @@ def serve_entry() -> None:
     raise SystemExit(serve_main())
 
 
-def request_limits(server_config: ServerConfig) -> Limits:
-    """The parse policies the server's flags ask for."""
-    from mlxcel.core.grammar_bounds import GrammarBounds
-    from mlxcel.http.validation import DEFAULT_VOLATILE_SYSTEM_PATTERNS, Limits
-
-    patterns = server_config.volatile_system_patterns or DEFAULT_VOLATILE_SYSTEM_PATTERNS
-    return Limits(
-        user_scopes_session=server_config.session_key_scope == "user",
-        volatile_system_patterns=patterns if server_config.normalize_volatile_system else (),
-        refuse_hosted_tools=server_config.refuse_hosted_tools,
-        max_images=server_config.max_images,
-        max_image_bytes=server_config.max_image_bytes,
-        image_file_root=server_config.allow_image_files,
-        allow_image_urls=server_config.allow_image_urls,
-        image_fetch_timeout_s=server_config.image_fetch_timeout,
-        image_fetch_allow=server_config.image_fetch_allow,
-        grammar=GrammarBounds(max_bytes=server_config.max_grammar_bytes),
-    )
-
-
 def startup_warnings(engine_config: EngineConfig, server_config: ServerConfig) -> list[str]:
     """What the operator should hear about at start-up: settings that expose prompts or the cache to others."""
     warnings = []
@@ -233,27 +209,7 @@ async def run_server(
             logger.warning("%s", warning)
 
         async def serve_then_stop(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-            await serve(
-                pending,
-                server_config.host,
-                server_config.port,
-                metrics=server_config.metrics,
-                max_body_bytes=server_config.max_body_bytes,
-                api_key=server_config.api_key,
-                admin_api_key=server_config.admin_api_key,
-                graceful_timeout=server_config.shutdown_grace_seconds,
-                access_log=server_config.access_log,
-                limits=request_limits(server_config),
-                max_connections=server_config.max_connections,
-                max_connections_per_client=server_config.max_connections_per_client,
-                keep_alive_timeout=server_config.keep_alive_timeout,
-                body_timeout=server_config.body_timeout,
-                responses_store_entries=server_config.responses_store_entries,
-                responses_store_bytes=server_config.responses_store_bytes,
-                sock=sock,
-                shutdown_trigger=stop.wait,
-                task_status=task_status,
-            )
+            await serve(pending, server_config, sock=sock, shutdown_trigger=stop.wait, task_status=task_status)
             nursery.cancel_scope.cancel()
 
         binds = await nursery.start(serve_then_stop)

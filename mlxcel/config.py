@@ -16,11 +16,12 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 
 from mlxcel.cache.apc import ALGORITHMS, HashAlgorithm
+from mlxcel.core.grammar_bounds import DEFAULT_GRAMMAR_BOUNDS
 from mlxcel.model.adapters import AdapterSpec, parse_adapter_spec
 from mlxcel.model.parser_names import parse_reasoning_parser, parse_tool_call_parser
 
@@ -54,11 +55,11 @@ class PromptCacheConfig:
     snapshot_chunk_checkpoints: int = 2
     # False keeps every lookup inside the request's own session (tenant isolation).
     cross_session: bool = True
-    # Snapshot families: snapshot at the history boundary (MLXCEL_DISABLE_BOUNDARY_SNAPSHOT=1 turns off).
+    # Snapshot families: snapshot at the history boundary.
     boundary_snapshots: bool = True
-    # Snapshot families: extend the snapshot over each reply in the background (MLXCEL_DISABLE_CACHE_WARMUP=1).
+    # Snapshot families: extend the snapshot over each reply in the background.
     warmup: bool = True
-    # One log line per snapshot decision (MLXCEL_APC_TRACE=1).
+    # One log line per snapshot decision.
     trace: bool = False
     # The disk tier: a directory of content-addressed KV pieces, shared by the processes on a host (None: off).
     disk_dir: Path | None = None
@@ -88,11 +89,11 @@ class SchedulerConfig:
     # Undelivered stream events per request before a slow client is dropped.
     client_buffer_events: int = 4096
     # Run each kind of step once at start-up (a GPU compiles kernels on first use).
-    # "auto": on a GPU only; on the CPU it cost 18 s with a 4-bit model and saved nothing.
-    device_warmup: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "true", "false")))
+    # None (auto): on a GPU only; on the CPU it cost 18 s with a 4-bit model and saved nothing.
+    device_warmup: bool | None = None
     # Cache-hit starts in bucketed shapes and long prompts prefilled alone, so cuDNN
-    # attention plans repeat and run unmasked ("auto": with CUDA only).
-    start_buckets: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "true", "false")))
+    # attention plans repeat and run unmasked (None, auto: with CUDA only).
+    start_buckets: bool | None = None
 
 
 KV_EVENT_FORMATS = ("positional", "map")
@@ -149,15 +150,25 @@ class EngineConfig:
     fail_out_of_memory: bool = False
 
 
+# Claude Code starts its system prompt with a line whose `cch=` changes on every request.
+DEFAULT_VOLATILE_SYSTEM_PATTERNS: tuple[str, ...] = (r"^x-anthropic-billing-header:[^\n]*(?:\n|$)",)
+
+
 @attrs.frozen(kw_only=True)
 class ServerConfig:
+    """The HTTP server's settings, whole: ``mlxcel.http.serve(engine, config)`` and ``create_app`` take it.
+
+    Each field has one row in ``SERVER_SETTINGS`` (its flag and environment variables) and its default
+    here only; the request parsers' ``Limits`` are derived from it (``mlxcel.http.validation.request_limits``).
+    """
+
     host: str = "127.0.0.1"
     port: int = 8080
     metrics: bool = False
+    log_level: str = "info"
     max_body_bytes: int = 16 << 20
     # The largest JSON Schema (canonical JSON) or GBNF grammar a request may send.
-    max_grammar_bytes: int = 256 << 10
-    log_level: str = "info"
+    max_grammar_bytes: int = DEFAULT_GRAMMAR_BOUNDS.max_bytes
     # Required as `Authorization: Bearer KEY` on every route but /health.
     api_key: str | None = attrs.field(default=None, repr=False)
     # When set, only this key may reset the cache or read /metrics.
@@ -179,7 +190,7 @@ class ServerConfig:
     session_key_scope: str = "client"
     # /v1/messages: cut per-request lines (Claude Code's billing header) from the system prompt.
     normalize_volatile_system: bool = True
-    # The patterns of those lines; None: the built-in list (mlxcel.http.validation).
+    # The patterns of those lines; None: the built-in list (DEFAULT_VOLATILE_SYSTEM_PATTERNS).
     volatile_system_patterns: tuple[str, ...] | None = None
     # /v1/responses: hosted tools (web_search...) are a 400 rather than left out of the model's view.
     refuse_hosted_tools: bool = False
@@ -213,19 +224,25 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"expected a boolean (true/false/1/0), got {text!r}")
 
 
-def parse_auto_bool(text: str) -> str:
-    """``auto`` (decided at start-up), ``true`` or ``false``, normalized to one of those words."""
+def parse_negated_bool(text: str) -> bool:
+    """A ``MLXCEL_DISABLE_*`` switch: true turns the setting off."""
+    return not parse_bool(text)
+
+
+def parse_auto_bool(text: str) -> bool | None:
+    """``auto`` (None: decided at start-up), ``true`` or ``false``."""
     if text.strip().lower() == "auto":
-        return "auto"
+        return None
     try:
-        return "true" if parse_bool(text) else "false"
+        return parse_bool(text)
     except ValueError:
         raise ValueError(f"expected auto, true or false, got {text!r}") from None
 
 
-def auto_bool(word: str) -> bool | None:
-    """What ``parse_auto_bool`` gave, as the device settings take it (None: auto)."""
-    return None if word == "auto" else word == "true"
+def auto_bool(value: bool | None) -> bool | None:
+    """A tri-state setting as the device settings take it (None: auto). The settings hold ``bool | None``
+    already, so this is the identity, kept while engine.py (outside this change) still calls it."""
+    return value
 
 
 def parse_llama_cache_reuse(text: str) -> bool:
@@ -406,6 +423,30 @@ def parse_fetch_allow(text: str) -> str:
     return value
 
 
+def parse_host(text: str) -> str:
+    value = text.strip()
+    if not value:
+        raise ValueError("expected a bind address, got an empty string")
+    return value
+
+
+def parse_port(text: str) -> int:
+    value = _int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError(f"expected a port 0..65535, got {text!r}")
+    return value
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def parse_log_level(text: str) -> str:
+    value = text.strip().lower()
+    if value not in LOG_LEVELS:
+        raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}, got {text!r}")
+    return value
+
+
 def parse_session_key_scope(text: str) -> str:
     value = text.strip().lower()
     if value not in ("client", "user"):
@@ -425,10 +466,14 @@ def parse_directory(text: str) -> Path:
 
 @attrs.frozen
 class Setting:
-    """One flag with its environment variables, in precedence order."""
+    """One field of a config class: its flag and its environment variables, in precedence order.
+
+    A new setting is two edits: the field (with its default) and its row here.
+    """
 
     dest: str
-    flag: str
+    # None: environment only.
+    flag: str | None
     env: tuple[str, ...]
     parse: Callable[[str], Any]
     help: str
@@ -497,9 +542,19 @@ PROMPT_CACHE_SETTINGS = (
     Setting("kv_group_size", "--prompt-cache-kv-group-size", ("MLXCEL_PROMPT_CACHE_KV_GROUP_SIZE",),
             parse_kv_group_size, "values sharing one scale and bias in quantized stored KV: 32, 64 or 128 "
             "(default 64)"),
+    Setting("boundary_snapshots", None, ("MLXCEL_DISABLE_BOUNDARY_SNAPSHOT",), parse_negated_bool,
+            "snapshot families: 1 stops snapshots at the history boundary"),
+    Setting("warmup", None, ("MLXCEL_DISABLE_CACHE_WARMUP",), parse_negated_bool,
+            "snapshot families: 1 stops extending snapshots over replies in the background"),
+    Setting("trace", None, ("MLXCEL_APC_TRACE",), parse_bool, "1 logs one line per snapshot decision"),
 )
 
 SERVER_SETTINGS = (
+    Setting("host", "--host", ("MLXCEL_HOST",), parse_host, "bind address (default 127.0.0.1)"),
+    Setting("port", "--port", ("MLXCEL_PORT",), parse_port, "port (default 8080)"),
+    Setting("metrics", "--metrics", (), parse_bool, "serve Prometheus metrics at /metrics", optional_value=True),
+    Setting("log_level", "--log-level", (), parse_log_level,
+            f"{', '.join(LOG_LEVELS)} (default info)"),
     Setting("api_key", "--api-key", ("MLXCEL_API_KEY",), str,
             "require `Authorization: Bearer KEY` on every route but /health"),
     Setting("admin_api_key", "--admin-api-key", ("MLXCEL_ADMIN_API_KEY",), str,
@@ -583,6 +638,7 @@ SCHEDULER_SETTINGS = (
 )
 
 ENGINE_SETTINGS = (
+    Setting("ctx_size", "--ctx-size", (), parse_positive_int, "context size in tokens (default: the model's)"),
     Setting("lora", "--lora", ("MLXCEL_LORA",), parse_adapter_spec,
             "an mlx-lm LoRA adapter folder to serve unfused, optionally with its scale (PATH or "
             "PATH=SCALE, default 1: the adapter as trained); repeatable, ids 0, 1, ... in order",
@@ -650,9 +706,12 @@ def _flag_type(setting: Setting) -> Callable[[str], Any]:
 
 def add_settings(parser: argparse.ArgumentParser, settings: tuple[Setting, ...]) -> None:
     for setting in settings:
+        if setting.flag is None:
+            continue
+        env = f"; env {', '.join(setting.env)}" if setting.env else ""
+        # SUPPRESS: a flag not given leaves no attribute, so a flag's own None (`auto`) still wins.
         kwargs: dict[str, Any] = dict(
-            dest=setting.dest, type=_flag_type(setting), default=None,
-            help=f"{setting.help}; env {', '.join(setting.env)}",
+            dest=setting.dest, type=_flag_type(setting), default=argparse.SUPPRESS, help=f"{setting.help}{env}",
         )
         if setting.optional_value:
             kwargs.update(nargs="?", const=True, metavar="BOOL")
@@ -669,9 +728,10 @@ def resolve_settings(
 ) -> dict[str, Any]:
     """Flag over environment, first variable listed wins; unset keys are omitted."""
     values: dict[str, Any] = {}
+    given = vars(namespace)
     for setting in settings:
-        flag_value = getattr(namespace, setting.dest, None)
-        if flag_value is not None:
+        if setting.dest in given:
+            flag_value = given[setting.dest]
             values[setting.dest] = tuple(flag_value) if setting.multiple else flag_value
             continue
         for name in setting.env:
@@ -689,20 +749,27 @@ def resolve_settings(
     return values
 
 
+_Config = TypeVar("_Config")
+
+
+def config_from_settings(
+    cls: type[_Config],
+    settings: tuple[Setting, ...],
+    namespace: argparse.Namespace,
+    environ: Mapping[str, str],
+    **fixed: Any,
+) -> _Config:
+    """``cls`` with every row of ``settings`` that a flag or the environment sets; its defaults otherwise."""
+    return cls(**{**resolve_settings(namespace, settings, environ), **fixed})
+
+
 def build_serve_parser(prog: str = "mlxcel serve") -> argparse.ArgumentParser:
     parser = _OneLineParser(prog=prog, description="Serve an OpenAI-compatible API.")
     parser.add_argument("-m", "--model", type=Path, default=None,
                         help="local model folder or Hugging Face repo id, resolved through the local hub "
                         "cache (HF_HUB_OFFLINE=1: the cache only) (default: the random-weight demo model)")
-    parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=None, help="port (default 8080)")
-    parser.add_argument("--ctx-size", type=_flag_type(Setting("ctx_size", "", (), parse_positive_int, "")),
-                        default=None, help="context size in tokens (default: the model's)")
     parser.add_argument("--no-cache-prompt", action="store_true",
                         help="turn the prompt cache off server-wide")
-    parser.add_argument("--metrics", action="store_true", help="serve Prometheus metrics at /metrics")
-    parser.add_argument("--log-level", default="info",
-                        choices=["debug", "info", "warning", "error"])
     add_settings(parser, PROMPT_CACHE_SETTINGS)
     add_settings(parser, SCHEDULER_SETTINGS)
     add_settings(parser, SERVER_SETTINGS)
@@ -715,41 +782,13 @@ def build_configs(
     namespace: argparse.Namespace, environ: Mapping[str, str] | None = None
 ) -> tuple[EngineConfig, ServerConfig]:
     environ = os.environ if environ is None else environ
-    cache_values = resolve_settings(namespace, PROMPT_CACHE_SETTINGS, environ)
-    if namespace.no_cache_prompt:
-        cache_values["enabled"] = False
-    for name, field, when_set in (
-        ("MLXCEL_DISABLE_BOUNDARY_SNAPSHOT", "boundary_snapshots", False),
-        ("MLXCEL_DISABLE_CACHE_WARMUP", "warmup", False),
-        ("MLXCEL_APC_TRACE", "trace", True),
-    ):
-        raw = environ.get(name, "")
-        if raw:
-            try:
-                cache_values[field] = when_set if parse_bool(raw) else not when_set
-            except ValueError as error:
-                raise ConfigError(f"{name}={raw!r}: {error}") from None
-    prompt_cache = PromptCacheConfig(**cache_values)
-    scheduler = SchedulerConfig(**resolve_settings(namespace, SCHEDULER_SETTINGS, environ))
-    engine = EngineConfig(
+    # `--no-cache-prompt` is llama.cpp's spelling of --prompt-cache-enabled=false.
+    disabled = {"enabled": False} if namespace.no_cache_prompt else {}
+    engine = config_from_settings(
+        EngineConfig, ENGINE_SETTINGS, namespace, environ,
         model_path=namespace.model,
-        ctx_size=namespace.ctx_size,
-        prompt_cache=prompt_cache,
-        scheduler=scheduler,
-        kv_events=KvEventsConfig(**resolve_settings(namespace, KV_EVENTS_SETTINGS, environ)),
-        **resolve_settings(namespace, ENGINE_SETTINGS, environ),
+        prompt_cache=config_from_settings(PromptCacheConfig, PROMPT_CACHE_SETTINGS, namespace, environ, **disabled),
+        scheduler=config_from_settings(SchedulerConfig, SCHEDULER_SETTINGS, namespace, environ),
+        kv_events=config_from_settings(KvEventsConfig, KV_EVENTS_SETTINGS, namespace, environ),
     )
-    host = namespace.host or environ.get("MLXCEL_HOST") or "127.0.0.1"
-    port = namespace.port
-    if port is None:
-        raw_port = environ.get("MLXCEL_PORT", "8080")
-        try:
-            port = int(raw_port)
-        except ValueError:
-            raise ConfigError(f"MLXCEL_PORT={raw_port!r}: expected an integer") from None
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"--port {port}: expected 0..65535")
-    server = ServerConfig(host=host, port=port, metrics=namespace.metrics,
-                          log_level=namespace.log_level,
-                          **resolve_settings(namespace, SERVER_SETTINGS, environ))
-    return engine, server
+    return engine, config_from_settings(ServerConfig, SERVER_SETTINGS, namespace, environ)

@@ -60,11 +60,16 @@ def start_engine(nursery: trio.Nursery) -> Callable[..., Any]:
 
 @pytest.fixture
 def start_server(nursery: trio.Nursery) -> Callable[..., Any]:
-    """``await start_server(engine, **serve_options)`` -> base URL of a real hypercorn on loopback."""
+    """``await start_server(engine, **settings)`` -> base URL of a real hypercorn on loopback.
+
+    ``settings`` are `ServerConfig` fields (host and port: loopback, a free port).
+    """
+    from mlxcel.config import ServerConfig
     from mlxcel.http import serve
 
-    async def start(engine: Engine, **options: Any) -> str:
-        binds = await nursery.start(partial(serve, engine, "127.0.0.1", 0, **options))
+    async def start(engine: Engine, **settings: Any) -> str:
+        config = ServerConfig(**{"host": "127.0.0.1", "port": 0, **settings})
+        binds = await nursery.start(partial(serve, engine, config))
         return binds[0]
 
     return start

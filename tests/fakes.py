@@ -25,7 +25,7 @@ from quart.typing import TestClientProtocol as Client
 
 from mlxcel.actors.device import ModelInfo
 from mlxcel.actors.messages import SchedulerStats
-from mlxcel.config import EngineConfig
+from mlxcel.config import EngineConfig, ServerConfig
 from mlxcel.engine import DeltaStream, Engine
 from mlxcel.http.app import create_app
 from mlxcel.http.llamacpp import _byte_decoder
@@ -207,8 +207,9 @@ def fake_scheduler_stats(**changes: Any) -> SchedulerStats:
     return SchedulerStats(**{**fields, **changes})
 
 
-def client_for(engine: Engine, **options: Any) -> Client:
-    return create_app(engine, **options).test_client()
+def client_for(engine: Engine, *, trusted_hosts: frozenset[str] | None = None, **settings: Any) -> Client:
+    """A test client of the app serving ``engine``; ``settings`` are `ServerConfig` fields."""
+    return create_app(engine, ServerConfig(**settings), trusted_hosts=trusted_hosts).test_client()
 
 
 async def leave_mid_stream(client: Client, path: str, body: Any) -> bytes:

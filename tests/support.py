@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 import trio
 
-from mlxcel.config import EngineConfig, PromptCacheConfig, SchedulerConfig
+from mlxcel.config import EngineConfig, PromptCacheConfig, SchedulerConfig, ServerConfig
 from mlxcel.fixtures import fixture_path
 
 # A small budget keeps test memory low and skips the model-aware sizing.
@@ -19,7 +19,7 @@ TEST_CACHE = PromptCacheConfig(capacity_bytes=512 << 20)
 def make_engine_config(family: str = "llama", **changes: Any) -> EngineConfig:
     prompt_cache = changes.pop("prompt_cache", TEST_CACHE)
     # The start-up warm-up is skipped (0.2 s per engine); test_engine covers it.
-    scheduler = changes.pop("scheduler", SchedulerConfig(prefill_step_size=512, device_warmup="false"))
+    scheduler = changes.pop("scheduler", SchedulerConfig(prefill_step_size=512, device_warmup=False))
     return EngineConfig(
         model_path=fixture_path(family), prompt_cache=prompt_cache, scheduler=scheduler, **changes
     )
@@ -84,3 +84,8 @@ class LetterTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return "".join(letter(token) for token in ids)
+
+
+def loopback(**settings: Any) -> ServerConfig:
+    """The HTTP config of a test server: loopback, a free port, and ``settings`` (`ServerConfig` fields)."""
+    return ServerConfig(**{"host": "127.0.0.1", "port": 0, **settings})

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mlxcel.config import ConfigError, auto_bool, build_configs, build_serve_parser
+from mlxcel.config import ConfigError, build_configs, build_serve_parser
 
 
 def configs(argv: list[str], environ: dict[str, str] | None = None):
@@ -70,7 +70,84 @@ def test_apc_and_cross_session_switches() -> None:
     assert not engine.prompt_cache.cross_session
     engine, _ = configs([], {"MLXCEL_DISABLE_BOUNDARY_SNAPSHOT": "1", "MLXCEL_APC_TRACE": "1"})
     assert not engine.prompt_cache.boundary_snapshots
+    assert engine.prompt_cache.warmup
     assert engine.prompt_cache.trace
+    engine, _ = configs([], {"MLXCEL_DISABLE_CACHE_WARMUP": "yes", "MLXCEL_DISABLE_BOUNDARY_SNAPSHOT": "0"})
+    assert (engine.prompt_cache.warmup, engine.prompt_cache.boundary_snapshots) == (False, True)
+    with pytest.raises(ConfigError, match="MLXCEL_DISABLE_CACHE_WARMUP"):
+        configs([], {"MLXCEL_DISABLE_CACHE_WARMUP": "maybe"})
+
+
+def test_host_port_metrics_and_log_level_are_settings_like_the_others() -> None:
+    _, server = configs([], {"MLXCEL_HOST": "0.0.0.0", "MLXCEL_PORT": "9000"})
+    assert (server.host, server.port, server.metrics, server.log_level) == ("0.0.0.0", 9000, False, "info")
+    _, server = configs(["--host", "::1", "--port", "0", "--metrics", "--log-level", "debug"],
+                        {"MLXCEL_HOST": "0.0.0.0", "MLXCEL_PORT": "9000"})
+    assert (server.host, server.port, server.metrics, server.log_level) == ("::1", 0, True, "debug")
+    with pytest.raises(ConfigError, match="MLXCEL_PORT='65536'"):
+        configs([], {"MLXCEL_PORT": "65536"})
+    with pytest.raises(SystemExit):
+        configs(["--log-level", "loud"])
+
+
+def test_every_server_field_is_one_setting_row() -> None:
+    """No HTTP setting is wired by hand: each field of ServerConfig has exactly one row, and each row of a
+    table names a field of the config it builds."""
+    import attrs
+
+    from mlxcel.config import (
+        ENGINE_SETTINGS,
+        KV_EVENTS_SETTINGS,
+        PROMPT_CACHE_SETTINGS,
+        SCHEDULER_SETTINGS,
+        SERVER_SETTINGS,
+        EngineConfig,
+        KvEventsConfig,
+        PromptCacheConfig,
+        SchedulerConfig,
+        ServerConfig,
+    )
+
+    rows = [setting.dest for setting in SERVER_SETTINGS]
+    assert sorted(rows) == sorted(attrs.fields_dict(ServerConfig))
+    assert set(attrs.fields_dict(PromptCacheConfig)) == {setting.dest for setting in PROMPT_CACHE_SETTINGS}
+    for table, cls in ((SCHEDULER_SETTINGS, SchedulerConfig), (ENGINE_SETTINGS, EngineConfig),
+                       (KV_EVENTS_SETTINGS, KvEventsConfig)):
+        assert {setting.dest for setting in table} <= set(attrs.fields_dict(cls)), cls
+    flags = [setting.flag for table in (PROMPT_CACHE_SETTINGS, SCHEDULER_SETTINGS, SERVER_SETTINGS,
+                                         ENGINE_SETTINGS, KV_EVENTS_SETTINGS) for setting in table if setting.flag]
+    assert len(flags) == len(set(flags))
+
+
+def test_a_new_http_setting_is_a_field_and_a_row() -> None:
+    """The two places: a field (with its default) on ServerConfig and its Setting row. Nothing else is
+    wired, and the value reaches the app's config whole."""
+    import argparse
+
+    import attrs
+
+    from mlxcel.config import SERVER_SETTINGS, ServerConfig, Setting, add_settings, config_from_settings, parse_bool
+    from mlxcel.http.app import create_app
+    from tests.fakes import FakeEngine
+
+    @attrs.frozen(kw_only=True)
+    class WithGreeting(ServerConfig):
+        greeting: bool = False  # place one
+
+    rows = (*SERVER_SETTINGS, Setting("greeting", "--greeting", ("MLXCEL_GREETING",), parse_bool,
+                                      "say hello", optional_value=True))  # place two
+    parser = argparse.ArgumentParser()
+    add_settings(parser, rows)
+
+    def build(argv: list[str], environ: dict[str, str]) -> WithGreeting:
+        return config_from_settings(WithGreeting, rows, parser.parse_args(argv), environ)
+
+    assert not build([], {}).greeting
+    assert build([], {"MLXCEL_GREETING": "1"}).greeting
+    config = build(["--greeting", "--max-images", "3"], {"MLXCEL_GREETING": "0", "MLXCEL_PORT": "9"})
+    assert (config.greeting, config.max_images, config.port) == (True, 3, 9)
+    app = create_app(FakeEngine(), config)
+    assert app.config["MLXCEL_SERVER"].greeting is True
 
 
 @pytest.mark.parametrize(("argv", "environ", "buckets"), [
@@ -81,7 +158,7 @@ def test_apc_and_cross_session_switches() -> None:
 ])
 def test_start_buckets_is_auto_true_or_false(argv, environ, buckets) -> None:
     engine, _ = configs(argv, environ)
-    assert auto_bool(engine.scheduler.start_buckets) is buckets
+    assert engine.scheduler.start_buckets is buckets
 
 
 def test_pinned_share_flag_environment_and_bounds() -> None:
@@ -126,6 +203,8 @@ USER_ERRORS = [
     (["serve", "--tool-call-parser", "nope"], {}, "unknown tool-call parser 'nope'"),
     (["serve"], {"MLXCEL_REASONING_PARSER": "nope"}, "MLXCEL_REASONING_PARSER"),
     (["serve", "--prompt-cache-kv-bits", "3"], {}, "--prompt-cache-kv-bits"),
+    (["serve", "--port", "70000"], {}, "--port: expected a port 0..65535"),
+    (["serve"], {"MLXCEL_PORT": "eighty"}, "MLXCEL_PORT"),
     (["serve"], {"MLXCEL_PROMPT_CACHE_KV_GROUP_SIZE": "48"}, "MLXCEL_PROMPT_CACHE_KV_GROUP_SIZE"),
     (["nonsense"], {}, "unknown command"),
 ]
@@ -191,7 +270,7 @@ def test_a_busy_port_fails_at_once_with_one_line() -> None:
 ])
 def test_device_warmup_is_auto_true_or_false(argv, environ, warm_up) -> None:
     engine, _ = configs(argv, environ)
-    assert auto_bool(engine.scheduler.device_warmup) is warm_up
+    assert engine.scheduler.device_warmup is warm_up
 
 
 def test_served_model_names_and_chat_template_settings(tmp_path) -> None:
@@ -212,9 +291,15 @@ def test_served_model_names_and_chat_template_settings(tmp_path) -> None:
         configs(["--chat-template-kwargs", '{"chat_template": "x"}'])
 
 
+def test_request_limits_defaults_are_the_server_defaults() -> None:
+    from mlxcel.config import ServerConfig
+    from mlxcel.http.validation import Limits, request_limits
+
+    assert request_limits(ServerConfig()) == Limits()
+
+
 def test_volatile_system_normalization_flags() -> None:
-    from mlxcel.cli import request_limits
-    from mlxcel.http.validation import DEFAULT_VOLATILE_SYSTEM_PATTERNS
+    from mlxcel.http.validation import DEFAULT_VOLATILE_SYSTEM_PATTERNS, request_limits
 
     _, server = configs([])
     assert request_limits(server).volatile_system_patterns == DEFAULT_VOLATILE_SYSTEM_PATTERNS
@@ -268,7 +353,7 @@ def test_kv_event_addresses_bind_as_vllm_does_and_on_loopback() -> None:
     assert not zmq_binds("tcp://collector:5557")
     assert not zmq_binds("tcp://10.0.0.5:5557")
 def test_grammar_and_connection_bounds_flags() -> None:
-    from mlxcel.cli import request_limits
+    from mlxcel.http.validation import request_limits
 
     engine, server = configs([])
     assert engine.grammar_timeout == 10.0

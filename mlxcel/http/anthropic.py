@@ -17,7 +17,9 @@ Choices the Anthropic API leaves to a server (docs/api.md says the same):
   stays the same from one request to the next (`Limits.volatile_system_patterns`).
 - Any other field this server cannot honour is a 400 naming it, never ignored.
 
-Pure and synchronous except the stream shaping at the end: no Quart, Trio or MLX.
+The translation is pure and synchronous; the reply is one ``MessageBuilder`` for
+the whole message and the stream alike, and the routes at the end answer through
+the route driver (``mlxcel/http/route.py``).
 """
 
 from __future__ import annotations
@@ -26,37 +28,42 @@ import functools
 import json
 import re
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 import attrs
+from quart import Response
 
-from mlxcel.errors import InvalidRequest, MlxcelError, ServerBusy
+from mlxcel.errors import InvalidRequest, MlxcelError
 from mlxcel.http.effort import ReasoningChoice, effort_choice
+from mlxcel.http.errors import anthropic_body
+from mlxcel.http.reply import Event
+from mlxcel.http.route import RouteContext, json_response
 
 # The chat validator's primitive readers: one wording of "must be an object" and of a value's kind.
 from mlxcel.http.validation import (
     DEFAULT_VOLATILE_SYSTEM_PATTERNS,
+    INVALID_TYPE,
+    INVALID_VALUE,
+    UNSUPPORTED,
     Limits,
-    _fail,
-    _kind,
-    _list,
-    _nonempty_string as _nonempty,
-    _object,
-    _required,
-    _string,
+    fail,
+    kind_of,
     parse_chat_request,
+    read_list,
+    read_nonempty_string,
+    read_object,
+    read_required,
+    read_string,
+    renamed_param,
 )
 from mlxcel.types import ChatRequest, Delta, ReasoningBudget, ToolCall, Usage
 from mlxcel.vision.images import IMAGE_SENTINEL
 
 __all__ = [
     "DEFAULT_VOLATILE_SYSTEM_PATTERNS",
-    "MessageStreamer",
+    "MessageBuilder",
     "MessagesRequest",
-    "error_body",
-    "error_status",
-    "message_body",
     "parse_count_tokens_request",
     "parse_messages",
     "parse_messages_request",
@@ -89,35 +96,6 @@ _MEDIA_BLOCKS = frozenset({"document", "search_result", "container_upload"})
 _IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 _ROLES = ("user", "assistant")
 
-_MISSING = "missing_required_parameter"
-_TYPE = "invalid_type"
-_VALUE = "invalid_value"
-_UNSUPPORTED = "unsupported_parameter"
-
-
-# --- errors --------------------------------------------------------------------
-
-
-def error_status(error: MlxcelError) -> int:
-    # Anthropic answers "overloaded" with 529, where OpenAI-style servers say 503.
-    return 529 if isinstance(error, ServerBusy) else error.status
-
-
-def _error_type(error: MlxcelError) -> str:
-    status = error.status
-    if isinstance(error, ServerBusy):
-        return "overloaded_error"
-    return {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-            413: "request_too_large", 429: "rate_limit_error"}.get(
-        status, "invalid_request_error" if status < 500 else "api_error")
-
-
-def error_body(error: MlxcelError) -> dict[str, Any]:
-    """Anthropic's error shape; the param, when there is one, is named in the message."""
-    message = error.message
-    if error.param and error.param not in message:
-        message = f"{error.param}: {message}"
-    return {"type": "error", "error": {"type": _error_type(error), "message": message}}
 
 
 # --- readers -----------------------------------------------------------------------
@@ -127,7 +105,7 @@ def _only(fields: Mapping[str, Any], allowed: frozenset[str] | set[str], prefix:
     for key in fields:
         if key not in allowed:
             path = f"{prefix}.{key}" if prefix else key
-            _fail(path, f"{path}: `{key}` is not supported on {what} by this server", _UNSUPPORTED)
+            fail(path, f"{path}: `{key}` is not supported on {what} by this server", UNSUPPORTED)
 
 
 # --- cache_control ------------------------------------------------------------------
@@ -151,16 +129,16 @@ class _Breakpoints:
             return
         self.through = max(self.through, self.position + 1)
         path = f"{path}.cache_control" if path else "cache_control"
-        control = _object(value, path)
+        control = read_object(value, path)
         _only(control, {"type", "ttl"}, path, "cache_control")
         if control.get("type") != "ephemeral":
-            _fail(f"{path}.type", f"{path}.type must be 'ephemeral', got {_kind(control.get('type'))}")
+            fail(f"{path}.type", f"{path}.type must be 'ephemeral', got {kind_of(control.get('type'))}")
         ttl = control.get("ttl", "5m")
         if ttl not in CACHE_TTL_SECONDS:
-            _fail(f"{path}.ttl", f"{path}.ttl must be '5m' or '1h', got {_kind(ttl)}")
+            fail(f"{path}.ttl", f"{path}.ttl must be '5m' or '1h', got {kind_of(ttl)}")
         self.count += 1
         if self.count > MAX_CACHE_BREAKPOINTS:
-            _fail(path, f"a request may hold at most {MAX_CACHE_BREAKPOINTS} blocks with cache_control; "
+            fail(path, f"a request may hold at most {MAX_CACHE_BREAKPOINTS} blocks with cache_control; "
                   f"{path} is number {self.count}")
         self.retain_seconds = max(self.retain_seconds, CACHE_TTL_SECONDS[ttl])
 
@@ -204,18 +182,18 @@ def translate_messages_body(
 ) -> Translation:
     """Check the Anthropic-only rules of a Messages body and translate it into a chat-completions body."""
     if not isinstance(body, Mapping):
-        raise InvalidRequest(f"request body must be a JSON object, got {_kind(body)}", code=_TYPE)
+        raise InvalidRequest(f"request body must be a JSON object, got {kind_of(body)}", code=INVALID_TYPE)
     route = "/v1/messages/count_tokens" if count_only else "/v1/messages"
     for key in body:
         if key not in (_COUNT_FIELDS if count_only else _MESSAGES_FIELDS):
-            _fail(key, f"`{key}` is not supported on {route} by this server", _UNSUPPORTED)
+            fail(key, f"`{key}` is not supported on {route} by this server", UNSUPPORTED)
     breakpoints = _Breakpoints()
     chat: dict[str, Any] = {}
     origins: list[tuple[str, str]] = []
     messages: list[dict[str, Any]] = []
-    raw_messages = _list(_required(body, "messages", ""), "messages")
+    raw_messages = read_list(read_required(body, "messages", ""), "messages")
     if not raw_messages:
-        _fail("messages", "messages must hold at least one message")
+        fail("messages", "messages must hold at least one message")
     system = body.get("system")
     if system is not None:
         text = _system_text(system, breakpoints, volatile_system_patterns)
@@ -230,30 +208,30 @@ def translate_messages_body(
         _apply_context_management(body["context_management"], messages)
     chat["messages"] = messages
     if not count_only:
-        chat["max_tokens"] = _required(body, "max_tokens", "")
+        chat["max_tokens"] = read_required(body, "max_tokens", "")
         temperature = body.get("temperature")
         if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and not (
             0 <= temperature <= MAX_TEMPERATURE
         ):
-            _fail("temperature", f"temperature must be between 0 and {MAX_TEMPERATURE:g} on /v1/messages, got "
-                  f"{temperature}", _VALUE)
+            fail("temperature", f"temperature must be between 0 and {MAX_TEMPERATURE:g} on /v1/messages, got "
+                  f"{temperature}", INVALID_VALUE)
         for key in ("temperature", "top_p", "top_k", "stream"):
             if body.get(key) is not None:
                 chat[key] = body[key]
         if body.get("stop_sequences") is not None:
-            chat["stop"] = _list(body["stop_sequences"], "stop_sequences")
+            chat["stop"] = read_list(body["stop_sequences"], "stop_sequences")
         if body.get("metadata") is not None:
-            metadata = _object(body["metadata"], "metadata")
+            metadata = read_object(body["metadata"], "metadata")
             _only(metadata, {"user_id"}, "metadata", "metadata")
             if metadata.get("user_id") is not None:
-                chat["user"] = _string(metadata["user_id"], "metadata.user_id")
+                chat["user"] = read_string(metadata["user_id"], "metadata.user_id")
         tier = body.get("service_tier")
         if tier is not None and tier not in _SERVICE_TIERS:
-            _fail("service_tier", f"service_tier must be one of {', '.join(_SERVICE_TIERS)}, got {_kind(tier)}",
-                  _UNSUPPORTED)
+            fail("service_tier", f"service_tier must be one of {', '.join(_SERVICE_TIERS)}, got {kind_of(tier)}",
+                  UNSUPPORTED)
         speed = body.get("speed")
         if speed is not None and speed != "standard":
-            _fail("speed", f"speed must be 'standard' here (no fast mode), got {_kind(speed)}", _UNSUPPORTED)
+            fail("speed", f"speed must be 'standard' here (no fast mode), got {kind_of(speed)}", UNSUPPORTED)
     if body.get("model") is not None:
         chat["model"] = body["model"]
     if body.get("tools") is not None:
@@ -283,16 +261,16 @@ def _output_config(value: object, chat: dict[str, Any], chat_template: str) -> R
     """Claude Code's `output_config`: `effort` as Responses' reasoning.effort, `format` as structured output."""
     if value is None:
         return ReasoningChoice()
-    config = _object(value, "output_config")
+    config = read_object(value, "output_config")
     _only(config, {"effort", "format"}, "output_config", "output_config")
     spec = config.get("format")
     if spec is not None:
-        spec = _object(spec, "output_config.format")
+        spec = read_object(spec, "output_config.format")
         _only(spec, {"type", "schema"}, "output_config.format", "output_config.format")
         if spec.get("type") != "json_schema":
-            _fail("output_config.format.type", "output_config.format.type must be 'json_schema', got "
-                  f"{_kind(spec.get('type'))}")
-        schema = _object(_required(spec, "schema", "output_config.format"), "output_config.format.schema")
+            fail("output_config.format.type", "output_config.format.type must be 'json_schema', got "
+                  f"{kind_of(spec.get('type'))}")
+        schema = read_object(read_required(spec, "schema", "output_config.format"), "output_config.format.schema")
         # Anthropic's structured outputs are always strict: the reply matches the schema.
         chat["response_format"] = {"type": "json_schema",
                                    "json_schema": {"name": "output", "schema": schema, "strict": True}}
@@ -300,7 +278,8 @@ def _output_config(value: object, chat: dict[str, Any], chat_template: str) -> R
     if effort is None:
         return ReasoningChoice()
     if effort not in _EFFORTS:
-        _fail("output_config.effort", f"output_config.effort must be one of {', '.join(_EFFORTS)}, got {_kind(effort)}")
+        fail("output_config.effort",
+             f"output_config.effort must be one of {', '.join(_EFFORTS)}, got {kind_of(effort)}")
     return effort_choice(effort, chat_template)
 
 
@@ -312,28 +291,28 @@ def _apply_context_management(value: object, messages: list[dict[str, Any]]) -> 
     "thinking_turns", "value": N}` drops the thinking of all but the last N assistant turns that
     have some. Clearing tool uses needs the prompt's token count before rendering, so it is refused.
     """
-    management = _object(value, "context_management")
+    management = read_object(value, "context_management")
     _only(management, {"edits"}, "context_management", "context_management")
-    edits = _list(management.get("edits", []), "context_management.edits")
+    edits = read_list(management.get("edits", []), "context_management.edits")
     for index, item in enumerate(edits):
         path = f"context_management.edits[{index}]"
-        edit = _object(item, path)
-        edit_type = _required(edit, "type", path)
+        edit = read_object(item, path)
+        edit_type = read_required(edit, "type", path)
         if edit_type != "clear_thinking_20251015":
-            _fail(f"{path}.type", f"{path}.type {_kind(edit_type)} is not supported by this server (only "
-                  "clear_thinking_20251015)", _UNSUPPORTED)
+            fail(f"{path}.type", f"{path}.type {kind_of(edit_type)} is not supported by this server (only "
+                  "clear_thinking_20251015)", UNSUPPORTED)
         _only(edit, {"type", "keep"}, path, path)
         keep = edit.get("keep", {"type": "thinking_turns", "value": 1})
         if keep == "all":
             continue
-        keep = _object(keep, f"{path}.keep")
+        keep = read_object(keep, f"{path}.keep")
         _only(keep, {"type", "value"}, f"{path}.keep", f"{path}.keep")
         if keep.get("type") != "thinking_turns":
-            _fail(f"{path}.keep.type", f"{path}.keep.type must be 'thinking_turns', got {_kind(keep.get('type'))}")
+            fail(f"{path}.keep.type", f"{path}.keep.type must be 'thinking_turns', got {kind_of(keep.get('type'))}")
         turns = keep.get("value")
         if not isinstance(turns, int) or isinstance(turns, bool) or turns < 0:
-            _fail(f"{path}.keep.value", f"{path}.keep.value must be a non-negative integer, got {_kind(turns)}",
-                  _TYPE)
+            fail(f"{path}.keep.value", f"{path}.keep.value must be a non-negative integer, got {kind_of(turns)}",
+                  INVALID_TYPE)
         thinking = [message for message in messages if message.get("reasoning_content")]
         for message in thinking[: max(0, len(thinking) - turns)]:
             del message["reasoning_content"]
@@ -343,26 +322,26 @@ def _text_block(block: Mapping[str, Any], path: str, breakpoints: _Breakpoints) 
     _only(block, {"type", "text", "cache_control", "citations"}, path, "a text block")
     citations = block.get("citations")
     if citations is not None and citations != []:
-        _fail(f"{path}.citations", f"{path}.citations: citations are not supported by this server", _UNSUPPORTED)
+        fail(f"{path}.citations", f"{path}.citations: citations are not supported by this server", UNSUPPORTED)
     breakpoints.read(block, path)
-    return _string(_required(block, "text", path), f"{path}.text")
+    return read_string(read_required(block, "text", path), f"{path}.text")
 
 
 def _block(value: object, path: str) -> tuple[Mapping[str, Any], str]:
-    block = _object(value, path)
-    block_type = _required(block, "type", path)
+    block = read_object(value, path)
+    block_type = read_required(block, "type", path)
     if block_type in _MEDIA_BLOCKS:
         raise InvalidRequest(
             f"{path}: {block_type} blocks are not supported: this server's model takes text only",
             param=path, code="unsupported_content",
         )
-    return block, _string(block_type, f"{path}.type")
+    return block, read_string(block_type, f"{path}.type")
 
 
 def _unknown_block(block_type: str, path: str, role: str) -> NoReturn:
     known = {"user": "text, image, tool_result", "assistant": "text, tool_use, thinking, redacted_thinking",
              "system": "text", "tool_result": "text"}[role]
-    _fail(f"{path}.type", f"{path}.type: unknown or unsupported block type {block_type!r} here; "
+    fail(f"{path}.type", f"{path}.type: unknown or unsupported block type {block_type!r} here; "
           f"expected one of {known}")
 
 
@@ -371,7 +350,7 @@ def _system_text(value: object, breakpoints: _Breakpoints, patterns: tuple[str, 
         pieces = [value]
     else:
         pieces = []
-        for index, item in enumerate(_list(value, "system")):
+        for index, item in enumerate(read_list(value, "system")):
             path = f"system[{index}]"
             block, block_type = _block(item, path)
             if block_type != "text":
@@ -392,28 +371,28 @@ def _translate_messages(
     call_ids: set[str] = set()
     for index, item in enumerate(raw_messages):
         path = f"messages[{index}]"
-        message = _object(item, path)
+        message = read_object(item, path)
         _only(message, {"role", "content"}, path, "a message")
-        role = _required(message, "role", path)
+        role = read_required(message, "role", path)
         if role not in _ROLES:
-            _fail(f"{path}.role", f"{path}.role must be 'user' or 'assistant', got {_kind(role)}")
-        content = _required(message, "content", path)
+            fail(f"{path}.role", f"{path}.role must be 'user' or 'assistant', got {kind_of(role)}")
+        content = read_required(message, "content", path)
         if isinstance(content, str):
             messages.append({"role": role, "content": content})
             origins.append((path, f"{path}.content"))
             continue
         breakpoints.position = len(messages)
-        blocks = _list(content, f"{path}.content")
+        blocks = read_list(content, f"{path}.content")
         if not blocks:
-            _fail(f"{path}.content", f"{path}.content must hold at least one block")
+            fail(f"{path}.content", f"{path}.content must hold at least one block")
         if role == "user":
             _user_blocks(blocks, path, messages, origins, breakpoints, open_calls)
         else:
             _assistant_blocks(blocks, path, messages, origins, breakpoints, open_calls, call_ids)
     if raw_messages[-1].get("role") == "assistant":
         last = f"messages[{len(raw_messages) - 1}]"
-        _fail(last, f"{last}: a final assistant message (a prefill to continue) is not supported; "
-              "end with a user message", _UNSUPPORTED)
+        fail(last, f"{last}: a final assistant message (a prefill to continue) is not supported; "
+              "end with a user message", UNSUPPORTED)
 
 
 def _user_blocks(
@@ -434,7 +413,7 @@ def _user_blocks(
             parts.append(_image_block(block, block_path, breakpoints))
         elif block_type == "tool_result":
             if parts:
-                _fail(block_path, f"{block_path}: tool_result blocks must come before any text in a user message")
+                fail(block_path, f"{block_path}: tool_result blocks must come before any text in a user message")
             messages.append(_tool_result(block, block_path, breakpoints, open_calls))
             origins.append((block_path, f"{block_path}.content"))
             breakpoints.position = len(messages)
@@ -453,25 +432,26 @@ def _image_block(block: Mapping[str, Any], path: str, breakpoints: _Breakpoints)
     _only(block, {"type", "source", "cache_control"}, path, "an image block")
     breakpoints.read(block, path)
     source_path = f"{path}.source"
-    source = _object(_required(block, "source", path), source_path)
-    kind = _required(source, "type", source_path)
+    source = read_object(read_required(block, "source", path), source_path)
+    kind = read_required(source, "type", source_path)
     if kind == "base64":
         _only(source, {"type", "media_type", "data"}, source_path, "a base64 image source")
-        media_type = _required(source, "media_type", source_path)
+        media_type = read_required(source, "media_type", source_path)
         if media_type not in _IMAGE_MEDIA_TYPES:
-            _fail(f"{source_path}.media_type", f"{source_path}.media_type must be one of "
-                  f"{', '.join(_IMAGE_MEDIA_TYPES)}, got {_kind(media_type)}")
-        data = _required(source, "data", source_path)
+            fail(f"{source_path}.media_type", f"{source_path}.media_type must be one of "
+                  f"{', '.join(_IMAGE_MEDIA_TYPES)}, got {kind_of(media_type)}")
+        data = read_required(source, "data", source_path)
         if not isinstance(data, str):
-            _fail(f"{source_path}.data", f"{source_path}.data must be a base64 string, got {_kind(data)}", _TYPE)
+            fail(f"{source_path}.data", f"{source_path}.data must be a base64 string, got {kind_of(data)}",
+                 INVALID_TYPE)
         url = f"data:{media_type};base64,{data}"
     elif kind == "url":
         _only(source, {"type", "url"}, source_path, "a URL image source")
-        url = _required(source, "url", source_path)
+        url = read_required(source, "url", source_path)
         if not isinstance(url, str):
-            _fail(f"{source_path}.url", f"{source_path}.url must be a string, got {_kind(url)}", _TYPE)
+            fail(f"{source_path}.url", f"{source_path}.url must be a string, got {kind_of(url)}", INVALID_TYPE)
     else:
-        _fail(f"{source_path}.type", f"{source_path}.type must be 'base64' or 'url', got {_kind(kind)}")
+        fail(f"{source_path}.type", f"{source_path}.type must be 'base64' or 'url', got {kind_of(kind)}")
     return {"type": "image_url", "image_url": {"url": url}}
 
 
@@ -480,9 +460,9 @@ def _tool_result(
 ) -> dict[str, Any]:
     _only(block, {"type", "tool_use_id", "content", "is_error", "cache_control"}, path, "a tool_result block")
     breakpoints.read(block, path)
-    call_id = _nonempty(_required(block, "tool_use_id", path), f"{path}.tool_use_id")
+    call_id = read_nonempty_string(read_required(block, "tool_use_id", path), f"{path}.tool_use_id")
     if call_id not in open_calls:
-        _fail(f"{path}.tool_use_id", f"{path}.tool_use_id {call_id!r} matches no earlier, unanswered "
+        fail(f"{path}.tool_use_id", f"{path}.tool_use_id {call_id!r} matches no earlier, unanswered "
               "tool_use block")
     open_calls.discard(call_id)
     content = block.get("content")
@@ -492,7 +472,7 @@ def _tool_result(
         text = content
     else:
         pieces = []
-        for number, item in enumerate(_list(content, f"{path}.content")):
+        for number, item in enumerate(read_list(content, f"{path}.content")):
             inner_path = f"{path}.content[{number}]"
             inner, inner_type = _block(item, inner_path)
             if inner_type != "text":
@@ -501,7 +481,7 @@ def _tool_result(
         text = TEXT_JOIN.join(pieces)
     is_error = block.get("is_error")
     if is_error is not None and not isinstance(is_error, bool):
-        _fail(f"{path}.is_error", f"{path}.is_error must be a boolean, got {_kind(is_error)}", _TYPE)
+        fail(f"{path}.is_error", f"{path}.is_error must be a boolean, got {kind_of(is_error)}", INVALID_TYPE)
     if is_error:
         text = TOOL_ERROR_PREFIX + text if text else TOOL_ERROR_PREFIX.rstrip(": ")
     return {"role": "tool", "tool_call_id": call_id, "content": text}
@@ -522,18 +502,18 @@ def _assistant_blocks(
         elif block_type == "tool_use":
             _only(block, {"type", "id", "name", "input", "cache_control"}, block_path, "a tool_use block")
             breakpoints.read(block, block_path)
-            call_id = _nonempty(_required(block, "id", block_path), f"{block_path}.id")
+            call_id = read_nonempty_string(read_required(block, "id", block_path), f"{block_path}.id")
             if call_id in call_ids:
-                _fail(f"{block_path}.id", f"{block_path}.id {call_id!r} is used by an earlier tool_use block")
+                fail(f"{block_path}.id", f"{block_path}.id {call_id!r} is used by an earlier tool_use block")
             call_ids.add(call_id)
             open_calls.add(call_id)
-            name = _nonempty(_required(block, "name", block_path), f"{block_path}.name")
-            arguments = _object(block.get("input", {}), f"{block_path}.input")
+            name = read_nonempty_string(read_required(block, "name", block_path), f"{block_path}.name")
+            arguments = read_object(block.get("input", {}), f"{block_path}.input")
             calls.append({"id": call_id, "type": "function",
                           "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}})
         elif block_type == "thinking":
             _only(block, {"type", "thinking", "signature"}, block_path, "a thinking block")
-            thinking.append(_string(_required(block, "thinking", block_path), f"{block_path}.thinking"))
+            thinking.append(read_string(read_required(block, "thinking", block_path), f"{block_path}.thinking"))
         elif block_type == "redacted_thinking":
             # Encrypted for Anthropic's models: nothing this model could read.
             continue
@@ -553,22 +533,22 @@ _SERVER_TOOL = re.compile(r"_\d{8}$")
 
 def _tools(value: object, breakpoints: _Breakpoints) -> list[dict[str, Any]]:
     tools = []
-    for index, item in enumerate(_list(value, "tools")):
+    for index, item in enumerate(read_list(value, "tools")):
         path = f"tools[{index}]"
-        tool = _object(item, path)
+        tool = read_object(item, path)
         tool_type = tool.get("type")
         if tool_type is not None and tool_type != "custom":
             kind = "Anthropic's server tools (" + str(tool_type) + ") are" if isinstance(
-                tool_type, str) and _SERVER_TOOL.search(tool_type) else f"tool type {_kind(tool_type)} is"
-            _fail(f"{path}.type", f"{path}.type: {kind} not supported here; define a custom tool with "
-                  "name, description and input_schema", _UNSUPPORTED)
+                tool_type, str) and _SERVER_TOOL.search(tool_type) else f"tool type {kind_of(tool_type)} is"
+            fail(f"{path}.type", f"{path}.type: {kind} not supported here; define a custom tool with "
+                  "name, description and input_schema", UNSUPPORTED)
         _only(tool, {"type", "name", "description", "input_schema", "cache_control", "eager_input_streaming",
                      "strict"}, path, "a tool")
         breakpoints.read(tool, path)
-        function: dict[str, Any] = {"name": _nonempty(_required(tool, "name", path), f"{path}.name")}
+        function: dict[str, Any] = {"name": read_nonempty_string(read_required(tool, "name", path), f"{path}.name")}
         if tool.get("description") is not None:
             function["description"] = tool["description"]
-        function["parameters"] = _object(_required(tool, "input_schema", path), f"{path}.input_schema")
+        function["parameters"] = read_object(read_required(tool, "input_schema", path), f"{path}.input_schema")
         if tool.get("strict") is not None:
             function["strict"] = tool["strict"]  # enforced as chat's strict tools are
         tools.append({"type": "function", "function": function})
@@ -576,8 +556,8 @@ def _tools(value: object, breakpoints: _Breakpoints) -> list[dict[str, Any]]:
 
 
 def _tool_choice(value: object) -> dict[str, Any]:
-    choice = _object(value, "tool_choice")
-    choice_type = _required(choice, "type", "tool_choice")
+    choice = read_object(value, "tool_choice")
+    choice_type = read_required(choice, "type", "tool_choice")
     allowed = {"type", "disable_parallel_tool_use"} | ({"name"} if choice_type == "tool" else set())
     _only(choice, allowed, "tool_choice", "tool_choice")
     if choice_type == "auto":
@@ -587,16 +567,16 @@ def _tool_choice(value: object) -> dict[str, Any]:
     elif choice_type == "none":
         translated = "none"
     elif choice_type == "tool":
-        name = _nonempty(_required(choice, "name", "tool_choice"), "tool_choice.name")
+        name = read_nonempty_string(read_required(choice, "name", "tool_choice"), "tool_choice.name")
         translated = {"type": "function", "function": {"name": name}}
     else:
-        _fail("tool_choice.type", f"tool_choice.type must be one of auto, any, tool, none, got {_kind(choice_type)}")
+        fail("tool_choice.type", f"tool_choice.type must be one of auto, any, tool, none, got {kind_of(choice_type)}")
     chat: dict[str, Any] = {"tool_choice": translated}
     disable = choice.get("disable_parallel_tool_use")
     if disable is not None:
         if not isinstance(disable, bool):
-            _fail("tool_choice.disable_parallel_tool_use",
-                  f"tool_choice.disable_parallel_tool_use must be a boolean, got {_kind(disable)}", _TYPE)
+            fail("tool_choice.disable_parallel_tool_use",
+                  f"tool_choice.disable_parallel_tool_use must be a boolean, got {kind_of(disable)}", INVALID_TYPE)
         if disable:
             chat["parallel_tool_calls"] = False
     return chat
@@ -604,8 +584,8 @@ def _tool_choice(value: object) -> dict[str, Any]:
 
 def _thinking(value: object, max_tokens: object) -> tuple[bool, int | None]:
     """Whether the model thinks, and its budget of thinking tokens (None: no limit)."""
-    thinking = _object(value, "thinking")
-    kind = _required(thinking, "type", "thinking")
+    thinking = read_object(value, "thinking")
+    kind = read_required(thinking, "type", "thinking")
     if kind == "disabled":
         _only(thinking, {"type"}, "thinking", "thinking")
         return False, None
@@ -613,14 +593,14 @@ def _thinking(value: object, max_tokens: object) -> tuple[bool, int | None]:
         _only(thinking, {"type"}, "thinking", "thinking")
         return True, None
     if kind != "enabled":
-        _fail("thinking.type", f"thinking.type must be 'enabled', 'adaptive' or 'disabled', got {_kind(kind)}")
+        fail("thinking.type", f"thinking.type must be 'enabled', 'adaptive' or 'disabled', got {kind_of(kind)}")
     _only(thinking, {"type", "budget_tokens"}, "thinking", "thinking")
-    budget = _required(thinking, "budget_tokens", "thinking")
+    budget = read_required(thinking, "budget_tokens", "thinking")
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < MIN_THINKING_BUDGET:
-        _fail("thinking.budget_tokens", f"thinking.budget_tokens must be an integer of at least "
-              f"{MIN_THINKING_BUDGET}, got {_kind(budget)}")
+        fail("thinking.budget_tokens", f"thinking.budget_tokens must be an integer of at least "
+              f"{MIN_THINKING_BUDGET}, got {kind_of(budget)}")
     if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and budget >= max_tokens:
-        _fail("thinking.budget_tokens", "thinking.budget_tokens must be less than max_tokens")
+        fail("thinking.budget_tokens", "thinking.budget_tokens must be less than max_tokens")
     return True, budget
 
 
@@ -646,25 +626,15 @@ def anthropic_error(error: InvalidRequest, origins: tuple[tuple[str, str], ...])
     param = error.param
     if not param:
         return error
-    replaced = None
     match = _CHAT_MESSAGE.match(param)
     if match and int(match.group(1)) < len(origins):
         message_origin, content_origin = origins[int(match.group(1))]
-        replaced = (match.group(0), content_origin if match.group(2) else message_origin)
-    else:
-        for pattern, replacement in _PATH_RULES:
-            found = pattern.match(param)
-            if found:
-                replaced = (found.group(0), found.expand(replacement))
-                break
-    if replaced is None:
-        return error
-    old, new = replaced
-    translated = InvalidRequest(
-        error.message.replace(old, new), param=new + param[len(old):], code=error.code, status=error.status,
-        error_type=error.error_type,
-    )
-    return translated
+        return renamed_param(error, match.group(0), content_origin if match.group(2) else message_origin)
+    for pattern, replacement in _PATH_RULES:
+        found = pattern.match(param)
+        if found:
+            return renamed_param(error, found.group(0), found.expand(replacement))
+    return error
 
 
 def _parse(body: object, *, limits: Limits, count_only: bool, chat_template: str = "",
@@ -790,141 +760,145 @@ def tool_use_block(call: ToolCall) -> dict[str, Any]:
     return {"type": "tool_use", "id": call.id, "name": call.name, "input": tool_input(call.arguments)}
 
 
-def message_body(
-    *, message_id: str, model: str, reasoning: str, text: str, tool_calls: tuple[ToolCall, ...],
-    finish_reason: str, stop_string: str | None, usage: dict[str, int],
-) -> dict[str, Any]:
-    content: list[dict[str, Any]] = []
-    if reasoning:
-        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
-    if text:
-        content.append({"type": "text", "text": text})
-    content.extend(tool_use_block(call) for call in tool_calls)
-    reason, sequence = stop_reason(finish_reason, stop_string)
-    return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": reason, "stop_sequence": sequence, "usage": usage}
-
-
-async def whole_message(
-    deltas: AsyncIterator[Delta], first: Delta, *, model: str, stores_prompt: bool, cache_prefix_tokens: int = 0,
-) -> dict[str, Any]:
-    """Read a reply to its end into one message body (an error mid-way propagates)."""
-    texts, reasoning, calls = [first.text], [first.reasoning], list(first.tool_calls)
-    last = first
-    if first.finish_reason is None:
-        async for delta in deltas:
-            texts.append(delta.text)
-            reasoning.append(delta.reasoning)
-            calls.extend(delta.tool_calls)
-            last = delta
-            if delta.finish_reason is not None:
-                break
-    assert last.finish_reason is not None
-    assert last.usage is not None
-    return message_body(
-        message_id=new_message_id(), model=model, reasoning="".join(reasoning), text="".join(texts),
-        tool_calls=tuple(calls), finish_reason=last.finish_reason, stop_string=last.stop_string,
-        usage=usage_body(last.usage, stores_prompt=stores_prompt, cache_prefix_tokens=cache_prefix_tokens),
-    )
-
-
-def sse_event(name: str, body: dict[str, Any]) -> bytes:
-    return f"event: {name}\ndata: {json.dumps(body)}\n\n".encode()
-
-
-class MessageStreamer:
-    """Deltas in, Anthropic's stream events out: one content block open at a time.
+class MessageBuilder:
+    """One `/v1/messages` reply (a ``ReplyBuilder``): Anthropic's stream events, one content block open at
+    a time, and the whole message made of the same blocks.
 
     The usage arrives on the last delta, so message_start reports zeros (the real
     counts when the first delta is already the last) and message_delta the whole
     usage, which Anthropic's SDKs take over message_start's.
     """
 
+    named_events = True
+    done = b""
+
     def __init__(self, *, model: str, stores_prompt: bool, cache_prefix_tokens: int = 0) -> None:
         self.model = model
         self.stores_prompt = stores_prompt
         self.cache_prefix_tokens = cache_prefix_tokens
         self.message_id = new_message_id()
-        self._index = -1
+        # The message's content blocks; the last is the open one while `_open` is set.
+        self.content: list[dict[str, Any]] = []
         self._open: str | None = None
-        # Calls whose input streamed as it was generated (their block is open until the call completes).
-        self._streamed_calls: set[int] = set()
-
-    def start(self, first: Delta) -> bytes:
-        usage = self._usage(first.usage) if first.usage else ZERO_USAGE
-        message: dict[str, Any] = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
-                   "content": [], "stop_reason": None, "stop_sequence": None, "usage": {**usage, "output_tokens": 0}}
-        return sse_event("message_start", {"type": "message_start", "message": message}) + sse_event(
-            "ping", {"type": "ping"})
+        # Calls whose input streams as it is generated, by index: their block is open until the call
+        # completes, and a call that never completes is not part of the whole message.
+        self._streaming_calls: dict[int, dict[str, Any]] = {}
+        self._last: Delta | None = None
 
     def _usage(self, usage: Usage) -> dict[str, int]:
         return usage_body(usage, stores_prompt=self.stores_prompt, cache_prefix_tokens=self.cache_prefix_tokens)
 
-    def _close(self) -> bytes:
+    def _close(self) -> list[Event]:
         if self._open is None:
-            return b""
+            return []
         self._open = None
-        return sse_event("content_block_stop", {"type": "content_block_stop", "index": self._index})
+        return [{"type": "content_block_stop", "index": len(self.content) - 1}]
 
-    def _open_block(self, block: dict[str, Any]) -> bytes:
+    def _open_block(self, block: dict[str, Any], start: dict[str, Any]) -> list[Event]:
         events = self._close()
-        self._index += 1
+        self.content.append(block)
         self._open = block["type"]
-        return events + sse_event("content_block_start",
-                                  {"type": "content_block_start", "index": self._index, "content_block": block})
+        return [*events, {"type": "content_block_start", "index": len(self.content) - 1, "content_block": start}]
 
-    def _delta(self, delta: dict[str, Any]) -> bytes:
-        return sse_event("content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta})
+    def _delta(self, delta: dict[str, Any]) -> Event:
+        return {"type": "content_block_delta", "index": len(self.content) - 1, "delta": delta}
 
-    def feed(self, delta: Delta) -> bytes:
-        events = b""
+    def start(self, first: Delta) -> list[Event]:
+        usage = self._usage(first.usage) if first.usage else ZERO_USAGE
+        message: dict[str, Any] = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
+                   "content": [], "stop_reason": None, "stop_sequence": None, "usage": {**usage, "output_tokens": 0}}
+        return [{"type": "message_start", "message": message}, {"type": "ping"}]
+
+    def feed(self, delta: Delta) -> list[Event]:
+        events: list[Event] = []
         if delta.reasoning:
             if self._open != "thinking":
-                events += self._open_block({"type": "thinking", "thinking": "", "signature": ""})
-            events += self._delta({"type": "thinking_delta", "thinking": delta.reasoning})
+                events += self._open_block({"type": "thinking", "thinking": "", "signature": ""},
+                                           {"type": "thinking", "thinking": "", "signature": ""})
+            self.content[-1]["thinking"] += delta.reasoning
+            events.append(self._delta({"type": "thinking_delta", "thinking": delta.reasoning}))
         if delta.text:
             if self._open != "text":
-                events += self._open_block({"type": "text", "text": ""})
-            events += self._delta({"type": "text_delta", "text": delta.text})
+                events += self._open_block({"type": "text", "text": ""}, {"type": "text", "text": ""})
+            self.content[-1]["text"] += delta.text
+            events.append(self._delta({"type": "text_delta", "text": delta.text}))
         for part in delta.tool_call_parts:
             # The call's input as it is generated (mlxcel/core/output.py streams the formats it can).
             if part.name:
-                self._streamed_calls.add(part.index)
-                events += self._open_block({"type": "tool_use", "id": part.id, "name": part.name, "input": {}})
+                block = {"type": "tool_use", "id": part.id, "name": part.name, "input": {}}
+                self._streaming_calls[part.index] = block
+                events += self._open_block(block, dict(block, input={}))
             if part.arguments:
-                events += self._delta({"type": "input_json_delta", "partial_json": part.arguments})
+                events.append(self._delta({"type": "input_json_delta", "partial_json": part.arguments}))
         for call in delta.tool_calls:
-            if call.index in self._streamed_calls:
+            if call.index in self._streaming_calls:
+                self._streaming_calls.pop(call.index).update(tool_use_block(call))
                 events += self._close()
                 continue
             # A format that does not stream: the call whole, its arguments complete once it is parsed.
-            events += self._open_block({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
-            events += self._delta({"type": "input_json_delta", "partial_json": tool_input_json(call.arguments)})
+            events += self._open_block(tool_use_block(call),
+                                       {"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+            events.append(self._delta({"type": "input_json_delta", "partial_json": tool_input_json(call.arguments)}))
             events += self._close()
-        if delta.finish_reason is not None:
-            assert delta.usage is not None
-            reason, sequence = stop_reason(delta.finish_reason, delta.stop_string)
-            events += self._close()
-            events += sse_event("message_delta", {
-                "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                "usage": self._usage(delta.usage),
-            })
-            events += sse_event("message_stop", {"type": "message_stop"})
         return events
 
-    def error(self, error: MlxcelError) -> bytes:
-        return sse_event("error", error_body(error))
+    def finish(self, last: Delta) -> list[Event]:
+        assert last.usage is not None
+        assert last.finish_reason is not None
+        events = self.feed(last)
+        self._last = last
+        reason, sequence = stop_reason(last.finish_reason, last.stop_string)
+        events += self._close()
+        events.append({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                       "usage": self._usage(last.usage)})
+        events.append({"type": "message_stop"})
+        return events
 
-    async def events(self, deltas: AsyncIterator[Delta], first: Delta) -> AsyncIterator[bytes]:
-        yield self.start(first)
-        delta = first
-        try:
-            while True:
-                yield self.feed(delta)
-                if delta.finish_reason is not None:
-                    return
-                delta = await deltas.__anext__()
-        except StopAsyncIteration:
-            return
-        except MlxcelError as error:
-            yield self.error(error)
+    def fail(self, error: MlxcelError) -> list[Event]:
+        return [anthropic_body(error)]
+
+    def body(self) -> dict[str, Any]:
+        """The whole message: the blocks the stream opened, a call only once it is complete."""
+        last = self._last
+        assert last is not None
+        assert last.finish_reason is not None
+        assert last.usage is not None
+        unfinished = {id(block) for block in self._streaming_calls.values()}
+        content = [block for block in self.content if id(block) not in unfinished]
+        reason, sequence = stop_reason(last.finish_reason, last.stop_string)
+        return {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
+                "content": content, "stop_reason": reason, "stop_sequence": sequence,
+                "usage": self._usage(last.usage)}
+
+
+# --- routes --------------------------------------------------------------------------------
+
+
+async def _cache_prefix_tokens(context: RouteContext, messages_request: MessagesRequest) -> int:
+    """The tokens the last cache_control breakpoint covers (0: none is set)."""
+    prefix = messages_request.cache_prefix
+    if prefix is None:
+        return 0
+    if prefix is messages_request.chat:
+        return WHOLE_PROMPT
+    try:
+        return await context.engine.count_prompt_tokens(prefix)
+    except InvalidRequest:
+        # The template cannot render the conversation cut there: count the whole prompt as written.
+        return WHOLE_PROMPT
+
+
+async def messages(context: RouteContext) -> Response:
+    """`POST /v1/messages`, translated onto the chat pipeline."""
+    messages_request = await context.parse_body(parse_messages, chat_template=context.chat_template())
+    parsed = messages_request.chat
+    prefix_tokens = await _cache_prefix_tokens(context, messages_request)
+    deltas, first = await context.start(parsed)
+    builder = MessageBuilder(model=context.engine.model_id, cache_prefix_tokens=prefix_tokens,
+                             stores_prompt=parsed.cache.cache_prompt and context.engine.config.prompt_cache.enabled)
+    return await context.reply(deltas, first, builder, stream=parsed.stream)
+
+
+async def count_tokens(context: RouteContext) -> Response:
+    parsed = await context.parse_body(parse_count_tokens_request, chat_template=context.chat_template())
+    return json_response({"input_tokens": await context.engine.count_prompt_tokens(parsed)})

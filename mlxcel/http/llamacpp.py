@@ -1,4 +1,5 @@
-"""llama.cpp's native shapes: `/completion` replies, `/tokenize` and `/detokenize`.
+"""llama.cpp's dialect: `/completion` reply bodies (driven by mlxcel/http/openai_chat.py), `/tokenize`,
+`/detokenize`, `/apply-template`, `/props`, `/slots` and `/models`.
 
 Field names and meanings follow llama.cpp's server README (tools/server).
 The tokenizer is the engine's (`engine.model.tokenizer`, a plain tokenizers
@@ -12,13 +13,23 @@ from collections.abc import Mapping
 from typing import Any
 
 import trio
+from quart import Response
 
 from mlxcel.engine import Engine
-from mlxcel.errors import ContextExceeded, InvalidRequest, MlxcelError
-from mlxcel.http.validation import _bool, _int, _list, _required, _root, _string
+from mlxcel.errors import InvalidRequest
+from mlxcel.http.route import RouteContext, json_response
+from mlxcel.http.validation import (
+    parse_chat_request,
+    read_bool,
+    read_int,
+    read_list,
+    read_required,
+    read_root,
+    read_string,
+)
 from mlxcel.types import CompletionRequest, Delta, TokenLogprob, Usage
 
-__all__ = ["NativeReply", "TokenizerRoutes", "error_body", "infill_prompt", "models", "props", "select_fields",
+__all__ = ["NativeReply", "TokenizerRoutes", "infill_prompt", "models", "props", "select_fields",
            "slots"]
 
 # Tokenizer-route requests tokenized at once (each in a thread of its own).
@@ -93,29 +104,29 @@ class TokenizerRoutes:
     def max_ids(self) -> int:
         return self._engine.model.context_size
 
-    async def tokenize(self, body: object) -> dict[str, Any]:
-        root = _root(body)
-        content = _string(_required(root, "content"), "content")
+    async def tokenize(self, context: RouteContext) -> Response:
+        root = read_root(await context.read_body())
+        content = read_string(read_required(root, "content"), "content")
         if len(content) > self.max_chars:
             raise InvalidRequest(
                 f"content is {len(content)} characters, more than this model's context can hold "
                 f"({self.max_chars} characters at most)", param="content", code="context_length_exceeded")
-        return await trio.to_thread.run_sync(_tokenize_sync, self._engine.model.tokenizer, root,
-                                             limiter=self._limiter, abandon_on_cancel=True)
+        return json_response(await trio.to_thread.run_sync(_tokenize_sync, self._engine.model.tokenizer, root,
+                                                           limiter=self._limiter, abandon_on_cancel=True))
 
-    async def detokenize(self, body: object) -> dict[str, Any]:
-        root = _root(body)
-        items = _list(_required(root, "tokens"), "tokens")
+    async def detokenize(self, context: RouteContext) -> Response:
+        root = read_root(await context.read_body())
+        items = read_list(read_required(root, "tokens"), "tokens")
         if len(items) > self.max_ids:
             raise InvalidRequest(
                 f"tokens holds {len(items)} ids, more than this model's context size ({self.max_ids})",
                 param="tokens", code="context_length_exceeded")
-        return await trio.to_thread.run_sync(_detokenize_sync, self._engine.model.tokenizer, root,
-                                             limiter=self._limiter, abandon_on_cancel=True)
+        return json_response(await trio.to_thread.run_sync(_detokenize_sync, self._engine.model.tokenizer, root,
+                                                           limiter=self._limiter, abandon_on_cancel=True))
 
 
 def _tokenize_sync(tokenizer: Any, body: Mapping[str, Any]) -> dict[str, Any]:
-    content = _string(_required(body, "content"), "content")
+    content = read_string(read_required(body, "content"), "content")
     add_special = _optional_bool(body, "add_special", False)
     with_pieces = _optional_bool(body, "with_pieces", False)
     parse_special = _optional_bool(body, "parse_special", True)
@@ -126,9 +137,9 @@ def _tokenize_sync(tokenizer: Any, body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _detokenize_sync(tokenizer: Any, body: Mapping[str, Any]) -> dict[str, Any]:
-    items = _list(_required(body, "tokens"), "tokens")
+    items = read_list(read_required(body, "tokens"), "tokens")
     last = vocabulary_size(tokenizer) - 1
-    ids = [_int(item, f"tokens[{index}]", 0, last) for index, item in enumerate(items)]
+    ids = [read_int(item, f"tokens[{index}]", 0, last) for index, item in enumerate(items)]
     return {"content": _backend(tokenizer).decode(ids)}
 
 
@@ -139,7 +150,7 @@ def detokenize_ids(tokenizer: Any, ids: tuple[int, ...]) -> str:
 
 def _optional_bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
     value = body.get(key)
-    return default if value is None else _bool(value, key)
+    return default if value is None else read_bool(value, key)
 
 
 # --- /completion replies ----------------------------------------------------------
@@ -371,18 +382,18 @@ def _infill_prompt_sync(tokenizer: Any, body: Mapping[str, Any]) -> tuple[int, .
 
     def text_field(key: str) -> str:
         value = body.get(key)
-        return "" if value is None else _string(value, key)
+        return "" if value is None else read_string(value, key)
 
     tokens: list[int] = []
     extra = body.get("input_extra")
-    chunks = [] if extra is None else _list(extra, "input_extra")
+    chunks = [] if extra is None else read_list(extra, "input_extra")
     if repository_id is not None and separator_id is not None:
         tokens += [repository_id, *encode("myproject\n")]
     for index, item in enumerate(chunks):
         path = f"input_extra[{index}]"
         chunk = _root_object(item, path)
-        filename = _string(chunk.get("filename") or "", f"{path}.filename")
-        text = _string(_required(chunk, "text", path), f"{path}.text")
+        filename = read_string(chunk.get("filename") or "", f"{path}.filename")
+        text = read_string(read_required(chunk, "text", path), f"{path}.text")
         if separator_id is not None:
             tokens += [separator_id, *encode(f"{filename}\n{text}")]
         else:
@@ -404,16 +415,33 @@ async def infill_prompt(engine: Engine, body: Mapping[str, Any]) -> tuple[int, .
     return await trio.to_thread.run_sync(_infill_prompt_sync, engine.model.tokenizer, body)
 
 
-# --- errors ----------------------------------------------------------------------------------
+# --- routes ----------------------------------------------------------------------------------
+# llama.cpp's server routes (its README): what its web UI, tools and editor plugins call.
+# `/completion` and `/infill` reply as the completions routes do (mlxcel/http/openai_chat.py).
 
 
-def error_body(error: MlxcelError) -> dict[str, Any]:
-    """An error as llama.cpp's clients read it on the native routes: a prompt too long for the context is its
-    `exceed_context_size_error` (with the two sizes); the rest keep the OpenAI shape."""
-    if not isinstance(error, ContextExceeded):
-        return error.to_body()
-    body: dict[str, Any] = {"code": 400, "message": error.message, "type": "exceed_context_size_error",
-                            "n_ctx": error.context_size}
-    if error.num_prompt_tokens is not None:
-        body["n_prompt_tokens"] = error.num_prompt_tokens
-    return {"error": body}
+def _total_slots(engine: Engine) -> int:
+    return int(getattr(getattr(engine.config, "scheduler", None), "max_batch_size", 1))
+
+
+async def props_route(context: RouteContext) -> Response:
+    return json_response(props(context.engine, total_slots=_total_slots(context.engine),
+                               chat_template=context.chat_template()))
+
+
+async def slots_route(context: RouteContext) -> Response:
+    scheduler = await context.engine.scheduler_stats()
+    return json_response(slots(context.engine, total_slots=_total_slots(context.engine),
+                               num_running=scheduler.num_running))
+
+
+async def models_route(context: RouteContext) -> Response:
+    return json_response(models(context.engine))
+
+
+async def apply_template(context: RouteContext) -> Response:
+    """The prompt as the chat route would render it, as text (llama.cpp's `{"prompt": ...}`)."""
+    parsed = await context.parse_body(parse_chat_request)
+    token_ids = await context.engine.render_prompt(parsed)
+    text = await trio.to_thread.run_sync(detokenize_ids, context.engine.model.tokenizer, token_ids)
+    return json_response({"prompt": text})

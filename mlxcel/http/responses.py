@@ -15,14 +15,15 @@ to each) for `previous_response_id` and `GET /v1/responses/{id}`: an LRU
 bounded by count and bytes, keyed by the owner (API key, cache salt and
 session) so one tenant never sees another's responses.
 
-It imports neither Trio nor Quart (nor, but for types, the engine): the app
-awaits `collect` or serves `event_stream` over the engine's `DeltaStream`.
+The routes at the end answer through the route driver (mlxcel/http/route.py),
+which runs the builder over the engine's `DeltaStream` whole or streamed.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import json
 import logging
@@ -31,44 +32,46 @@ import secrets
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
+from quart import Response
 
 from mlxcel.core.lark_regex import UnsupportedGrammar, lark_to_regex
 from mlxcel.core.tool_grammar import ENFORCED_PARAMETERS
-from mlxcel.errors import InternalError, InvalidRequest, MlxcelError
+from mlxcel.errors import InvalidRequest, MlxcelError
 from mlxcel.http.effort import EFFORTS, ReasoningChoice, effort_choice
+from mlxcel.http.reply import Event
+from mlxcel.http.route import RouteContext, json_response
 
 # The chat validator's primitive readers: one wording of a value's kind and of a failed check.
 from mlxcel.http.validation import (
     DEFAULT_LIMITS,
+    INVALID_TYPE,
+    INVALID_VALUE,
+    MISSING,
     RETENTION_SECONDS,
+    UNSUPPORTED,
     Limits,
-    _bool,
-    _fail,
-    _kind,
-    _list,
-    _nonempty_string as _nonempty,
-    _required,
-    _string,
+    fail,
+    kind_of,
     parse_chat_request,
+    read_bool,
+    read_list,
+    read_nonempty_string,
+    read_required,
+    read_string,
+    renamed_param,
 )
 from mlxcel.types import ChatRequest, Delta, ReasoningBudget, TokenLogprob, ToolCall, ToolCallPart, Usage
 
-if TYPE_CHECKING:
-    from mlxcel.engine import DeltaStream
-
 __all__ = [
-    "DEFAULT_STORE_BYTES",
-    "DEFAULT_STORE_ENTRIES",
     "OutputBuilder",
     "PreparedResponse",
     "ResponseStore",
     "StoredResponse",
-    "collect",
-    "event_stream",
+    "ResponsesRoutes",
     "input_items_page",
     "not_found",
     "owner_of",
@@ -76,13 +79,9 @@ __all__ = [
     "prepare",
     "prepare_count",
     "split_query",
-    "sse_event",
 ]
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_STORE_ENTRIES = 1024
-DEFAULT_STORE_BYTES = 64 << 20
 
 # Fields of a Responses body this server acts on; any other is refused by name.
 RESPONSES_FIELDS = frozenset({
@@ -119,23 +118,19 @@ CUSTOM_INPUT = "input"
 # Marks a function tool that stands for a custom tool (stripped before the template sees it).
 CUSTOM_TOOL_KEY = "x-mlxcel-custom"
 
-_MISSING = "missing_required_parameter"
-_TYPE = "invalid_type"
-_VALUE = "invalid_value"
-_UNSUPPORTED = "unsupported_parameter"
 
 
 def _object(value: object, path: str) -> dict[str, Any]:
     if not isinstance(value, dict):
-        _fail(path, f"{path} must be an object, got {_kind(value)}", _TYPE)
+        fail(path, f"{path} must be an object, got {kind_of(value)}", INVALID_TYPE)
     return value
 
 
 def _one_of(value: object, path: str, choices: tuple[object, ...], why: str = "") -> Any:
     if value not in choices:
         expected = ", ".join(repr(choice) for choice in choices)
-        _fail(path, f"{path} must be one of {expected}, got {_kind(value)}{why}",
-              _VALUE if isinstance(value, str) else _TYPE)
+        fail(path, f"{path} must be one of {expected}, got {kind_of(value)}{why}",
+              INVALID_VALUE if isinstance(value, str) else INVALID_TYPE)
     return value
 
 
@@ -160,10 +155,10 @@ def owner_query(query: Mapping[str, list[str]]) -> dict[str, str]:
     fields = {}
     for key, values in query.items():
         if key not in OWNER_FIELDS:
-            _fail(key, f"the query parameter {key!r} is not supported here; only "
-                  f"{', '.join(OWNER_FIELDS)} are", _UNSUPPORTED)
+            fail(key, f"the query parameter {key!r} is not supported here; only "
+                  f"{', '.join(OWNER_FIELDS)} are", UNSUPPORTED)
         if len(values) != 1:
-            _fail(key, f"the query parameter {key!r} is given {len(values)} times")
+            fail(key, f"the query parameter {key!r} is given {len(values)} times")
         fields[key] = values[0]
     return fields
 
@@ -200,7 +195,7 @@ class ResponseStore:
     locking); an entry's size is its JSON length.
     """
 
-    def __init__(self, *, max_entries: int = DEFAULT_STORE_ENTRIES, max_bytes: int = DEFAULT_STORE_BYTES) -> None:
+    def __init__(self, *, max_entries: int, max_bytes: int) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         # Per owner, its responses least recently used first.
@@ -296,17 +291,17 @@ def input_items_page(stored: StoredResponse, response_id: str, query: Mapping[st
     for key in PAGE_FIELDS:
         given = query.get(key, [])
         if key != "include" and len(given) > 1:
-            _fail(key, f"the query parameter {key!r} is given {len(given)} times")
+            fail(key, f"the query parameter {key!r} is given {len(given)} times")
         values[key] = given
     for index, name in enumerate(values["include"]):
         if name not in SUPPORTED_INCLUDES:
-            _fail(f"include[{index}]", f"include[{index}]: {name!r} is not supported here; only "
-                  f"{', '.join(repr(known) for known in SUPPORTED_INCLUDES)} are", _UNSUPPORTED)
+            fail(f"include[{index}]", f"include[{index}]: {name!r} is not supported here; only "
+                  f"{', '.join(repr(known) for known in SUPPORTED_INCLUDES)} are", UNSUPPORTED)
     order = values["order"][0] if values["order"] else "desc"
     _one_of(order, "order", ("asc", "desc"))
     limit_text = values["limit"][0] if values["limit"] else str(DEFAULT_ITEMS_PAGE)
     if not limit_text.isdigit() or not 1 <= int(limit_text) <= MAX_ITEMS_PAGE:
-        _fail("limit", f"limit must be an integer from 1 to {MAX_ITEMS_PAGE}, got {limit_text!r}", _VALUE)
+        fail("limit", f"limit must be an integer from 1 to {MAX_ITEMS_PAGE}, got {limit_text!r}", INVALID_VALUE)
     items = [_listed_item(item, response_id, index) for index, item in enumerate(stored.input_items)]
     if order == "desc":
         items.reverse()
@@ -314,7 +309,7 @@ def input_items_page(stored: StoredResponse, response_id: str, query: Mapping[st
         after = values["after"][0]
         position = next((index for index, item in enumerate(items) if item["id"] == after), None)
         if position is None:
-            _fail("after", f"after: no input item {after!r} in response {response_id!r}", _VALUE)
+            fail("after", f"after: no input item {after!r} in response {response_id!r}", INVALID_VALUE)
         items = items[position + 1:]
     page = items[: int(limit_text)]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
@@ -339,10 +334,10 @@ def prepare_count(body: Mapping[str, Any], previous: StoredResponse | None, *, c
     """Validate a `POST /v1/responses/input_tokens` body: the request whose prompt is counted."""
     for key in body:
         if key not in COUNT_FIELDS and key not in EXTENSION_FIELDS:
-            _fail(key, f"{key} is not supported by this server's /v1/responses/input_tokens", _UNSUPPORTED)
+            fail(key, f"{key} is not supported by this server's /v1/responses/input_tokens", UNSUPPORTED)
     if body.get("conversation") is not None:
-        _fail("conversation", "conversations are not supported; send the items in input, or previous_response_id",
-              _UNSUPPORTED)
+        fail("conversation", "conversations are not supported; send the items in input, or previous_response_id",
+              UNSUPPORTED)
     return prepare({key: value for key, value in body.items() if key != "conversation"}, previous,
                    chat_template=chat_template, limits=limits)
 
@@ -388,14 +383,14 @@ def prepare(
     """Validate a `POST /v1/responses` body (its previous response already looked up)."""
     for key in body:
         if key not in RESPONSES_FIELDS and key not in EXTENSION_FIELDS:
-            _fail(key, f"{key} is not supported by this server's /v1/responses", _UNSUPPORTED)
+            fail(key, f"{key} is not supported by this server's /v1/responses", UNSUPPORTED)
     _refuse_unsupported(body)
     include = _include(body)
     input_items = _input(body)
     items = (*(previous.items if previous else ()), *input_items)
     instructions = body.get("instructions")
     if instructions is not None:
-        _string(instructions, "instructions")
+        read_string(instructions, "instructions")
     translation = _Translation(len(previous.items) if previous else 0)
     messages = translation.messages(items, instructions)
 
@@ -405,7 +400,7 @@ def prepare(
         if body.get(key) is not None:
             chat[key] = body[key]
     parallel = body.get("parallel_tool_calls")
-    parallel = True if parallel is None else _bool(parallel, "parallel_tool_calls")
+    parallel = True if parallel is None else read_bool(parallel, "parallel_tool_calls")
     if not parallel:
         # Honoured by the chat pipeline: the reply ends with its first call.
         chat["parallel_tool_calls"] = False
@@ -434,20 +429,20 @@ def prepare(
         if body.get("top_logprobs") is not None:
             chat["top_logprobs"] = body["top_logprobs"]
     elif body.get("top_logprobs"):
-        _fail("top_logprobs", f"top_logprobs needs include {INCLUDE_LOGPROBS!r}")
+        fail("top_logprobs", f"top_logprobs needs include {INCLUDE_LOGPROBS!r}")
     stream = body.get("stream")
     if stream is not None:
-        chat["stream"] = _bool(stream, "stream")
+        chat["stream"] = read_bool(stream, "stream")
     obfuscate = _stream_options(body)
 
     try:
         parsed = parse_chat_request(chat, limits=limits)
     except InvalidRequest as error:
-        chat_param, error.param = error.param, translation.param(error.param)
-        if chat_param and error.param and chat_param != error.param:
-            # The message names the field as the chat body has it; name it as this body does.
-            error.message = error.message.replace(chat_param, error.param)
-            error.args = (error.message,)
+        chat_param = error.param
+        param = translation.param(chat_param)
+        if chat_param and param and param != chat_param:
+            # The error names the field as the chat body has it; name it as this body does.
+            raise renamed_param(error, chat_param, param) from None
         raise
     if choice.budget is not None:
         parsed = attrs.evolve(parsed, sampling=attrs.evolve(
@@ -491,37 +486,37 @@ def prepare(
 
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     """The fields this server cannot honour at any value but their default."""
-    if body.get("background") is not None and _bool(body["background"], "background"):
-        _fail("background", "background responses are not supported; send background false or leave it out",
-              _UNSUPPORTED)
+    if body.get("background") is not None and read_bool(body["background"], "background"):
+        fail("background", "background responses are not supported; send background false or leave it out",
+              UNSUPPORTED)
     truncation = body.get("truncation")
     if truncation is not None and _one_of(truncation, "truncation", ("disabled", "auto")) == "auto":
-        _fail("truncation", "truncation 'auto' is not supported: the server does not drop input items; "
-              "an input over the context size is a 400", _UNSUPPORTED)
+        fail("truncation", "truncation 'auto' is not supported: the server does not drop input items; "
+              "an input over the context size is a 400", UNSUPPORTED)
     tier = body.get("service_tier")
     if tier is not None:
         _one_of(tier, "service_tier", ("auto", "default"), " (this server has one tier)")
     store = body.get("store")
     if store is not None:
-        _bool(store, "store")
+        read_bool(store, "store")
     previous = body.get("previous_response_id")
     if previous is not None:
-        _nonempty(previous, "previous_response_id")
+        read_nonempty_string(previous, "previous_response_id")
     identifier = body.get("safety_identifier")
-    if identifier is not None and len(_string(identifier, "safety_identifier")) > 128:
-        _fail("safety_identifier", "safety_identifier is longer than 128 characters")
+    if identifier is not None and len(read_string(identifier, "safety_identifier")) > 128:
+        fail("safety_identifier", "safety_identifier is longer than 128 characters")
     client_metadata = body.get("client_metadata")
     if client_metadata is not None:
         # Codex's tracing context (traceparent, installation id): for the client's own telemetry;
         # checked, and nothing here reads it.
         for key, value in _object(client_metadata, "client_metadata").items():
-            _string(value, f"client_metadata.{key}")
+            read_string(value, f"client_metadata.{key}")
     max_tool_calls = body.get("max_tool_calls")
     if max_tool_calls is not None and (
         isinstance(max_tool_calls, bool) or not isinstance(max_tool_calls, int) or max_tool_calls < 0
     ):
-        _fail("max_tool_calls", f"max_tool_calls must be a non-negative integer, got {_kind(max_tool_calls)}",
-              _TYPE)
+        fail("max_tool_calls", f"max_tool_calls must be a non-negative integer, got {kind_of(max_tool_calls)}",
+              INVALID_TYPE)
 
 
 def _include(body: Mapping[str, Any]) -> frozenset[str]:
@@ -529,11 +524,11 @@ def _include(body: Mapping[str, Any]) -> frozenset[str]:
     if value is None:
         return frozenset()
     names = set()
-    for index, name in enumerate(_list(value, "include")):
+    for index, name in enumerate(read_list(value, "include")):
         path = f"include[{index}]"
-        if _string(name, path) not in SUPPORTED_INCLUDES:
-            _fail(path, f"{path}: {name!r} is not supported here; only "
-                  f"{', '.join(repr(known) for known in SUPPORTED_INCLUDES)} are", _UNSUPPORTED)
+        if read_string(name, path) not in SUPPORTED_INCLUDES:
+            fail(path, f"{path}: {name!r} is not supported here; only "
+                  f"{', '.join(repr(known) for known in SUPPORTED_INCLUDES)} are", UNSUPPORTED)
         names.add(name)
     return frozenset(names)
 
@@ -545,9 +540,9 @@ def _stream_options(body: Mapping[str, Any]) -> bool:
     options = _object(options, "stream_options")
     for key in options:
         if key != "include_obfuscation":
-            _fail(f"stream_options.{key}", f"stream_options.{key} is not supported", _UNSUPPORTED)
+            fail(f"stream_options.{key}", f"stream_options.{key} is not supported", UNSUPPORTED)
     value = options.get("include_obfuscation")
-    return False if value is None else _bool(value, "stream_options.include_obfuscation")
+    return False if value is None else read_bool(value, "stream_options.include_obfuscation")
 
 
 def _metadata(value: object) -> dict[str, str] | None:
@@ -555,12 +550,12 @@ def _metadata(value: object) -> dict[str, str] | None:
         return None
     metadata = _object(value, "metadata")
     if len(metadata) > MAX_METADATA_KEYS:
-        _fail("metadata", f"metadata may hold at most {MAX_METADATA_KEYS} keys")
+        fail("metadata", f"metadata may hold at most {MAX_METADATA_KEYS} keys")
     for key, item in metadata.items():
         if len(key) > 64:
-            _fail("metadata", f"metadata keys may be at most 64 characters, got {_kind(key)}")
-        if len(_string(item, f"metadata.{key}")) > 512:
-            _fail(f"metadata.{key}", f"metadata.{key} is longer than 512 characters")
+            fail("metadata", f"metadata keys may be at most 64 characters, got {kind_of(key)}")
+        if len(read_string(item, f"metadata.{key}")) > 512:
+            fail(f"metadata.{key}", f"metadata.{key} is longer than 512 characters")
     return dict(metadata)
 
 
@@ -570,12 +565,12 @@ def _metadata(value: object) -> dict[str, str] | None:
 def _input(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     value = body.get("input")
     if value is None:
-        _fail("input", "input is required: a string or a list of input items", _MISSING)
+        fail("input", "input is required: a string or a list of input items", MISSING)
     if isinstance(value, str):
         return [{"type": "message", "role": "user", "content": value}]
-    items = _list(value, "input")
+    items = read_list(value, "input")
     if not items:
-        _fail("input", "input must hold at least one item")
+        fail("input", "input must hold at least one item")
     return [_input_item(item, f"input[{index}]") for index, item in enumerate(items)]
 
 
@@ -584,10 +579,10 @@ def _input_item(value: object, path: str) -> dict[str, Any]:
     item = _object(value, path)
     item_type = item.get("type", "message" if "role" in item else None)
     if item_type is None:
-        _fail(f"{path}.type", f"{path}.type is required", _MISSING)
+        fail(f"{path}.type", f"{path}.type is required", MISSING)
     if item_type == "message":
-        role = _one_of(_required(item, "role", path), f"{path}.role", MESSAGE_ROLES)
-        content = _required(item, "content", path)
+        role = _one_of(read_required(item, "role", path), f"{path}.role", MESSAGE_ROLES)
+        content = read_required(item, "content", path)
         if role == "assistant":
             _message_text(content, f"{path}.content")
         else:
@@ -596,29 +591,29 @@ def _input_item(value: object, path: str) -> dict[str, Any]:
     if item_type == "function_call":
         call = {
             "type": "function_call",
-            "call_id": _nonempty(_required(item, "call_id", path), f"{path}.call_id"),
-            "name": _nonempty(_required(item, "name", path), f"{path}.name"),
-            "arguments": _string(_required(item, "arguments", path), f"{path}.arguments"),
+            "call_id": read_nonempty_string(read_required(item, "call_id", path), f"{path}.call_id"),
+            "name": read_nonempty_string(read_required(item, "name", path), f"{path}.name"),
+            "arguments": read_string(read_required(item, "arguments", path), f"{path}.arguments"),
         }
         if item.get("id") is not None:
-            call["id"] = _string(item["id"], f"{path}.id")
+            call["id"] = read_string(item["id"], f"{path}.id")
         return call
     if item_type == "custom_tool_call":
         custom = {
             "type": "custom_tool_call",
-            "call_id": _nonempty(_required(item, "call_id", path), f"{path}.call_id"),
-            "name": _nonempty(_required(item, "name", path), f"{path}.name"),
-            "input": _string(_required(item, "input", path), f"{path}.input"),
+            "call_id": read_nonempty_string(read_required(item, "call_id", path), f"{path}.call_id"),
+            "name": read_nonempty_string(read_required(item, "name", path), f"{path}.name"),
+            "input": read_string(read_required(item, "input", path), f"{path}.input"),
         }
         if item.get("id") is not None:
-            custom["id"] = _string(item["id"], f"{path}.id")
+            custom["id"] = read_string(item["id"], f"{path}.id")
         return custom
     if item_type in ("function_call_output", "custom_tool_call_output"):
-        output = _required(item, "output", path)
+        output = read_required(item, "output", path)
         _output_text(output, f"{path}.output")
         return {
             "type": item_type,
-            "call_id": _nonempty(_required(item, "call_id", path), f"{path}.call_id"),
+            "call_id": read_nonempty_string(read_required(item, "call_id", path), f"{path}.call_id"),
             "output": output,
         }
     if item_type == "reasoning":
@@ -627,16 +622,16 @@ def _input_item(value: object, path: str) -> dict[str, Any]:
         kept.update((key, item[key]) for key in ("id", "summary", "content", "encrypted_content") if key in item)
         return kept
     if item_type == "item_reference":
-        _fail(f"{path}.type", f"{path}: item references are not supported; send the item itself", _UNSUPPORTED)
-    _fail(f"{path}.type", f"{path}.type: input items of type {_kind(item_type)} are not supported; this "
+        fail(f"{path}.type", f"{path}: item references are not supported; send the item itself", UNSUPPORTED)
+    fail(f"{path}.type", f"{path}.type: input items of type {kind_of(item_type)} are not supported; this "
           "server takes message, function_call, function_call_output, custom_tool_call, custom_tool_call_output "
-          "and reasoning items", _UNSUPPORTED)
+          "and reasoning items", UNSUPPORTED)
 
 
 def _message_text(content: object, path: str) -> str:
     if isinstance(content, str):
         return content
-    parts = _list(content, path)
+    parts = read_list(content, path)
     return "".join(_part_text(value, f"{path}[{index}]") for index, value in enumerate(parts))
 
 
@@ -644,13 +639,13 @@ def _part_text(value: object, part_path: str) -> str:
     part = _object(value, part_path)
     part_type = part.get("type")
     if part_type in TEXT_PARTS:
-        return _string(_required(part, "text", part_path), f"{part_path}.text")
+        return read_string(read_required(part, "text", part_path), f"{part_path}.text")
     if part_type == "refusal":
-        return _string(_required(part, "refusal", part_path), f"{part_path}.refusal")
+        return read_string(read_required(part, "refusal", part_path), f"{part_path}.refusal")
     if part_type in MEDIA_PARTS:
         raise InvalidRequest(f"{part_path}: {part_type} is not supported by this model (text only)",
                              param=part_path, code="unsupported_content")
-    _fail(f"{part_path}.type", f"{part_path}.type: unknown content part type {_kind(part_type)}; "
+    fail(f"{part_path}.type", f"{part_path}.type: unknown content part type {kind_of(part_type)}; "
           "expected 'input_text' or 'output_text'")
 
 
@@ -658,7 +653,7 @@ def _message_content(content: object, path: str) -> str | list[dict[str, Any]]:
     """A user, system or developer message's content: its text, or chat parts when it has an `input_image`."""
     if isinstance(content, str):
         return content
-    parts = _list(content, path)
+    parts = read_list(content, path)
     if not any(isinstance(part, Mapping) and part.get("type") == "input_image" for part in parts):
         return _message_text(content, path)
     out: list[dict[str, Any]] = []
@@ -674,8 +669,8 @@ def _message_content(content: object, path: str) -> str | list[dict[str, Any]]:
 def _input_image(part: Mapping[str, Any], path: str) -> dict[str, Any]:
     """An `input_image` part as a chat `image_url` part (the chat rules then check the URL and detail)."""
     if part.get("file_id") is not None:
-        _fail(f"{path}.file_id", f"{path}.file_id: uploaded files are not supported; send image_url", _UNSUPPORTED)
-    image: dict[str, Any] = {"url": _string(_required(part, "image_url", path), f"{path}.image_url")}
+        fail(f"{path}.file_id", f"{path}.file_id: uploaded files are not supported; send image_url", UNSUPPORTED)
+    image: dict[str, Any] = {"url": read_string(read_required(part, "image_url", path), f"{path}.image_url")}
     if part.get("detail") is not None:
         image["detail"] = part["detail"]
     return {"type": "image_url", "image_url": image}
@@ -685,7 +680,7 @@ def _output_text(output: object, path: str) -> str:
     if isinstance(output, str):
         return output
     if not isinstance(output, list):
-        _fail(path, f"{path} must be a string or a list of content parts, got {_kind(output)}", _TYPE)
+        fail(path, f"{path} must be a string or a list of content parts, got {kind_of(output)}", INVALID_TYPE)
     return _message_text(output, path)
 
 
@@ -696,23 +691,23 @@ def _reasoning_text(item: Mapping[str, Any], path: str) -> str:
         if parts is None:
             continue
         texts = []
-        for index, value in enumerate(_list(parts, f"{path}.{key}")):
+        for index, value in enumerate(read_list(parts, f"{path}.{key}")):
             part_path = f"{path}.{key}[{index}]"
             part = _object(value, part_path)
             _one_of(part.get("type"), f"{part_path}.type", (part_type,))
-            texts.append(_string(_required(part, "text", part_path), f"{part_path}.text"))
+            texts.append(read_string(read_required(part, "text", part_path), f"{part_path}.text"))
         if texts:
             return "\n\n".join(texts) if key == "summary" else "".join(texts)
     encrypted = item.get("encrypted_content")
     if encrypted is None:
         return ""
-    encrypted = _string(encrypted, f"{path}.encrypted_content")
+    encrypted = read_string(encrypted, f"{path}.encrypted_content")
     try:
         if not encrypted.startswith(ENCRYPTED_PREFIX):
             raise ValueError(encrypted)
         return base64.b64decode(encrypted.removeprefix(ENCRYPTED_PREFIX), validate=True).decode("utf-8")
     except (ValueError, binascii.Error):
-        _fail(f"{path}.encrypted_content", f"{path}.encrypted_content was not produced by this server")
+        fail(f"{path}.encrypted_content", f"{path}.encrypted_content was not produced by this server")
 
 
 class _Translation:
@@ -753,7 +748,7 @@ class _Translation:
             elif item_type in ("function_call_output", "custom_tool_call_output"):
                 open_turn = None
                 if item["call_id"] not in call_ids:
-                    _fail(sub(".call_id"), f"{sub('.call_id')}: no function_call with call_id "
+                    fail(sub(".call_id"), f"{sub('.call_id')}: no function_call with call_id "
                           f"{item['call_id']!r} comes before this output")
                 messages.append({"role": "tool", "tool_call_id": item["call_id"],
                                  "content": _output_text(item["output"], path)})
@@ -825,10 +820,10 @@ def _tools(body: Mapping[str, Any], *, refuse_hosted: bool = False) -> tuple[lis
     if value is None:
         return [], []
     tools, dropped = [], []
-    for index, item in enumerate(_list(value, "tools")):
+    for index, item in enumerate(read_list(value, "tools")):
         path = f"tools[{index}]"
         tool = _object(item, path)
-        tool_type = _required(tool, "type", path)
+        tool_type = read_required(tool, "type", path)
         if tool_type == "custom":
             tools.append(_custom_tool(tool, path))
             continue
@@ -837,9 +832,9 @@ def _tools(body: Mapping[str, Any], *, refuse_hosted: bool = False) -> tuple[lis
             continue
         if tool_type != "function":
             hosted = " (a hosted tool this server cannot run)" if tool_type in HOSTED_TOOLS else ""
-            _fail(f"{path}.type", f"{path}.type: {_kind(tool_type)} tools{hosted} are not supported by this server; "
-                  "only 'function' and 'custom' tools are", _UNSUPPORTED)
-        function = {"name": _required(tool, "name", path)}
+            fail(f"{path}.type", f"{path}.type: {kind_of(tool_type)} tools{hosted} are not supported by this server; "
+                  "only 'function' and 'custom' tools are", UNSUPPORTED)
+        function = {"name": read_required(tool, "name", path)}
         for key in ("description", "parameters", "strict"):
             if tool.get(key) is not None:
                 function[key] = tool[key]
@@ -856,14 +851,14 @@ def _custom_tool(tool: Mapping[str, Any], path: str) -> dict[str, Any]:
     """
     for key in tool:
         if key not in ("type", "name", "description", "format", "defer_loading"):
-            _fail(f"{path}.{key}", f"{path}.{key} is not supported on custom tools", _UNSUPPORTED)
+            fail(f"{path}.{key}", f"{path}.{key} is not supported on custom tools", UNSUPPORTED)
     if tool.get("defer_loading"):
-        _fail(f"{path}.defer_loading", f"{path}.defer_loading: deferred tools (tool search) are not supported; "
-              "send false or leave it out", _UNSUPPORTED)
-    name = _nonempty(_required(tool, "name", path), f"{path}.name")
+        fail(f"{path}.defer_loading", f"{path}.defer_loading: deferred tools (tool search) are not supported; "
+              "send false or leave it out", UNSUPPORTED)
+    name = read_nonempty_string(read_required(tool, "name", path), f"{path}.name")
     description = tool.get("description")
     if description is not None:
-        _string(description, f"{path}.description")
+        read_string(description, f"{path}.description")
     parameters = {"type": "object", "properties": {CUSTOM_INPUT: {"type": "string"}}, "required": [CUSTOM_INPUT],
                   "additionalProperties": False}
     function: dict[str, Any] = {"name": name, CUSTOM_TOOL_KEY: True}
@@ -873,14 +868,15 @@ def _custom_tool(tool: Mapping[str, Any], path: str) -> dict[str, Any]:
         assert format_type == "grammar"
         for key in spec:
             if key not in ("type", "syntax", "definition"):
-                _fail(f"{path}.format.{key}", f"{path}.format.{key} is not supported", _UNSUPPORTED)
-        syntax = _one_of(_required(spec, "syntax", f"{path}.format"), f"{path}.format.syntax", ("lark", "regex"))
-        definition = _nonempty(_required(spec, "definition", f"{path}.format"), f"{path}.format.definition")
+                fail(f"{path}.format.{key}", f"{path}.format.{key} is not supported", UNSUPPORTED)
+        syntax = _one_of(read_required(spec, "syntax", f"{path}.format"), f"{path}.format.syntax", ("lark", "regex"))
+        definition = read_nonempty_string(read_required(spec, "definition", f"{path}.format"),
+                                          f"{path}.format.definition")
         try:
             pattern = lark_to_regex(definition) if syntax == "lark" else definition
         except UnsupportedGrammar as error:
-            _fail(f"{path}.format.definition", f"{path}.format.definition cannot be enforced: {error}",
-                  _UNSUPPORTED)
+            fail(f"{path}.format.definition", f"{path}.format.definition cannot be enforced: {error}",
+                  UNSUPPORTED)
         enforced = {**parameters, "properties": {CUSTOM_INPUT: {"type": "string", "pattern": f"^(?:{pattern})$"}}}
         function[ENFORCED_PARAMETERS] = enforced
         described = f"The input is raw text in this {syntax} grammar:\n{definition}"
@@ -915,11 +911,11 @@ def _tool_choice(value: object) -> str | dict[str, Any] | None:
     if value is None or isinstance(value, str):
         return value
     choice = _object(value, "tool_choice")
-    choice_type = _required(choice, "type", "tool_choice")
+    choice_type = read_required(choice, "type", "tool_choice")
     if choice_type not in ("function", "custom"):
-        _fail("tool_choice.type", f"tool_choice.type {_kind(choice_type)} is not supported; send 'auto', "
-              "'none', 'required' or {\"type\": \"function\" (or \"custom\"), \"name\": ...}", _UNSUPPORTED)
-    return {"type": "function", "function": {"name": _required(choice, "name", "tool_choice")}}
+        fail("tool_choice.type", f"tool_choice.type {kind_of(choice_type)} is not supported; send 'auto', "
+              "'none', 'required' or {\"type\": \"function\" (or \"custom\"), \"name\": ...}", UNSUPPORTED)
+    return {"type": "function", "function": {"name": read_required(choice, "name", "tool_choice")}}
 
 
 def _tool_choice_echo(value: object) -> Any:
@@ -937,7 +933,7 @@ def _text_config(value: object) -> tuple[dict[str, Any], dict[str, Any] | None]:
     text = _object(value, "text")
     for key in text:
         if key not in ("format", "verbosity"):
-            _fail(f"text.{key}", f"text.{key} is not supported", _UNSUPPORTED)
+            fail(f"text.{key}", f"text.{key} is not supported", UNSUPPORTED)
     verbosity = text.get("verbosity")
     if verbosity is not None:
         _one_of(verbosity, "text.verbosity", ("medium",), " (the model's own verbosity is the only one)")
@@ -945,7 +941,7 @@ def _text_config(value: object) -> tuple[dict[str, Any], dict[str, Any] | None]:
     if text.get("format") is None:
         return echo, None
     spec = _object(text["format"], "text.format")
-    format_type = _required(spec, "type", "text.format")
+    format_type = read_required(spec, "type", "text.format")
     if format_type == "text":
         return echo, None
     if format_type == "json_object":
@@ -953,11 +949,11 @@ def _text_config(value: object) -> tuple[dict[str, Any], dict[str, Any] | None]:
     if format_type == "json_schema":
         json_schema = {key: spec[key] for key in ("name", "schema", "strict", "description") if key in spec}
         # Chat requires the name; OpenAI's Responses does too.
-        _required(spec, "name", "text.format")
+        read_required(spec, "name", "text.format")
         return ({**echo, "format": {"type": "json_schema", **json_schema}},
                 {"type": "json_schema", "json_schema": json_schema})
-    _fail("text.format.type", f"text.format.type {_kind(format_type)} is not supported; send 'text', "
-          "'json_object' or 'json_schema'", _UNSUPPORTED)
+    fail("text.format.type", f"text.format.type {kind_of(format_type)} is not supported; send 'text', "
+          "'json_object' or 'json_schema'", UNSUPPORTED)
 
 
 def _reasoning(value: object, chat_template: str) -> tuple[dict[str, Any] | None, ReasoningChoice]:
@@ -968,7 +964,7 @@ def _reasoning(value: object, chat_template: str) -> tuple[dict[str, Any] | None
     reasoning = _object(value, "reasoning")
     for key in reasoning:
         if key not in ("effort", "summary", "generate_summary", "context", "mode"):
-            _fail(f"reasoning.{key}", f"reasoning.{key} is not supported", _UNSUPPORTED)
+            fail(f"reasoning.{key}", f"reasoning.{key} is not supported", UNSUPPORTED)
     for key in ("summary", "generate_summary"):
         # Accepted: the reasoning comes back whole, as reasoning_text content, not summarized.
         if reasoning.get(key) is not None:
@@ -1013,19 +1009,18 @@ def _logprob_body(item: TokenLogprob) -> dict[str, Any]:
     }
 
 
-def sse_event(event: Mapping[str, Any]) -> bytes:
-    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
-
-
-Event = dict[str, Any]
 
 
 class OutputBuilder:
     """Builds a reply's output items from its deltas; `feed` and `finish` return the stream's events.
 
     Items open in the order the model produces them (reasoning, then text, then calls, as
-    the deltas come); a change of kind closes the open item.
+    the deltas come); a change of kind closes the open item. A ``ReplyBuilder``
+    (mlxcel/http/reply.py): the whole Response is ``body()`` once it has finished.
     """
+
+    named_events = True
+    done = b""
 
     def __init__(self, prepared: PreparedResponse, model: str) -> None:
         self.prepared = prepared
@@ -1049,7 +1044,7 @@ class OutputBuilder:
         self._sequence += 1
         return event
 
-    def start(self) -> list[Event]:
+    def start(self, first: Delta | None = None) -> list[Event]:
         snapshot = _snapshot(self.response)
         return [self._event("response.created", response=snapshot),
                 self._event("response.in_progress", response=snapshot)]
@@ -1230,6 +1225,9 @@ class OutputBuilder:
         events.append(self._event("response.failed", response=self.response))
         return events
 
+    def body(self) -> dict[str, Any]:
+        return self.response
+
     def conversation(self) -> tuple[Mapping[str, Any], ...]:
         """The items a follow-up continues from: the request's (and its chain's), then the output."""
         return (*self.prepared.items, *(_snapshot(item) for item in self.output))
@@ -1256,45 +1254,76 @@ def _snapshot(value: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(value))
 
 
-# --- driving a reply --------------------------------------------------------------------
+# --- routes ---------------------------------------------------------------------------
+
+# The response header naming the hosted tools a request sent that the model did not see.
+DROPPED_TOOLS_HEADER = "X-Mlxcel-Dropped-Tools"
+# Only these fields make a Responses body schema-bearing (its parse then takes the schema threads).
+SCHEMA_FIELDS = ("tools", "text")
 
 
-async def _next_delta(deltas: DeltaStream) -> Delta:
-    try:
-        return await deltas.__anext__()
-    except StopAsyncIteration:
-        raise InternalError("the reply ended without a finish") from None
+class ResponsesRoutes:
+    """The `/v1/responses` routes of one app, and the store behind `previous_response_id`."""
 
+    def __init__(self, store: ResponseStore) -> None:
+        self.store = store
 
-async def collect(deltas: DeltaStream, first: Delta, builder: OutputBuilder) -> dict[str, Any]:
-    """The whole Response object of a reply (an error while generating is raised)."""
-    async with deltas:
-        delta = first
-        while delta.finish_reason is None:
-            builder.feed(delta)
-            delta = await _next_delta(deltas)
-        builder.finish(delta)
-    return builder.response
+    def _keep(self, owner: str, builder: OutputBuilder) -> None:
+        if builder.prepared.store:
+            self.store.put(owner, builder.response["id"], builder.response, builder.conversation(),
+                           builder.prepared.input_items)
 
+    def _owner(self, context: RouteContext, query: dict[str, list[str]] | None = None) -> str:
+        # GET and DELETE have no body: the session and salt come as query parameters.
+        query = context.query if query is None else query
+        return owner_of(owner_query(query), context.header("Authorization"), context.limits)
 
-async def event_stream(
-    deltas: DeltaStream, first: Delta, builder: OutputBuilder, on_finish: Callable[[OutputBuilder], None]
-) -> AsyncIterator[bytes]:
-    """The reply as Responses server-sent events; ``on_finish`` runs before the last event is sent,
-    so a follow-up sent on seeing it finds the response stored."""
-    async with deltas:
-        # The events of one delta go out as one chunk: one write, not one per event.
-        yield b"".join(map(sse_event, builder.start()))
-        delta = first
-        try:
-            while delta.finish_reason is None:
-                chunk = b"".join(map(sse_event, builder.feed(delta)))
-                if chunk:
-                    yield chunk
-                delta = await _next_delta(deltas)
-            events = builder.finish(delta)
-        except MlxcelError as error:
-            events = builder.fail(error)
-        else:
-            on_finish(builder)
-        yield b"".join(map(sse_event, events))
+    def _stored(self, context: RouteContext, response_id: str, query: dict[str, list[str]] | None = None,
+                ) -> StoredResponse:
+        stored = self.store.get(self._owner(context, query), response_id)
+        if stored is None:
+            raise not_found(response_id, param=None)
+        return stored
+
+    async def _read(self, context: RouteContext) -> tuple[dict[str, Any], str, StoredResponse | None]:
+        """A Responses body, its owner, and the stored response its `previous_response_id` names (404 if none)."""
+        body = await context.read_body()
+        assert isinstance(body, dict)
+        owner = owner_of(body, context.header("Authorization"), context.limits)
+        previous_id = body.get("previous_response_id")
+        previous = self.store.get(owner, previous_id) if isinstance(previous_id, str) and previous_id else None
+        if previous_id and previous is None:
+            raise not_found(str(previous_id))
+        return body, owner, previous
+
+    async def create(self, context: RouteContext) -> Response:
+        body, owner, previous = await self._read(context)
+        prepared = await context.parse(prepare, body, previous, schema_fields=SCHEMA_FIELDS,
+                                       chat_template=context.chat_template())
+        deltas, first = await context.start(prepared.chat)
+        builder = OutputBuilder(prepared, context.engine.model_id)
+        # Hosted tools left out of the model's view are named, never dropped silently.
+        dropped = {DROPPED_TOOLS_HEADER: ", ".join(prepared.dropped_tools)} if prepared.dropped_tools else {}
+        return await context.reply(deltas, first, builder, stream=prepared.chat.stream, headers=dropped,
+                                   on_finish=functools.partial(self._keep, owner, builder))
+
+    async def count_tokens(self, context: RouteContext) -> Response:
+        body, _owner, previous = await self._read(context)
+        prepared = await context.parse(prepare_count, body, previous, schema_fields=SCHEMA_FIELDS,
+                                       chat_template=context.chat_template())
+        context.check_model(prepared.chat)
+        counted = await context.engine.count_prompt_tokens(prepared.chat)
+        return json_response({"object": "response.input_tokens", "input_tokens": counted})
+
+    async def input_items(self, context: RouteContext, response_id: str) -> Response:
+        page_query, owner_query_ = split_query(context.query)
+        stored = self._stored(context, response_id, owner_query_)
+        return json_response(input_items_page(stored, response_id, page_query))
+
+    async def get(self, context: RouteContext, response_id: str) -> Response:
+        return json_response(self._stored(context, response_id).body)
+
+    async def delete(self, context: RouteContext, response_id: str) -> Response:
+        if not self.store.delete(self._owner(context), response_id):
+            raise not_found(response_id, param=None)
+        return json_response({"id": response_id, "object": "response", "deleted": True})

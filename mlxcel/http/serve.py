@@ -42,11 +42,11 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import repr_socket_addr, wrap_app
 
+from mlxcel.config import ServerConfig
 from mlxcel.engine import Engine
 from mlxcel.errors import InvalidRequest, ServerBusy
 from mlxcel.http.app import create_app
 from mlxcel.http.guards import trusted_hosts_for
-from mlxcel.http.validation import Limits
 
 logger = logging.getLogger(__name__)
 
@@ -392,65 +392,51 @@ async def _refuse(stream: trio.SocketStream) -> None:
 
 async def serve(
     engine: Engine | PendingEngine,
-    host: str = "127.0.0.1",
-    port: int = 8080,
+    config: ServerConfig | None = None,
     *,
-    metrics: bool = False,
-    max_body_bytes: int = 16 << 20,
-    api_key: str | None = None,
-    admin_api_key: str | None = None,
-    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
-    graceful_timeout: float = 5.0,
-    access_log: bool = False,
-    limits: Limits | None = None,
-    max_connections: int = 2048,
-    max_connections_per_client: int = 256,
-    keep_alive_timeout: float = 5.0,
-    body_timeout: float = 60.0,
-    responses_store_entries: int = 1024,
-    responses_store_bytes: int = 64 << 20,
     sock: socket.socket | None = None,
+    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run until ``shutdown_trigger`` returns or the task is cancelled.
+    """Serve ``engine`` as ``config`` says (None: the defaults) until ``shutdown_trigger`` returns or the
+    task is cancelled.
 
     After the trigger, the listener closes, idle connections close at once,
-    and open requests get ``graceful_timeout`` seconds to finish before they
-    are cancelled. ``engine`` may be a ``PendingEngine``: the port answers at
-    once, with 503 until the engine is set. ``sock`` is a listening socket
-    (``bind_socket``) to use instead of binding ``host:port``.
+    and open requests get ``config.shutdown_grace_seconds`` to finish before
+    they are cancelled. ``engine`` may be a ``PendingEngine``: the port
+    answers at once, with 503 until the engine is set. ``sock`` is a
+    listening socket (``bind_socket``) to use instead of binding
+    ``config.host:config.port``.
 
     ``task_status.started`` receives the bound addresses, e.g. ``["http://127.0.0.1:8080"]``
     (port 0 picks a free port).
     """
-    config = HypercornConfig()
-    config.graceful_timeout = graceful_timeout
-    config.keep_alive_timeout = keep_alive_timeout
-    config.accesslog = None
-    config.errorlog = logging.getLogger("hypercorn.error")
-    config.set_statsd_logger_class(StatsdLogger)
-    sock = sock if sock is not None else bind_socket(host, port)
+    config = ServerConfig() if config is None else config
+    hypercorn_config = HypercornConfig()
+    hypercorn_config.graceful_timeout = config.shutdown_grace_seconds
+    hypercorn_config.keep_alive_timeout = config.keep_alive_timeout
+    hypercorn_config.accesslog = None
+    hypercorn_config.errorlog = logging.getLogger("hypercorn.error")
+    hypercorn_config.set_statsd_logger_class(StatsdLogger)
+    sock = sock if sock is not None else bind_socket(config.host, config.port)
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
     binds = [f"http://{repr_socket_addr(sock.family, sock.getsockname())}"]
     pending = engine if isinstance(engine, PendingEngine) else None
-    guard = _Guard(body_timeout)
+    guard = _Guard(config.body_timeout)
     context = WorkerContext(None)
     # Without an API key nothing but the address tells clients apart: each gets a bounded share.
-    connections = _Connections(connection_cap(max_connections),
-                               per_client=max_connections_per_client if api_key is None else 0)
+    connections = _Connections(connection_cap(config.max_connections),
+                               per_client=config.max_connections_per_client if config.api_key is None else 0)
 
     def make_connection(stream: trio.SocketStream) -> _Connection:
-        return _Connection(connections, guard, config, context, ConnectionState({}), stream)
+        return _Connection(connections, guard, hypercorn_config, context, ConnectionState({}), stream)
 
     async def open_app(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         ready = await pending.wait() if pending is not None else engine
         assert isinstance(ready, Engine)
-        app = wrap_app(create_app(
-            ready, max_body_bytes=max_body_bytes, metrics=metrics, api_key=api_key, admin_api_key=admin_api_key,
-            trusted_hosts=trusted_hosts_for(host), access_log=access_log, limits=limits,
-            responses_store_entries=responses_store_entries, responses_store_bytes=responses_store_bytes,
-        ), config.wsgi_max_body_size, None)
-        lifespan = Lifespan(app, config, {})
+        app = wrap_app(create_app(ready, config, trusted_hosts=trusted_hosts_for(config.host)),
+                       hypercorn_config.wsgi_max_body_size, None)
+        lifespan = Lifespan(app, hypercorn_config, {})
         async with trio.open_nursery() as lifespan_nursery:
             await lifespan_nursery.start(lifespan.handle_lifespan)
             await lifespan.wait_for_startup()
@@ -478,7 +464,7 @@ async def serve(
                 await context.terminated.set()
                 for connection in connections.idle():
                     await connection.close_now()
-                handler_nursery.cancel_scope.deadline = trio.current_time() + graceful_timeout
+                handler_nursery.cancel_scope.deadline = trio.current_time() + config.shutdown_grace_seconds
             app_nursery.cancel_scope.cancel()
     finally:
         sock.close()

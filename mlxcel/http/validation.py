@@ -26,6 +26,7 @@ from typing import Any, NoReturn, TypeGuard, TypeVar, overload
 
 import attrs
 
+from mlxcel.config import DEFAULT_VOLATILE_SYSTEM_PATTERNS, ServerConfig
 from mlxcel.core.grammar_bounds import (
     DEFAULT_GRAMMAR_BOUNDS,
     BoundedMemo,
@@ -49,6 +50,25 @@ __all__ = [
     "parse_chat_request",
     "parse_completion_request",
     "parse_native_completion",
+    "request_limits",
+    # The error codes and the primitive readers the translating dialects (Anthropic, Responses, llama.cpp)
+    # share, so a value's kind and a failed check read the same on every route.
+    "INVALID_JSON",
+    "INVALID_TYPE",
+    "INVALID_VALUE",
+    "MISSING",
+    "UNSUPPORTED",
+    "fail",
+    "kind_of",
+    "read_bool",
+    "read_int",
+    "read_list",
+    "read_nonempty_string",
+    "read_object",
+    "read_required",
+    "read_root",
+    "read_string",
+    "renamed_param",
 ]
 
 _T = TypeVar("_T")
@@ -79,19 +99,24 @@ MAX_LOGIT_BIAS = 100.0
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
 
-# Claude Code starts its system prompt with a line whose `cch=` changes on every request.
-DEFAULT_VOLATILE_SYSTEM_PATTERNS: tuple[str, ...] = (r"^x-anthropic-billing-header:[^\n]*(?:\n|$)",)
+MISSING = "missing_required_parameter"
+INVALID_TYPE = "invalid_type"
+INVALID_VALUE = "invalid_value"
+UNSUPPORTED = "unsupported_parameter"
+INVALID_JSON = "invalid_json"
 
-_MISSING = "missing_required_parameter"
-_TYPE = "invalid_type"
-_VALUE = "invalid_value"
-_UNSUPPORTED = "unsupported_parameter"
-_JSON = "invalid_json"
+
+# The server's defaults: the policies below that a flag sets take theirs from here (defined once).
+_SERVER = ServerConfig()
 
 
 @attrs.frozen(kw_only=True)
 class Limits:
-    """Bounds beyond which a request is refused with a 400, and the server-wide parse policies."""
+    """Bounds beyond which a request is refused with a 400, and the server-wide parse policies.
+
+    The server builds its own from its config (``request_limits``); the bounds without a flag keep
+    their defaults here.
+    """
 
     max_tokens_cap: int = attrs.field(default=1 << 20, validator=attrs.validators.ge(1))
     max_stop_strings: int = attrs.field(default=16, validator=attrs.validators.ge(0))
@@ -109,22 +134,39 @@ class Limits:
     # Empty: nothing is cut (`--no-normalize-volatile-system`).
     volatile_system_patterns: tuple[str, ...] = DEFAULT_VOLATILE_SYSTEM_PATTERNS
     # `/v1/responses`: hosted tools (web_search...) are a 400 instead of left out of the model's view.
-    refuse_hosted_tools: bool = False
+    refuse_hosted_tools: bool = _SERVER.refuse_hosted_tools
     # Image parts: how many one request may carry, and the bytes of each (decoded).
-    max_images: int = attrs.field(default=8, validator=attrs.validators.ge(0))
-    max_image_bytes: int = attrs.field(default=20 << 20, validator=attrs.validators.ge(1))
+    max_images: int = attrs.field(default=_SERVER.max_images, validator=attrs.validators.ge(0))
+    max_image_bytes: int = attrs.field(default=_SERVER.max_image_bytes, validator=attrs.validators.ge(1))
     # `file://` image URLs are read only under this folder (`--allow-image-files DIR`); None: refused.
-    image_file_root: str | None = None
+    image_file_root: str | None = _SERVER.allow_image_files
     # `http(s)://` image URLs are fetched (`--allow-image-urls`), within max_image_bytes and this time.
-    allow_image_urls: bool = False
-    image_fetch_timeout_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
+    allow_image_urls: bool = _SERVER.allow_image_urls
+    image_fetch_timeout_s: float = attrs.field(default=_SERVER.image_fetch_timeout, validator=attrs.validators.gt(0))
     # Hosts (names, addresses) and networks (CIDR) a fetch may reach although they are not public addresses.
-    image_fetch_allow: tuple[str, ...] = ()
+    image_fetch_allow: tuple[str, ...] = _SERVER.image_fetch_allow
     # The largest JSON Schema or GBNF grammar a request may send (checked before anything compiles it).
     grammar: GrammarBounds = DEFAULT_GRAMMAR_BOUNDS
 
 
 DEFAULT_LIMITS = Limits()
+
+
+def request_limits(config: ServerConfig) -> Limits:
+    """The parse policies a server's config asks for."""
+    patterns = config.volatile_system_patterns or DEFAULT_VOLATILE_SYSTEM_PATTERNS
+    return Limits(
+        user_scopes_session=config.session_key_scope == "user",
+        volatile_system_patterns=patterns if config.normalize_volatile_system else (),
+        refuse_hosted_tools=config.refuse_hosted_tools,
+        max_images=config.max_images,
+        max_image_bytes=config.max_image_bytes,
+        image_file_root=config.allow_image_files,
+        allow_image_urls=config.allow_image_urls,
+        image_fetch_timeout_s=config.image_fetch_timeout,
+        image_fetch_allow=config.image_fetch_allow,
+        grammar=GrammarBounds(max_bytes=config.max_grammar_bytes),
+    )
 
 
 # --- the JSON body ---------------------------------------------------------------
@@ -158,10 +200,10 @@ def decode_json_body(raw: bytes, *, max_bytes: int, allow_list: bool = False) ->
     except UnicodeDecodeError as error:
         raise InvalidRequest(
             f"request body is not valid UTF-8 (bad byte at offset {error.start})",
-            code=_JSON,
+            code=INVALID_JSON,
         ) from None
     if not text.strip():
-        raise InvalidRequest("request body is empty; expected a JSON object", code=_JSON)
+        raise InvalidRequest("request body is empty; expected a JSON object", code=INVALID_JSON)
     try:
         value = json.loads(
             text, parse_constant=_reject_constant, parse_float=_finite_float
@@ -170,21 +212,21 @@ def decode_json_body(raw: bytes, *, max_bytes: int, allow_list: bool = False) ->
         raise InvalidRequest(
             f"request body is not valid JSON: {error.msg} "
             f"(line {error.lineno}, column {error.colno})",
-            code=_JSON,
+            code=INVALID_JSON,
         ) from None
     except _NonFiniteNumber as error:
-        raise InvalidRequest(f"request body is not valid JSON: {error}", code=_JSON) from None
+        raise InvalidRequest(f"request body is not valid JSON: {error}", code=INVALID_JSON) from None
     except ValueError:
         # Integers past Python's digit limit for str -> int conversion.
         raise InvalidRequest(
-            "request body is not valid JSON: a number is too long", code=_JSON
+            "request body is not valid JSON: a number is too long", code=INVALID_JSON
         ) from None
     except RecursionError:
-        raise InvalidRequest("request body is nested too deeply", code=_JSON) from None
+        raise InvalidRequest("request body is nested too deeply", code=INVALID_JSON) from None
     if not isinstance(value, dict) and not (allow_list and isinstance(value, list)):
         raise InvalidRequest(
-            f"request body must be a JSON {'object or list' if allow_list else 'object'}, got {_kind(value)}",
-            code=_TYPE,
+            f"request body must be a JSON {'object or list' if allow_list else 'object'}, got {kind_of(value)}",
+            code=INVALID_TYPE,
         )
     return value
 
@@ -194,7 +236,7 @@ def decode_json_body(raw: bytes, *, max_bytes: int, allow_list: bool = False) ->
 
 def parse_chat_request(body: object, *, limits: Limits = DEFAULT_LIMITS) -> ChatRequest:
     """Validate a chat-completions body (the route's, or one a Messages or Responses body became)."""
-    root = _root(body)
+    root = read_root(body)
     root = _legacy_functions(root)
     images: list[ImageSource] = []
     messages = _messages(root, limits, images)  # first, so a body missing them says so first
@@ -205,7 +247,7 @@ def parse_chat_request(body: object, *, limits: Limits = DEFAULT_LIMITS) -> Chat
     _chat_unsupported(root)
     continue_final, add_generation_prompt = _continuation(root, messages)
     tool_choice = _tool_choice(root, tools)
-    parallel = False if LEGACY_FUNCTIONS_KEY in root else _optional(root, "parallel_tool_calls", _bool)
+    parallel = False if LEGACY_FUNCTIONS_KEY in root else _optional(root, "parallel_tool_calls", read_bool)
     if parallel is None:
         # A forced call is one call unless several are asked for (OpenAI's default, true, applies to "auto").
         parallel = tool_choice in (None, "auto", "none")
@@ -217,7 +259,7 @@ def parse_chat_request(body: object, *, limits: Limits = DEFAULT_LIMITS) -> Chat
         tool_choice=tool_choice,
         parallel_tool_calls=parallel,
         chat_template_kwargs=_chat_template_kwargs(root, extra),
-        model=_optional(root, "model", _string),
+        model=_optional(root, "model", read_string),
         stream=stream,
         include_usage=include_usage,
         reasoning_format=_optional(root, "reasoning_format", _reasoning_format, "auto"),
@@ -227,17 +269,17 @@ def parse_chat_request(body: object, *, limits: Limits = DEFAULT_LIMITS) -> Chat
         add_generation_prompt=add_generation_prompt,
         reasoning_effort=_optional(root, "reasoning_effort", _reasoning_effort),
         legacy_functions=LEGACY_FUNCTIONS_KEY in root,
-        timings_per_token=_optional(root, "timings_per_token", _bool, False),
+        timings_per_token=_optional(root, "timings_per_token", read_bool, False),
     )
 
 
 def parse_chat_completions(body: object, *, limits: Limits = DEFAULT_LIMITS) -> ChatRequest:
     """Validate a `POST /v1/chat/completions` body: every root field is known, or a 400 names it."""
-    root = _root(body)
+    root = read_root(body)
     for key in root:
         if key not in CHAT_FIELDS and key not in CHAT_CLIENT_EXTRAS:
-            _fail(key, f"{key} is not a chat-completions field this server knows; leave it out",
-                  _UNSUPPORTED)
+            fail(key, f"{key} is not a chat-completions field this server knows; leave it out",
+                  UNSUPPORTED)
     return parse_chat_request(root, limits=limits)
 
 
@@ -274,7 +316,7 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 def _reasoning_effort(value: object, path: str) -> str:
     if value not in REASONING_EFFORTS:
-        _fail(path, f"{path} must be one of {', '.join(REASONING_EFFORTS)}, got {_kind(value)}")
+        fail(path, f"{path} must be one of {', '.join(REASONING_EFFORTS)}, got {kind_of(value)}")
     return str(value)
 
 
@@ -283,7 +325,7 @@ def _neutral(root: Mapping[str, Any], key: str, neutral: tuple[object, ...], why
     value = root.get(key)
     if value is None or any(value == off and type(value) is type(off) for off in neutral):
         return
-    _fail(key, f"{key} = {json.dumps(value)[:40]} is not supported: {why}", _UNSUPPORTED)
+    fail(key, f"{key} = {json.dumps(value)[:40]} is not supported: {why}", UNSUPPORTED)
 
 
 def _chat_unsupported(root: Mapping[str, Any]) -> None:
@@ -295,12 +337,12 @@ def _chat_unsupported(root: Mapping[str, Any]) -> None:
              "is, is accepted)")
     _neutral(root, "modalities", (["text"],), "the reply can only be text")
     if root.get("audio") is not None:
-        _fail("audio", "audio output is not supported: the reply can only be text", _UNSUPPORTED)
+        fail("audio", "audio output is not supported: the reply can only be text", UNSUPPORTED)
     if root.get("prediction") is not None:
-        _fail("prediction", "prediction (predicted outputs) needs speculative decoding, which this server does "
-              "not have yet", _UNSUPPORTED)
+        fail("prediction", "prediction (predicted outputs) needs speculative decoding, which this server does "
+              "not have yet", UNSUPPORTED)
     if root.get("web_search_options") is not None:
-        _fail("web_search_options", "web search is not available on this server", _UNSUPPORTED)
+        fail("web_search_options", "web search is not available on this server", UNSUPPORTED)
     _neutral(root, "id_slot", (-1,), "requests are not pinned to slots here (-1, any slot, is accepted)")
     _neutral(root, "echo", (False,), "the prompt is not echoed in chat replies")
     _neutral(root, "return_progress", (False,), "prompt-processing progress events are not sent")
@@ -312,17 +354,17 @@ def _continuation(root: Mapping[str, Any], messages: tuple[dict[str, Any], ...])
     A conversation that ends with an assistant message is continued when neither field is sent
     (an assistant prefill, as llama.cpp and Anthropic's API do it).
     """
-    continue_final = _optional(root, "continue_final_message", _bool)
-    add_prompt = _optional(root, "add_generation_prompt", _bool)
+    continue_final = _optional(root, "continue_final_message", read_bool)
+    add_prompt = _optional(root, "add_generation_prompt", read_bool)
     ends_with_assistant = messages[-1]["role"] == "assistant"
     if continue_final and add_prompt:
-        _fail("continue_final_message", "continue_final_message and add_generation_prompt cannot both be true")
+        fail("continue_final_message", "continue_final_message and add_generation_prompt cannot both be true")
     if continue_final and not ends_with_assistant:
-        _fail("continue_final_message", "continue_final_message needs the last message to be the assistant's")
+        fail("continue_final_message", "continue_final_message needs the last message to be the assistant's")
     if continue_final is None:
         continue_final = ends_with_assistant and not add_prompt and not messages[-1].get("tool_calls")
     if continue_final and messages[-1].get("tool_calls"):
-        _fail("continue_final_message", "a final assistant message with tool_calls cannot be continued")
+        fail("continue_final_message", "a final assistant message with tool_calls cannot be continued")
     return continue_final, (not continue_final) if add_prompt is None else add_prompt
 
 
@@ -333,12 +375,12 @@ def _legacy_functions(root: Mapping[str, Any]) -> Mapping[str, Any]:
     if functions is None and function_call is None:
         return root
     if functions is None:
-        _fail("function_call", "function_call needs functions")
+        fail("function_call", "function_call needs functions")
     if root.get("tools") is not None or root.get("tool_choice") is not None:
-        _fail("functions", "send tools and tool_choice, or the legacy functions and function_call, not both")
+        fail("functions", "send tools and tool_choice, or the legacy functions and function_call, not both")
     tools = []
-    for index, item in enumerate(_list(functions, "functions")):
-        tools.append({"type": "function", "function": _object(item, f"functions[{index}]")})
+    for index, item in enumerate(read_list(functions, "functions")):
+        tools.append({"type": "function", "function": read_object(item, f"functions[{index}]")})
     translated: dict[str, Any] = {key: value for key, value in root.items()
                                   if key not in ("functions", "function_call")}
     translated["tools"] = tools
@@ -346,12 +388,12 @@ def _legacy_functions(root: Mapping[str, Any]) -> Mapping[str, Any]:
     if function_call is not None:
         if isinstance(function_call, str):
             if function_call not in ("auto", "none"):
-                _fail("function_call", f"function_call must be 'auto', 'none' or {{\"name\": ...}}, "
-                      f"got {_kind(function_call)}")
+                fail("function_call", f"function_call must be 'auto', 'none' or {{\"name\": ...}}, "
+                      f"got {kind_of(function_call)}")
             translated["tool_choice"] = function_call
         else:
-            choice = _object(function_call, "function_call")
-            name = _nonempty_string(_required(choice, "name", "function_call"), "function_call.name")
+            choice = read_object(function_call, "function_call")
+            name = read_nonempty_string(read_required(choice, "name", "function_call"), "function_call.name")
             translated["tool_choice"] = {"type": "function", "function": {"name": name}}
     return translated | {"messages": _legacy_messages(root.get("messages"))}
 
@@ -388,23 +430,23 @@ def _lora(root: Mapping[str, Any], extra: Mapping[str, Any]) -> tuple[tuple[int,
 def parse_adapter_scales(value: object, path: str) -> tuple[tuple[int, float], ...]:
     """`[{"id": N, "scale": X}, ...]`: ids unique, scales finite numbers (the body of POST /lora-adapters too)."""
     pairs: dict[int, float] = {}
-    for index, item in enumerate(_list(value, path)):
+    for index, item in enumerate(read_list(value, path)):
         item_path = f"{path}[{index}]"
-        entry = _object(item, item_path)
+        entry = read_object(item, item_path)
         for key in entry:
             if key not in ("id", "scale"):
-                _fail(f"{item_path}.{key}", f"{item_path}.{key} is not a field of a LoRA entry (id, scale)",
-                      _UNSUPPORTED)
-        adapter_id = _int(_required(entry, "id", item_path), f"{item_path}.id", 0, 1 << 16)
+                fail(f"{item_path}.{key}", f"{item_path}.{key} is not a field of a LoRA entry (id, scale)",
+                      UNSUPPORTED)
+        adapter_id = read_int(read_required(entry, "id", item_path), f"{item_path}.id", 0, 1 << 16)
         if adapter_id in pairs:
-            _fail(f"{item_path}.id", f"{item_path}.id: adapter {adapter_id} is listed twice")
-        pairs[adapter_id] = _number(_required(entry, "scale", item_path), f"{item_path}.scale", -100.0, 100.0)
+            fail(f"{item_path}.id", f"{item_path}.id: adapter {adapter_id} is listed twice")
+        pairs[adapter_id] = _number(read_required(entry, "scale", item_path), f"{item_path}.scale", -100.0, 100.0)
     return tuple(sorted(pairs.items()))
 
 
 def _reasoning_format(value: object, path: str) -> str:
     if value not in REASONING_FORMATS:
-        _fail(path, f"{path} must be one of {', '.join(REASONING_FORMATS)}, got {_kind(value)}")
+        fail(path, f"{path} must be one of {', '.join(REASONING_FORMATS)}, got {kind_of(value)}")
     return str(value)
 
 
@@ -412,7 +454,7 @@ def parse_completion_request(
     body: object, *, limits: Limits = DEFAULT_LIMITS
 ) -> CompletionRequest:
     """Validate a `POST /v1/completions` (OpenAI legacy completions) body."""
-    root = _root(body)
+    root = read_root(body)
     extra = _extra_body(root)
     _legacy_unsupported(root)
     stream, include_usage = _stream(root)
@@ -423,7 +465,7 @@ def parse_completion_request(
             root, limits, default_max_tokens=_LEGACY_DEFAULT_MAX_TOKENS, legacy=True, tenant=_tenant(cache)
         ),
         cache=cache,
-        model=_optional(root, "model", _string),
+        model=_optional(root, "model", read_string),
         stream=stream,
         include_usage=include_usage,
         lora=_lora(root, extra),
@@ -434,16 +476,16 @@ def parse_native_completion(
     body: object, *, limits: Limits = DEFAULT_LIMITS
 ) -> CompletionRequest:
     """Validate a llama.cpp-style `POST /completion` body."""
-    root = _root(body)
+    root = read_root(body)
     extra = _extra_body(root)
     # llama.cpp's n_probs: the top N alternatives of each token (pre-sampling, as its default).
-    n_probs = _optional(root, "n_probs", lambda value, path: _int(value, path, 0, limits.max_top_logprobs), 0)
-    if _optional(root, "post_sampling_probs", _bool, False):
-        _fail("post_sampling_probs", "post_sampling_probs is not supported; n_probs gives pre-sampling "
-              "log-probabilities", _UNSUPPORTED)
+    n_probs = _optional(root, "n_probs", lambda value, path: read_int(value, path, 0, limits.max_top_logprobs), 0)
+    if _optional(root, "post_sampling_probs", read_bool, False):
+        fail("post_sampling_probs", "post_sampling_probs is not supported; n_probs gives pre-sampling "
+              "log-probabilities", UNSUPPORTED)
     _native_unsupported(root)
     # llama.cpp's repeat_last_n: the penalties' window; 0 turns them off, -1 is the whole context.
-    repeat_last_n = _optional(root, "repeat_last_n", lambda value, path: _int(value, path, -1, MAX_TOKEN_ID), 20)
+    repeat_last_n = _optional(root, "repeat_last_n", lambda value, path: read_int(value, path, -1, MAX_TOKEN_ID), 20)
     penalties_on = repeat_last_n != 0
     cache = _cache_options(root, extra, user_scopes_session=limits.user_scopes_session)
     grammar, grammar_param = _native_grammar(root, _tenant(cache), limits)
@@ -466,30 +508,30 @@ def parse_native_completion(
         ),
         grammar=grammar,
         grammar_param=grammar_param,
-        ignore_eos=_optional(root, "ignore_eos", _bool, False),
+        ignore_eos=_optional(root, "ignore_eos", read_bool, False),
     )
     if sampling.ignore_eos and sampling.grammar is not None:
-        _fail("ignore_eos", "ignore_eos cannot be combined with json_schema or grammar")
+        fail("ignore_eos", "ignore_eos cannot be combined with json_schema or grammar")
     return CompletionRequest(
         prompt=_prompt(root, allow_single_item_list=False),
         sampling=sampling,
         cache=cache,
-        model=_optional(root, "model", _string),
-        stream=_optional(root, "stream", _bool, False),
-        return_tokens=_optional(root, "return_tokens", _bool, False),
+        model=_optional(root, "model", read_string),
+        stream=_optional(root, "stream", read_bool, False),
+        return_tokens=_optional(root, "return_tokens", read_bool, False),
         lora=_lora(root, extra),
-        response_fields=tuple(_string(item, f"response_fields[{index}]") for index, item in enumerate(
-            _optional(root, "response_fields", _list) or ())),
+        response_fields=tuple(read_string(item, f"response_fields[{index}]") for index, item in enumerate(
+            _optional(root, "response_fields", read_list) or ())),
     )
 
 
 def _native_grammar(root: Mapping[str, Any], tenant: str, limits: Limits) -> tuple[str | None, str | None]:
     """llama.cpp's `json_schema` (a JSON Schema) or `grammar` (GBNF) and the field it came from; empty
     values leave output free."""
-    schema = _optional(root, "json_schema", _object)
-    gbnf = _optional(root, "grammar", _string)
+    schema = _optional(root, "json_schema", read_object)
+    gbnf = _optional(root, "grammar", read_string)
     if schema and gbnf:
-        _fail("grammar", "send either json_schema or grammar, not both")
+        fail("grammar", "send either json_schema or grammar, not both")
     if schema:
         schema = _json_value(schema, "json_schema")
         _check_json_schema(schema, "json_schema", tenant, limits)
@@ -497,10 +539,10 @@ def _native_grammar(root: Mapping[str, Any], tenant: str, limits: Limits) -> tup
     if gbnf:
         overrun = gbnf_overrun(gbnf, limits.grammar)
         if overrun is not None:
-            _fail("grammar", f"grammar is too large to compile: {overrun}", "grammar_too_large")
+            fail("grammar", f"grammar is too large to compile: {overrun}", "grammar_too_large")
         grammar, error_message = _GBNF_MEMO.get_or_compute((tenant, gbnf), lambda: _gbnf_to_lark(gbnf))
         if error_message:
-            _fail("grammar", f"grammar cannot be used: {error_message}")
+            fail("grammar", f"grammar cannot be used: {error_message}")
         return grammar, "grammar"
     return None, None
 
@@ -533,18 +575,34 @@ def _native_unsupported(root: Mapping[str, Any]) -> None:
         value = root.get(key)
         if value is None or any(value == off and type(value) is type(off) for off in neutral):
             continue
-        _fail(key, f"{key} = {json.dumps(value)[:40]} is not supported by this server (leave it out, or send "
-              f"{json.dumps(neutral[0])})", _UNSUPPORTED)
+        fail(key, f"{key} = {json.dumps(value)[:40]} is not supported by this server (leave it out, or send "
+              f"{json.dumps(neutral[0])})", UNSUPPORTED)
 
 
 # --- error helpers -----------------------------------------------------------
 
 
-def _fail(param: str | None, message: str, code: str = _VALUE) -> NoReturn:
+def fail(param: str | None, message: str, code: str = INVALID_VALUE) -> NoReturn:
     raise InvalidRequest(message, param=param, code=code)
 
 
-def _kind(value: object) -> str:
+_Error = TypeVar("_Error", bound=InvalidRequest)
+
+
+def renamed_param(error: _Error, old: str, new: str) -> _Error:
+    """``error`` with the field ``old`` (its param or a prefix of it) named ``new``, as a translating route's
+    body names it: a new error of the same class; the caught one is left as it was."""
+    assert error.param is not None
+    assert error.param.startswith(old)
+    renamed = type(error).__new__(type(error))
+    renamed.__dict__.update(error.__dict__)
+    renamed.message = error.message.replace(old, new)
+    renamed.param = new + error.param[len(old):]
+    renamed.args = (renamed.message,)
+    return renamed
+
+
+def kind_of(value: object) -> str:
     """Describe a value for an error message without echoing large payloads."""
     if value is None:
         return "null"
@@ -570,9 +628,9 @@ def _join(path: str, key: str) -> str:
 # --- primitive readers: value and path in, checked value out --------------------
 
 
-def _bool(value: object, path: str) -> bool:
+def read_bool(value: object, path: str) -> bool:
     if not isinstance(value, bool):
-        _fail(path, f"{path} must be a boolean, got {_kind(value)}", _TYPE)
+        fail(path, f"{path} must be a boolean, got {kind_of(value)}", INVALID_TYPE)
     return value
 
 
@@ -580,9 +638,9 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _int(value: object, path: str, low: int | None = None, high: int | None = None) -> int:
+def read_int(value: object, path: str, low: int | None = None, high: int | None = None) -> int:
     if not _is_int(value):
-        _fail(path, f"{path} must be an integer, got {_kind(value)}", _TYPE)
+        fail(path, f"{path} must be an integer, got {kind_of(value)}", INVALID_TYPE)
     number = int(value)  # type: ignore[call-overload]
     if (low is not None and number < low) or (high is not None and number > high):
         if low is not None and high is not None:
@@ -591,7 +649,7 @@ def _int(value: object, path: str, low: int | None = None, high: int | None = No
             expected = f"at least {low}"
         else:
             expected = f"at most {high}"
-        _fail(path, f"{path} must be {expected}, got {_kind(number)}")
+        fail(path, f"{path} must be {expected}, got {kind_of(number)}")
     return number
 
 
@@ -599,14 +657,14 @@ def _number(
     value: object, path: str, low: float, high: float, *, low_open: bool = False
 ) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        _fail(path, f"{path} must be a number, got {_kind(value)}", _TYPE)
+        fail(path, f"{path} must be a number, got {kind_of(value)}", INVALID_TYPE)
     if isinstance(value, float) and not math.isfinite(value):
-        _fail(path, f"{path} must be a finite number, got {_kind(value)}")
+        fail(path, f"{path} must be a finite number, got {kind_of(value)}")
     # Compare before converting: float() of a huge int would overflow.
     too_low = value <= low if low_open else value < low
     if too_low or value > high:
         bracket = "(" if low_open else "["
-        _fail(path, f"{path} must be in {bracket}{low:g}, {high:g}], got {_kind(value)}")
+        fail(path, f"{path} must be in {bracket}{low:g}, {high:g}], got {kind_of(value)}")
     return float(value)
 
 
@@ -616,26 +674,26 @@ def _text(value: str, path: str) -> str:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            _fail(path, f"{path} contains an unpaired UTF-16 surrogate")
+            fail(path, f"{path} contains an unpaired UTF-16 surrogate")
     return value
 
 
-def _string(value: object, path: str) -> str:
+def read_string(value: object, path: str) -> str:
     if not isinstance(value, str):
-        _fail(path, f"{path} must be a string, got {_kind(value)}", _TYPE)
+        fail(path, f"{path} must be a string, got {kind_of(value)}", INVALID_TYPE)
     return _text(value, path)
 
 
-def _nonempty_string(value: object, path: str) -> str:
-    text = _string(value, path)
+def read_nonempty_string(value: object, path: str) -> str:
+    text = read_string(value, path)
     if not text:
-        _fail(path, f"{path} must not be empty")
+        fail(path, f"{path} must not be empty")
     return text
 
 
-def _object(value: object, path: str) -> Mapping[str, Any]:
+def read_object(value: object, path: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
-        _fail(path, f"{path} must be an object, got {_kind(value)}", _TYPE)
+        fail(path, f"{path} must be an object, got {kind_of(value)}", INVALID_TYPE)
     return value
 
 
@@ -643,16 +701,16 @@ def _is_list(value: object) -> TypeGuard[list[Any] | tuple[Any, ...]]:
     return isinstance(value, (list, tuple))
 
 
-def _list(value: object, path: str) -> list[Any] | tuple[Any, ...]:
+def read_list(value: object, path: str) -> list[Any] | tuple[Any, ...]:
     if not _is_list(value):
-        _fail(path, f"{path} must be a list, got {_kind(value)}", _TYPE)
+        fail(path, f"{path} must be a list, got {kind_of(value)}", INVALID_TYPE)
     return value
 
 
 def _json_value(value: object, path: str, depth: int = 0) -> Any:
     """Copy a JSON value, so the request shares nothing mutable with the caller."""
     if depth > MAX_JSON_DEPTH:
-        _fail(path, f"{path} is nested more than {MAX_JSON_DEPTH} levels deep")
+        fail(path, f"{path} is nested more than {MAX_JSON_DEPTH} levels deep")
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, str):
@@ -661,7 +719,7 @@ def _json_value(value: object, path: str, depth: int = 0) -> Any:
         return int(value)
     if isinstance(value, float):
         if not math.isfinite(value):
-            _fail(path, f"{path} must be a finite number, got {_kind(value)}")
+            fail(path, f"{path} must be a finite number, got {kind_of(value)}")
         return value
     if _is_list(value):
         return [
@@ -672,12 +730,12 @@ def _json_value(value: object, path: str, depth: int = 0) -> Any:
         copied = {}
         for key, item in value.items():
             if not isinstance(key, str):
-                _fail(path, f"{path} has a non-string key", _TYPE)
+                fail(path, f"{path} has a non-string key", INVALID_TYPE)
             # The key is checked first: it becomes part of the param of any later error.
             key = _text(key, path)
             copied[key] = _json_value(item, _join(path, key), depth + 1)
         return copied
-    _fail(path, f"{path} must be a JSON value, got {_kind(value)}", _TYPE)
+    fail(path, f"{path} must be a JSON value, got {kind_of(value)}", INVALID_TYPE)
 
 
 @overload
@@ -707,27 +765,27 @@ def _optional(
     return read(value, _join(prefix, key))
 
 
-def _required(fields: Mapping[str, Any], key: str, prefix: str = "") -> Any:
+def read_required(fields: Mapping[str, Any], key: str, prefix: str = "") -> Any:
     value = fields.get(key)
     if value is None:
         path = _join(prefix, key)
-        _fail(path, f"{path} is required", _MISSING)
+        fail(path, f"{path} is required", MISSING)
     return value
 
 
 # --- request pieces -----------------------------------------------------------
 
 
-def _root(body: object) -> Mapping[str, Any]:
+def read_root(body: object) -> Mapping[str, Any]:
     if not isinstance(body, Mapping):
         raise InvalidRequest(
-            f"request body must be a JSON object, got {_kind(body)}", code=_TYPE
+            f"request body must be a JSON object, got {kind_of(body)}", code=INVALID_TYPE
         )
     return body
 
 
 def _extra_body(root: Mapping[str, Any]) -> Mapping[str, Any]:
-    return _optional(root, "extra_body", _object) or {}
+    return _optional(root, "extra_body", read_object) or {}
 
 
 def _temperature(value: object, path: str) -> float:
@@ -739,7 +797,7 @@ def _top_p(value: object, path: str) -> float:
 
 
 def _seed(value: object, path: str) -> int:
-    return _int(value, path, _SEED_MIN, _SEED_MAX) % 2**64
+    return read_int(value, path, _SEED_MIN, _SEED_MAX) % 2**64
 
 
 def _native_seed(value: object, path: str) -> int | None:
@@ -757,27 +815,27 @@ def _stop(root: Mapping[str, Any], limits: Limits) -> tuple[str, ...]:
         items: list[tuple[object, str]] = [(value, "stop")]
     elif _is_list(value):
         if len(value) > limits.max_stop_strings:
-            _fail("stop", f"stop may hold at most {limits.max_stop_strings} strings")
+            fail("stop", f"stop may hold at most {limits.max_stop_strings} strings")
         items = [(item, f"stop[{index}]") for index, item in enumerate(value)]
     else:
-        _fail("stop", f"stop must be a string or a list of strings, got {_kind(value)}", _TYPE)
+        fail("stop", f"stop must be a string or a list of strings, got {kind_of(value)}", INVALID_TYPE)
     stops = []
     for item, path in items:
-        text = _nonempty_string(item, path)
+        text = read_nonempty_string(item, path)
         if len(text) > limits.max_stop_string_chars:
-            _fail(path, f"{path} is longer than {limits.max_stop_string_chars} characters")
+            fail(path, f"{path} is longer than {limits.max_stop_string_chars} characters")
         stops.append(text)
     return tuple(stops)
 
 
 def _max_tokens(root: Mapping[str, Any], limits: Limits, default: int | None) -> int | None:
     def read(value: object, path: str) -> int:
-        return _int(value, path, 1, limits.max_tokens_cap)
+        return read_int(value, path, 1, limits.max_tokens_cap)
 
     legacy_name = _optional(root, "max_tokens", read)
     new_name = _optional(root, "max_completion_tokens", read)
     if legacy_name is not None and new_name is not None and legacy_name != new_name:
-        _fail(
+        fail(
             "max_completion_tokens",
             f"max_completion_tokens ({new_name}) and max_tokens ({legacy_name}) disagree; "
             "send one of them",
@@ -791,21 +849,21 @@ def _native_max_tokens(root: Mapping[str, Any], limits: Limits) -> int | None:
     if value is None:
         # llama.cpp falls back to max_tokens when n_predict is absent.
         return _max_tokens(root, limits, None)
-    number = _int(value, "n_predict")
+    number = read_int(value, "n_predict")
     if number == -1:
         return None
     if number < 1 or number > limits.max_tokens_cap:
-        _fail(
+        fail(
             "n_predict",
             f"n_predict must be -1 (no limit) or between 1 and {limits.max_tokens_cap}, "
-            f"got {_kind(number)}",
+            f"got {kind_of(number)}",
         )
     return number
 
 
 def _top_k(value: object, path: str) -> int:
     # 0 is off; a k past the vocabulary keeps every token.
-    return _int(value, path, 0, MAX_TOKEN_ID)
+    return read_int(value, path, 0, MAX_TOKEN_ID)
 
 
 def _min_p(value: object, path: str) -> float:
@@ -829,24 +887,24 @@ def _bias_token(key: object, path: str) -> int:
     # The token id of a logit_bias key: decimal digits, as OpenAI's map keys are.
     if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10
             and int(key) <= MAX_TOKEN_ID):
-        _fail(path, f"{path} keys must be token ids (non-negative integers as strings), got {_kind(key)}")
+        fail(path, f"{path} keys must be token ids (non-negative integers as strings), got {kind_of(key)}")
     return int(key)
 
 
 def _biases(pairs: list[tuple[int, float, str]], path: str, limits: Limits) -> tuple[tuple[int, float], ...]:
     if len(pairs) > limits.max_logit_bias:
-        _fail(path, f"{path} may name at most {limits.max_logit_bias} tokens")
+        fail(path, f"{path} may name at most {limits.max_logit_bias} tokens")
     seen: set[int] = set()
     for token, _bias_value, token_path in pairs:
         if token in seen:
-            _fail(token_path, f"{path} names token {token} twice")
+            fail(token_path, f"{path} names token {token} twice")
         seen.add(token)
     return tuple(sorted((token, bias) for token, bias, _path in pairs if bias != 0))
 
 
 def _logit_bias(value: object, path: str, limits: Limits) -> tuple[tuple[int, float], ...]:
     """OpenAI's map of token id (a string) to a bias in [-100, 100] added to its logit."""
-    items = _object(value, path)
+    items = read_object(value, path)
     pairs = []
     for key, bias in items.items():
         token = _bias_token(key, path)
@@ -865,16 +923,16 @@ def _native_logit_bias(value: object, path: str, limits: Limits) -> tuple[tuple[
                  for key, bias in value.items()]
         return _biases(pairs, path, limits)
     if not _is_list(value):
-        _fail(path, f"{path} must be a list of [token id, bias] pairs or an object, got {_kind(value)}", _TYPE)
+        fail(path, f"{path} must be a list of [token id, bias] pairs or an object, got {kind_of(value)}", INVALID_TYPE)
     pairs = []
     for index, item in enumerate(value):
         item_path = f"{path}[{index}]"
         if not _is_list(item) or len(item) != 2:
-            _fail(item_path, f"{item_path} must be a [token id, bias] pair", _TYPE)
+            fail(item_path, f"{item_path} must be a [token id, bias] pair", INVALID_TYPE)
         if isinstance(item[0], str):
-            _fail(f"{item_path}[0]", f"{item_path}[0]: token strings are not supported; send a token id",
-                  _UNSUPPORTED)
-        token = _int(item[0], f"{item_path}[0]", 0, MAX_TOKEN_ID)
+            fail(f"{item_path}[0]", f"{item_path}[0]: token strings are not supported; send a token id",
+                  UNSUPPORTED)
+        token = read_int(item[0], f"{item_path}[0]", 0, MAX_TOKEN_ID)
         pairs.append((token, bias_or_ban(item[1], f"{item_path}[1]"), item_path))
     return _biases(pairs, path, limits)
 
@@ -888,12 +946,12 @@ def _json_grammar(schema: Mapping[str, Any], path: str, limits: Limits) -> str:
     schema_json = json.dumps(schema)
     overrun = schema_overrun(schema, schema_json, limits.grammar)
     if overrun is not None:
-        _fail(path, f"{path} is too large to enforce: {overrun}", "grammar_too_large")
+        fail(path, f"{path} is too large to enforce: {overrun}", "grammar_too_large")
     try:
         # Compact JSON: no free whitespace, which an unsure model can repeat until max_tokens.
         return LLMatcher.grammar_from_json_schema(schema_json, defaults={"whitespace_flexible": False})
     except (ValueError, RuntimeError) as error:
-        _fail(path, f"{path} cannot be enforced: {str(error).splitlines()[0]}", _UNSUPPORTED)
+        fail(path, f"{path} cannot be enforced: {str(error).splitlines()[0]}", UNSUPPORTED)
 
 
 def _tenant(cache: CacheOptions) -> str:
@@ -908,13 +966,13 @@ def _response_format(root: Mapping[str, Any], tenant: str, limits: Limits) -> tu
     value = root.get("response_format")
     if value is None:
         return None, None
-    response_format = _object(value, "response_format")
-    format_type = _required(response_format, "type", "response_format")
+    response_format = read_object(value, "response_format")
+    format_type = read_required(response_format, "type", "response_format")
     if format_type == "text":
         return None, None
     if format_type == "json_object":
         # llama.cpp's extension: a `schema` inside json_object is enforced as json_schema's would be.
-        schema = _optional(response_format, "schema", _object, prefix="response_format")
+        schema = _optional(response_format, "schema", read_object, prefix="response_format")
         if schema is None:
             return _json_grammar({"type": "object"}, "response_format", limits), "response_format"
         schema = _json_value(schema, "response_format.schema")
@@ -922,44 +980,44 @@ def _response_format(root: Mapping[str, Any], tenant: str, limits: Limits) -> tu
         return _json_grammar(schema, "response_format.schema", limits), "response_format.schema"
     if format_type == "json_schema":
         path = "response_format.json_schema"
-        spec = _object(_required(response_format, "json_schema", "response_format"), path)
-        _nonempty_string(_required(spec, "name", path), f"{path}.name")
-        _optional(spec, "description", _string, prefix=path)
-        strict = _optional(spec, "strict", _bool, False, prefix=path)
+        spec = read_object(read_required(response_format, "json_schema", "response_format"), path)
+        read_nonempty_string(read_required(spec, "name", path), f"{path}.name")
+        _optional(spec, "description", read_string, prefix=path)
+        strict = _optional(spec, "strict", read_bool, False, prefix=path)
         schema_path = f"{path}.schema"
         # Required here (OpenAI's API lets it out): a schema-less json_schema is a mistake, not a request
         # for any object (that is json_object).
-        schema = _json_value(_object(_required(spec, "schema", path), schema_path), schema_path)
+        schema = _json_value(read_object(read_required(spec, "schema", path), schema_path), schema_path)
         _check_json_schema(schema, schema_path, tenant, limits)
         # OpenAI's strict mode: no property beyond the schema's, at any depth.
         return _json_grammar(closed_objects(schema) if strict else schema, schema_path, limits), schema_path
-    _fail("response_format.type", f"response_format.type {_kind(format_type)} is not supported; "
-          "only 'text', 'json_object' and 'json_schema' are", _UNSUPPORTED)
+    fail("response_format.type", f"response_format.type {kind_of(format_type)} is not supported; "
+          "only 'text', 'json_object' and 'json_schema' are", UNSUPPORTED)
 
 
 def _choice_grammar(value: object, path: str) -> str:
     """A grammar whose only strings are the choices (vLLM's guided_choice)."""
-    choices = [_nonempty_string(item, f"{path}[{index}]") for index, item in enumerate(_list(value, path))]
+    choices = [read_nonempty_string(item, f"{path}[{index}]") for index, item in enumerate(read_list(value, path))]
     if not choices:
-        _fail(path, f"{path} must hold at least one choice")
+        fail(path, f"{path} must hold at least one choice")
     return _lark_grammar("start: " + " | ".join(json.dumps(choice) for choice in choices), path)
 
 
 def _regex_grammar(value: object, path: str) -> str:
-    pattern = _nonempty_string(value, path)
+    pattern = read_nonempty_string(value, path)
     return _lark_grammar("start: " + "/" + pattern.replace("/", "\\/") + "/", path)
 
 
 def _gbnf_grammar(value: object, path: str, tenant: str, limits: Limits) -> str | None:
-    gbnf = _string(value, path)
+    gbnf = read_string(value, path)
     if not gbnf:
         return None
     overrun = gbnf_overrun(gbnf, limits.grammar)
     if overrun is not None:
-        _fail(path, f"{path} is too large to compile: {overrun}", "grammar_too_large")
+        fail(path, f"{path} is too large to compile: {overrun}", "grammar_too_large")
     grammar, error_message = _GBNF_MEMO.get_or_compute((tenant, gbnf), lambda: _gbnf_to_lark(gbnf))
     if error_message:
-        _fail(path, f"{path} cannot be used: {error_message}")
+        fail(path, f"{path} cannot be used: {error_message}")
     return grammar
 
 
@@ -969,10 +1027,10 @@ def _lark_grammar(lark: str, path: str) -> str:
     try:
         grammar = LLMatcher.grammar_from_lark(lark)
     except (ValueError, RuntimeError) as error:
-        _fail(path, f"{path} cannot be enforced: {error}", _UNSUPPORTED)
+        fail(path, f"{path} cannot be enforced: {error}", UNSUPPORTED)
     error_message = LLMatcher.validate_grammar(grammar)
     if error_message:
-        _fail(path, f"{path} cannot be enforced: {error_message}", _UNSUPPORTED)
+        fail(path, f"{path} cannot be enforced: {error_message}", UNSUPPORTED)
     return grammar
 
 
@@ -982,21 +1040,21 @@ def _schema_grammar(value: object, path: str, tenant: str, limits: Limits) -> st
         try:
             value = json.loads(value)
         except ValueError:
-            _fail(path, f"{path} must be a JSON Schema (an object, or its JSON text)")
-    schema = _json_value(_object(value, path), path)
+            fail(path, f"{path} must be a JSON Schema (an object, or its JSON text)")
+    schema = _json_value(read_object(value, path), path)
     _check_json_schema(schema, path, tenant, limits)
     return _json_grammar(schema, path, limits)
 
 
 def _structured_outputs(value: object, tenant: str, limits: Limits) -> tuple[str | None, str | None]:
     """vLLM's `structured_outputs`: one of json, regex, choice, grammar (GBNF or Lark), json_object."""
-    spec = _object(value, "structured_outputs")
+    spec = read_object(value, "structured_outputs")
     readers: dict[str, Callable[[object, str], str | None]] = {
         "json": lambda item, path: _schema_grammar(item, path, tenant, limits),
         "regex": _regex_grammar,
         "choice": _choice_grammar,
         "grammar": lambda item, path: _gbnf_grammar(item, path, tenant, limits),
-        "json_object": lambda item, path: _json_grammar({"type": "object"}, path, limits) if _bool(
+        "json_object": lambda item, path: _json_grammar({"type": "object"}, path, limits) if read_bool(
             item, path) else None,
     }
     grammars: list[tuple[str | None, str]] = []
@@ -1009,10 +1067,10 @@ def _structured_outputs(value: object, tenant: str, limits: Limits) -> tuple[str
             _neutral(spec, key, (True,), "the JSON is always written without free whitespace")
             continue
         if key not in readers:
-            _fail(path, f"{path} is not supported; send one of {', '.join(readers)}", _UNSUPPORTED)
+            fail(path, f"{path} is not supported; send one of {', '.join(readers)}", UNSUPPORTED)
         grammars.append((readers[key](item, path), path))
     if len(grammars) > 1:
-        _fail("structured_outputs", "structured_outputs may hold one of json, regex, choice, grammar, json_object")
+        fail("structured_outputs", "structured_outputs may hold one of json, regex, choice, grammar, json_object")
     return grammars[0] if grammars else (None, None)
 
 
@@ -1043,33 +1101,33 @@ def _grammar(root: Mapping[str, Any], tenant: str, limits: Limits) -> tuple[str 
     found = [(key, read_back) for key, read in sources.items() if root.get(key) is not None
              and (read_back := read())[0] is not None]
     if len(found) > 1:
-        _fail(found[1][0], f"{found[0][0]} and {found[1][0]} both constrain the reply; send one of them")
+        fail(found[1][0], f"{found[0][0]} and {found[1][0]} both constrain the reply; send one of them")
     return found[0][1] if found else (None, None)
 
 
 def _check_n(root: Mapping[str, Any]) -> None:
     value = root.get("n")
-    if value is not None and _int(value, "n") != 1:
-        _fail("n", f"n must be 1 (one choice per request), got {_kind(value)}", _UNSUPPORTED)
+    if value is not None and read_int(value, "n") != 1:
+        fail("n", f"n must be 1 (one choice per request), got {kind_of(value)}", UNSUPPORTED)
 
 
 def _logprobs(root: Mapping[str, Any], limits: Limits, *, legacy: bool) -> tuple[bool, int]:
     def read_top(value: object, path: str) -> int:
-        return _int(value, path, 0, limits.max_top_logprobs)
+        return read_int(value, path, 0, limits.max_top_logprobs)
 
     value = root.get("logprobs")
     top = _optional(root, "top_logprobs", read_top)
     if legacy and _is_int(value):
         # Legacy completions: logprobs is the number of alternatives to return.
         if top is not None:
-            _fail("top_logprobs", "send either an integer logprobs or top_logprobs, not both")
+            fail("top_logprobs", "send either an integer logprobs or top_logprobs, not both")
         return True, read_top(value, "logprobs")
     if value is not None and not isinstance(value, bool):
         expected = "a boolean or an integer" if legacy else "a boolean"
-        _fail("logprobs", f"logprobs must be {expected}, got {_kind(value)}", _TYPE)
+        fail("logprobs", f"logprobs must be {expected}, got {kind_of(value)}", INVALID_TYPE)
     enabled = bool(value)
     if top is not None and not enabled:
-        _fail("top_logprobs", "top_logprobs requires logprobs to be true")
+        fail("top_logprobs", "top_logprobs requires logprobs to be true")
     return enabled, top or 0
 
 
@@ -1088,21 +1146,21 @@ def _openai_sampling(
 
     logprobs, top_logprobs = _logprobs(root, limits, legacy=legacy)
     n_probs = None if legacy else _optional(
-        root, "n_probs", lambda value, path: _int(value, path, 0, limits.max_top_logprobs))
+        root, "n_probs", lambda value, path: read_int(value, path, 0, limits.max_top_logprobs))
     if n_probs is not None:
         # llama.cpp's spelling of top_logprobs: the top N of each token, in the logprobs shape.
         if root.get("logprobs") is not None or root.get("top_logprobs") is not None:
-            _fail("n_probs", "send either n_probs or logprobs and top_logprobs, not both")
+            fail("n_probs", "send either n_probs or logprobs and top_logprobs, not both")
         logprobs, top_logprobs = n_probs > 0, n_probs
-    min_tokens = _optional(root, "min_tokens", lambda value, path: _int(value, path, 0, limits.max_tokens_cap), 0)
-    ignore_eos = _optional(root, "ignore_eos", _bool, False)
+    min_tokens = _optional(root, "min_tokens", lambda value, path: read_int(value, path, 0, limits.max_tokens_cap), 0)
+    ignore_eos = _optional(root, "ignore_eos", read_bool, False)
     if (min_tokens or ignore_eos) and grammar is not None:
         # The grammar may have nothing left to allow but the end of the reply.
-        _fail("min_tokens" if min_tokens else "ignore_eos",
+        fail("min_tokens" if min_tokens else "ignore_eos",
               f"{'min_tokens' if min_tokens else 'ignore_eos'} cannot be combined with structured output")
     max_tokens = _max_tokens(root, limits, default_max_tokens)
     if max_tokens is not None and min_tokens > max_tokens:
-        _fail("min_tokens", f"min_tokens ({min_tokens}) is more than max_tokens ({max_tokens})")
+        fail("min_tokens", f"min_tokens ({min_tokens}) is more than max_tokens ({max_tokens})")
     return SamplingParams(
         temperature=_optional(root, "temperature", _temperature, 1.0),
         top_p=_optional(root, "top_p", _top_p, 1.0),
@@ -1125,10 +1183,10 @@ def _openai_sampling(
 
 
 def _stream(root: Mapping[str, Any]) -> tuple[bool, bool]:
-    stream = _optional(root, "stream", _bool, False)
-    options = _optional(root, "stream_options", _object) or {}
+    stream = _optional(root, "stream", read_bool, False)
+    options = _optional(root, "stream_options", read_object) or {}
     include_usage = _optional(
-        options, "include_usage", _bool, False, prefix="stream_options"
+        options, "include_usage", read_bool, False, prefix="stream_options"
     )
     # Accepted without stream (some clients always send it); meaningful only with it.
     return stream, bool(stream and include_usage)
@@ -1140,7 +1198,7 @@ RETENTION_SECONDS = {"in_memory": 0.0, "24h": 86400.0}
 
 def _retention(value: object, path: str) -> float:
     if not isinstance(value, str) or value not in RETENTION_SECONDS:
-        _fail(path, f"{path} must be 'in_memory' or '24h', got {_kind(value)}")
+        fail(path, f"{path} must be 'in_memory' or '24h', got {kind_of(value)}")
     return RETENTION_SECONDS[value]
 
 
@@ -1156,14 +1214,14 @@ def _cache_options(
         return pair[0] if pair[0] is not None else pair[1]
 
     def salt(value: object, path: str) -> str:
-        text = _string(value, path)
+        text = read_string(value, path)
         if len(text) > MAX_CACHE_SALT_CHARS:
-            _fail(path, f"{path} is longer than {MAX_CACHE_SALT_CHARS} characters")
+            fail(path, f"{path} is longer than {MAX_CACHE_SALT_CHARS} characters")
         return text
 
-    cache_prompt = first(both("cache_prompt", _bool))
-    keys = both("prompt_cache_key", _string)
-    user = _optional(root, "user", _string)
+    cache_prompt = first(both("cache_prompt", read_bool))
+    keys = both("prompt_cache_key", read_string)
+    user = _optional(root, "user", read_string)
     client_key = next((key for key in keys if key), None)
     if user_scopes_session and user:
         # The client may split its user's session but never leave it.
@@ -1183,8 +1241,8 @@ def _cache_options(
 def _chat_template_kwargs(
     root: Mapping[str, Any], extra: Mapping[str, Any]
 ) -> dict[str, Any]:
-    nested = _optional(extra, "chat_template_kwargs", _object, prefix="extra_body") or {}
-    top = _optional(root, "chat_template_kwargs", _object) or {}
+    nested = _optional(extra, "chat_template_kwargs", read_object, prefix="extra_body") or {}
+    top = _optional(root, "chat_template_kwargs", read_object) or {}
     merged = {
         **_json_value(nested, "extra_body.chat_template_kwargs"),
         **_json_value(top, "chat_template_kwargs"),
@@ -1196,32 +1254,32 @@ def _chat_template_kwargs(
 
 
 def _messages(root: Mapping[str, Any], limits: Limits, images: list[ImageSource]) -> tuple[dict[str, Any], ...]:
-    items = _list(_required(root, "messages"), "messages")
+    items = read_list(read_required(root, "messages"), "messages")
     if not items:
-        _fail("messages", "messages must hold at least one message")
+        fail("messages", "messages must hold at least one message")
     if len(items) > limits.max_messages:
-        _fail("messages", f"messages may hold at most {limits.max_messages} messages")
+        fail("messages", f"messages may hold at most {limits.max_messages} messages")
     return tuple(_message(item, f"messages[{index}]", limits, images) for index, item in enumerate(items))
 
 
 def _message(value: object, path: str, limits: Limits, images: list[ImageSource]) -> dict[str, Any]:
-    message = _object(value, path)
-    role = _string(_required(message, "role", path), f"{path}.role")
+    message = read_object(value, path)
+    role = read_string(read_required(message, "role", path), f"{path}.role")
     if role not in ROLES:
-        _fail(
+        fail(
             f"{path}.role",
-            f"{path}.role: unknown role {_kind(role)}; expected one of {', '.join(ROLES)}",
+            f"{path}.role: unknown role {kind_of(role)}; expected one of {', '.join(ROLES)}",
         )
     tool_calls = _optional(message, "tool_calls", _tool_calls, prefix=path) or []
     if tool_calls and role != "assistant":
-        _fail(f"{path}.tool_calls", f"{path}.tool_calls: only assistant messages carry tool calls")
+        fail(f"{path}.tool_calls", f"{path}.tool_calls: only assistant messages carry tool calls")
     content = message.get("content")
     if content is None and not tool_calls:
-        _fail(
+        fail(
             f"{path}.content",
             f"{path}.content is required (it may be null only for an assistant "
             "message with tool_calls)",
-            _MISSING,
+            MISSING,
         )
     result: dict[str, Any] = {
         "role": role,
@@ -1231,7 +1289,7 @@ def _message(value: object, path: str, limits: Limits, images: list[ImageSource]
     if tool_calls:
         result["tool_calls"] = [_template_tool_call(call) for call in tool_calls]
     for key in ("name", "reasoning_content") + (("tool_call_id",) if role == "tool" else ()):
-        text = _optional(message, key, _string, prefix=path)
+        text = _optional(message, key, read_string, prefix=path)
         if text is not None:
             result[key] = text
     return result
@@ -1241,18 +1299,18 @@ def _content(value: object, path: str, limits: Limits, images: list[ImageSource]
     if isinstance(value, str):
         return _text(value, path)
     if not _is_list(value):
-        _fail(
+        fail(
             path,
-            f"{path} must be a string or a list of content parts, got {_kind(value)}",
-            _TYPE,
+            f"{path} must be a string or a list of content parts, got {kind_of(value)}",
+            INVALID_TYPE,
         )
     pieces = []
     for index, item in enumerate(value):
         part_path = f"{path}[{index}]"
-        part = _object(item, part_path)
-        part_type = _required(part, "type", part_path)
+        part = read_object(item, part_path)
+        part_type = read_required(part, "type", part_path)
         if part_type == "text":
-            pieces.append(_string(_required(part, "text", part_path), f"{part_path}.text"))
+            pieces.append(read_string(read_required(part, "text", part_path), f"{part_path}.text"))
         elif part_type == "image_url":
             images.append(_image_url_part(part, part_path, limits, len(images)))
             pieces.append(IMAGE_SENTINEL)
@@ -1263,9 +1321,9 @@ def _content(value: object, path: str, limits: Limits, images: list[ImageSource]
                 code="unsupported_content",
             )
         else:
-            _fail(
+            fail(
                 f"{part_path}.type",
-                f"{part_path}.type: unknown content part type {_kind(part_type)}; expected 'text' or 'image_url'",
+                f"{part_path}.type: unknown content part type {kind_of(part_type)}; expected 'text' or 'image_url'",
             )
     return "".join(pieces)
 
@@ -1273,13 +1331,13 @@ def _content(value: object, path: str, limits: Limits, images: list[ImageSource]
 def _image_url_part(part: Mapping[str, Any], path: str, limits: Limits, num_before: int) -> ImageSource:
     """An OpenAI ``image_url`` part: a data URL decoded now; a file or remote URL only where a flag allows it."""
     if num_before >= limits.max_images:
-        _fail(path, f"{path}: a request may carry at most {limits.max_images} images")
+        fail(path, f"{path}: a request may carry at most {limits.max_images} images")
     image_path = f"{path}.image_url"
-    image = _object(_required(part, "image_url", path), image_path)
-    detail = _optional(image, "detail", _string, prefix=image_path)
+    image = read_object(read_required(part, "image_url", path), image_path)
+    detail = _optional(image, "detail", read_string, prefix=image_path)
     if detail not in (None, "auto"):
-        _fail(f"{image_path}.detail", f"{image_path}.detail: only 'auto' is supported, got {detail!r}", _UNSUPPORTED)
-    url = _string(_required(image, "url", image_path), f"{image_path}.url")
+        fail(f"{image_path}.detail", f"{image_path}.detail: only 'auto' is supported, got {detail!r}", UNSUPPORTED)
+    url = read_string(read_required(image, "url", image_path), f"{image_path}.url")
     return image_source(url, f"{image_path}.url", limits)
 
 
@@ -1289,26 +1347,26 @@ def image_source(url: str, path: str, limits: Limits) -> ImageSource:
         header, comma, payload = url.partition(",")
         media_type = header.removeprefix("data:").split(";")[0].strip().lower()
         if not comma or not header.endswith(";base64"):
-            _fail(path, f"{path}: a data URL must be base64 (data:image/...;base64,...)")
+            fail(path, f"{path}: a data URL must be base64 (data:image/...;base64,...)")
         if not media_type.startswith("image/"):
-            _fail(path, f"{path}: the data URL's media type must be image/*, got {media_type!r}")
+            fail(path, f"{path}: the data URL's media type must be image/*, got {media_type!r}")
         return ImageSource(param=path, data=_base64_image(payload, path, limits.max_image_bytes))
     if url.startswith("file://"):
         root = limits.image_file_root
         if root is None:
-            _fail(path, f"{path}: file:// image URLs are off on this server (--allow-image-files DIR turns them on)",
-                  _UNSUPPORTED)
+            fail(path, f"{path}: file:// image URLs are off on this server (--allow-image-files DIR turns them on)",
+                  UNSUPPORTED)
         file = os.path.realpath(url.removeprefix("file://"))
         if os.path.commonpath([file, os.path.realpath(root)]) != os.path.realpath(root):
-            _fail(path, f"{path}: the image file is outside the folder this server reads images from")
+            fail(path, f"{path}: the image file is outside the folder this server reads images from")
         return ImageSource(param=path, url=f"file://{file}", max_bytes=limits.max_image_bytes)
     if url.startswith(("http://", "https://")):
         if not limits.allow_image_urls:
-            _fail(path, f"{path}: remote image URLs are off on this server (--allow-image-urls turns them on)",
-                  _UNSUPPORTED)
+            fail(path, f"{path}: remote image URLs are off on this server (--allow-image-urls turns them on)",
+                  UNSUPPORTED)
         return ImageSource(param=path, url=url, max_bytes=limits.max_image_bytes,
                            timeout_s=limits.image_fetch_timeout_s, fetch_allow=limits.image_fetch_allow)
-    _fail(path, f"{path}: an image URL must be a base64 data URL" + (
+    fail(path, f"{path}: an image URL must be a base64 data URL" + (
         ", a file:// URL" if limits.image_file_root is not None else "") + (
         " or an http(s) URL" if limits.allow_image_urls else ""))
 
@@ -1316,36 +1374,36 @@ def image_source(url: str, path: str, limits: Limits) -> ImageSource:
 def _base64_image(payload: str, path: str, max_bytes: int) -> bytes:
     # Base64 is 4 characters for every 3 bytes: refuse before decoding what cannot fit.
     if len(payload) > (max_bytes + 2) // 3 * 4 + 4:
-        _fail(path, f"{path}: the image is over this server's limit of {max_bytes} bytes")
+        fail(path, f"{path}: the image is over this server's limit of {max_bytes} bytes")
     try:
         data = binascii.a2b_base64(payload.strip(), strict_mode=True)
     except (binascii.Error, ValueError):
-        _fail(path, f"{path}: the data URL is not valid base64")
+        fail(path, f"{path}: the data URL is not valid base64")
     return check_bytes(data, path, max_bytes)
 
 
 def _tool_calls(value: object, path: str) -> list[Any]:
-    calls = _list(value, path)
+    calls = read_list(value, path)
     for index, item in enumerate(calls):
         call_path = f"{path}[{index}]"
-        call = _object(item, call_path)
+        call = read_object(item, call_path)
         call_type = call.get("type")
         if call_type is not None and call_type != "function":
-            _fail(
+            fail(
                 f"{call_path}.type",
-                f"{call_path}.type must be 'function', got {_kind(call_type)}",
+                f"{call_path}.type must be 'function', got {kind_of(call_type)}",
             )
-        _optional(call, "id", _string, prefix=call_path)
+        _optional(call, "id", read_string, prefix=call_path)
         function_path = f"{call_path}.function"
-        function = _object(_required(call, "function", call_path), function_path)
-        _nonempty_string(_required(function, "name", function_path), f"{function_path}.name")
-        arguments = _required(function, "arguments", function_path)
+        function = read_object(read_required(call, "function", call_path), function_path)
+        read_nonempty_string(read_required(function, "name", function_path), f"{function_path}.name")
+        arguments = read_required(function, "arguments", function_path)
         if not isinstance(arguments, (str, Mapping)):
-            _fail(
+            fail(
                 f"{function_path}.arguments",
                 f"{function_path}.arguments must be a JSON string or an object, "
-                f"got {_kind(arguments)}",
-                _TYPE,
+                f"got {kind_of(arguments)}",
+                INVALID_TYPE,
             )
     return _json_value(calls, path)
 
@@ -1372,7 +1430,7 @@ def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
 
 
 def _tools(root: Mapping[str, Any], tenant: str, limits: Limits) -> tuple[dict[str, Any], ...] | None:
-    items = _optional(root, "tools", _list)
+    items = _optional(root, "tools", read_list)
     if not items:
         # An empty list means no tools, same as absent.
         return None
@@ -1380,27 +1438,27 @@ def _tools(root: Mapping[str, Any], tenant: str, limits: Limits) -> tuple[dict[s
     total_properties = 0
     for index, item in enumerate(items):
         path = f"tools[{index}]"
-        tool = _object(item, path)
-        tool_type = _required(tool, "type", path)
+        tool = read_object(item, path)
+        tool_type = read_required(tool, "type", path)
         if tool_type != "function":
-            _fail(f"{path}.type", f"{path}.type must be 'function', got {_kind(tool_type)}")
+            fail(f"{path}.type", f"{path}.type must be 'function', got {kind_of(tool_type)}")
         function_path = f"{path}.function"
-        function = _object(_required(tool, "function", path), function_path)
-        name = _nonempty_string(_required(function, "name", function_path), f"{function_path}.name")
+        function = read_object(read_required(tool, "function", path), function_path)
+        name = read_nonempty_string(read_required(function, "name", function_path), f"{function_path}.name")
         if name in names:
-            _fail(f"{function_path}.name", f"{function_path}.name: duplicate tool name {name!r}")
+            fail(f"{function_path}.name", f"{function_path}.name: duplicate tool name {name!r}")
         names.add(name)
-        _optional(function, "description", _string, prefix=function_path)
+        _optional(function, "description", read_string, prefix=function_path)
         # OpenAI's strict function calling: enforced by a grammar on the calls (mlxcel/actors/router.py).
-        _optional(function, "strict", _bool, prefix=function_path)
-        parameters = _optional(function, "parameters", _object, prefix=function_path)
+        _optional(function, "strict", read_bool, prefix=function_path)
+        parameters = _optional(function, "parameters", read_object, prefix=function_path)
         if parameters is not None:
             schema_path = f"{function_path}.parameters"
             schema = _json_value(parameters, schema_path)
             _check_schema_size(schema, json.dumps(schema, sort_keys=True), schema_path, limits)
             total_properties += num_properties(schema)
             if total_properties > limits.grammar.max_schema_properties:
-                _fail("tools", f"the tools' parameters have more than {limits.grammar.max_schema_properties} "
+                fail("tools", f"the tools' parameters have more than {limits.grammar.max_schema_properties} "
                       "properties in all", "grammar_too_large")
             _check_json_schema(schema, schema_path, tenant, limits)
     return tuple(_json_value(items, "tools"))
@@ -1413,13 +1471,13 @@ def _check_json_schema(schema: Mapping[str, Any], path: str, tenant: str, limits
     _check_schema_size(schema, schema_json, path, limits)
     error_message = _SCHEMA_MEMO.get_or_compute((tenant, schema_json), lambda: _schema_error(schema))
     if error_message is not None:
-        _fail(path, f"{path} is not a valid JSON Schema: {error_message}")
+        fail(path, f"{path} is not a valid JSON Schema: {error_message}")
 
 
 def _check_schema_size(schema: Any, schema_json: str, path: str, limits: Limits) -> None:
     overrun = schema_overrun(schema, schema_json, limits.grammar)
     if overrun is not None:
-        _fail(path, f"{path} is too large: {overrun}", "grammar_too_large")
+        fail(path, f"{path} is too large: {overrun}", "grammar_too_large")
 
 
 # Clients resend the same schemas every turn (agents: every tool, every request), so the
@@ -1451,30 +1509,30 @@ def _tool_choice(
         return None
     if isinstance(value, str):
         if value not in TOOL_CHOICE_MODES:
-            _fail(
+            fail(
                 "tool_choice",
                 f"tool_choice must be one of {', '.join(TOOL_CHOICE_MODES)} or a named "
-                f"function, got {_kind(value)}",
+                f"function, got {kind_of(value)}",
             )
         if value == "required" and not tools:
-            _fail("tool_choice", "tool_choice 'required' needs a non-empty tools list")
+            fail("tool_choice", "tool_choice 'required' needs a non-empty tools list")
         return value
     if not isinstance(value, Mapping):
-        _fail(
+        fail(
             "tool_choice",
-            f"tool_choice must be a string or an object, got {_kind(value)}",
-            _TYPE,
+            f"tool_choice must be a string or an object, got {kind_of(value)}",
+            INVALID_TYPE,
         )
-    choice_type = _required(value, "type", "tool_choice")
+    choice_type = read_required(value, "type", "tool_choice")
     if choice_type != "function":
-        _fail("tool_choice.type", f"tool_choice.type must be 'function', got {_kind(choice_type)}")
-    function = _object(_required(value, "function", "tool_choice"), "tool_choice.function")
-    name = _nonempty_string(
-        _required(function, "name", "tool_choice.function"), "tool_choice.function.name"
+        fail("tool_choice.type", f"tool_choice.type must be 'function', got {kind_of(choice_type)}")
+    function = read_object(read_required(value, "function", "tool_choice"), "tool_choice.function")
+    name = read_nonempty_string(
+        read_required(function, "name", "tool_choice.function"), "tool_choice.function.name"
     )
     known = {tool["function"]["name"] for tool in tools or ()}
     if name not in known:
-        _fail("tool_choice.function.name", f"tool_choice names {name!r}, which is not in tools")
+        fail("tool_choice.function.name", f"tool_choice names {name!r}, which is not in tools")
     return {"type": "function", "function": {"name": name}}
 
 
@@ -1482,38 +1540,38 @@ def _tool_choice(
 
 
 def _legacy_unsupported(root: Mapping[str, Any]) -> None:
-    if _optional(root, "echo", _bool, False):
-        _fail("echo", "echo is not supported", _UNSUPPORTED)
+    if _optional(root, "echo", read_bool, False):
+        fail("echo", "echo is not supported", UNSUPPORTED)
     best_of = root.get("best_of")
-    if best_of is not None and _int(best_of, "best_of") != 1:
-        _fail("best_of", f"best_of must be 1, got {_kind(best_of)}", _UNSUPPORTED)
-    if _optional(root, "suffix", _string):
-        _fail("suffix", "suffix (insertion) is not supported", _UNSUPPORTED)
+    if best_of is not None and read_int(best_of, "best_of") != 1:
+        fail("best_of", f"best_of must be 1, got {kind_of(best_of)}", UNSUPPORTED)
+    if _optional(root, "suffix", read_string):
+        fail("suffix", "suffix (insertion) is not supported", UNSUPPORTED)
 
 
 def _prompt(root: Mapping[str, Any], *, allow_single_item_list: bool) -> str | tuple[int, ...]:
-    return _prompt_value(_required(root, "prompt"), "prompt", allow_single_item_list)
+    return _prompt_value(read_required(root, "prompt"), "prompt", allow_single_item_list)
 
 
 def _prompt_value(value: object, path: str, allow_single_item_list: bool) -> str | tuple[int, ...]:
     if isinstance(value, str):
         if not value:
-            _fail(path, f"{path} must not be empty")
+            fail(path, f"{path} must not be empty")
         return _text(value, path)
     if not _is_list(value):
-        _fail(path, f"{path} must be a string or a list of token ids, got {_kind(value)}", _TYPE)
+        fail(path, f"{path} must be a string or a list of token ids, got {kind_of(value)}", INVALID_TYPE)
     if not value:
-        _fail(path, f"{path} must not be empty")
+        fail(path, f"{path} must not be empty")
     first = value[0]
     if allow_single_item_list and (isinstance(first, str) or _is_list(first)):
         if len(value) != 1:
-            _fail(
+            fail(
                 path,
                 "batched prompts are not supported; send one prompt per request",
-                _UNSUPPORTED,
+                UNSUPPORTED,
             )
         return _prompt_value(first, f"{path}[0]", False)
     return tuple(
-        _int(token, f"{path}[{index}]", 0, MAX_TOKEN_ID)
+        read_int(token, f"{path}[{index}]", 0, MAX_TOKEN_ID)
         for index, token in enumerate(value)
     )

@@ -20,7 +20,6 @@ from quart.typing import TestClientProtocol as Client
 from mlxcel.config import EngineConfig, PromptCacheConfig
 from mlxcel.http.anthropic import translate_messages_body
 from mlxcel.http.effort import EFFORT_BUDGETS
-from mlxcel.http.validation import Limits
 from mlxcel.types import (
     CacheOptions,
     ChatRequest,
@@ -455,7 +454,7 @@ async def test_the_billing_header_is_cut_so_the_system_prompt_stays_the_same() -
 
 async def test_with_normalization_off_the_header_reaches_the_prompt() -> None:
     engine = FakeEngine()
-    client = client_for(engine, limits=Limits(volatile_system_patterns=()))
+    client = client_for(engine, normalize_volatile_system=False)
     await post(client, "/v1/messages", {**BODY, "system": [
         {"type": "text", "text": BILLING.format("3f9a1")}, {"type": "text", "text": "You are Claude Code."}]})
     assert system_of(engine, 0) == BILLING.format("3f9a1") + "\n\nYou are Claude Code."
@@ -463,7 +462,7 @@ async def test_with_normalization_off_the_header_reaches_the_prompt() -> None:
 
 async def test_custom_volatile_patterns() -> None:
     engine = FakeEngine()
-    client = client_for(engine, limits=Limits(volatile_system_patterns=(r"^Date: .*\n?",)))
+    client = client_for(engine, volatile_system_patterns=(r"^Date: .*\n?",))
     await post(client, "/v1/messages", {**BODY, "system": "Date: 2026-05-01\nYou help.\n" + BILLING.format("1")})
     assert system_of(engine, 0) == "You help.\n" + BILLING.format("1")
 

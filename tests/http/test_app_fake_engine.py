@@ -704,3 +704,28 @@ async def test_tokenize_and_detokenize_use_the_engine_tokenizer() -> None:
     status, body = await post(client, "/detokenize", {"tokens": [256]})
     assert status == 400
     assert body["error"]["param"] == "tokens[0]"
+
+
+PNG_URL = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQ"
+           "AAAABJRU5ErkJggg==")
+
+
+async def test_serve_runs_on_the_whole_config_an_embedder_gives(start_server) -> None:
+    """`mlxcel.http.serve(engine, config)`: the request limits, body bound and routes all come from it (an
+    embedder once got the default limits whatever it set)."""
+    import httpx
+
+    base_url = await start_server(FakeEngine(), max_images=0, max_body_bytes=4096, metrics=True,
+                                  refuse_hosted_tools=True)
+    image_chat = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": PNG_URL}}]}]}
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+        refused = await client.post("/v1/chat/completions", json=image_chat)
+        assert refused.status_code == 400
+        assert "at most 0 images" in refused.json()["error"]["message"]
+        too_large = await client.post("/v1/chat/completions", content=b" " * 5000,
+                                      headers={"Content-Type": "application/json"})
+        assert too_large.status_code == 413
+        hosted = await client.post("/v1/responses", json={"input": "hi", "tools": [{"type": "web_search"}]})
+        assert hosted.status_code == 400
+        assert (await client.get("/metrics")).status_code == 200

@@ -21,7 +21,6 @@ from quart.typing import TestClientProtocol as Client
 from mlxcel.core.tool_grammar import ENFORCED_PARAMETERS
 from mlxcel.http.effort import EFFORT_BUDGETS
 from mlxcel.http.responses import ENCRYPTED_PREFIX, ResponseStore
-from mlxcel.http.validation import Limits
 from mlxcel.types import ChatRequest, Delta, InvalidRequest, ReasoningBudget, TokenLogprob, ToolCall
 from tests.fakes import FAKE_MODEL_ID, FakeEngine, client_for, finish, leave_mid_stream
 from tests.integration.client_shapes import APPLY_PATCH_LARK, codex_request
@@ -586,12 +585,10 @@ async def test_an_unknown_model_is_404() -> None:
     error_body("not served here", body, "model", "model_not_found")
 
 
-def test_store_bounds_are_server_settings_with_the_app_defaults() -> None:
+def test_store_bounds_are_server_settings() -> None:
     from mlxcel.config import ServerConfig, build_configs, build_serve_parser
-    from mlxcel.http.responses import DEFAULT_STORE_BYTES, DEFAULT_STORE_ENTRIES
 
-    assert (ServerConfig().responses_store_entries, ServerConfig().responses_store_bytes) == (
-        DEFAULT_STORE_ENTRIES, DEFAULT_STORE_BYTES)
+    assert (ServerConfig().responses_store_entries, ServerConfig().responses_store_bytes) == (1024, 64 << 20)
     _engine, server = build_configs(build_serve_parser().parse_args(["--responses-store-entries", "5"]),
                                     {"MLXCEL_RESPONSES_STORE_BYTES": "1000"})
     assert (server.responses_store_entries, server.responses_store_bytes) == (5, 1000)
@@ -680,7 +677,7 @@ async def test_codex_custom_tool_calls_and_hosted_tools() -> None:
 
 async def test_refuse_hosted_tools_restores_the_400_and_custom_tool_choice_forces_the_call() -> None:
     engine = FakeEngine()
-    status, body = await post(client_for(engine, limits=Limits(refuse_hosted_tools=True)),
+    status, body = await post(client_for(engine, refuse_hosted_tools=True),
                               codex_request(FAKE_MODEL_ID, stream=False))
     assert status == 400
     error_body("a hosted tool this server cannot run", body, "tools[3].type")

@@ -1225,3 +1225,17 @@ def test_schema_checks_are_remembered_per_tenant_only(monkeypatch: pytest.Monkey
     assert len(checked) == 2  # once for each tenant
     parse_chat_request(chat(tools=tools, cache_salt="tenant-a", user="another-user"))
     assert len(checked) == 3  # and per session within a tenant
+
+
+def test_a_renamed_error_is_new_and_leaves_the_caught_one_as_it_was() -> None:
+    from mlxcel.errors import ContextExceeded
+    from mlxcel.http.validation import renamed_param
+
+    caught = ContextExceeded("messages[2].content is too long", param="messages[2].content", context_size=8)
+    renamed = renamed_param(caught, "messages[2]", "input[0]")
+    assert (renamed.param, renamed.message, str(renamed)) == (
+        "input[0].content", "input[0].content is too long", "input[0].content is too long")
+    assert isinstance(renamed, ContextExceeded)
+    assert (renamed.context_size, renamed.code, renamed.status) == (8, "context_length_exceeded", 400)
+    assert (caught.param, caught.message, str(caught)) == (
+        "messages[2].content", "messages[2].content is too long", "messages[2].content is too long")

@@ -39,6 +39,7 @@ from langchain_core.messages import AIMessage, HumanMessage, ToolMessage  # noqa
 from mlxcel.http.serve import serve  # noqa: E402
 from mlxcel.types import ChatRequest, Delta, ToolCall  # noqa: E402
 from tests.fakes import FAKE_MODEL_ID, FakeEngine, finish  # noqa: E402
+from tests.support import loopback
 
 litellm.telemetry = False
 
@@ -84,7 +85,7 @@ def start_fake(nursery: trio.Nursery) -> Callable[..., Any]:
 
     async def start(script: list[Delta]) -> tuple[FakeEngine, str]:
         engine = FakeEngine(script)
-        (url,) = await nursery.start(partial(serve, engine, "127.0.0.1", 0))
+        (url,) = await nursery.start(partial(serve, engine, loopback()))
         return engine, url
 
     return start

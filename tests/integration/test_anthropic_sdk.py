@@ -19,10 +19,9 @@ import pytest
 import trio
 
 from mlxcel.http.serve import serve
-from mlxcel.http.validation import Limits
 from mlxcel.types import ChatRequest, Delta, ServerBusy, ToolCall
 from tests.fakes import FAKE_MODEL_ID, FakeEngine, finish
-from tests.support import evolve_cache
+from tests.support import evolve_cache, loopback
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +61,7 @@ def client() -> Iterator[Callable[..., anthropic.Anthropic]]:
 def start_fake(nursery: trio.Nursery) -> Callable[..., Any]:
     async def start(script: list[Any], **options: Any) -> tuple[FakeEngine, str]:
         engine = FakeEngine(script, **options)
-        (url,) = await nursery.start(partial(serve, engine, "127.0.0.1", 0, api_key=KEY))
+        (url,) = await nursery.start(partial(serve, engine, loopback(api_key=KEY)))
         return engine, url
 
     return start
@@ -291,7 +290,7 @@ async def test_temperature_above_one_is_refused(start_fake, client) -> None:
 
 @pytest.mark.parametrize("normalize", [True, False])
 async def test_the_billing_header_changing_every_request(fixture_server, client, normalize: bool) -> None:
-    options = {} if normalize else {"limits": Limits(volatile_system_patterns=())}
+    options = {} if normalize else {"normalize_volatile_system": False}
     engine, url = await fixture_server(**options)
     sdk = client(url, api_key="unused")
     usages = []

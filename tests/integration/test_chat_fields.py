@@ -30,6 +30,7 @@ from mlxcel.errors import ContextExceeded  # noqa: E402
 from mlxcel.http.serve import serve  # noqa: E402
 from mlxcel.types import ChatRequest, Delta, ToolCall, ToolCallPart, Usage  # noqa: E402
 from tests.fakes import FakeEngine, FakeTokenizer, finish  # noqa: E402
+from tests.support import loopback
 
 litellm.telemetry = False
 
@@ -43,7 +44,7 @@ FUNCTIONS = [{"name": "get_weather", "description": "the weather",
 def start_fake(nursery: trio.Nursery) -> Callable[..., Any]:
     async def start(script: list[Any] | None = None) -> tuple[FakeEngine, str]:
         engine = FakeEngine(script or ())
-        (url,) = await nursery.start(partial(serve, engine, "127.0.0.1", 0))
+        (url,) = await nursery.start(partial(serve, engine, loopback()))
         return engine, url
 
     return start
@@ -282,7 +283,7 @@ class FimTokenizer(FakeTokenizer):
 async def test_infill_builds_the_fim_prompt_from_the_tokenizer_tokens(nursery: trio.Nursery) -> None:
     engine = FakeEngine()
     engine.model = attrs.evolve(engine.model, tokenizer=FimTokenizer())
-    (url,) = await nursery.start(partial(serve, engine, "127.0.0.1", 0))
+    (url,) = await nursery.start(partial(serve, engine, loopback()))
     async with httpx.AsyncClient(base_url=url, timeout=10) as http:
         reply = await http.post("/infill", json={
             "input_prefix": "def f(", "input_suffix": "):", "prompt": "x", "n_predict": 4,
@@ -305,7 +306,7 @@ async def test_infill_builds_the_fim_prompt_from_the_tokenizer_tokens(nursery: t
 async def test_native_context_error_is_llamacpp_shaped(nursery: trio.Nursery) -> None:
     engine = FakeEngine(stream_error=ContextExceeded("too long", param="prompt", context_size=64,
                                                      num_prompt_tokens=70))
-    (url,) = await nursery.start(partial(serve, engine, "127.0.0.1", 0))
+    (url,) = await nursery.start(partial(serve, engine, loopback()))
     async with httpx.AsyncClient(base_url=url, timeout=10) as http:
         native = await http.post("/completion", json={"prompt": "x"})
         chat = await http.post("/v1/chat/completions", json={"messages": MESSAGES})

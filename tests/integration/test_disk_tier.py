@@ -11,7 +11,7 @@ import trio
 from mlxcel import ChatRequest, SamplingParams
 from mlxcel.engine import open_engine
 from mlxcel.types import CacheOptions
-from tests.support import evolve_cache, make_engine_config, wait_until
+from tests.support import evolve_cache, loopback, make_engine_config, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -168,12 +168,12 @@ async def test_an_image_conversation_resumes_from_disk_after_a_restart(tmp_path:
                 {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and the button?"}]
 
     config = EngineConfig(model_path=vision_fixture_path("llava"), prompt_cache=evolve_cache(disk_dir=tmp_path),
-                          scheduler=SchedulerConfig(prefill_step_size=512, device_warmup="false"))
+                          scheduler=SchedulerConfig(prefill_step_size=512, device_warmup=False))
 
     async def serving(requests: list[dict], *, wait_writes: bool = False) -> tuple[list, dict]:
         async with trio.open_nursery() as nursery:
             engine = await nursery.start(run_engine, config)
-            (base_url,) = await nursery.start(partial(serve, engine, "127.0.0.1", 0))
+            (base_url,) = await nursery.start(partial(serve, engine, loopback()))
             client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
             replies = []
             for request in requests:

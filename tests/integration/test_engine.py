@@ -186,9 +186,9 @@ async def test_logprobs_agree_with_greedy_choice(start_engine) -> None:
 
 async def test_the_start_up_warm_up_runs_and_leaves_nothing_behind(start_engine, caplog) -> None:
     caplog.set_level("INFO", logger="mlxcel.actors.device")
-    cold = await start_engine(scheduler=SchedulerConfig(prefill_step_size=32, device_warmup="false"))
+    cold = await start_engine(scheduler=SchedulerConfig(prefill_step_size=32, device_warmup=False))
     assert "device warm-up took" not in caplog.text
-    warm = await start_engine(scheduler=SchedulerConfig(prefill_step_size=32, device_warmup="true"))
+    warm = await start_engine(scheduler=SchedulerConfig(prefill_step_size=32, device_warmup=True))
     assert "device warm-up took" in caplog.text
     # Requests after it run as on an engine without it: same replies, and no
     # warm-up sequence left in the decode batch.

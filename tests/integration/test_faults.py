@@ -113,7 +113,7 @@ async def test_a_step_failing_while_a_prompt_is_prefilled_alone_fails_it_cleanly
     one of them fails that request only, leaves no cache entry, and the next one is served."""
     from mlxcel.config import SchedulerConfig
 
-    scheduler = SchedulerConfig(prefill_step_size=128, device_warmup="false", start_buckets="true")
+    scheduler = SchedulerConfig(prefill_step_size=128, device_warmup=False, start_buckets=True)
     engine = await start_engine(fail_step=2, scheduler=scheduler)
     base_url = await start_server(engine)
     long_chat = {**CHAT, "messages": [{"role": "user", "content": "hello there " * 200}]}

@@ -83,8 +83,8 @@ async def test_bucketed_starts_answer_as_the_plain_path_does(serve_family, monke
     monkeypatch.setattr(core_placement.Placement, "prefills_alone",
                         lambda where, pending: alone.append(original(where, pending)) or alone[-1])
     servers = {}
-    for buckets in ("false", "true"):
-        scheduler = SchedulerConfig(prefill_step_size=64, device_warmup="false", start_buckets=buckets)
+    for buckets in (False, True):
+        scheduler = SchedulerConfig(prefill_step_size=64, device_warmup=False, start_buckets=buckets)
         servers[buckets] = await serve_family(scheduler=scheduler)
     histories = {buckets: [{"role": "system", "content": SYSTEM}] for buckets in servers}
     for turn in range(3):
@@ -95,7 +95,7 @@ async def test_bucketed_starts_answer_as_the_plain_path_does(serve_family, monke
             replies[buckets] = await create(client_for(base_url), model=engine.model_id, messages=messages,
                                             logprobs=True, top_logprobs=5, user="bob")
             messages.append({"role": "assistant", "content": replies[buckets].choices[0].message.content})
-        bucketed, plain = replies["true"], replies["false"]
+        bucketed, plain = replies[True], replies[False]
         assert bucketed.usage.prompt_tokens > 64  # longer than a chunk
         assert bucketed.usage.prompt_tokens_details.cached_tokens == plain.usage.prompt_tokens_details.cached_tokens
         assert (bucketed.usage.prompt_tokens_details.cached_tokens > 0) is (turn > 0)

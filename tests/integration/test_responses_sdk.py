@@ -20,7 +20,7 @@ import trio
 from mlxcel.http.serve import serve
 from mlxcel.types import ChatRequest, Delta, ToolCall
 from tests.fakes import FAKE_MODEL_ID, FakeEngine, finish
-from tests.support import evolve_cache
+from tests.support import evolve_cache, loopback
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,7 @@ def openai_client() -> Iterator[Callable[[str], openai.OpenAI]]:
 def start_fake(nursery: trio.Nursery) -> Callable[..., Any]:
     async def start(script: list[Any]) -> tuple[FakeEngine, str]:
         engine = FakeEngine(script)
-        (url,) = await nursery.start(partial(serve, engine, "127.0.0.1", 0))
+        (url,) = await nursery.start(partial(serve, engine, loopback()))
         return engine, url
 
     return start

@@ -24,6 +24,7 @@ import trio.testing
 
 from mlxcel.http.serve import PendingEngine, serve
 from tests.fakes import FakeEngine
+from tests.support import loopback
 
 TIMEOUT = 5.0
 
@@ -132,7 +133,7 @@ async def open_fake_server(nursery: trio.Nursery):
     """
 
     async def start(**options):
-        (url,) = await nursery.start(partial(serve, FakeEngine(), "127.0.0.1", 0, **options))
+        (url,) = await nursery.start(partial(serve, FakeEngine(), loopback(**options)))
         host, port = address(url)
         return partial(trio.open_tcp_stream, host, port)
 
@@ -251,7 +252,7 @@ async def test_at_the_connection_cap_the_longest_idle_connection_makes_room(star
 @pytest.mark.slow
 async def test_while_the_engine_loads_routes_answer_503_then_200(nursery, start_engine) -> None:
     pending = PendingEngine()
-    binds = await nursery.start(partial(serve, pending, "127.0.0.1", 0))
+    binds = await nursery.start(partial(serve, pending, loopback()))
 
     def ask(head: bytes) -> tuple[int, dict[str, str], dict]:
         with socket.create_connection(address(binds[0]), timeout=TIMEOUT) as sock:

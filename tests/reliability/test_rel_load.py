@@ -24,7 +24,7 @@ import trio
 from mlxcel.config import SchedulerConfig
 from mlxcel.engine import run_engine
 from mlxcel.http import serve
-from tests.support import evolve_cache, make_engine_config
+from tests.support import evolve_cache, loopback, make_engine_config
 
 pytestmark = pytest.mark.slow
 
@@ -133,7 +133,7 @@ async def test_streaming_load_completes_or_refuses_and_stays_in_budget() -> None
     with trio.fail_after(TIME_LIMIT):
         async with trio.open_nursery() as nursery:
             engine = await nursery.start(run_engine, config)
-            (base_url,) = await nursery.start(partial(serve, engine, "127.0.0.1", 0))
+            (base_url,) = await nursery.start(partial(serve, engine, loopback()))
             limits = httpx.Limits(max_connections=CLIENTS + 2)
             async with httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) as client:
                 done = trio.Event()

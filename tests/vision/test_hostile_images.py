@@ -43,7 +43,7 @@ def chat_body(image: str) -> dict:
 def serve_family(nursery, start_server):
     async def start(family: str) -> str:
         config = EngineConfig(model_path=vision_fixture_path(family), prompt_cache=TEST_CACHE,
-                              scheduler=SchedulerConfig(prefill_step_size=512, device_warmup="false"))
+                              scheduler=SchedulerConfig(prefill_step_size=512, device_warmup=False))
         return await start_server(await nursery.start(run_engine, config))
 
     return start

@@ -15,7 +15,6 @@ from mlxcel.config import EngineConfig, SchedulerConfig, parse_fetch_allow
 from mlxcel.engine import run_engine
 from mlxcel.errors import InvalidRequest
 from mlxcel.fixtures import vision_fixture_path
-from mlxcel.http.validation import Limits
 from mlxcel.types import ImageSource
 from mlxcel.vision.images import MAX_REDIRECTS, resolve
 from tests.support import TEST_CACHE
@@ -147,10 +146,10 @@ async def test_dripping_image_urls_do_not_hold_up_text_requests(nursery, start_s
     import trio
 
     config = EngineConfig(model_path=vision_fixture_path("llava"), prompt_cache=TEST_CACHE,
-                          scheduler=SchedulerConfig(prefill_step_size=512, device_warmup="false"))
+                          scheduler=SchedulerConfig(prefill_step_size=512, device_warmup=False))
     engine = await nursery.start(run_engine, config)
-    base_url = await start_server(engine, limits=Limits(allow_image_urls=True, image_fetch_timeout_s=4.0,
-                                                        image_fetch_allow=("127.0.0.1",)))
+    base_url = await start_server(engine, allow_image_urls=True, image_fetch_timeout=4.0,
+                                  image_fetch_allow=("127.0.0.1",))
     statuses: list[int] = []
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
         async def dripping() -> None:

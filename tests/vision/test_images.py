@@ -137,8 +137,8 @@ def test_the_digest_covers_the_bytes_in_order() -> None:
 
 
 def test_the_image_flags_reach_the_request_limits(tmp_path) -> None:
-    from mlxcel.cli import request_limits
     from mlxcel.config import ServerConfig
+    from mlxcel.http.validation import request_limits
 
     limits = request_limits(ServerConfig(max_images=2, max_image_bytes=1000, allow_image_files=str(tmp_path),
                                          allow_image_urls=True, image_fetch_timeout=3.0))

@@ -16,7 +16,6 @@ from PIL import Image
 from mlxcel.config import EngineConfig, SchedulerConfig
 from mlxcel.engine import run_engine
 from mlxcel.fixtures import VISION_FAMILIES, vision_fixture_path
-from mlxcel.http.validation import Limits
 from tests.support import TEST_CACHE
 
 pytestmark = pytest.mark.slow
@@ -44,7 +43,7 @@ def user(text: str, *images: bytes) -> dict:
 def serve_vision(nursery, start_server):
     async def start(family: str, scheduler: SchedulerConfig | None = None, **serve_options):
         config = EngineConfig(model_path=vision_fixture_path(family), prompt_cache=TEST_CACHE,
-                              scheduler=scheduler or SchedulerConfig(prefill_step_size=512, device_warmup="false"))
+                              scheduler=scheduler or SchedulerConfig(prefill_step_size=512, device_warmup=False))
         engine = await nursery.start(run_engine, config)
         return engine, openai.OpenAI(base_url=f"{await start_server(engine, **serve_options)}/v1", api_key="unused",
                                      max_retries=0, timeout=120)
@@ -94,7 +93,7 @@ async def test_follow_up_on_the_same_image_adopts_the_whole_entry(serve_vision, 
 
 @pytest.mark.parametrize("family", VISION_FAMILIES)
 async def test_other_images_miss_and_the_same_bytes_hit(serve_vision, family, tmp_path) -> None:
-    engine, client = await serve_vision(family, limits=Limits(image_file_root=str(tmp_path)))
+    engine, client = await serve_vision(family, allow_image_files=str(tmp_path))
     model = engine.model_id
     one, two = png(1), png(2)
     (tmp_path / "one.png").write_bytes(one)
@@ -136,7 +135,7 @@ async def test_bad_images_and_text_models_get_a_400_naming_the_part(start_engine
     assert error["message"] == "multimodal input is not supported by this model"
 
     config = EngineConfig(model_path=vision_fixture_path("llava"), prompt_cache=TEST_CACHE,
-                          scheduler=SchedulerConfig(prefill_step_size=512, device_warmup="false"))
+                          scheduler=SchedulerConfig(prefill_step_size=512, device_warmup=False))
     engine = await nursery.start(run_engine, config)
     base_url = await start_server(engine)
     truncated = png(1)[:80]
@@ -305,7 +304,7 @@ async def test_bucketed_starts_answer_images_as_the_plain_path_does(serve_vision
     monkeypatch.setattr(placement, "START_PREFIX_ALIGN", 16)
     monkeypatch.setattr(placement, "START_QUERY_BUCKET", 32)
     servers = {buckets: await serve_vision(family, scheduler=SchedulerConfig(
-        prefill_step_size=64, device_warmup="false", start_buckets=buckets)) for buckets in ("false", "true")}
+        prefill_step_size=64, device_warmup=False, start_buckets=buckets)) for buckets in (False, True)}
     replies: dict[str, list] = {}
     for buckets, (engine, client) in servers.items():
         (ok,) = engine.model.tokenizer.encode("ok")
@@ -314,12 +313,12 @@ async def test_bucketed_starts_answer_images_as_the_plain_path_does(serve_vision
                              logprobs=True, top_logprobs=5)
         follow_up = [*messages, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and then?"}]
         replies[buckets] = [first, await create(client, engine.model_id, follow_up, logprobs=True, top_logprobs=5)]
-    for bucketed, plain in zip(replies["true"], replies["false"], strict=True):
+    for bucketed, plain in zip(replies[True], replies[False], strict=True):
         assert cached(bucketed) == cached(plain)
         hot, reference = first_logprobs(bucketed), first_logprobs(plain)
         assert hot.keys() == reference.keys()
         assert max(abs(hot[token] - value) for token, value in reference.items()) < 1e-4
-    assert cached(replies["true"][1]) >= replies["true"][0].usage.prompt_tokens - 16
+    assert cached(replies[True][1]) >= replies[True][0].usage.prompt_tokens - 16
 
 
 @pytest.mark.parametrize("family", ["mistral3", "qwen2_5_vl"])
