@@ -239,12 +239,6 @@ def parse_auto_bool(text: str) -> bool | None:
         raise ValueError(f"expected auto, true or false, got {text!r}") from None
 
 
-def auto_bool(value: bool | None) -> bool | None:
-    """A tri-state setting as the device settings take it (None: auto). The settings hold ``bool | None``
-    already, so this is the identity, kept while engine.py (outside this change) still calls it."""
-    return value
-
-
 def parse_llama_cache_reuse(text: str) -> bool:
     """llama.cpp's ``--cache-reuse N``: a chunk size where 0 means off; booleans also accepted."""
     try:

@@ -48,7 +48,7 @@ from mlxcel.cache import disk_index
 from mlxcel.cache.capacity import CapacityDecision, kv_bytes_per_token, kv_head_dim
 from mlxcel.cache.snapshots import SnapshotLimits, SnapshotStore
 from mlxcel.cache.store import ApcSettings, PromptCacheStore, StoreLimits
-from mlxcel.config import EngineConfig, PromptCacheConfig, auto_bool
+from mlxcel.config import EngineConfig, PromptCacheConfig
 from mlxcel.core.cache_plan import CachePlan, plan_cache
 from mlxcel.core.plan import Capabilities
 from mlxcel.errors import MlxcelError, ServerBusy
@@ -396,8 +396,8 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
                 max_batch_size=config.scheduler.max_batch_size,
                 prefill_batch_size=config.scheduler.prefill_batch_size,
                 prefill_step_size=config.scheduler.prefill_step_size,
-                warm_up=auto_bool(config.scheduler.device_warmup),
-                bucket_starts=auto_bool(config.scheduler.start_buckets),
+                warm_up=config.scheduler.device_warmup,
+                bucket_starts=config.scheduler.start_buckets,
                 fail_step=config.fail_step,
                 fail_out_of_memory=config.fail_out_of_memory,
                 lora=config.lora,

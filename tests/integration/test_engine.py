@@ -204,10 +204,10 @@ async def test_the_start_up_warm_up_runs_and_leaves_nothing_behind(start_engine,
 async def test_the_bucketed_warm_up_builds_every_cold_row_width_and_replies_stay_the_same(start_engine) -> None:
     from mlxcel.core.placement import COLD_QUERY_BUCKETS
 
-    cold = await start_engine(scheduler=SchedulerConfig(prefill_step_size=256, device_warmup="false",
-                                                        start_buckets="true", max_batch_size=4))
-    warm = await start_engine(scheduler=SchedulerConfig(prefill_step_size=256, device_warmup="true",
-                                                        start_buckets="true", max_batch_size=4))
+    cold = await start_engine(scheduler=SchedulerConfig(prefill_step_size=256, device_warmup=False,
+                                                        start_buckets=True, max_batch_size=4))
+    warm = await start_engine(scheduler=SchedulerConfig(prefill_step_size=256, device_warmup=True,
+                                                        start_buckets=True, max_batch_size=4))
     assert COLD_QUERY_BUCKETS == (32, 64)
     for words in (3, 20, 50):  # rows of the 32-, 64- and 128-token widths
         text = " ".join(f"w{i}" for i in range(words))
