@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mlxcel.actors.disk_tier import DiskSettings, DiskTier
-from mlxcel.cache import disk_index
-from mlxcel.cache.disk_index import PieceData, PieceName, PieceSpec
+from mlxcel.disk import index as disk_index
+from mlxcel.disk.index import PieceData, PieceName, PieceSpec
+from mlxcel.disk.tier import DiskSettings, DiskTier
 
 PIECE_TOKENS = 32  # two blocks
 NUM_PIECES = 40

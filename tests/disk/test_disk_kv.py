@@ -11,11 +11,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxcel.actors import disk_tier as disk_tier_module
-from mlxcel.actors.disk_tier import DiskSettings, DiskTier
-from mlxcel.cache import disk_index
 from mlxcel.cache.key import CacheContext
-from mlxcel.model.disk_kv import DeviceDisk, rows
+from mlxcel.disk import index as disk_index, tier as disk_tier_module
+from mlxcel.disk.device import DeviceDisk, rows
+from mlxcel.disk.tier import DiskSettings, DiskTier
 from mlxcel.model.kv import DetachedKV
 
 pytestmark = pytest.mark.slow

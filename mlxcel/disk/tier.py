@@ -2,7 +2,7 @@
 
 One ``DiskTier`` per process, over a directory that several processes may
 share. It holds no MLX arrays and imports no MLX: the device thread turns KV
-rows into host buffers (``mlxcel.model.disk_kv``) and hands them to this
+rows into host buffers (``mlxcel.disk.device``) and hands them to this
 tier's writer thread, which writes each piece to a temporary name, renames
 it into place (atomic on POSIX) and keeps the directory within its byte
 budget. Files are never modified after the rename; a hit touches a file's
@@ -40,8 +40,9 @@ from typing import Any
 import attrs
 import blake3
 
-from mlxcel.cache import disk_index
-from mlxcel.cache.disk_index import (
+from mlxcel.cache.key import CacheContext
+from mlxcel.disk import index as disk_index
+from mlxcel.disk.index import (
     REFUSAL_REASONS,
     DiskPlan,
     IndexedFile,
@@ -51,7 +52,6 @@ from mlxcel.cache.disk_index import (
     SnapshotName,
     TensorEntry,
 )
-from mlxcel.cache.key import CacheContext
 
 logger = logging.getLogger(__name__)
 

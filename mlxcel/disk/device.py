@@ -24,7 +24,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from mlxcel.cache.disk_index import (
+from mlxcel.disk.index import (
     DiskPlan,
     PieceData,
     PieceRefused,
@@ -38,7 +38,7 @@ from mlxcel.model.kv import DetachedKV, KvPiece, StoreFormat
 from mlxcel.model.snapshot import SessionSnapshot
 
 if TYPE_CHECKING:
-    from mlxcel.actors.disk_tier import DiskTier
+    from mlxcel.disk.tier import DiskTier
 
 logger = logging.getLogger(__name__)
 
