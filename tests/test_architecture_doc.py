@@ -122,7 +122,7 @@ def _drawn_layers() -> dict[int, set[str]]:
         if match.group(1) is not None:
             row = int(match.group(1))
         if row is not None and (match.group(1) is not None or line.index(match.group(2)) < 30):
-            rows.setdefault(row, set()).update(name.strip("/") for name in match.group(2).split())
+            rows.setdefault(row, set()).update(name.strip("/").replace("/", ".") for name in match.group(2).split())
     return rows
 
 
