@@ -2,8 +2,9 @@
 
 ``PromptRenderer`` is plain code with no Trio and no MLX. The router runs
 ``render`` in worker threads, several at once, and the warmer runs
-``next_turn_history``; its only mutable state is the tokenizer's message memo
-(``model/tokenize.py``, behind its own lock), and the tokenizer in
+``next_turn_history``; its only mutable state is its memos (the tokenizer's
+message memo, ``model/tokenize.py``, and the compiled request templates,
+``model/chat_template.py``, each behind its own lock), and the tokenizer in
 ``ModelInfo`` is used read-only.
 """
 
