@@ -94,7 +94,8 @@ def end_to_end(args: argparse.Namespace) -> None:
 
     from mlxcel.cache.key import CacheContext
     from mlxcel.disk.device import DeviceDisk
-    from mlxcel.disk.tier import DiskSettings, DiskTier
+    from mlxcel.disk.directory import DiskSettings
+    from mlxcel.disk.tier import DiskTier
     from mlxcel.model.kv import DetachedKV
 
     logging.getLogger("mlxcel").setLevel(logging.ERROR)  # the tier's start-up lines, once per run

@@ -55,7 +55,8 @@ from mlxcel.cache.store import ApcSettings, PromptCacheStore, StoreLimits
 from mlxcel.config import EngineConfig, PromptCacheConfig, auto_bool
 from mlxcel.core.plan import Capabilities
 from mlxcel.disk import index as disk_index
-from mlxcel.disk.tier import DiskSettings, DiskTier, open_disk_tier
+from mlxcel.disk.directory import DiskSettings
+from mlxcel.disk.tier import DiskTier, open_disk_tier
 from mlxcel.errors import MlxcelError, ServerBusy
 from mlxcel.model.family import FamilyKind
 from mlxcel.model.grammar_check import GrammarChecker

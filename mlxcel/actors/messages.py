@@ -283,7 +283,7 @@ class RenderMetrics:
     scheduler: SchedulerStats | None = None
     # The session snapshot store (None: not a snapshot family, or the cache is off).
     snapshots: SnapshotStats | None = None
-    # The disk tier (disk/tier.py's DiskStats; None: off).
+    # The disk tier (disk/directory.py's DiskStats; None: off).
     disk: Any = None
     reply_to: trio.MemorySendChannel[bytes] = attrs.field(repr=False)
 

@@ -203,7 +203,7 @@ class MetricsActor:
 
 
 class _DiskSeries:
-    """The disk tier's gauges and counters (disk/tier.py's DiskStats, cumulative since start)."""
+    """The disk tier's gauges and counters (disk/directory.py's DiskStats, cumulative since start)."""
 
     _COUNTERS = (
         ("hits", "mlxcel_prompt_cache_disk_hits", "Lookups answered from the disk tier"),

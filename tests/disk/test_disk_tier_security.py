@@ -21,7 +21,8 @@ import pytest
 from mlxcel.cache.key import CacheContext
 from mlxcel.disk import index as disk_index
 from mlxcel.disk.device import DeviceDisk
-from mlxcel.disk.tier import DiskSettings, DiskTier, UnsafeDirectory
+from mlxcel.disk.directory import DiskSettings, UnsafeDirectory
+from mlxcel.disk.tier import DiskTier
 from mlxcel.model.kv import DetachedKV
 
 CONTEXT = CacheContext(model_id="m", template_sig="t")

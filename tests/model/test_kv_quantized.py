@@ -11,7 +11,8 @@ from mlx_lm.models.cache import KVCache
 
 from mlxcel.cache.key import CacheContext
 from mlxcel.disk.device import DeviceDisk
-from mlxcel.disk.tier import DiskSettings, DiskTier
+from mlxcel.disk.directory import DiskSettings
+from mlxcel.disk.tier import DiskTier
 from mlxcel.model.kv import EXACT, StoreFormat, adopt, detach, store_format, use_store_format
 
 LAYERS, HEADS, DIM = 2, 2, 64
