@@ -51,16 +51,17 @@ class DiskTier:
     def __init__(self, settings: DiskSettings, model_fingerprint: str) -> None:
         self.settings = settings
         self.directory = settings.directory
-        self.dir = Directory(settings)
-        self.writer = DiskWriter(self.dir)
-        self.reader = DiskReader(self.dir)
+        # What the tier's threads share: the counters, the listing, whether the directory is writable.
+        self.shared = Directory(settings)
+        self.writer = DiskWriter(self.shared)
+        self.reader = DiskReader(self.shared)
         self._model = model_fingerprint
         self._hasher = disk_index.new_hasher()
         self._fingerprints: dict[tuple[Any, ...], str] = {}
 
     @property
     def writable(self) -> bool:
-        return self.dir.writable
+        return self.shared.writable
 
     # --- start and stop (the engine's worker thread; close: the device thread at its end) --------
 
@@ -72,11 +73,11 @@ class DiskTier:
             logger.error("prompt-cache disk tier: cannot create %s (%s); the disk tier is off",
                          self.directory, error.strerror or error)
             return
-        self.dir.writable = self._probe_writable()
-        files, temps_removed, foreign = self.dir.scan(clean=True)
+        self.shared.writable = self._probe_writable()
+        files, temps_removed, foreign = self.shared.scan(clean=True)
         tightened = self._make_private(files) if self.writable else 0
         total = sum(item.nbytes for item in files)
-        self.dir.set_size(files)
+        self.shared.set_size(files)
         logger.info(
             "prompt-cache disk tier at %s: %d pieces, %d bytes (budget %d bytes)%s%s%s%s",
             self.directory, len(files), total, self.settings.budget_bytes,
@@ -88,8 +89,8 @@ class DiskTier:
         logger.warning("prompt-cache disk tier: %s holds prompts in the clear (their tokens, readable back "
                        "into text with the model's tokenizer): whoever can read it can read them", self.directory)
         if self.writable:
-            with self.dir.locked():
-                self.dir.enforce_budget()
+            with self.shared.locked():
+                self.shared.enforce_budget()
             self.writer.start()
 
     def close(self, timeout: float = 10.0) -> None:
@@ -151,12 +152,12 @@ class DiskTier:
 
         try:
             run = disk_index.find_run(self.fingerprint(context), chain_up_to, hasher.root, start_block,
-                                      cap_blocks, self.dir.exists)
+                                      cap_blocks, self.shared.exists)
         except OSError:
             run = []
         end = run[-1].name.end_token if run else 0
         if end < max(memory_len + block, self.settings.min_prefix):
-            self.dir.count("misses")
+            self.shared.count("misses")
             return None
         return DiskPlan(pieces=tuple(run), kept=start_block * block, num_tokens=end, memory_len=memory_len,
                         retain_seconds=self._retention_left(run[-1].name))
@@ -164,7 +165,7 @@ class DiskTier:
     def _retention_left(self, name: disk_index.PieceName) -> float:
         """Seconds left of a retention recorded for a prefix ending where this piece does (0: none)."""
         try:
-            until = os.stat(self.dir.path / disk_index.pin_name(name.fingerprint, name.end_block,
+            until = os.stat(self.shared.path / disk_index.pin_name(name.fingerprint, name.end_block,
                                                                  name.chain_hash)).st_mtime
         except OSError:
             return 0.0
@@ -188,7 +189,7 @@ class DiskTier:
         prompt_blocks = prompt_len // disk_index.BLOCK_TOKENS if prompt_len else None
         pieces = disk_index.pieces_of(self.fingerprint(context), chain, self._hasher.root, prompt_blocks)
         try:
-            return tuple(piece for piece in pieces if not self.dir.exists(piece.filename))
+            return tuple(piece for piece in pieces if not self.shared.exists(piece.filename))
         except OSError:
             return ()
 
@@ -197,11 +198,11 @@ class DiskTier:
     def probe_snapshot(self, context: CacheContext, tokens: Sequence[int], memory_len: int
                        ) -> SnapshotName | None:
         """The longest snapshot on disk whose tokens begin tokens[:-1], if longer than memory's memory_len."""
-        if time.monotonic() - self.dir.snapshots_listed > _SNAPSHOT_LISTING_SECONDS:
-            self.dir.scan()  # other processes write snapshots too: a cheap listing at most once a second
+        if time.monotonic() - self.shared.snapshots_listed > _SNAPSHOT_LISTING_SECONDS:
+            self.shared.scan()  # other processes write snapshots too: a cheap listing at most once a second
         fingerprint = self.fingerprint(context)
-        with self.dir.lock:
-            lengths = sorted(self.dir.snapshot_lengths.get(fingerprint, ()), reverse=True)
+        with self.shared.lock:
+            lengths = sorted(self.shared.snapshot_lengths.get(fingerprint, ()), reverse=True)
         lengths = [length for length in lengths if memory_len < length <= len(tokens) - 1]
         if not lengths:
             return None
@@ -209,9 +210,9 @@ class DiskTier:
         for length in lengths:
             name = SnapshotName(fingerprint=fingerprint, num_tokens=length,
                                 digest=disk_index.snapshot_digest(chain, self._hasher.root, tokens[:length]))
-            if self.dir.exists(name.filename):
+            if self.shared.exists(name.filename):
                 return name
-        self.dir.count("misses")
+        self.shared.count("misses")
         return None
 
     def plan_snapshot(self, context: CacheContext, tokens: Sequence[int]) -> SnapshotName | None:
@@ -222,7 +223,7 @@ class DiskTier:
         name = SnapshotName(fingerprint=self.fingerprint(context), num_tokens=len(tokens),
                             digest=disk_index.snapshot_digest(chain, self._hasher.root, tokens))
         try:
-            return None if self.dir.exists(name.filename) else name
+            return None if self.shared.exists(name.filename) else name
         except OSError:
             return None
 
@@ -234,22 +235,22 @@ class DiskTier:
 
     def clear(self) -> tuple[int, int]:
         """Delete every piece in the directory (any process's); returns files and bytes freed."""
-        files, _removed, _foreign = self.dir.scan(clean=True)
+        files, _removed, _foreign = self.shared.scan(clean=True)
         freed = freed_bytes = 0
         for item in files:
             with contextlib.suppress(OSError):
                 os.unlink(self.directory / item.filename)
                 freed += 1
                 freed_bytes += item.nbytes
-        self.dir.set_size([])
+        self.shared.set_size([])
         logger.info("prompt-cache disk tier: reset deleted %d pieces (%d bytes)", freed, freed_bytes)
         return freed, freed_bytes
 
     def statistics(self, *, rescan: bool = True) -> DiskStats:
         if rescan:
-            files, _removed, _foreign = self.dir.scan()
-            self.dir.set_size(files)
-        return self.dir.statistics()
+            files, _removed, _foreign = self.shared.scan()
+            self.shared.set_size(files)
+        return self.shared.statistics()
 
 
 # The files whose bytes decide the tokens (read whole) and those that hold the weights (sampled).
