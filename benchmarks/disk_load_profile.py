@@ -92,9 +92,10 @@ def end_to_end(args: argparse.Namespace) -> None:
 
     import mlx.core as mx
 
-    from mlxcel.actors.disk_tier import DiskSettings, DiskTier
     from mlxcel.cache.key import CacheContext
-    from mlxcel.model.disk_kv import DeviceDisk
+    from mlxcel.disk.device import DeviceDisk
+    from mlxcel.disk.directory import DiskSettings
+    from mlxcel.disk.tier import DiskTier
     from mlxcel.model.kv import DetachedKV
 
     logging.getLogger("mlxcel").setLevel(logging.ERROR)  # the tier's start-up lines, once per run

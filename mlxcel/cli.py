@@ -78,7 +78,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
             except AdapterError as error:
                 return _fail(str(error))
     if engine_config.prompt_cache.disk_dir is not None:
-        from mlxcel.actors.disk_tier import UnsafeDirectory, prepare_directory
+        from mlxcel.disk.directory import UnsafeDirectory, prepare_directory
 
         try:
             # Before the model loads: a directory other users control is refused at once.

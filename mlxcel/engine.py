@@ -22,8 +22,6 @@ import trio
 
 from mlxcel.actors.cache_store import CacheStoreActor
 from mlxcel.actors.device import DeviceActor, DeviceSettings, ModelInfo
-from mlxcel.actors.disk_tier import DiskSettings, DiskTier, open_disk_tier
-from mlxcel.actors.grammar_check import GrammarChecker
 from mlxcel.actors.messages import (
     AdapterScales,
     CacheStoreStats,
@@ -41,17 +39,21 @@ from mlxcel.actors.messages import (
     UseDiskTier,
 )
 from mlxcel.actors.metrics import MetricsActor
-from mlxcel.actors.router import PromptRenderer, RouterActor
+from mlxcel.actors.router import RouterActor
 from mlxcel.actors.scheduler import SchedulerActor
 from mlxcel.actors.warmer import WarmerActor
-from mlxcel.cache import disk_index
 from mlxcel.cache.capacity import CapacityDecision, kv_bytes_per_token, kv_head_dim
 from mlxcel.cache.snapshots import SnapshotLimits, SnapshotStore
 from mlxcel.cache.store import ApcSettings, PromptCacheStore, StoreLimits
 from mlxcel.config import EngineConfig, PromptCacheConfig
 from mlxcel.core.cache_plan import CachePlan, plan_cache
 from mlxcel.core.plan import Capabilities
+from mlxcel.disk import index as disk_index
+from mlxcel.disk.directory import DiskSettings
+from mlxcel.disk.tier import DiskTier, open_disk_tier
 from mlxcel.errors import MlxcelError, ServerBusy
+from mlxcel.model.grammar_check import GrammarChecker
+from mlxcel.model.prompt import PromptRenderer
 from mlxcel.model.reply_parsers import with_reply_parsers
 from mlxcel.types import ChatRequest, Completion, CompletionRequest, Delta, TokenLogprob, ToolCall
 

@@ -20,6 +20,7 @@ import trio
 
 import mlxcel.actors
 from mlxcel.actors import messages
+from tests.test_layering import LAYERS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"]
@@ -107,3 +108,31 @@ def test_the_actor_table_and_count_match_the_actor_classes() -> None:
     count = re.search(r"mlxcel is (\w+) Trio tasks", DOC.read_text())
     assert count is not None
     assert count.group(1) == NUMBER_WORDS[len(actor_files)]
+
+
+def _drawn_layers() -> dict[int, set[str]]:
+    """The packages of each row of the drawing under "## The packages" (a row may go on over lines)."""
+    text = DOC.read_text().split("## The packages", 1)[1].split("```")[1]
+    rows: dict[int, set[str]] = {}
+    row = None
+    for line in text.splitlines()[2:]:
+        match = re.match(r"^\s*(\d+)?\s+(\S+(?: \S+)*?)(?:\s{2,}|$)", line)
+        if match is None:
+            continue
+        if match.group(1) is not None:
+            row = int(match.group(1))
+        if row is not None and (match.group(1) is not None or line.index(match.group(2)) < 30):
+            rows.setdefault(row, set()).update(name.strip("/").replace("/", ".") for name in match.group(2).split())
+    return rows
+
+
+def test_the_package_drawing_is_the_layering_tests_layers() -> None:
+    assert _drawn_layers() == {row: set(packages) for row, packages in enumerate(LAYERS)}
+
+
+def test_the_package_drawing_shows_actors_with_actors_only() -> None:
+    drawing = DOC.read_text().split("## The packages", 1)[1].split("```")[1]
+    (line,) = (line for line in drawing.splitlines() if "actors only:" in line)
+    drawn = set(line.split("actors only:", 1)[1].split())
+    files = {info.name for info in pkgutil.iter_modules(mlxcel.actors.__path__)} - {"messages"}
+    assert drawn == files

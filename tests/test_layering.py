@@ -1,4 +1,4 @@
-"""Layering: the pure modules import neither trio nor MLX, and only the device actor touches MLX.
+"""Layering: the pure modules import neither trio nor MLX, only the device touches MLX, no import goes up.
 
 Imports are read from the source (the whole AST, so imports inside functions
 and under `if TYPE_CHECKING:` count too), not by importing anything. A pure
@@ -21,6 +21,7 @@ import mlxcel
 
 PACKAGE = Path(mlxcel.__file__).parent
 CACHE = PACKAGE / "cache"
+ACTORS = PACKAGE / "actors"
 FORBIDDEN_ROOTS = {"trio", "mlx", "mlx_lm", "zmq"}
 MLX_ROOTS = {"mlx", "mlx_lm"}
 
@@ -29,6 +30,7 @@ PURE_MODULES = (
     "mlxcel.blas",
     "mlxcel.cache",
     "mlxcel.core",
+    "mlxcel.disk.index",
     "mlxcel.config",
     "mlxcel.errors",
     "mlxcel.types",
@@ -38,6 +40,7 @@ PURE_MODULES = (
     "mlxcel.model.info",
     "mlxcel.model.adapters",
     "mlxcel.model.chat_template",
+    "mlxcel.model.prompt",
     "mlxcel.model.tokenize",
     "mlxcel.vision.images",
     "mlxcel.vision.processing",
@@ -47,6 +50,30 @@ PURE_MODULES = (
     "mlxcel.bench.summary",
     "mlxcel.bench.workload",
 )
+
+# The packages from the bottom up: a module imports only its own package's modules and those of
+# packages on lower rows (packages on one row import neither the other). `mlxcel` is the package's
+# own __init__ (the public surface); top-level modules count as packages, and a module named here
+# (model.family) stands apart from its package, on its own row.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "blas"),
+    ("cache",),
+    ("types",),
+    # Plain leaves (they import nothing of mlxcel) that the configuration reads, and the core.
+    ("model.family", "model.adapters", "model.parser_names", "core.grammar_bounds"),
+    ("config",),
+    ("core", "vision"),
+    ("model",),
+    ("disk", "fixtures", "bench"),
+    ("actors",),
+    ("engine",),
+    ("http",),
+    ("cli", "mlxcel"),
+    ("__main__",),
+)
+LAYER_OF = {package: row for row, packages in enumerate(LAYERS) for package in packages}
+# The disk tier's only file that runs MLX: the device thread's half.
+DISK_DEVICE = "mlxcel.disk.device"
 
 
 def _module_file(module: str) -> Path | None:
@@ -164,6 +191,78 @@ def test_only_the_device_actor_imports_mlx() -> None:
         if module.split(".")[0] in MLX_ROOTS
     ]
     assert not offenders, "actors other than the device import MLX: " + ", ".join(offenders)
+
+
+def _layer_package(module: str) -> str:
+    """The LAYERS name of an mlxcel module: itself where LAYERS names it, else its subpackage (or top-level name)."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return parts[0]
+    named = ".".join(parts[1:])
+    return named if named in LAYER_OF else parts[1]
+
+
+def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return [
+        f"{module} -> {target}"
+        for module, targets in sorted(graph.items())
+        for target in sorted(targets)
+        if _layer_package(module) != _layer_package(target)
+        and LAYER_OF[_layer_package(target)] >= LAYER_OF[_layer_package(module)]
+    ]
+
+
+def test_every_package_has_a_layer() -> None:
+    packages = {_layer_package(module) for module in _import_graph()}
+    assert packages == set(LAYER_OF), (f"packages without a row in LAYERS: {sorted(packages - set(LAYER_OF))}; "
+                                       f"rows naming no package: {sorted(set(LAYER_OF) - packages)}")
+
+
+def test_no_import_goes_up_the_layers() -> None:
+    offenders = _upward_imports(_import_graph())
+    assert not offenders, "imports up (or across) the layers: " + "; ".join(offenders)
+
+
+def test_the_layer_check_finds_an_upward_import() -> None:
+    graph = {"mlxcel.model.disk_kv": {"mlxcel.actors.disk_tier", "mlxcel.cache.key"}, "mlxcel.core.x": {"mlxcel.vision.y"},
+             "mlxcel.model.family": {"mlxcel.model.kv"}, "mlxcel.core.z": {"mlxcel.config", "mlxcel.model.family"}}
+    assert _upward_imports(graph) == ["mlxcel.core.x -> mlxcel.vision.y", "mlxcel.model.disk_kv -> mlxcel.actors.disk_tier",
+                                      "mlxcel.model.family -> mlxcel.model.kv"]
+
+
+def test_the_disk_tier_runs_mlx_only_in_its_device_file() -> None:
+    offenders = [
+        chain for path in _sources("mlxcel.disk") if _module_name(path) != DISK_DEVICE
+        for chain in _forbidden_imports(path, FORBIDDEN_ROOTS)
+    ]
+    assert not offenders, "disk-tier modules beside disk/device.py reach: " + "; ".join(offenders)
+
+
+def _defines_an_actor(path: Path) -> bool:
+    """A class whose ``async def run`` takes ``task_status`` and which keeps an ``inbox``."""
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        runs = [item for item in node.body if isinstance(item, ast.AsyncFunctionDef) and item.name == "run"
+                and "task_status" in {arg.arg for arg in item.args.kwonlyargs}]
+        keeps_inbox = any(isinstance(target, ast.Attribute) and target.attr == "inbox"
+                          for item in ast.walk(node) if isinstance(item, ast.Assign) for target in item.targets)
+        if runs and keeps_inbox:
+            return True
+    return False
+
+
+def test_actors_holds_actors_only() -> None:
+    # messages.py is the actors' one shared vocabulary (DESIGN.md); every other file there is an actor.
+    others = [path.name for path in sorted(ACTORS.glob("*.py"))
+              if path.name not in ("__init__.py", "messages.py") and not _defines_an_actor(path)]
+    assert not others, "mlxcel/actors holds modules that define no actor: " + ", ".join(others)
+
+
+def test_the_actor_check_tells_an_actor_from_a_helper() -> None:
+    assert _defines_an_actor(ACTORS / "warmer.py")
+    assert not _defines_an_actor(PACKAGE / "disk" / "tier.py")
+    assert not _defines_an_actor(PACKAGE / "model" / "grammar_check.py")
 
 
 def test_the_import_walk_sees_what_it_must() -> None:

@@ -19,7 +19,6 @@ from typing import Any, cast
 
 import trio
 
-from mlxcel.actors.disk_tier import DiskTier
 from mlxcel.actors.messages import (
     CacheLookedUp,
     CacheStoreMsg,
@@ -50,6 +49,7 @@ from mlxcel.cache.kv_events import BlockChange
 from mlxcel.cache.snapshots import SnapshotHit, SnapshotRefused, SnapshotStats, SnapshotStore
 from mlxcel.cache.store import InsertOutcome, Match, PromptCacheStore, ResetOutcome, StoreStats
 from mlxcel.core.plan import KVHandle
+from mlxcel.disk.tier import DiskTier
 
 logger = logging.getLogger(__name__)
 

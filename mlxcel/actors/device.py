@@ -7,7 +7,7 @@ Each ``RunStep`` carries a ``StepPlan`` decided by the scheduling core
 (``mlxcel/core/scheduler.py``); the executor (``mlxcel/model/executor.py``)
 carries it out and the thread queues its ``StepResult`` back to the Trio
 loop without waiting. The disk tier's messages are dispatched here too
-(``mlxcel/model/disk_kv.py`` does their work).
+(``mlxcel/disk/device.py`` does their work).
 """
 
 from __future__ import annotations
@@ -199,9 +199,9 @@ async def _receive_within(inbox: trio.MemoryReceiveChannel[DeviceMsg], seconds: 
 
 def _disk_message(disk: Any, message: UseDiskTier | PersistPieces | LoadDiskPrefix | PersistSnapshot
                   | LoadDiskSnapshot, worker: StepExecutor, trio_token: trio.lowlevel.TrioToken) -> Any:
-    """The disk tier's messages (mlxcel/model/disk_kv.py does the work); returns the device's DeviceDisk."""
+    """The disk tier's messages (mlxcel/disk/device.py does the work); returns the device's DeviceDisk."""
     from mlxcel.actors.messages import DiskPrefixLoaded
-    from mlxcel.model.disk_kv import DeviceDisk
+    from mlxcel.disk.device import DeviceDisk
 
     match message:
         case UseDiskTier():

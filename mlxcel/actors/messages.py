@@ -13,7 +13,6 @@ from typing import Any
 import attrs
 import trio
 
-from mlxcel.cache.disk_index import DiskPlan, PieceSpec, SnapshotName
 from mlxcel.cache.key import CacheContext
 from mlxcel.cache.kv_events import BlockChange
 from mlxcel.cache.snapshots import SnapshotStats
@@ -31,6 +30,7 @@ from mlxcel.core.effects import (
 )
 from mlxcel.core.plan import GrammarWork, KVHandle, StepPlan, StepResult
 from mlxcel.core.scheduler import NewRequest, WarmSession as WarmSession
+from mlxcel.disk.index import DiskPlan, PieceSpec, SnapshotName
 from mlxcel.errors import MlxcelError
 from mlxcel.types import ChatRequest, CompletionRequest, Delta
 
@@ -124,12 +124,12 @@ class RunStep:
     reply_to: trio.MemorySendChannel[StepResult] = attrs.field(repr=False)
 
 
-# --- the disk tier (anyone -> device): see mlxcel/model/disk_kv.py ----------------------
+# --- the disk tier (anyone -> device): see mlxcel/disk/device.py ----------------------
 
 
 @attrs.frozen(kw_only=True)
 class UseDiskTier:
-    """From the engine at start-up: the device writes and reads this disk tier (``actors/disk_tier.py``)."""
+    """From the engine at start-up: the device writes and reads this disk tier (``disk/tier.py``)."""
 
     tier: Any = attrs.field(repr=False)
 
@@ -283,7 +283,7 @@ class RenderMetrics:
     scheduler: SchedulerStats | None = None
     # The session snapshot store (None: not a snapshot family, or the cache is off).
     snapshots: SnapshotStats | None = None
-    # The disk tier (actors/disk_tier.py's DiskStats; None: off).
+    # The disk tier (disk/directory.py's DiskStats; None: off).
     disk: Any = None
     reply_to: trio.MemorySendChannel[bytes] = attrs.field(repr=False)
 

@@ -203,7 +203,7 @@ class MetricsActor:
 
 
 class _DiskSeries:
-    """The disk tier's gauges and counters (actors/disk_tier.py's DiskStats, cumulative since start)."""
+    """The disk tier's gauges and counters (disk/directory.py's DiskStats, cumulative since start)."""
 
     _COUNTERS = (
         ("hits", "mlxcel_prompt_cache_disk_hits", "Lookups answered from the disk tier"),
@@ -219,7 +219,7 @@ class _DiskSeries:
     )
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        from mlxcel.cache.disk_index import REFUSAL_REASONS
+        from mlxcel.disk.index import REFUSAL_REASONS
 
         self._bytes = Gauge("mlxcel_prompt_cache_disk_bytes", "Bytes of pieces in the disk tier's directory",
                             registry=registry)

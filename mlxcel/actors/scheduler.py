@@ -279,7 +279,7 @@ class SchedulerActor:
         self._send_nowait(self._to_cache_store, DonateSequence(
             context=lookup.context, tokens=lookup.tokens[:loaded.num_tokens], payload=loaded.payload,
             nbytes=loaded.payload.nbytes,
-            # A retained prompt read back within its ttl is pinned again (disk_tier.record_retention).
+            # A retained prompt read back within its ttl is pinned again (DiskTier.record_retention).
             retain_seconds=found.plan.retain_seconds if loaded.num_tokens >= found.plan.num_tokens else 0.0))
         return PrefixFound(matched_len=loaded.num_tokens, payload=loaded.payload, cross_session=False, partial=True)
 

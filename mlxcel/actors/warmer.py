@@ -14,8 +14,8 @@ import logging
 import trio
 
 from mlxcel.actors.messages import ReplyFinished, WarmerMsg, WarmerStats, WarmSession
-from mlxcel.actors.router import PromptRenderer
 from mlxcel.errors import InvalidRequest
+from mlxcel.model.prompt import PromptRenderer
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ properties in 0.2 s, 10,000 in 16 s; llguidance's GBNF converter, pure
 Python, takes 1 s for 500 rules and 33 s for 2,000). So each shape that grows
 fast is counted first, in one pass over the parsed JSON or the GBNF text, and
 a grammar over a bound is refused before any compiler sees it. What passes
-still compiles under a time limit (``mlxcel.actors.grammar_check``).
+still compiles under a time limit (``mlxcel.model.grammar_check``).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from mlxcel.actors.cache_store import CacheStoreActor
 from mlxcel.actors.device import DeviceActor, DeviceSettings, ModelInfo
 from mlxcel.actors.messages import SubmitRequest
 from mlxcel.actors.metrics import MetricsActor
-from mlxcel.actors.router import PromptRenderer, RouterActor
+from mlxcel.actors.router import RouterActor
 from mlxcel.actors.scheduler import SchedulerActor
 from mlxcel.actors.warmer import WarmerActor
 from mlxcel.cache.store import PromptCacheStore, StoreLimits
@@ -21,6 +21,7 @@ from mlxcel.core.plan import Capabilities, StepResult
 from mlxcel.core.scheduler import NewRequest
 from mlxcel.fixtures import fixture_path
 from mlxcel.model.family import FamilyKind, ModelFamily
+from mlxcel.model.prompt import PromptRenderer
 from mlxcel.types import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -18,12 +18,13 @@ from mlxcel.actors.messages import (
     StreamEvent,
     SubmitRequest,
 )
-from mlxcel.actors.router import RAW_PROMPT_TEMPLATE, PromptRenderer, RouterActor
+from mlxcel.actors.router import RouterActor
 from mlxcel.cache.key import ANONYMOUS_SESSION, RopeRegime, template_signature
 from mlxcel.core.scheduler import NewRequest
 from mlxcel.fixtures import fixture_path
 from mlxcel.model.family import detect_family
 from mlxcel.model.loader import load_model, read_model_config
+from mlxcel.model.prompt import RAW_PROMPT_TEMPLATE, PromptRenderer
 from mlxcel.types import (
     CacheOptions,
     ChatRequest,
@@ -342,7 +343,7 @@ async def test_unknown_tool_choice_is_rejected_not_fatal() -> None:
 
 
 def test_preserve_thinking_defaults_on_with_the_cache_and_a_request_can_override() -> None:
-    from mlxcel.actors.router import PromptRenderer
+    from mlxcel.model.prompt import PromptRenderer
 
     class Tokenizer:
         def __init__(self) -> None:

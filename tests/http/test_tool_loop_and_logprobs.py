@@ -12,10 +12,10 @@ import httpx
 import pytest
 import trio
 
-from mlxcel.actors.router import PromptRenderer
 from mlxcel.engine import Engine, run_engine
 from mlxcel.fixtures import fixture_path
 from mlxcel.http.validation import parse_chat_request
+from mlxcel.model.prompt import PromptRenderer
 from mlxcel.types import ChatRequest, CompletionRequest, SamplingParams
 from tests.support import make_engine_config
 

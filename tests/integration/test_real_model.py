@@ -234,7 +234,7 @@ async def test_served_model_names_models_routes_and_server_chat_template(start_e
 
 
 def test_server_chat_template_and_kwargs_are_in_the_template_signature(smollm2_model_info) -> None:
-    from mlxcel.actors.router import PromptRenderer
+    from mlxcel.model.prompt import PromptRenderer
     from mlxcel.types import ChatRequest
 
     request = ChatRequest(messages=({"role": "user", "content": "hello"},))

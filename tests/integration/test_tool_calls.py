@@ -19,10 +19,10 @@ import openai
 import pytest
 import trio
 
-from mlxcel.actors.router import PromptRenderer
 from mlxcel.core.output import ReplyFormat
 from mlxcel.engine import Engine, run_engine
 from mlxcel.http.validation import parse_chat_request
+from mlxcel.model.prompt import PromptRenderer
 from tests.http.test_tool_loop_and_logprobs import fixture_copy
 from tests.support import make_engine_config
 

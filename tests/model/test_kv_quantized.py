@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from mlxcel.actors.disk_tier import DiskSettings, DiskTier
 from mlxcel.cache.key import CacheContext
-from mlxcel.model.disk_kv import DeviceDisk
+from mlxcel.disk.device import DeviceDisk
+from mlxcel.disk.directory import DiskSettings
+from mlxcel.disk.tier import DiskTier
 from mlxcel.model.kv import EXACT, StoreFormat, adopt, detach, store_format, use_store_format
 
 LAYERS, HEADS, DIM = 2, 2, 64

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from mlxcel.cache import disk_index
-from mlxcel.cache.disk_index import (
+from mlxcel.cache.key import CacheContext, RopeRegime
+from mlxcel.disk import index as disk_index
+from mlxcel.disk.index import (
     PIECE_BLOCKS,
     IndexedFile,
     PieceName,
@@ -21,7 +22,6 @@ from mlxcel.cache.disk_index import (
     pieces_of,
     stale_temp,
 )
-from mlxcel.cache.key import CacheContext, RopeRegime
 
 CONTEXT = CacheContext(model_id="m", template_sig="t")
 

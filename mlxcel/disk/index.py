@@ -16,7 +16,7 @@ files of a useful size (32 MiB for an 8B model in bf16, not 2 MiB per
 16-token block), and a lookup of one existence check per piece.
 
 No I/O, no MLX, no Trio: the directory is read and written by
-``mlxcel.actors.disk_tier``; this module only decides.
+``mlxcel.disk.tier``; this module only decides.
 """
 
 from __future__ import annotations

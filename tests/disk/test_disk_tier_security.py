@@ -18,10 +18,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxcel.actors.disk_tier import DiskSettings, DiskTier, UnsafeDirectory
-from mlxcel.cache import disk_index
 from mlxcel.cache.key import CacheContext
-from mlxcel.model.disk_kv import DeviceDisk
+from mlxcel.disk import index as disk_index
+from mlxcel.disk.device import DeviceDisk
+from mlxcel.disk.directory import DiskSettings, UnsafeDirectory
+from mlxcel.disk.tier import DiskTier
 from mlxcel.model.kv import DetachedKV
 
 CONTEXT = CacheContext(model_id="m", template_sig="t")
@@ -170,7 +171,7 @@ def test_an_oversized_planted_file_costs_no_memory(tmp_path: Path) -> None:
 
 
 def test_start_up_says_the_directory_holds_prompts_in_the_clear(tmp_path: Path, caplog) -> None:
-    with caplog.at_level("WARNING", logger="mlxcel.actors.disk_tier"):
+    with caplog.at_level("WARNING", logger="mlxcel.disk.tier"):
         open_tier(tmp_path).close()
     assert any("holds prompts in the clear" in record.getMessage() and record.levelname == "WARNING"
                for record in caplog.records)

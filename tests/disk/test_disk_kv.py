@@ -11,11 +11,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxcel.actors import disk_tier as disk_tier_module
-from mlxcel.actors.disk_tier import DiskSettings, DiskTier
-from mlxcel.cache import disk_index
 from mlxcel.cache.key import CacheContext
-from mlxcel.model.disk_kv import DeviceDisk, rows
+from mlxcel.disk import index as disk_index, writer as disk_writer_module
+from mlxcel.disk.device import DeviceDisk, rows
+from mlxcel.disk.directory import DiskSettings
+from mlxcel.disk.tier import DiskTier
 from mlxcel.model.kv import DetachedKV
 
 pytestmark = pytest.mark.slow
@@ -203,7 +203,7 @@ def test_a_full_disk_leaves_no_file_behind(tmp_path: Path, monkeypatch, caplog) 
     def no_space(_fd: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(disk_tier_module.os, "fsync", no_space)
+    monkeypatch.setattr(disk_writer_module.os, "fsync", no_space)
     tier = open_tier(tmp_path)
     with caplog.at_level(logging.WARNING):
         write(tier, payload())
@@ -227,7 +227,7 @@ def test_an_unwritable_directory_is_read_only(tmp_path: Path, monkeypatch, caplo
         raise PermissionError(errno.EACCES, "Permission denied")
 
     monkeypatch.undo()
-    monkeypatch.setattr(disk_tier_module.os, "replace", denied)
+    monkeypatch.setattr(disk_writer_module.os, "replace", denied)
     fresh = tmp_path / "fresh"
     tier = open_tier(fresh)
     write(tier, payload())

@@ -24,7 +24,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from mlxcel.cache.disk_index import (
+from mlxcel.disk.index import (
     DiskPlan,
     PieceData,
     PieceRefused,
@@ -38,7 +38,7 @@ from mlxcel.model.kv import DetachedKV, KvPiece, StoreFormat
 from mlxcel.model.snapshot import SessionSnapshot
 
 if TYPE_CHECKING:
-    from mlxcel.actors.disk_tier import DiskTier
+    from mlxcel.disk.tier import DiskTier
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class DeviceDisk:
         return bool(self._jobs)
 
     def can_work(self) -> bool:
-        return bool(self._jobs) and self.tier.has_room()
+        return bool(self._jobs) and self.tier.writer.has_room()
 
     def work(self, max_bytes: int = SLICE_BYTES) -> None:
         """Convert up to max_bytes of the first job's rows; a finished piece goes to the writer."""
@@ -209,8 +209,8 @@ class DeviceDisk:
                 job.layer += 1
                 if job.layer == count:
                     stored = job.payload.store_format
-                    self.tier.submit(PieceData(spec=spec, tensors=tuple(job.tensors), num_layers=count,
-                                               extra=quantization_metadata(stored.bits, stored.group_size)))
+                    self.tier.writer.submit(PieceData(spec=spec, tensors=tuple(job.tensors), num_layers=count,
+                                                      extra=quantization_metadata(stored.bits, stored.group_size)))
                     job.piece, job.layer, job.tensors = job.piece + 1, 0, []
             if job.piece >= len(job.pieces):
                 self._jobs.popleft()  # the payload is let go here, on the device thread
@@ -230,8 +230,8 @@ class DeviceDisk:
             job.layer += 1
         if job.layer >= len(snapshot.layers):
             extra = {"family": snapshot.family, "layers": json.dumps(job.layouts, separators=(",", ":"))}
-            self.tier.submit(PieceData(spec=job.name, tensors=tuple(job.tensors), num_layers=len(snapshot.layers),
-                                       extra=extra))
+            self.tier.writer.submit(PieceData(spec=job.name, tensors=tuple(job.tensors),
+                                              num_layers=len(snapshot.layers), extra=extra))
             self._jobs.popleft()
         return max(done, 1)
 
@@ -239,7 +239,7 @@ class DeviceDisk:
         """A session snapshot read back from disk, checked (None: refused or gone)."""
         started = time.perf_counter()
         try:
-            metadata, layout, tensors = self.tier.read_snapshot(name, self._num_layers)
+            metadata, layout, tensors = self.tier.reader.read_snapshot(name, self._num_layers)
             if self._family and metadata.get("family") != self._family:
                 raise PieceRefused("shape", f"a {metadata.get('family')!r} snapshot for a {self._family!r} model")
             arrays = {tensor_name: _device(entry.dtype, entry.shape, buffer)
@@ -249,11 +249,11 @@ class DeviceDisk:
             except (KeyError, ValueError, TypeError, IndexError) as error:
                 raise PieceRefused("malformed", f"layer layout ({error})") from None
         except PieceRefused as error:
-            self.tier.refuse(name, error)
+            self.tier.reader.refuse(name, error)
             return None
         except FileNotFoundError:
-            self.tier.vanished(name)
-            self.tier.record_miss()
+            self.tier.reader.vanished(name)
+            self.tier.reader.record_miss()
             return None
         except OSError as error:
             logger.warning("prompt-cache disk tier: cannot read %s (%s)", name.filename, error.strerror or error)
@@ -261,14 +261,14 @@ class DeviceDisk:
         snapshot = SessionSnapshot(metadata["family"], layers, name.num_tokens)
         mx.eval(list(arrays.values()))
         nbytes = sum(buffer.nbytes for _entry, buffer in tensors.values())
-        self.tier.record_load(nbytes=nbytes, seconds=time.perf_counter() - started, tokens=name.num_tokens)
+        self.tier.reader.record_load(nbytes=nbytes, seconds=time.perf_counter() - started, tokens=name.num_tokens)
         return snapshot
 
     def flush(self, deadline_seconds: float = 10.0) -> None:
         """Shutting down: convert what is queued (within the deadline), then let the writer finish."""
         end = time.monotonic() + deadline_seconds
         while self._jobs and time.monotonic() < end:
-            if self.tier.has_room():
+            if self.tier.writer.has_room():
                 self.work()
             else:
                 time.sleep(0.01)
@@ -293,7 +293,7 @@ class DeviceDisk:
         segments: list[tuple[KvPiece, int]] = list(memory.cut(plan.kept).segments) if plan.kept else []
         reference = dtype_of(memory) if plan.kept else None
         length, nbytes = plan.kept, 0
-        reads = self.tier.read_ahead(plan.pieces, self._num_layers)
+        reads = self.tier.reader.read_ahead(plan.pieces, self._num_layers)
         try:
             for spec, future in zip(plan.pieces, reads, strict=True):
                 try:
@@ -308,10 +308,10 @@ class DeviceDisk:
                     reference = next(iter(dtypes))
                     piece_layers, piece_format = _piece_layers(arrays, metadata, self._num_layers)
                 except PieceRefused as error:
-                    self.tier.refuse(spec, error)
+                    self.tier.reader.refuse(spec, error)
                     break
                 except FileNotFoundError:
-                    self.tier.vanished(spec)
+                    self.tier.reader.vanished(spec)
                     break
                 except OSError as error:
                     logger.warning("prompt-cache disk tier: cannot read %s (%s)", spec.filename,
@@ -326,7 +326,7 @@ class DeviceDisk:
                 read_seconds_per_token = (time.perf_counter() - started) / (length - plan.kept)
                 if (prefill_seconds_per_token is not None and spec is not plan.pieces[-1]
                         and read_seconds_per_token > prefill_seconds_per_token):
-                    self.tier.record_cut_short()
+                    self.tier.reader.record_cut_short()
                     logger.info("prompt-cache disk hit cut short after %d tokens: reading took %.3f ms a token, "
                                 "prefilling takes %.3f", length, 1000 * read_seconds_per_token,
                                 1000 * prefill_seconds_per_token)
@@ -334,12 +334,12 @@ class DeviceDisk:
         finally:
             reads.close()
         if length <= plan.memory_len:
-            self.tier.record_miss()
+            self.tier.reader.record_miss()
             return None
         detached = DetachedKV(segments)
         mx.eval(detached.arrays())
         seconds = time.perf_counter() - started
-        self.tier.record_load(nbytes=nbytes, seconds=seconds, tokens=length - plan.kept)
+        self.tier.reader.record_load(nbytes=nbytes, seconds=seconds, tokens=length - plan.kept)
         logger.debug("prompt-cache disk hit: %d tokens (%d from memory), %d bytes read in %.1f ms",
                      length, plan.kept, nbytes, 1000 * seconds)
         return detached

@@ -9,9 +9,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mlxcel.actors.disk_tier import DiskSettings, DiskTier
-from mlxcel.cache import disk_index
-from mlxcel.cache.disk_index import PieceData, PieceName, PieceSpec
+from mlxcel.disk import index as disk_index
+from mlxcel.disk.directory import DiskSettings
+from mlxcel.disk.index import PieceData, PieceName, PieceSpec
+from mlxcel.disk.tier import DiskTier
 
 PIECE_TOKENS = 32  # two blocks
 NUM_PIECES = 40
@@ -37,7 +38,7 @@ def write_pieces(directory: str, writer: int, ready: Any, start: Any) -> None:
     for index in range(NUM_PIECES):
         buffer = bytes([writer, index]) * (TENSOR_BYTES // 2)
         tensors = tuple((name, "F32", (1, 2, PIECE_TOKENS, 8), buffer) for name in disk_index.layer_names(0))
-        tier.submit(PieceData(spec=spec(writer, index), tensors=tensors, num_layers=1))
+        tier.writer.submit(PieceData(spec=spec(writer, index), tensors=tensors, num_layers=1))
         time.sleep(0.01)
     tier.close()
 
@@ -70,14 +71,14 @@ def test_two_writers_keep_one_budget_and_read_each_others_pieces(tmp_path: Path)
     assert 0 < peak <= BUDGET
     assert piece_bytes(tmp_path) <= BUDGET
     # A third process's tier reads what either wrote: the most recent pieces of both survive.
-    reader = DiskTier(settings(tmp_path), "model")
-    reader.open()
+    tier = DiskTier(settings(tmp_path), "model")
+    tier.open()
     found = {writer: [index for index in range(NUM_PIECES) if (tmp_path / spec(writer, index).filename).exists()]
              for writer in (1, 2)}
     assert found[1]
     assert found[2]
     for writer, indices in found.items():
         for index in indices:
-            _metadata, tensors = reader.read(spec(writer, index), num_layers=1)
+            _metadata, tensors = tier.reader.read(spec(writer, index), num_layers=1)
             assert bytes(tensors[0][1][:2]) == bytes([writer, index])
-    assert reader.statistics().entries == len(found[1]) + len(found[2])
+    assert tier.statistics().entries == len(found[1]) + len(found[2])

@@ -12,8 +12,8 @@ import attrs
 import pytest
 import trio
 
-from mlxcel.actors.grammar_check import GrammarChecker, one_line
 from mlxcel.errors import InvalidRequest, ServerBusy
+from mlxcel.model.grammar_check import GrammarChecker, one_line
 from tests.actors.test_actor_router import chat, llama_info, start_router
 
 pytestmark = pytest.mark.slow
