@@ -36,8 +36,8 @@ def start_mlxcel(model: Path | str, flags: list[str], *, log: Path | None = None
     command = [sys.executable, "-m", "mlxcel", "serve", "-m", str(model), "--host", "127.0.0.1",
                "--port", str(port), "--log-level", log_level, *flags]
     if stacks is not None:
-        # The server under the sampling profiler (mlxcel/bench/stacks.py): its report rewritten every 2 s.
-        command[1:3] = ["-m", "mlxcel.bench.stacks", str(stacks), "--"]
+        # The server under the sampling profiler: its report rewritten every 2 s.
+        command[1:3] = [str(REPO / "benchmarks" / "serve_under_stacks.py"), str(stacks), "--"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     output: IO[bytes] | int = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=output)

@@ -143,7 +143,7 @@ class DeviceActor:
 
             logger.info("device warm-up took %.2f s", warm_up(worker, info))
         trio.from_thread.run_sync(task_status.started, info, trio_token=self._trio_token)
-        disk: Any = None  # model/disk_kv.py's DeviceDisk, once the engine hands over a disk tier
+        disk: Any = None  # disk/device.py's DeviceDisk, once the engine hands over a disk tier
         trio_token = self._trio_token
         assert trio_token is not None, "set by run() before the thread starts"
         try:

@@ -1,7 +1,6 @@
 """A sampling profiler for benchmarks: every thread's stack every few milliseconds, no ptrace.
 
-``python -m mlxcel.bench.stacks REPORT -- ARGS...`` runs ``mlxcel ARGS...`` (a server) under it and
-rewrites REPORT every two seconds (``mlxcel serve`` ends with ``os._exit``: nothing runs at exit).
+``benchmarks/serve_under_stacks.py`` runs a server under it.
 """
 
 from __future__ import annotations
@@ -70,24 +69,3 @@ class StackSampler:
             lines.extend(f"    {100 * count / total:5.1f}%  {where}"
                          for where, count in self.inclusive[name].most_common(top))
         return "\n".join(lines)
-
-
-def main() -> None:
-    report, separator, *arguments = sys.argv[1:]
-    assert separator == "--", "usage: python -m mlxcel.bench.stacks REPORT -- ARGS..."
-    sampler = StackSampler()
-    sampler.start()
-
-    def write() -> None:
-        while True:
-            threading.Event().wait(2.0)
-            Path(report).write_text(sampler.report(top=30))
-
-    threading.Thread(target=write, daemon=True, name="stack-report").start()
-    from mlxcel.cli import main as mlxcel_main
-
-    raise SystemExit(mlxcel_main(arguments))
-
-
-if __name__ == "__main__":
-    main()

@@ -549,7 +549,7 @@ def _native_grammar(root: Mapping[str, Any], tenant: str, limits: Limits) -> tup
 
 def _gbnf_to_lark(gbnf: str) -> tuple[str, str | None]:
     """llguidance's Lark form of a GBNF grammar (pure Python, bounded by the rule count checked before);
-    whether it compiles is checked later, off the request threads (mlxcel.actors.grammar_check)."""
+    whether it compiles is checked later, off the request threads (mlxcel.model.grammar_check)."""
     from llguidance.gbnf_to_lark import any_to_lark
 
     try:
@@ -939,7 +939,7 @@ def _native_logit_bias(value: object, path: str, limits: Limits) -> tuple[tuple[
 
 def _json_grammar(schema: Mapping[str, Any], path: str, limits: Limits) -> str:
     """The llguidance grammar of a JSON Schema (a wrapper of its JSON: cheap); one too large is a 400
-    naming ``path``. Whether it compiles is checked later, under a time limit (mlxcel.actors.grammar_check)."""
+    naming ``path``. Whether it compiles is checked later, under a time limit (mlxcel.model.grammar_check)."""
     from llguidance import LLMatcher
 
     # Not sorted: the grammar writes properties in the schema's order.
