@@ -23,8 +23,9 @@ Each group of a row is quantized after an orthonormal Hadamard rotation
 (``mx.hadamard_transform`` over the group, in float32) and rotated back after
 dequantizing, in float32, rounded once to the KV dtype. A few large channels
 (keys have them) otherwise set every group's scale; rotated, their energy is
-spread over the group, and the error of a hit against a cold run about halves
-at the same bytes (benchmarks/kv_quant_agreement.py, docs/prompt-cache.md).
+spread over the group: at the same bytes a hit's greedy reply equalled the cold
+run's in 97.7% of 220 real-model hits at 8 bits, against 95.0% with plain
+groups (benchmarks/kv_quant_agreement.py, docs/prompt-cache.md).
 """
 
 from __future__ import annotations
