@@ -361,7 +361,8 @@ async def _open_disk(config: EngineConfig, model: ModelInfo, plan: CachePlan) ->
     extra = [repr([spec.scale for spec in config.lora]), str(not config.lora_init_without_apply)]
     if cache.kv_bits:
         # Quantized pieces are other files: a server with another setting neither reads nor evicts-by-name them.
-        extra.append(f"kv_bits={cache.kv_bits},kv_group_size={cache.kv_group_size}")
+        # (Hadamard-rotated groups since issue 31: files of the plain layout are not these.)
+        extra.append(f"kv_bits={cache.kv_bits},kv_group_size={cache.kv_group_size},kv_rotation=hadamard")
     try:
         return await trio.to_thread.run_sync(partial(open_disk_tier, settings, model.path, adapters, extra))
     except OSError as error:

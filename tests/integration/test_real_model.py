@@ -313,11 +313,12 @@ async def test_quantized_stored_kv_hits_against_cold_runs(start_engine, start_se
         return  # the exact store: the baseline the table compares with
     assert max(differences) > 0  # the hits really came from quantized rows
     if bits == 8:
-        # Measured 20/22; both divergences at near ties (top-2 margins of 0.017 and 0.007 nats).
-        assert fraction >= 0.85, "\n".join(report)
+        # Hadamard-rotated groups: measured 22/22 (plain groups: 20/22, both at near ties of 0.017 and
+        # 0.007 nats); any divergence left must be at a near tie.
+        assert fraction >= 0.95, "\n".join(report)
         assert all(margin is not None and margin < 0.1 for margin in margins), "\n".join(report)
     else:
-        assert fraction >= 0.35, "\n".join(report)  # measured 10/22: 4 bits is for when memory wins
+        assert fraction >= 0.45, "\n".join(report)  # measured 13/22 (plain: 10/22): 4 bits is for when memory wins
 
 
 async def test_quantized_pieces_survive_a_restart_through_the_disk_tier(tmp_path) -> None:
