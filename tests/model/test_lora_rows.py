@@ -15,11 +15,15 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator
 
+from mlxcel.core.plan import Capabilities, StartDirect, StepPlan
+from mlxcel.core.scheduler import NewRequest, SchedulerCore
 from mlxcel.fixtures import fixture_path, lora_fixture_path
 from mlxcel.model.adapter_batches import AdapterBatches
 from mlxcel.model.adapters import AdapterSpec
-from mlxcel.model.loader import load_model
+from mlxcel.model.executor import DeviceSettings, StepExecutor
+from mlxcel.model.loader import LoadedModel, load_model
 from mlxcel.model.lora import Config, LoadedAdapters, load_adapters
+from mlxcel.types import Delta, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -46,10 +50,16 @@ class CountingModel:
 
 
 @pytest.fixture(scope="module")
-def adapted() -> tuple[Any, LoadedAdapters]:
+def adapted_model() -> tuple[LoadedModel, LoadedAdapters]:
     loaded = load_model(fixture_path("llama"))
     specs = [AdapterSpec(path=lora_fixture_path(seed=1)), AdapterSpec(path=lora_fixture_path(seed=2))]
-    return loaded.model, load_adapters(loaded.model, specs)
+    return loaded, load_adapters(loaded.model, specs)
+
+
+@pytest.fixture(scope="module")
+def adapted(adapted_model: tuple[LoadedModel, LoadedAdapters]) -> tuple[Any, LoadedAdapters]:
+    loaded, adapters = adapted_model
+    return loaded.model, adapters
 
 
 def prompts() -> list[list[int]]:
@@ -142,3 +152,104 @@ def test_a_pass_with_scales_for_other_rows_is_refused(adapted: tuple[Any, Loaded
         mx.eval(model(mx.array([[1, 2, 3]])))  # every adapter off for every row: the base model's pass
     finally:
         adapters.set_rows([])
+
+
+class Recorder:
+    """The core's clients: each request's token ids and logprobs."""
+
+    def __init__(self) -> None:
+        self.deltas: dict[str, list[Delta]] = {}
+
+    def send(self, request_id: str, delta: Delta) -> bool:
+        self.deltas.setdefault(request_id, []).append(delta)
+        return True
+
+    def fail(self, request_id: str, error: Any) -> None:
+        raise AssertionError(f"{request_id} failed: {error}")
+
+    def close(self, request_id: str) -> None:
+        pass
+
+
+# The executor's paths: 512-token chunks; a 600-token prompt takes two (mlx-lm's prompt stage, or
+# prefilled alone with bucketed starts).
+STEP = 512
+
+
+def run_plans(loaded: LoadedModel, adapters: LoadedAdapters, requests: list[tuple[tuple[int, ...], Config]],
+              *, buckets: bool) -> tuple[dict[str, list[Delta]], list[StepPlan]]:
+    """Run ``requests`` to the end through a scheduling core and the device's executor, as the engine does."""
+    settings = DeviceSettings(model_path=fixture_path("llama"), context_size=4096, prefill_step_size=STEP,
+                              bucket_starts=buckets, one_pass_starts=False)
+    executor = StepExecutor(loaded.model, loaded.eos_token_ids, settings, "llama", tokenizer=loaded.tokenizer,
+                            adapters=adapters)
+    assert executor.bucket_starts is buckets
+    core = SchedulerCore(Capabilities(prefill_step_size=STEP, context_size=4096, bucket_starts=buckets),
+                         tokenizer=loaded.tokenizer, eos_token_ids=frozenset(loaded.eos_token_ids))
+    clients = Recorder()
+    for index, (prompt, config) in enumerate(requests):
+        sampling = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5, adapter_scales=config)
+        core.add(NewRequest(request_id=f"r{index}", prompt_tokens=prompt, max_tokens=MAX_TOKENS, sampling=sampling,
+                            cache_context=None), clients)
+    plans = []
+    for _ in range(200):
+        if not core.has_work():
+            break
+        assert core.next_lookup(0.0) is None  # no cache context: nothing to look up
+        plan = core.schedule()
+        plans.append(plan)
+        core.update(plan, executor.run_step(plan), clients, 0.0)
+    assert not core.has_work()
+    return clients.deltas, plans
+
+
+def reference(model: Any, adapters: LoadedAdapters, prompt: tuple[int, ...], config: Config,
+              eos_token_ids: frozenset[int]) -> list[tuple[int, Any]]:
+    """The request alone in its plainest form: one row, one cache, the prompt in one pass, greedy."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    produced: list[tuple[int, Any]] = []
+    try:
+        adapters.set_rows([config])
+        # The llama body alone fills the cache: the vocabulary's logits of the last token only.
+        model.model(mx.array([list(prompt[:-1])]), cache=cache)
+        inputs = mx.array([list(prompt[-1:])])
+        while len(produced) < MAX_TOKENS:
+            adapters.set_rows([config])
+            logits = model(inputs, cache=cache)[0, -1]
+            logprobs = logits - mx.logsumexp(logits)
+            token = int(mx.argmax(logprobs).item())
+            if token in eos_token_ids:
+                break
+            produced.append((token, logprobs))
+            inputs = mx.array([[token]])
+    finally:
+        adapters.set_rows([])
+    return produced
+
+
+@pytest.mark.parametrize("buckets", [False, True])
+def test_the_executors_passes_mix_configurations_and_match_each_request_alone(
+    adapted_model: tuple[LoadedModel, LoadedAdapters], buckets: bool,
+) -> None:
+    """A batched cold start over four configurations, long prompts in chunks, then decode, all mixed."""
+    loaded, adapters = adapted_model
+    requests = [(tuple(200 + 11 * index + step for step in range(600 if index in (3, 6) else 6 + 2 * index)),
+                 CONFIGS[index % len(CONFIGS)]) for index in range(8)]
+    together, plans = run_plans(loaded, adapters, requests, buckets=buckets)
+    # The short prompts started cold in one plan, so in one batched pass, under several configurations.
+    cold = [start for start in plans[0].starts if isinstance(start, StartDirect) and start.kept == 0]
+    assert len({start.sampling.adapter_scales for start in cold}) >= 3, plans[0]
+    if buckets:
+        assert any(plan.alone_chunk is not None for plan in plans)
+    eos = frozenset(loaded.eos_token_ids)
+    for index, (prompt, config) in enumerate(requests):
+        expected = reference(loaded.model, adapters, prompt, config, eos)
+        entries = [entry for delta in together[f"r{index}"] for entry in delta.logprobs]
+        assert [entry.token_id for entry in entries] == [token for token, _ in expected], index
+        assert entries, index
+        for entry, (token, logprobs) in zip(entries, expected, strict=True):
+            assert entry.logprob == pytest.approx(logprobs[token].item(), abs=1e-4), index
+            assert [value for _text, value in entry.top] == pytest.approx(
+                [logprobs[top_id].item() for top_id in entry.top_ids], abs=1e-4), index
