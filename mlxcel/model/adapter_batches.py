@@ -61,9 +61,16 @@ class AdapterBatches:
         return self._generator.stream
 
     def apply(self, configs: Sequence[Config]) -> None:
-        """Set the adapters' per-row scales for the pass built next outside the generator, one per row."""
+        """Set the adapters' per-row scales for the pass built next, one configuration per row in row order.
+
+        Every forward pass outside mlx-lm's batches calls this first (a pass whose rows do not match raises).
+        """
         if self._adapters is not None:
             self._adapters.set_rows(configs)
+
+    def configs_of(self, uids: Sequence[int]) -> list[Config]:
+        """The configurations of the generator's sequences ``uids``, in that order (for ``apply``)."""
+        return [self._config_of[uid] for uid in uids]
 
     def insert(self, *args: Any, config: Config = (), **kwargs: Any) -> list[int]:
         return self._register(config, self._generator.insert(*args, **kwargs))
