@@ -1,6 +1,7 @@
 """What LoRA adapter configurations cost a decoding batch, against no adapters loaded.
 
 Usage: python benchmarks/lora_configs.py [--model-path DIR] [--streams 16] [--reply-tokens 64] [--repeats 3]
+       [--device-steps]
 (on the GPU machine: PYTHONPATH=. python3 -m benchmarks.lora_configs --model-path DIR)
 
 In-process engine on the llama fixture (or --model-path) with two random
@@ -16,6 +17,11 @@ rounds pooled) so that drift in the machine's speed cancels, and to the
 adapted engine's own streams with no adapter in use, paired round by round
 (the steadier figure on a shared machine). Median of --repeats rounds after
 a warm-up, the ways interleaved within an engine.
+
+--device-steps times the same ways as decode steps of one mlx-lm batch in
+process (no engine, no HTTP): the device's share alone, the fastest of
+--repeats rounds (on the CPU in the process's CPU time), which a busy
+machine disturbs least.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -60,13 +67,8 @@ async def decode_round(engine: Any, streams: int, configs: list[Any], reply_toke
     return await decode_rate(engine, bodies)
 
 
-async def run(arguments: argparse.Namespace, with_adapters: bool) -> dict[str, list[float]]:
-    import attrs
-
-    from mlxcel.config import EngineConfig, PromptCacheConfig, SchedulerConfig
-    from mlxcel.engine import open_engine
+def model_and_adapters(arguments: argparse.Namespace) -> tuple[Path, list[Path]]:
     from mlxcel.fixtures import fixture_path, lora_fixture_path
-    from mlxcel.model.adapters import AdapterSpec
 
     if arguments.model_path is None:
         model_path = fixture_path("llama")
@@ -79,6 +81,17 @@ async def run(arguments: argparse.Namespace, with_adapters: bool) -> dict[str, l
         for seed, folder in zip((1, 2), folders, strict=True):
             if not (folder / "adapters.safetensors").exists():
                 write_lora_fixture(model_path, folder, seed=seed)
+    return model_path, folders
+
+
+async def run(arguments: argparse.Namespace, with_adapters: bool) -> dict[str, list[float]]:
+    import attrs
+
+    from mlxcel.config import EngineConfig, PromptCacheConfig, SchedulerConfig
+    from mlxcel.engine import open_engine
+    from mlxcel.model.adapters import AdapterSpec
+
+    model_path, folders = model_and_adapters(arguments)
     adapters = tuple(AdapterSpec(path=folder) for folder in folders)
     config = EngineConfig(model_path=model_path, prompt_cache=PromptCacheConfig(capacity_bytes=1 << 30),
                           scheduler=SchedulerConfig(), lora=adapters if with_adapters else ())
@@ -93,17 +106,80 @@ async def run(arguments: argparse.Namespace, with_adapters: bool) -> dict[str, l
     return rates
 
 
+# The same ways as device steps alone: each stream's adapter multipliers (() is none).
+STEP_WAYS: dict[str, list[tuple[float, ...]]] = {
+    UNUSED: [()], "1 configuration": [(1.0, 0.0)], "2 configurations": [(1.0, 0.0), (0.0, 1.0)],
+    "4 configurations": [(), (1.0, 0.0), (0.0, 1.0), (1.0, 1.0)],
+}
+
+
+def device_steps(arguments: argparse.Namespace) -> None:
+    """Decode steps of one mlx-lm batch in process, no engine: the device's share, its fastest round."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    from mlxcel.model.adapter_batches import AdapterBatches
+    from mlxcel.model.adapters import AdapterSpec
+    from mlxcel.model.loader import load_model
+    from mlxcel.model.lora import load_adapters
+
+    model_path, folders = model_and_adapters(arguments)
+    plain = load_model(model_path).model
+    adapted = load_model(model_path).model
+    adapters = load_adapters(adapted, [AdapterSpec(path=folder) for folder in folders])
+    ways: dict[str, tuple[Any, Any, list[tuple[float, ...]]]] = {NO_ADAPTERS: (plain, None, [()])}
+    ways.update({way: (adapted, adapters, configs) for way, configs in STEP_WAYS.items()})
+    streams = arguments.streams
+    # On the CPU the process's own CPU time, which other load on a shared machine disturbs least.
+    on_cpu = mx.default_device() == mx.cpu
+    clock = time.process_time if on_cpu else time.perf_counter
+
+    def seconds_a_step(model: Any, loaded: Any, configs: list[tuple[float, ...]]) -> float:
+        batches = AdapterBatches(lambda batched: BatchGenerator(
+            batched, stop_tokens=[], completion_batch_size=streams, prefill_batch_size=streams), model, loaded)
+        try:
+            for index in range(streams):
+                batches.insert([[100 + index, 200 + index, 300 + index, 400 + index]],
+                               config=configs[index % len(configs)], max_tokens=[1 << 20])
+            for _ in range(4):  # the prompts, then the first steps (compiled shapes)
+                batches.next()
+            started = clock()
+            for _ in range(arguments.reply_tokens):
+                batches.next()
+            mx.synchronize()
+            return (clock() - started) / arguments.reply_tokens
+        finally:
+            batches.close()
+
+    timings: dict[str, list[float]] = {way: [] for way in ways}
+    for _round in range(arguments.repeats + 1):
+        for way, (model, loaded, configs) in ways.items():
+            timings[way].append(seconds_a_step(model, loaded, configs))
+    base = min(timings[NO_ADAPTERS][1:])
+    print(f"device steps alone: {streams} rows, {arguments.reply_tokens} steps a round; the fastest of "
+          f"{arguments.repeats} rounds ({'CPU time' if on_cpu else 'wall time'}) and its ratio of decode rates "
+          "to no adapters loaded")
+    for way, values in timings.items():
+        fastest = min(values[1:])
+        print(f"{way:>27}: {fastest * 1e3:8.2f} ms a step  {base / fastest:5.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", default=None)
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--reply-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device-steps", action="store_true",
+                        help="time decode steps of one mlx-lm batch in process instead of the engine's streams")
     arguments = parser.parse_args()
     reexec_with_optimized_blas()
     import trio
 
     print(describe_blas())
+    if arguments.device_steps:
+        device_steps(arguments)
+        return
     before = trio.run(run, arguments, False)[NO_ADAPTERS]
     adapted = trio.run(run, arguments, True)
     after = trio.run(run, arguments, False)[NO_ADAPTERS]
