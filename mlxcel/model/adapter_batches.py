@@ -1,13 +1,15 @@
-"""One mlx-lm BatchGenerator per LoRA adapter configuration, behind the generator's own interface.
+"""One mlx-lm BatchGenerator for every LoRA adapter configuration, each row at its own scales.
 
-A LoRA layer's scale is a single number for every row of a forward pass, so
-sequences under different adapter scales cannot share a decode batch. Each
-configuration (a tuple of per-adapter scales) gets its own BatchGenerator,
-made on first use; a step runs each non-empty one in turn, after setting the
-adapters' scales to its configuration. Sequences under one configuration
-batch together as before; each further configuration in use costs one more
-forward pass per step. Without adapters there is one configuration, ``()``,
-and this is a plain BatchGenerator with renamed uids.
+A sequence's configuration (a tuple of per-adapter multipliers, ``()`` for
+none) is recorded by uid when it enters the generator. mlx-lm's batches call
+the model with their rows in their own order and name no rows, so with
+adapters loaded the generator gets the model behind ``_RowScaledModel``:
+each call first reads the calling batch's uids (the decode batch, the prompt
+batch, or the rows moving from one to the other) and sets every adapter's
+per-row scales for them (``mlxcel/model/lora.py``). The base matmuls run
+once for the batch whatever the mix. The executor's own passes outside the
+generator (starts, chunks prefilled alone) set their rows with ``apply``.
+Without adapters the generator gets the model itself.
 
 Only the device thread uses it.
 """
@@ -15,129 +17,104 @@ Only the device thread uses it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from collections.abc import Callable, Iterator
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from mlxcel.model.lora import LoadedAdapters
+from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 
-Config = tuple[float, ...]
+from mlxcel.model.lora import Config, LoadedAdapters
 
 
-@dataclasses.dataclass
-class _Stats:
-    prompt_tokens: int = 0
+class _RowScaledModel:
+    """The model as the generator's batches call it: each call sets the adapters' scales for its rows first."""
+
+    def __init__(self, model: Any, adapters: LoadedAdapters, config_of: dict[int, Config]) -> None:
+        self._model = model
+        self._adapters = adapters
+        self._config_of = config_of
+
+    def __getattr__(self, name: str) -> Any:
+        # make_prompt_cache and the rest of mlx-lm see the model's own attributes.
+        return getattr(self._model, name)
+
+    def __call__(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        # mlx-lm's batches call ``self.model(...)`` from their own methods: the caller's self holds the rows.
+        batch = sys._getframe(1).f_locals.get("self")
+        if not isinstance(batch, (GenerationBatch, PromptProcessingBatch)) or len(batch.uids) != inputs.shape[0]:
+            raise RuntimeError("the adapters' per-row scales need the calling mlx-lm batch's rows")
+        self._adapters.set_rows([self._config_of[uid] for uid in batch.uids])
+        return self._model(inputs, *args, **kwargs)
 
 
 class AdapterBatches:
-    def __init__(self, make_generator: Callable[[], Any], adapters: LoadedAdapters | None) -> None:
-        self._make_generator = make_generator
+    def __init__(self, make_generator: Callable[[Any], Any], model: Any, adapters: LoadedAdapters | None) -> None:
         self._adapters = adapters
-        self._generators: dict[Config, Any] = {}
-        # Our uid -> (configuration, the generator's uid), and back.
-        self._inner: dict[int, tuple[Config, int]] = {}
-        self._outer: dict[tuple[Config, int], int] = {}
-        self._next_uid = 0
-        self._stats: _Stats | None = None
+        # The generator's uid -> its sequence's configuration.
+        self._config_of: dict[int, Config] = {}
+        batched = model if adapters is None else _RowScaledModel(model, adapters, self._config_of)
+        self._generator = make_generator(batched)
+        self.apply(())
 
     @property
     def stream(self) -> Any:
-        return self._generator(()).stream
+        return self._generator.stream
 
-    def apply(self, config: Config) -> None:
-        """Set the adapters' scales for the forward passes built next (outside the batches too)."""
+    def apply(self, configs: Sequence[Config]) -> None:
+        """Set the adapters' per-row scales for the pass built next, one configuration per row in row order.
+
+        Every forward pass outside mlx-lm's batches calls this first (a pass whose rows do not match raises).
+        """
         if self._adapters is not None:
-            self._adapters.apply_scales(config)
+            self._adapters.set_rows(configs)
+
+    def configs_of(self, uids: Sequence[int]) -> list[Config]:
+        """The configurations of the generator's sequences ``uids``, in that order (for ``apply``)."""
+        return [self._config_of[uid] for uid in uids]
 
     def insert(self, *args: Any, config: Config = (), **kwargs: Any) -> list[int]:
-        return self._register(config, self._generator(config).insert(*args, **kwargs))
+        return self._register(config, self._generator.insert(*args, **kwargs))
 
     def insert_segments(self, *args: Any, config: Config = (), **kwargs: Any) -> list[int]:
-        return self._register(config, self._generator(config).insert_segments(*args, **kwargs))
+        return self._register(config, self._generator.insert_segments(*args, **kwargs))
 
     def join(self, joiners: list[Any], config: Config = ()) -> list[int]:
         """Sequences with their first token sampled join the decode batch (mlxcel/model/batch_join.py)."""
         from mlxcel.model.batch_join import join_decoding
 
-        return self._register(config, join_decoding(self._generator(config), joiners))
+        return self._register(config, join_decoding(self._generator, joiners))
 
     def remove(self, uids: list[int], return_prompt_caches: bool = False) -> dict[int, Any]:
-        # One remove per generator: each call filters (copies) its whole batch cache.
-        by_config: dict[Config, list[tuple[int, int]]] = {}
         for uid in uids:
-            config, inner = self._inner.pop(uid)
-            del self._outer[(config, inner)]
-            by_config.setdefault(config, []).append((uid, inner))
-        found: dict[int, Any] = {}
-        for config, pairs in by_config.items():
-            caches = self._generators[config].remove([inner for _uid, inner in pairs],
-                                                     return_prompt_caches=return_prompt_caches)
-            found.update((uid, caches[inner]) for uid, inner in pairs if inner in caches)
+            del self._config_of[uid]
+        # One call: each remove filters (copies) the whole batch cache.
+        found: dict[int, Any] = self._generator.remove(uids, return_prompt_caches=return_prompt_caches)
         return found
 
     def extract_cache(self, uids: list[int]) -> dict[int, Any]:
-        found = {}
-        for uid in uids:
-            config, inner = self._inner[uid]
-            found[uid] = self._generators[config].extract_cache([inner])[inner]
+        found: dict[int, Any] = self._generator.extract_cache(uids)
         return found
 
-    @contextlib.contextmanager
-    def stats(self) -> Iterator[_Stats]:
-        self._stats = _Stats()
-        try:
-            yield self._stats
-        finally:
-            self._stats = None
+    def stats(self) -> contextlib.AbstractContextManager[Any]:
+        """The generator's own ``stats()`` window."""
+        window: contextlib.AbstractContextManager[Any] = self._generator.stats()
+        return window
 
     def next(self) -> tuple[list[Any], list[Any]]:
-        """One step of every configuration that holds sequences; responses carry our uids."""
-        prompt_responses: list[Any] = []
-        generation_responses: list[Any] = []
-        configs = {config for config, _inner in self._inner.values()}
-        for config in sorted(configs):
-            generator = self._generators[config]
-            self.apply(config)
-            with generator.stats() as stats:
-                prompts, generated = generator.next()
-            if self._stats is not None:
-                self._stats.prompt_tokens += stats.prompt_tokens
-            prompt_responses += [renamed for response in prompts
-                                 if (renamed := self._renamed(config, response)) is not None]
-            generation_responses += [renamed for response in generated
-                                     if (renamed := self._renamed(config, response)) is not None]
-        for config in [config for config in self._generators if config not in configs and config != ()]:
-            # An idle configuration's generator holds nothing; let it go.
-            self._generators.pop(config).close()
+        """One step of the whole batch, whatever configurations its rows run under."""
+        prompt_responses, generation_responses = self._generator.next()
+        for response in generation_responses:
+            if response.finish_reason is not None:
+                # mlx-lm drops a finished sequence itself.
+                self._config_of.pop(response.uid, None)
         return prompt_responses, generation_responses
 
     def close(self) -> None:
-        for generator in self._generators.values():
-            generator.close()
-        self._generators.clear()
+        self._generator.close()
+        self._config_of.clear()
+        self.apply(())
 
-    def _generator(self, config: Config) -> Any:
-        generator = self._generators.get(config)
-        if generator is None:
-            generator = self._generators[config] = self._make_generator()
-        return generator
-
-    def _register(self, config: Config, inner_uids: list[int]) -> list[int]:
-        uids = []
-        for inner in inner_uids:
-            uid = self._next_uid
-            self._next_uid += 1
-            self._inner[uid] = (config, inner)
-            self._outer[(config, inner)] = uid
-            uids.append(uid)
+    def _register(self, config: Config, uids: list[int]) -> list[int]:
+        for uid in uids:
+            self._config_of[uid] = config
         return uids
-
-    def _renamed(self, config: Config, response: Any) -> Any | None:
-        uid = self._outer.get((config, response.uid))
-        if uid is None:
-            return None
-        if getattr(response, "finish_reason", None) is not None:
-            # mlx-lm drops a finished sequence itself.
-            del self._outer[(config, response.uid)]
-            del self._inner[uid]
-        return dataclasses.replace(response, uid=uid)

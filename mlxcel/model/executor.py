@@ -5,8 +5,8 @@ It carries out a ``StepPlan`` decided by the scheduling core
 removals (with donations), starts (cold ones batched into one forward pass,
 hits on their own adopted caches, long prompts a chunk at a time alone),
 then the batch's decode step. Batching, chunked prefill in the batch and
-per-sequence caches come from mlx-lm's ``BatchGenerator`` (one per LoRA
-configuration, ``adapter_batches.py``); started sequences join its decode
+per-sequence caches come from mlx-lm's ``BatchGenerator`` (one for every
+LoRA configuration, ``adapter_batches.py``); started sequences join its decode
 batch without a pass of their own (``batch_join.py``). Only the device
 thread (``mlxcel/actors/device.py``) uses it.
 """
@@ -183,8 +183,8 @@ class StepExecutor:
         self._settings = settings
         assert settings.prefill_step_size is not None, "resolved before the worker is made"
         self._step = settings.prefill_step_size
-        self._make_generator: Callable[[], Any] = lambda: BatchGenerator(
-            model,
+        self._make_generator: Callable[[Any], Any] = lambda batched: BatchGenerator(
+            batched,
             stop_tokens=[[token] for token in sorted(eos_token_ids)],
             completion_batch_size=settings.max_batch_size,
             prefill_batch_size=settings.prefill_batch_size,
@@ -193,8 +193,8 @@ class StepExecutor:
         self._adapters = adapters
         # A vision model's tower (mlxcel.vision.encoder.VisionEncoder); None for a text model.
         self._vision = vision
-        # One BatchGenerator per adapter configuration (only one without adapters).
-        self._generator = AdapterBatches(self._make_generator, adapters)
+        # One BatchGenerator whatever the rows' adapter configurations.
+        self._generator = AdapterBatches(self._make_generator, model, adapters)
         self._by_uid: dict[int, _Sequence] = {}
         self._uid_of: dict[int, int] = {}
         # Long prompts prefilled outside the batch, and the KV of those whose last chunk ran.
@@ -216,7 +216,7 @@ class StepExecutor:
     def reset(self) -> None:
         """Forget every sequence: a fresh generator, as after start-up."""
         self._generator.close()
-        self._generator = AdapterBatches(self._make_generator, self._adapters)
+        self._generator = AdapterBatches(self._make_generator, self._model, self._adapters)
         self._by_uid.clear()
         self._uid_of.clear()
         self._alone.clear()
@@ -310,7 +310,7 @@ class StepExecutor:
         self._alone.clear()
         self._alone_done.clear()
         self._generator.close()
-        self._generator = AdapterBatches(self._make_generator, self._adapters)
+        self._generator = AdapterBatches(self._make_generator, self._model, self._adapters)
         self._by_uid.clear()
         self._uid_of.clear()
         return StepResult(
@@ -491,7 +491,7 @@ class StepExecutor:
         from mlxcel.model.kv import detach
 
         prefill = self._alone[chunk.sequence_id]
-        self._generator.apply(prefill.adapter_scales)
+        self._generator.apply([prefill.adapter_scales])
         with mx.stream(self._generator.stream):
             self._model(mx.array(prefill.tokens[chunk.start:chunk.end])[None], cache=prefill.caches)
             mx.eval([cache.state for cache in prefill.caches])
@@ -531,7 +531,7 @@ class StepExecutor:
         padding = start.padding
         sampler, processors = make_sampling(start.sampling, self._grammars)
         all_tokens = cached + prompt
-        self._generator.apply(start.sampling.adapter_scales)
+        self._generator.apply([start.sampling.adapter_scales])
         with mx.stream(self._generator.stream):
             tokens = mx.array(run + run[-1:] * padding)[None]
             forward = self._text_forward if start.vision is None else self._embedded_forward(run, padding, start)
@@ -566,25 +566,23 @@ class StepExecutor:
                 and not start.from_alone and start.vision is None)
 
     def _start_cold(self, starts: list[StartDirect]) -> list[_DirectStart]:
-        """Cold direct starts, batched: one forward pass per adapter configuration and row budget.
+        """Cold direct starts, batched: one forward pass per row budget, each row at its own adapter scales.
 
         Rows are padded on the right to the longest (with the core's bucket
         padding, a multiple of the bucket), so causal attention keeps each
         row's real tokens exact; each row's first token comes from the logits
         at its own last token, and its cache keeps only its own rows.
         """
-        groups: dict[tuple[float, ...], list[StartDirect]] = {}
-        for start in starts:
-            groups.setdefault(start.sampling.adapter_scales, []).append(start)
+        if not starts:
+            return []
+        width = max(len(start.cached_tokens) + len(start.prompt_tokens) + start.padding for start in starts)
+        rows = max(1, COLD_GROUP_POSITIONS // max(width, 1))
         begun: list[_DirectStart] = []
-        for config, members in groups.items():
-            width = max(len(start.cached_tokens) + len(start.prompt_tokens) + start.padding for start in members)
-            rows = max(1, COLD_GROUP_POSITIONS // max(width, 1))
-            for first in range(0, len(members), rows):
-                begun.extend(self._start_cold_rows(config, members[first:first + rows], width))
+        for first in range(0, len(starts), rows):
+            begun.extend(self._start_cold_rows(starts[first:first + rows], width))
         return begun
 
-    def _start_cold_rows(self, config: tuple[float, ...], starts: list[StartDirect], width: int) -> list[_DirectStart]:
+    def _start_cold_rows(self, starts: list[StartDirect], width: int) -> list[_DirectStart]:
         import mlx.core as mx
         from mlx_lm.models.cache import KVCache, make_prompt_cache
 
@@ -596,7 +594,8 @@ class StepExecutor:
         matrix += matrix[:1] * (padded_count - count)
         lengths = mx.array([len(run) for run in runs])
         group_caches = make_prompt_cache(self._model)
-        self._generator.apply(config)
+        configs = [start.sampling.adapter_scales for start in starts]
+        self._generator.apply(configs + configs[:1] * (padded_count - count))
         begun = []
         with mx.stream(self._generator.stream):
             logits = self._model(mx.array(matrix), cache=group_caches)

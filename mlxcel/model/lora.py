@@ -1,13 +1,17 @@
-"""LoRA adapters served unfused: mlx-lm's own LoRA layers, nested, one per adapter.
+"""LoRA adapters served unfused, each row of a forward pass at its own scales.
 
-Each loaded adapter wraps the layers it trained in an mlx-lm ``LoRALinear``
-whose ``linear`` is the layer below (the base layer, or the previous
-adapter's ``LoRALinear``), so one forward pass adds every adapter's
-low-rank update at its own scale. A layer's ``scale`` is the sequence's
-multiplier for that adapter times the adapter's trained
-`lora_parameters.scale`. The scales are Python floats read when a forward
-pass is built, so passes built under different scales do not interfere
-even while they are still being evaluated. Only the device thread uses this.
+Each loaded adapter wraps the layers it trained in mlx-lm's ``LoRALinear``
+(``RowScaledLoRA``, which takes its scale per row) whose ``linear`` is the
+layer below (the base layer, or the previous adapter's), so one forward
+pass runs the base matmul once for the batch and adds every adapter's
+low-rank update. An adapter's scale is a (rows, 1, 1) array, broadcast
+over each row's tokens: the row's multiplier for that adapter times the
+adapter's trained `lora_parameters.scale`, 0 for rows not using it.
+``LoadedAdapters.set_rows`` sets it from the rows' configurations (one
+tuple of multipliers per row, in the batch's row order) before a pass is
+built; an adapter no row uses is skipped. A pass holds the arrays it was
+built with, so passes built for other rows do not interfere even while they
+are still being evaluated. Only the device thread uses this.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import mlx.core as mx
+from mlx_lm.tuner.lora import LoRALinear
 
 from mlxcel.model.adapters import (
     ADAPTER_CONFIG,
@@ -27,38 +33,68 @@ from mlxcel.model.adapters import (
     file_digest,
 )
 
+# A row's adapter configuration: its multiplier per loaded adapter, in load order (() is every adapter off).
+Config = tuple[float, ...]
+
+
+class RowScales:
+    """One adapter's scales for the pass being built, shared by its layers: (rows, 1, 1), or None when off."""
+
+    def __init__(self) -> None:
+        self.scale: Any = None
+
+
+class RowScaledLoRA(LoRALinear):  # type: ignore[misc]  # mlx-lm is untyped
+    """mlx-lm's ``LoRALinear`` whose scale is read per row from its adapter's ``RowScales``."""
+
+    # Set by load_adapters; the underscore keeps it out of the model's parameters.
+    _rows: RowScales
+
+    def __call__(self, x: mx.array) -> mx.array:
+        scale = self._rows.scale
+        if scale is None:
+            return self.linear(x)
+        if scale.shape[0] != x.shape[0]:
+            raise ValueError(f"LoRA scales were set for {scale.shape[0]} rows; this pass has {x.shape[0]}")
+        # LoRALinear's own update, with one scale per row.
+        z = (self.dropout(x) @ self.lora_a) @ self.lora_b
+        return self.linear(x) + (scale * z).astype(x.dtype)
+
 
 @attrs.define
 class LoadedAdapters:
-    """The adapters' layers in the model, per adapter; ``apply_scales`` sets them for the next passes."""
+    """The adapters' layers in the model; ``set_rows`` sets their per-row scales for the passes built next."""
 
     infos: tuple[AdapterInfo, ...]
-    # Per adapter: (its trained scale, its LoRALinear layers).
-    layers: list[tuple[float, list[Any]]] = attrs.field(repr=False)
-    current: tuple[float, ...] = ()
+    # Per adapter: its trained scale (lora_parameters.scale) and the scales its layers read.
+    trained: tuple[float, ...]
+    rows: tuple[RowScales, ...] = attrs.field(repr=False)
+    # The configurations the scales were last set for: the decode batch keeps its rows from step to step.
+    current: tuple[Config, ...] | None = None
 
-    def apply_scales(self, scales: Sequence[float]) -> None:
-        scales = tuple(scales) or tuple(0.0 for _ in self.infos)
-        if scales == self.current:
+    def set_rows(self, configs: Sequence[Config]) -> None:
+        """Scales for a pass whose rows run under ``configs``, in row order (empty: every adapter off)."""
+        configs = tuple(configs)
+        if configs == self.current:
             return
-        for (trained, modules), scale in zip(self.layers, scales, strict=True):
-            for module in modules:
-                module.scale = trained * scale
-        self.current = scales
+        for index, (trained, shared) in enumerate(zip(self.trained, self.rows, strict=True)):
+            column = [trained * config[index] if config else 0.0 for config in configs]
+            shared.scale = mx.array(column, dtype=mx.float32).reshape(-1, 1, 1) if any(column) else None
+        self.current = configs
 
 
 def load_adapters(model: Any, specs: Sequence[AdapterSpec], *, apply: bool = True) -> LoadedAdapters:
-    """Wrap ``model``'s layers in one LoRALinear per adapter and load each adapter's weights.
+    """Wrap ``model``'s layers in one LoRA layer per adapter and load each adapter's weights.
 
-    ``apply`` false: every adapter starts at scale 0 (`--lora-init-without-apply`).
+    ``apply`` false: the server-wide scales start at 0 (`--lora-init-without-apply`). Every layer
+    starts off until ``set_rows`` names the rows of a pass.
     """
-    import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_unflatten
-    from mlx_lm.tuner.lora import LoRALinear
 
     infos: list[AdapterInfo] = []
-    layers: list[tuple[float, list[Any]]] = []
+    trained_scales: list[float] = []
+    shared_rows: list[RowScales] = []
     for index, spec in enumerate(specs):
         config_path = spec.path / ADAPTER_CONFIG
         weights_path = spec.path / ADAPTER_WEIGHTS
@@ -80,6 +116,7 @@ def load_adapters(model: Any, specs: Sequence[AdapterSpec], *, apply: bool = Tru
         modules = dict(model.named_modules())
         wrapped: list[Any] = []
         updates: list[tuple[str, Any]] = []
+        shared = RowScales()
         for target in targets:
             below = modules.get(target)
             if below is None:
@@ -92,9 +129,10 @@ def load_adapters(model: Any, specs: Sequence[AdapterSpec], *, apply: bool = Tru
             output_dims, input_dims = base.weight.shape
             if isinstance(base, nn.QuantizedLinear):
                 input_dims = input_dims * 32 // base.bits
-            layer = LoRALinear(input_dims=input_dims, output_dims=output_dims, r=rank, dropout=float(dropout),
-                               scale=trained * (spec.scale if apply else 0.0))
+            layer = RowScaledLoRA(input_dims=input_dims, output_dims=output_dims, r=rank, dropout=float(dropout),
+                                  scale=trained)
             layer.linear = below
+            layer._rows = shared
             for leaf in ("lora_a", "lora_b"):
                 weight = weights.get(f"{target}.{leaf}")
                 expected = getattr(layer, leaf).shape
@@ -108,9 +146,8 @@ def load_adapters(model: Any, specs: Sequence[AdapterSpec], *, apply: bool = Tru
             updates.append((target, layer))
         model.update_modules(tree_unflatten(updates))
         mx.eval([(layer.lora_a, layer.lora_b) for layer in wrapped])
-        layers.append((trained, wrapped))
+        trained_scales.append(trained)
+        shared_rows.append(shared)
         infos.append(AdapterInfo(id=index, path=spec.path, scale=spec.scale if apply else 0.0,
                                  digest=file_digest(weights_path)))
-    loaded = LoadedAdapters(infos=tuple(infos), layers=layers)
-    loaded.current = tuple(info.scale for info in infos)
-    return loaded
+    return LoadedAdapters(infos=tuple(infos), trained=tuple(trained_scales), rows=tuple(shared_rows))

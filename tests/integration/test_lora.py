@@ -17,6 +17,7 @@ import pytest
 import trio
 
 from mlxcel.cli import serve_main
+from mlxcel.config import SchedulerConfig
 from mlxcel.engine import Engine, run_engine
 from mlxcel.fixtures import fixture_path, lora_fixture_path
 from mlxcel.model.adapters import AdapterSpec
@@ -96,6 +97,50 @@ async def test_configurations_batch_side_by_side_as_they_answer_alone(
             for index in range(len(prompts)):
                 inner.start_soon(one, index)
     assert together == alone
+
+
+def reply_logprobs(body: dict[str, Any]) -> list[float]:
+    return [entry["logprob"] for entry in body["choices"][0]["logprobs"]["content"]]
+
+
+async def test_four_configurations_mixed_in_one_batch_answer_as_each_alone_with_their_logprobs(
+    nursery: trio.Nursery, start_server: Any,
+) -> None:
+    """Prompts prefilled in chunks and hits' suffixes under four configurations, decoding in one batch.
+
+    With 32-token chunks the longer prompts go through mlx-lm's prompt stage; the rows that open
+    with the system prompt resume from it, stored under their own configuration. Each reply and
+    its logprobs equal the same request run alone and cold (tests/model/test_lora_rows.py covers
+    the device's other passes).
+    """
+    scheduler = SchedulerConfig(prefill_step_size=32, device_warmup="false")
+    engine, base_url = await start(nursery, start_server, scheduler=scheduler)
+    names = list(CONFIGS)
+    requests = []
+    for index in range(8):
+        user = {"role": "user", "content": f"Tell me about item {index}." + " Go on." * (6 * index)}
+        # Odd rows open with the system prompt, which the seed request below stores under their configuration.
+        requests.append(([SYSTEM, user] if index % 2 else [user], CONFIGS[names[index % 4]]))
+    fields = {"max_tokens": 6, "logprobs": True}
+    async with httpx.AsyncClient(base_url=base_url, timeout=120) as http:
+        alone = [await chat(http, messages, lora=lora, cache_prompt=False, **fields) for messages, lora in requests]
+        for name in ("a", "both"):  # the configurations of the odd rows
+            await chat(http, [SYSTEM, {"role": "user", "content": "Hello."}], lora=CONFIGS[name], max_tokens=2)
+        together: list[dict[str, Any]] = [{}] * len(requests)
+
+        async def one(index: int) -> None:
+            messages, lora = requests[index]
+            together[index] = await chat(http, messages, lora=lora, **fields)
+
+        async with trio.open_nursery() as inner:
+            for index in range(len(requests)):
+                inner.start_soon(one, index)
+    assert len({text_of(body) for body in alone}) > 1
+    for index, (mixed, single) in enumerate(zip(together, alone, strict=True)):
+        assert text_of(mixed) == text_of(single), index
+        assert reply_logprobs(mixed) == pytest.approx(reply_logprobs(single), abs=1e-4), index
+        if index % 2:
+            assert cached(mixed) > 0, index  # resumed from the stored system prompt
 
 
 async def test_server_wide_scales_change_the_cache_key_mid_conversation(
