@@ -202,6 +202,8 @@ class SchedulerCore:
         # Starts decided since the last plan, and direct starts over a step's budget.
         self._admitted: list[Pending] = []
         self._deferred: list[Pending] = []
+        # Starts sent with a snapshot to restore, until their step reports: one that fails is placed again, cold.
+        self._restoring: dict[int, Pending] = {}
         # Long prompts prefilled alone, oldest first.
         self._alone: list[AlonePrefill] = []
         # What the device holds: sequences in its batch, prefilling there, owing a first token.
@@ -482,6 +484,8 @@ class SchedulerCore:
         starts: list[Start] = []
         budget = placement.budget()
         for pending in candidates:
+            if pending.restore is not None:
+                self._restoring[pending.sequence_id] = pending
             if placement.starts_directly(pending):
                 start = placement.direct(pending)
                 if not budget.take(start):
@@ -578,11 +582,7 @@ class SchedulerCore:
                 self._donate(item)
         for sequence_id in result.warmed:
             self._warm_ups.finished(sequence_id)
-        for sequence_id, reason in result.restore_failures:
-            running = self._running.get(sequence_id)
-            if running is not None:
-                running.output.cached_tokens = 0
-            self._effects.append(SnapshotRestoreFailed(reason=reason))
+        self._place_failed_restores(plan, result)
         for sequence_id in result.prompts_done:
             running = self._running.get(sequence_id)
             if running is not None:
@@ -591,6 +591,31 @@ class SchedulerCore:
             self._release_parked(sequence_id)
         if result.error is not None:
             self._fail_step(result, clients)
+
+    def _place_failed_restores(self, plan: StepPlan, result: StepResult) -> None:
+        """A snapshot the device could not restore: the start did not run, and is placed again from no state."""
+        reasons = dict(result.restore_failures)
+        for start in plan.starts:
+            pending = self._restoring.pop(start.sequence_id, None)
+            if start.sequence_id not in reasons:
+                continue
+            self._effects.append(SnapshotRestoreFailed(reason=reasons[start.sequence_id]))
+            self._forget_on_device(start.sequence_id)
+            running = self._running.get(start.sequence_id)
+            warming = self._warm_ups.running(start.sequence_id) is not None
+            live = (running is not None and not running.finished) or warming
+            if pending is None or not live:
+                continue
+            if running is not None:
+                running.output.cached_tokens = 0
+                snapshots = (self._snapshot_points(running.request, 0)
+                             if self._cache.boundary_snapshots and running.request.vision is None else ())
+            else:  # a warm-up: its points count from its prompt, which now starts at the first token
+                snapshots = tuple(attrs.evolve(point, after=point.after + len(pending.cached_tokens))
+                                  for point in pending.snapshots)
+            self._deferred.insert(0, attrs.evolve(
+                pending, prompt_tokens=pending.cached_tokens + pending.prompt_tokens, cached_tokens=(),
+                restore=None, adopted=None, snapshots=snapshots))
 
     def _track_device(self, plan: StepPlan, result: StepResult) -> None:
         """Which sequences the device's batch holds now, and which owe a first token."""

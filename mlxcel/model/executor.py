@@ -403,7 +403,7 @@ class StepExecutor:
                     detached.append(item)
 
     def _start(self, start: StartDirect | InsertBatch | StartAlone, direct: list[_DirectStart]) -> str | None:
-        """Carry out one start; returns why a snapshot could not be restored (it then runs cold)."""
+        """Carry out one start; returns why a snapshot could not be restored (the start then did not run)."""
         from mlx_lm.models.cache import make_prompt_cache
 
 
@@ -417,19 +417,17 @@ class StepExecutor:
             direct.append(self._start_direct(start))
             return None
         caches, prompt, cached, failure = self._resume(start)
-        if isinstance(start, StartDirect) and failure is None:
+        if failure is not None:
+            # Not started: the core places it again with nothing to restore (the one place of policy).
+            return failure
+        if isinstance(start, StartDirect):
             direct.append(self._start_direct(start, caches))
             return None
-        if isinstance(start, StartDirect) and len(prompt) <= self._step:
-            # The snapshot would not restore: the whole prompt still fits one chunk.
-            direct.append(self._start_direct(attrs.evolve(start, prompt_tokens=tuple(prompt), cached_tokens=(),
-                                                          kept=0, restore=None)))
-            return failure
-        self._insert(start, caches, prompt, cached, failure)
-        return failure
+        self._insert(start, caches, prompt, cached)
+        return None
 
     def _resume(self, start: StartDirect | InsertBatch) -> tuple[list[Any] | None, list[int], list[int], str | None]:
-        """The caches a start resumes from, its prompt and cached tokens (all cold if a snapshot fails)."""
+        """The caches a start resumes from, its prompt and cached tokens, and why a snapshot would not restore."""
         from mlx_lm.models.cache import make_prompt_cache
 
         from mlxcel.model.snapshot import SnapshotMismatch, restore
@@ -446,10 +444,10 @@ class StepExecutor:
         return None, prompt, cached, None
 
     def _insert(self, start: StartDirect | InsertBatch, caches: list[Any] | None, prompt: list[int],
-                cached: list[int], failure: str | None) -> None:
+                cached: list[int]) -> None:
         points: list[tuple[tuple[int, ...], bool]] = []
         segments = [prompt]
-        if isinstance(start, InsertBatch) and start.snapshots and failure is None:
+        if isinstance(start, InsertBatch) and start.snapshots:
             # One segment per snapshot point: mlx-lm reports the end of each, where it is taken.
             edges = [point.after for point in start.snapshots]
             bounds = [0, *edges]
@@ -461,7 +459,7 @@ class StepExecutor:
                 segments.append(prompt[-1:])
             points = [(tuple(cached + prompt[:point.after]), point.checkpoint) for point in start.snapshots]
         sampler, processors = make_sampling(start.sampling, self._grammars)
-        base = _base(start.adopted, len(cached)) if start.restore is None and failure is None else None
+        base = _base(start.adopted, len(cached)) if start.restore is None else None
         (uid,) = self._generator.insert_segments(
             [segments],
             config=start.sampling.adapter_scales,

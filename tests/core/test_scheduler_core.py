@@ -485,3 +485,28 @@ def test_the_core_and_the_snapshot_store_name_a_session_alike() -> None:
         # The other session's longer snapshot did not supersede this one.
         assert {info.tokens for info in store.entries_by_recency()} == {(1, 2, 3), (1, 2, 3, 4)}
         store.reset()
+
+
+def test_a_snapshot_the_device_cannot_restore_is_placed_again_from_nothing() -> None:
+    """The device only reports the failure; where the start runs instead is the core's decision."""
+    harness = Harness(snapshots=True)
+    prompt = tuple(range(12))
+    harness.found[repr(prompt)] = Hit(length=8, payload=_Payload(length=8))
+    harness.add("r0", 12, max_tokens=3, context=CONTEXT)
+    while (lookup := harness.core.next_lookup(0.0)) is not None:
+        harness.core.resolve(lookup, harness.found.pop(repr(lookup.tokens), Miss()))
+    plan = harness.core.schedule()
+    (start,) = plan.starts
+    assert start.restore is not None and len(start.cached_tokens) == 8
+    # The device could not restore it: nothing of it ran.
+    failed = StepResult(step_number=1, restore_failures=((start.sequence_id, "layer shapes differ"),))
+    harness.core.update(plan, failed, harness.clients, 0.0)
+    assert [type(effect).__name__ for effect in harness.core.take_effects()].count("SnapshotRestoreFailed") == 1
+    plan = harness.step()
+    (again,) = plan.starts
+    assert (again.sequence_id, again.restore, again.cached_tokens, again.prompt_tokens) == (
+        start.sequence_id, None, (), prompt)
+    harness.run_until_idle()
+    assert "r0" in harness.clients.closed and "r0" not in harness.clients.failed
+    usage = [delta.usage for delta in harness.clients.deltas["r0"] if delta.usage is not None]
+    assert usage[-1].cached_tokens == 0  # reported as what ran, not what the snapshot would have covered
