@@ -497,7 +497,8 @@ def test_a_snapshot_the_device_cannot_restore_is_placed_again_from_nothing() -> 
         harness.core.resolve(lookup, harness.found.pop(repr(lookup.tokens), Miss()))
     plan = harness.core.schedule()
     (start,) = plan.starts
-    assert start.restore is not None and len(start.cached_tokens) == 8
+    assert start.restore is not None
+    assert len(start.cached_tokens) == 8
     # The device could not restore it: nothing of it ran.
     failed = StepResult(step_number=1, restore_failures=((start.sequence_id, "layer shapes differ"),))
     harness.core.update(plan, failed, harness.clients, 0.0)
@@ -507,6 +508,7 @@ def test_a_snapshot_the_device_cannot_restore_is_placed_again_from_nothing() -> 
     assert (again.sequence_id, again.restore, again.cached_tokens, again.prompt_tokens) == (
         start.sequence_id, None, (), prompt)
     harness.run_until_idle()
-    assert "r0" in harness.clients.closed and "r0" not in harness.clients.failed
+    assert "r0" in harness.clients.closed
+    assert "r0" not in harness.clients.failed
     usage = [delta.usage for delta in harness.clients.deltas["r0"] if delta.usage is not None]
     assert usage[-1].cached_tokens == 0  # reported as what ran, not what the snapshot would have covered
