@@ -140,6 +140,9 @@ class EngineConfig:
     allow_request_chat_template: bool = False
     # Seconds a request's grammar (JSON Schema, GBNF, strict or forced tools) may take to compile.
     grammar_timeout: float = 10.0
+    # Milliseconds a decode step waits for a constrained row's token mask; a row whose mask is later ends
+    # (its request fails), the others go on.
+    grammar_mask_timeout_ms: int = 100
     prompt_cache: PromptCacheConfig = PromptCacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     kv_events: KvEventsConfig = KvEventsConfig()
@@ -596,6 +599,10 @@ ENGINE_SETTINGS = (
     Setting("grammar_timeout", "--grammar-timeout", ("MLXCEL_GRAMMAR_TIMEOUT",), parse_seconds,
             "seconds a request's grammar (response_format, json_schema, grammar, strict or forced tools) "
             "may take to compile before the request gets a 400 (default 10)"),
+    Setting("grammar_mask_timeout_ms", "--grammar-mask-timeout-ms", ("MLXCEL_GRAMMAR_MASK_TIMEOUT_MS",),
+            parse_positive_int, "milliseconds a decode step waits for a constrained reply's next token mask; "
+            "a reply whose mask is later ends with a 400 grammar_too_slow and the other replies go on "
+            "(default 100)", metavar="MS"),
     Setting("served_model_names", "--served-model-name", ("MLXCEL_SERVED_MODEL_NAME",), parse_model_name,
             "the model ids requests may name, the first reported as the model's id (default: the model "
             "folder's name or repo id)", multiple=True),
