@@ -504,13 +504,16 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             # Only plain KV tables can be detached mid-flight and adopted by others.
             prompt_donation=store is not None and not _uses_snapshots(model),
         ).run)
+        grammar_checker = GrammarChecker(model.tokenizer, model.eos_token_ids, timeout_s=config.grammar_timeout)
+        # llguidance's tokenizer holds the GIL for seconds while it is built: before serving, not beside steps.
+        await grammar_checker.prepare()
         await nursery.start(RouterActor(
             model=model,
             renderer=renderer,
             cache_enabled=config.prompt_cache.enabled,
             inbox=router_inbox,
             to_scheduler=to_scheduler.clone(),
-            grammar_checker=GrammarChecker(model.tokenizer, model.eos_token_ids, timeout_s=config.grammar_timeout),
+            grammar_checker=grammar_checker,
         ).run)
         logger.info(
             "engine ready: model %s (%s, context %d, prefill step %d), prompt cache %s, APC %s",

@@ -18,16 +18,16 @@ step runs. Compilation costs grow much faster than the grammar, so:
   tenant what another sent; requests of one tenant sending a grammar that
   is compiling wait for its verdict instead of compiling it again.
 
-The llguidance tokenizer it builds once is the one the device's masks use
-(``mlxcel.model.grammar_masks.llguidance_tokenizer``): a constrained request
-reaches the device only after its check, so the device never builds it on
-the step.
+The llguidance tokenizer it builds once, at start-up (``prepare``), is the
+one the device's masks use (``mlxcel.model.grammar_masks.llguidance_tokenizer``),
+so the device never builds it on the step.
 
 Worker threads are daemons: a compile still running does not hold up shutdown.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Hashable
 from typing import Any
@@ -36,7 +36,9 @@ import trio
 
 from mlxcel.core.grammar_bounds import BoundedMemo, text_nbytes
 from mlxcel.errors import InvalidRequest, ServerBusy
-from mlxcel.model.grammar_masks import llguidance_tokenizer, one_line, parser_limits
+from mlxcel.model.grammar_masks import llguidance_tokenizer, new_matcher, one_line
+
+logger = logging.getLogger(__name__)
 
 # Seconds a grammar may take to compile (`--grammar-timeout`).
 GRAMMAR_TIMEOUT_S = 10.0
@@ -98,6 +100,15 @@ class GrammarChecker:
         self.num_timed_out += 1
         return f"it did not compile within {self.timeout_s:g} s (--grammar-timeout)"
 
+    async def prepare(self) -> None:
+        """Build the llguidance tokenizer now (the engine does, before it serves): its build holds the GIL
+        for seconds, which beside running steps would stall every stream. A tokenizer llguidance cannot
+        take is left to fail the first grammar instead."""
+        try:
+            await self._ensure_tokenizer()
+        except Exception as error:  # noqa: BLE001 - grammars then fail one by one, with this reason
+            logger.warning("no llguidance tokenizer for this model (%s): constrained requests will fail", error)
+
     async def _ensure_tokenizer(self) -> None:
         """The llguidance tokenizer, built once (about a second; not counted in the time limit)."""
         async with self._tokenizer_lock:
@@ -109,13 +120,11 @@ class GrammarChecker:
         return llguidance_tokenizer(self._tokenizer, tuple(self._eos_token_ids))
 
     def _matcher_error(self, grammar: str, started: threading.Event) -> str | None:
-        from llguidance import LLMatcher
-
         started.set()
         self.num_compiled += 1
         try:
             # As the device builds it; llguidance releases the GIL while it compiles.
-            matcher = LLMatcher(self._ll_tokenizer, grammar, log_level=0, limits=parser_limits())
+            matcher = new_matcher(self._ll_tokenizer, grammar)
             reason = matcher.get_error() if matcher.is_error() else ""
         except BaseException as error:  # noqa: BLE001 - pyo3's PanicException derives from BaseException
             if isinstance(error, KeyboardInterrupt | SystemExit):

@@ -43,10 +43,36 @@ def parser_limits() -> Any:
     return LLParserLimits(verbose_errors=False)
 
 
-# llguidance tokenizers by (tokenizer folder, size, eos ids): immutable once built, so the router's grammar
-# check and the device share one, and engines of one model too (building it takes 1-12 s here).
+def new_matcher(ll_tokenizer: Any, grammar: str) -> Any:
+    """A llguidance matcher of ``grammar``, with the limits every matcher gets."""
+    from llguidance import LLMatcher
+
+    return LLMatcher(ll_tokenizer, grammar, log_level=0, limits=parser_limits())
+
+
+# llguidance tokenizers by (tokenizer files, size, eos ids): immutable once built, so the router's grammar
+# check and the device share one, and engines of one tokenizer too (building it takes 1-12 s here).
 _LL_TOKENIZERS: dict[tuple[str, int, tuple[int, ...]], Any] = {}
 _LL_TOKENIZERS_LOCK = threading.Lock()
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+
+
+def _tokenizer_identity(hf_tokenizer: Any) -> str:
+    """What the tokenizer is: a digest of its files where its folder has them (models sharing a tokenizer
+    share its llguidance one), else its name."""
+    import hashlib
+    from pathlib import Path
+
+    name = str(getattr(hf_tokenizer, "name_or_path", "") or "")
+    folder = Path(name) if name else None
+    if folder is None or not folder.is_dir():
+        return name or str(id(hf_tokenizer))
+    digest = hashlib.sha256()
+    for file_name in _TOKENIZER_FILES:
+        path = folder / file_name
+        if path.is_file():
+            digest.update(file_name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def llguidance_tokenizer(tokenizer: Any, eos_token_ids: tuple[int, ...]) -> Any:
@@ -56,8 +82,7 @@ def llguidance_tokenizer(tokenizer: Any, eos_token_ids: tuple[int, ...]) -> Any:
         raise ValueError("a grammar-constrained request needs the model's tokenizer")
     # mlx-lm's wrapper holds the Hugging Face tokenizer; its files' folder names it.
     hf_tokenizer = getattr(tokenizer, "_tokenizer", tokenizer)
-    name = getattr(hf_tokenizer, "name_or_path", "") or str(id(hf_tokenizer))
-    key = (name, len(hf_tokenizer), eos_token_ids)
+    key = (_tokenizer_identity(hf_tokenizer), len(hf_tokenizer), eos_token_ids)
     with _LL_TOKENIZERS_LOCK:
         found = _LL_TOKENIZERS.get(key)
         if found is not None:
@@ -117,8 +142,6 @@ class Grammars:
         self._work = GrammarWork()
 
     def sequence(self, grammar: str, sequence_id: int | None = None) -> GrammarSequence:
-        from llguidance import LLMatcher
-
         if self._ll_tokenizer is None:
             started = time.perf_counter()
             self._ll_tokenizer = llguidance_tokenizer(self._tokenizer, tuple(self._eos_token_ids))
@@ -127,7 +150,7 @@ class Grammars:
                 # The router's check builds it first: only a caller that skipped the check gets here.
                 logger.info("built the llguidance tokenizer on the device (%.1f s)", seconds)
         started = time.perf_counter()
-        matcher = LLMatcher(self._ll_tokenizer, grammar, log_level=0, limits=parser_limits())
+        matcher = new_matcher(self._ll_tokenizer, grammar)
         if matcher.is_error():
             raise ValueError(f"grammar rejected: {one_line(matcher.get_error())}")
         seconds = time.perf_counter() - started

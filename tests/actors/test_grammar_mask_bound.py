@@ -21,8 +21,9 @@ from tests.actors.test_actor_device import GREEDY, batch, direct, running_device
 
 pytestmark = pytest.mark.slow
 
-SLOW_MARK = "// slow masks (test)"
-SLOW_GRAMMAR = f'start: "x"+\n{SLOW_MARK}\n'
+# Any grammar naming this literal gets slow masks (a GBNF grammar's Lark form keeps it too).
+SLOW_MARK = "slow-masks-marker"
+SLOW_GRAMMAR = f'start: "{SLOW_MARK}" "x"*\n'
 SLOW_MASK_SECONDS = 3.0
 BOUND_SECONDS = 0.2
 EOS = 151645
@@ -31,17 +32,13 @@ JSON_OBJECT = parse_chat_request({"messages": [{"role": "user", "content": "x"}]
 
 
 class SlowMasks:
-    """The real matcher, whose masks take SLOW_MASK_SECONDS when its grammar carries SLOW_MARK."""
+    """The real matcher, whose masks take SLOW_MASK_SECONDS."""
 
-    real: Any = None
-
-    def __init__(self, tokenizer: Any, grammar: str, **options: Any) -> None:
-        self._matcher = self.real(tokenizer, grammar, **options)
-        self._slow = SLOW_MARK in grammar
+    def __init__(self, matcher: Any) -> None:
+        self._matcher = matcher
 
     def unsafe_compute_mask_ptr(self, pointer: int, nbytes: int) -> None:
-        if self._slow:
-            time.sleep(SLOW_MASK_SECONDS)
+        time.sleep(SLOW_MASK_SECONDS)
         self._matcher.unsafe_compute_mask_ptr(pointer, nbytes)
 
     def __getattr__(self, name: str) -> Any:
@@ -50,10 +47,16 @@ class SlowMasks:
 
 @pytest.fixture
 def slow_masks(monkeypatch: pytest.MonkeyPatch) -> None:
-    import llguidance
+    """The device's matchers of grammars carrying SLOW_MARK compute their masks slowly."""
+    from mlxcel.model import grammar_masks
 
-    monkeypatch.setattr(SlowMasks, "real", llguidance.LLMatcher)
-    monkeypatch.setattr(llguidance, "LLMatcher", SlowMasks)
+    real = grammar_masks.new_matcher
+
+    def new_matcher(ll_tokenizer: Any, grammar: str) -> Any:
+        matcher = real(ll_tokenizer, grammar)
+        return SlowMasks(matcher) if SLOW_MARK in grammar else matcher
+
+    monkeypatch.setattr(grammar_masks, "new_matcher", new_matcher)
 
 
 async def test_a_row_whose_mask_is_late_ends_and_the_others_decode_on_time(slow_masks: None) -> None:
@@ -113,7 +116,8 @@ async def test_a_grammar_past_llguidance_limits_ends_its_row_as_a_failure() -> N
         assert done.grammar is not None
         (failure,) = done.grammar.failures
         assert (failure.sequence_id, failure.timed_out) == (0, False)
-        assert "Too many items" in failure.reason and "\n" not in failure.reason
+        assert "Too many items" in failure.reason
+        assert "\n" not in failure.reason
         (first,) = [token for token in done.sampled if token.sequence_id == 0]
         assert (first.token, first.finish_reason) == (EOS, "stop")
         await driver.run_until_finished({1})

@@ -17,6 +17,8 @@ import httpx
 import pytest
 import trio
 
+from tests.actors.test_grammar_mask_bound import SLOW_MARK, slow_masks  # noqa: F401 - a fixture
+
 pytestmark = pytest.mark.slow
 
 NORMAL = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
@@ -116,3 +118,58 @@ async def test_slow_compiles_are_cut_off_and_plain_requests_keep_their_threads_a
     assert 400 in statuses
     assert results["normal"][1] < 10, results
     assert results["health"][1] < 5, results  # the schemas' meta-schema checks still take the CPU
+
+
+
+# A real grammar whose masks are slow (issue 33, item 3): ambiguous enough that llguidance's Earley
+# parser spends ~0.5 s on its first mask on this CPU, within its item limit (it fails the second).
+SLOW_MASK_GBNF = 'root ::= e\ne ::= e e | e e e | "(" e ")" | [a-z]+ | [a-z0-9 ]'
+# Through the device's test hook (tests/actors/test_grammar_mask_bound.py): each mask takes 3 s, asleep.
+HOOKED_SLOW_GBNF = f'root ::= "{SLOW_MARK}" [a-z]*'
+LONG_NORMAL = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 96, "temperature": 0}
+
+
+@pytest.mark.usefixtures("slow_masks")
+async def test_a_grammar_with_slow_masks_ends_alone_and_a_normal_request_beside_it_keeps_its_pace(serve) -> None:
+    """Before: the device built its own llguidance tokenizer on the first constrained step (GIL held
+    for 5-8 s here) and waited for every mask, so one such request held every stream up (6.9 s instead
+    of 0.2 s in the issue). Now the tokenizer is built at start-up, a mask later than
+    --grammar-mask-timeout-ms ends its own request with a 400 naming the field, and a normal request
+    running beside two of them keeps within 1.5x of its time alone."""
+    client = await serve()
+
+    async def normal_seconds() -> float:
+        started = time.monotonic()
+        response = await client.post("/v1/chat/completions", json=LONG_NORMAL)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 96
+        return time.monotonic() - started
+
+    await normal_seconds()  # compiles the shapes
+    alone = sorted([await normal_seconds() for _ in range(3)])[1]
+    slow: list[httpx.Response] = []
+    beside: list[float] = []
+
+    async def slow_request(grammar: str) -> None:
+        slow.append(await client.post("/completion", json={"prompt": "hi", "n_predict": 32, "grammar": grammar}))
+
+    async def normal_beside() -> None:
+        beside.append(await normal_seconds())
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(normal_beside)
+            for _ in range(2):
+                await trio.sleep(alone / 4)
+                nursery.start_soon(slow_request, HOOKED_SLOW_GBNF)
+        # The real slow grammar ends the same way (its abandoned mask still takes a core for a while,
+        # which on this 2-core machine the forward pass feels: no bound on the time beside it here).
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(normal_beside)
+            nursery.start_soon(slow_request, SLOW_MASK_GBNF)
+    for response in slow:
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("grammar_too_slow", "grammar"), error
+        assert "--grammar-mask-timeout-ms" in error["message"]
+    assert beside[0] <= 1.5 * alone, (alone, beside)
