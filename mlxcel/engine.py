@@ -418,7 +418,8 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
                 lora_apply=not config.lora_init_without_apply,
                 kv_bits=config.prompt_cache.kv_bits,
                 kv_group_size=config.prompt_cache.kv_group_size,
-                grammar_mask_timeout_s=config.grammar_mask_timeout_ms / 1000,
+                grammar_mask_timeout_s=(None if config.grammar_mask_timeout_ms is None
+                                        else config.grammar_mask_timeout_ms / 1000),
             ),
             device_inbox,
         )

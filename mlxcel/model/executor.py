@@ -36,7 +36,7 @@ from mlxcel.core.plan import (
 )
 from mlxcel.model.adapter_batches import AdapterBatches
 from mlxcel.model.adapters import AdapterSpec
-from mlxcel.model.grammar_masks import MASK_TIMEOUT_S, Grammars
+from mlxcel.model.grammar_masks import Grammars, mask_timeout
 from mlxcel.model.lora import LoadedAdapters
 from mlxcel.model.sampling import make_sampling, sampled_token
 from mlxcel.types import SamplingParams
@@ -75,8 +75,8 @@ class DeviceSettings:
     # --prompt-cache-kv-bits (0: stored KV exact) and --prompt-cache-kv-group-size: see mlxcel/model/kv.py.
     kv_bits: int = 0
     kv_group_size: int = 64
-    # --grammar-mask-timeout-ms: a constrained row whose mask is later than this in a step ends.
-    grammar_mask_timeout_s: float = MASK_TIMEOUT_S
+    # --grammar-mask-timeout-ms: a constrained row whose mask is later than this in a step ends (None: by backend).
+    grammar_mask_timeout_s: float | None = None
 
 
 @attrs.define
@@ -172,7 +172,8 @@ class StepExecutor:
         # Plain KV caches only: cold starts share a forward pass and join the batch without one of their own.
         self._plain_kv = all(type(cache) is KVCache for cache in make_prompt_cache(model))
         self._eos_token_ids = frozenset(eos_token_ids)
-        self._grammars = Grammars(tokenizer, self._eos_token_ids, mask_timeout_s=settings.grammar_mask_timeout_s)
+        self._grammars = Grammars(tokenizer, self._eos_token_ids, mask_timeout_s=mask_timeout(
+            settings.grammar_mask_timeout_s, gpu=mx.default_device() != mx.cpu))
         self._family = family
         self.family = family
         self._settings = settings
