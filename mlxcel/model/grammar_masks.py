@@ -105,10 +105,13 @@ def llguidance_tokenizer(tokenizer: Any, eos_token_ids: tuple[int, ...]) -> Any:
     return built
 
 
+# Threads beyond the cores' worth, for masks given up on that still run (a thread cannot be stopped).
+_SPARE_THREADS = 4
+
+
 def _mask_threads() -> int:
-    # As llguidance's own executor (80% of the cores, up to 32), with room for rows given up on
-    # whose mask still runs (a thread cannot be stopped; llguidance's limits bound how long).
-    return max(4, min(32, (os.cpu_count() or 2) * 4 // 5) + 4)
+    # As llguidance's own executor (80% of the cores, up to 32), and the spare ones.
+    return max(2, min(32, (os.cpu_count() or 2) * 4 // 5)) + _SPARE_THREADS
 
 
 class Grammars:
@@ -123,9 +126,10 @@ class Grammars:
     of its own while the device computes the logits; the masks are unpacked
     on the device in one pass and each sampler masks its own row.
 
-    A mask not ready within ``mask_timeout_s`` of the step's mask work
-    starting costs its own row, not the batch: the row gets a mask of EOS
-    alone (so mlx-lm ends it in this step) and is reported in
+    A mask not ready ``mask_timeout_s`` after both the step's mask work
+    started and its forward pass ended (so after the point where it would
+    start delaying the batch) costs its own row, not the batch: the row gets
+    a mask of EOS alone (so mlx-lm ends it in this step) and is reported in
     ``GrammarWork.failures``, and the core fails its request. A matcher that
     fails (a llguidance limit, a dead end) ends its row the same way.
 
@@ -143,6 +147,8 @@ class Grammars:
         self.mask_timeout_s = mask_timeout_s
         self._ll_tokenizer: Any = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        # Masks given up on whose threads still compute them.
+        self._abandoned: list[concurrent.futures.Future[Any]] = []
         # Fed this step, mask not computed yet.
         self._pending: list[GrammarSequence] = []
         # Each computed sequence's row in `_allowed` (the step's unpacked masks).
@@ -210,7 +216,12 @@ class Grammars:
             if sequence.failed is None:
                 jobs[row] = self._mask_pool().submit(_consume_and_mask, sequence.matcher, token, width)
         if jobs:
-            concurrent.futures.wait(jobs.values(), timeout=self.mask_timeout_s)
+            _done, late = concurrent.futures.wait(jobs.values(), timeout=self.mask_timeout_s)
+            if late:
+                # Masks may take as long as the forward pass for free (the step waits for it anyway): the
+                # bound counts from its end. Only in this case does the host wait for the device here.
+                mx.eval(logprobs)
+                concurrent.futures.wait(late, timeout=self.mask_timeout_s)
         packed = np.zeros((len(pending), width), dtype=np.uint32)
         failures: list[GrammarFailure] = []
         for row, sequence in enumerate(pending):
@@ -240,7 +251,8 @@ class Grammars:
                  row: Any) -> GrammarFailure | None:
         """Copy a finished mask into its row, or give the sequence up: late, or its matcher failed."""
         if not job.done():
-            job.cancel()
+            if not job.cancel():
+                self._abandoned.append(job)
             sequence.failed = (f"its grammar's token mask took longer than {1000 * self.mask_timeout_s:g} ms "
                                "(--grammar-mask-timeout-ms)")
             logger.warning("grammar mask of sequence %s not ready within %g ms: the sequence ends",
@@ -260,6 +272,13 @@ class Grammars:
         return GrammarFailure(sequence_id=sequence.sequence_id, timed_out=timed_out, reason=sequence.failed)
 
     def _mask_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        self._abandoned = [job for job in self._abandoned if not job.done()]
+        if self._pool is not None and len(self._abandoned) >= _SPARE_THREADS:
+            # Masks given up on still hold that many threads: a fresh pool, so the other rows' masks never queue
+            # behind them (the old pool's threads end with their masks).
+            self._pool.shutdown(wait=False)
+            self._pool = None
+            self._abandoned = []
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(_mask_threads(), thread_name_prefix="mlxcel-grammar")
         return self._pool

@@ -167,9 +167,14 @@ async def test_a_grammar_with_slow_masks_ends_alone_and_a_normal_request_beside_
         async with trio.open_nursery() as nursery:
             nursery.start_soon(normal_beside)
             nursery.start_soon(slow_request, SLOW_MASK_GBNF)
-    for response in slow:
+    for index, response in enumerate(slow):
         assert response.status_code == 400, response.text
         error = response.json()["error"]
-        assert (error["code"], error["param"]) == ("grammar_too_slow", "grammar"), error
-        assert "--grammar-mask-timeout-ms" in error["message"]
+        assert error["param"] == "grammar", error
+        if index < 2:
+            assert error["code"] == "grammar_too_slow", error
+            assert "--grammar-mask-timeout-ms" in error["message"]
+        else:
+            # Its first mask may also finish in time on a quiet machine; its second is past llguidance's limit.
+            assert error["code"] in ("grammar_too_slow", "grammar_failed"), error
     assert beside[0] <= 1.5 * alone, (alone, beside)
