@@ -179,12 +179,6 @@ class Grammars:
         work, self._work = self._work, GrammarWork()
         return work if work.matchers_built or work.masks or work.failures else None
 
-    def close(self) -> None:
-        """Let the mask threads go (a mask still running ends on its own)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
-
     def fed(self, sequence: GrammarSequence) -> None:
         self._pending.append(sequence)
 
