@@ -21,8 +21,10 @@ from tests.actors.test_actor_device import GREEDY, batch, direct, running_device
 
 pytestmark = pytest.mark.slow
 
-# Any grammar naming this literal gets slow masks (a GBNF grammar's Lark form keeps it too).
+# Any grammar naming this literal gets slow masks (a GBNF grammar's Lark form keeps it too); one naming
+# the second, slow masks from its third on.
 SLOW_MARK = "slow-masks-marker"
+LATE_SLOW_MARK = "late-slowing-marker"
 SLOW_GRAMMAR = f'start: "{SLOW_MARK}" "x"*\n'
 SLOW_MASK_SECONDS = 3.0
 BOUND_SECONDS = 0.2
@@ -34,11 +36,15 @@ JSON_OBJECT = parse_chat_request({"messages": [{"role": "user", "content": "x"}]
 class SlowMasks:
     """The real matcher, whose masks take SLOW_MASK_SECONDS."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, fast_masks: int = 0) -> None:
         self._matcher = matcher
+        self._fast_masks = fast_masks
 
     def unsafe_compute_mask_ptr(self, pointer: int, nbytes: int) -> None:
-        time.sleep(SLOW_MASK_SECONDS)
+        if self._fast_masks:
+            self._fast_masks -= 1
+        else:
+            time.sleep(SLOW_MASK_SECONDS)
         self._matcher.unsafe_compute_mask_ptr(pointer, nbytes)
 
     def __getattr__(self, name: str) -> Any:
@@ -54,6 +60,8 @@ def slow_masks(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def new_matcher(ll_tokenizer: Any, grammar: str) -> Any:
         matcher = real(ll_tokenizer, grammar)
+        if LATE_SLOW_MARK in grammar:
+            return SlowMasks(matcher, fast_masks=2)
         return SlowMasks(matcher) if SLOW_MARK in grammar else matcher
 
     monkeypatch.setattr(grammar_masks, "new_matcher", new_matcher)
