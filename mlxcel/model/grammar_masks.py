@@ -105,6 +105,8 @@ def llguidance_tokenizer(tokenizer: Any, eos_token_ids: tuple[int, ...]) -> Any:
     return built
 
 
+# An evaluation of the forward pass that took longer than this found it still running.
+_FORWARD_STILL_RUNNING_S = 0.001
 # Threads beyond the cores' worth, for masks given up on that still run (a thread cannot be stopped).
 _SPARE_THREADS = 4
 
@@ -212,10 +214,12 @@ class Grammars:
         if jobs:
             _done, late = concurrent.futures.wait(jobs.values(), timeout=self.mask_timeout_s)
             if late:
-                # Masks may take as long as the forward pass for free (the step waits for it anyway): the
-                # bound counts from its end. Only in this case does the host wait for the device here.
+                # Masks may take as long as the forward pass for free (the step waits for it anyway): when it
+                # was still running, the bound counts from its end. Only here does the host wait for the device.
+                waited = time.perf_counter()
                 mx.eval(logprobs)
-                concurrent.futures.wait(late, timeout=self.mask_timeout_s)
+                if time.perf_counter() - waited > _FORWARD_STILL_RUNNING_S:
+                    concurrent.futures.wait(late, timeout=self.mask_timeout_s)
         packed = np.zeros((len(pending), width), dtype=np.uint32)
         failures: list[GrammarFailure] = []
         for row, sequence in enumerate(pending):

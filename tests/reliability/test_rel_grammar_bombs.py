@@ -129,7 +129,7 @@ async def test_slow_compiles_are_cut_off_and_plain_requests_keep_their_threads_a
 SLOW_MASK_GBNF = 'root ::= e\ne ::= e e | e e e | "(" e ")" | [a-z]+ | [a-z0-9 ]'
 # Through the device's test hook (tests/actors/test_grammar_mask_bound.py): each mask takes 3 s, asleep.
 HOOKED_SLOW_GBNF = f'root ::= "{SLOW_MARK}" [a-z]*'
-LONG_NORMAL = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 96, "temperature": 0}
+LONG_NORMAL = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 192, "temperature": 0}
 
 
 @pytest.mark.usefixtures("slow_masks")
@@ -147,7 +147,7 @@ async def test_a_grammar_with_slow_masks_ends_alone_and_a_normal_request_beside_
         started = time.monotonic()
         response = await client.post("/v1/chat/completions", json=LONG_NORMAL)
         assert response.status_code == 200, response.text
-        assert response.json()["usage"]["completion_tokens"] == 96
+        assert response.json()["usage"]["completion_tokens"] == 192
         return time.monotonic() - started
 
     slow: list[httpx.Response] = []
