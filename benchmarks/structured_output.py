@@ -42,12 +42,13 @@ SCHEMAS = {
 }
 
 
-def agent_tools(count: int) -> list[dict[str, Any]]:
-    """``count`` tools shaped like a coding agent's: nested objects, enums, arrays, bounds."""
+def agent_tools(count: int, nonce: str = "") -> list[dict[str, Any]]:
+    """``count`` tools shaped like a coding agent's: nested objects, enums, arrays, bounds (``nonce`` in each
+    description keeps the edge's memos from answering)."""
     tools = []
     for index in range(count):
         tools.append({"type": "function", "function": {
-            "name": f"tool_{index}", "description": f"Tool number {index}: does one thing well. " * 3,
+            "name": f"tool_{index}", "description": f"Tool number {index}{nonce}: does one thing well. " * 3,
             "parameters": {"type": "object", "properties": {
                 "path": {"type": "string", "description": "a file path"},
                 "mode": {"type": "string", "enum": ["read", "write", "append", "delete"]},
@@ -111,10 +112,8 @@ def compile_costs(num_tools: int, tokenizer: Any) -> dict[str, float]:
     from mlxcel.core.tool_grammar import forced_tool_grammar
     from mlxcel.http import validation
 
-    tools = agent_tools(num_tools)
+    tools = agent_tools(num_tools, nonce=f" ({time.time_ns()})")
     figures: dict[str, float] = {}
-    validation._schema_error.cache_clear()
-    validation._compiled_grammar.cache_clear()
     started = time.perf_counter()
     validation.parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "tools": tools})
     figures["tool_schema_checks_ms"] = 1000 * (time.perf_counter() - started)
@@ -166,8 +165,10 @@ async def main_async(arguments: argparse.Namespace) -> dict[str, Any]:
                     rate = await decode_round(engine, streams, constrained, arguments.reply_tokens, round_index, schema)
                     if round_index >= 0:
                         rates[way].append(rate)
+            free = statistics.median(rates["free"])
             for way, values in rates.items():
-                row = {"streams": streams, "way": way, "tokens_per_s": statistics.median(values)}
+                rate = statistics.median(values)
+                row = {"streams": streams, "way": way, "tokens_per_s": rate, "ratio_to_free": rate / free}
                 results["decode"].append(row)
                 print(json.dumps(row), flush=True)
         results["compile"] = compile_costs(arguments.tools, engine.model.tokenizer)

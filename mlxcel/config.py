@@ -141,6 +141,9 @@ class EngineConfig:
     allow_request_chat_template: bool = False
     # Seconds a request's grammar (JSON Schema, GBNF, strict or forced tools) may take to compile.
     grammar_timeout: float = 10.0
+    # Milliseconds a decode step waits for a constrained row's token mask; a row whose mask is later ends
+    # (its request fails), the others go on. None: 50 on a GPU, 200 on the CPU (docs/operations.md).
+    grammar_mask_timeout_ms: int | None = None
     prompt_cache: PromptCacheConfig = PromptCacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     kv_events: KvEventsConfig = KvEventsConfig()
@@ -237,6 +240,16 @@ def parse_auto_bool(text: str) -> bool | None:
         return parse_bool(text)
     except ValueError:
         raise ValueError(f"expected auto, true or false, got {text!r}") from None
+
+
+def parse_auto_milliseconds(text: str) -> int | None:
+    """``auto`` (None: decided at start-up) or a positive number of milliseconds."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return parse_positive_int(text)
+    except ValueError:
+        raise ValueError(f"expected auto or a positive number of milliseconds, got {text!r}") from None
 
 
 def parse_llama_cache_reuse(text: str) -> bool:
@@ -646,6 +659,11 @@ ENGINE_SETTINGS = (
     Setting("grammar_timeout", "--grammar-timeout", ("MLXCEL_GRAMMAR_TIMEOUT",), parse_seconds,
             "seconds a request's grammar (response_format, json_schema, grammar, strict or forced tools) "
             "may take to compile before the request gets a 400 (default 10)"),
+    Setting("grammar_mask_timeout_ms", "--grammar-mask-timeout-ms", ("MLXCEL_GRAMMAR_MASK_TIMEOUT_MS",),
+            parse_auto_milliseconds, "milliseconds a decode step waits for a constrained reply's next token "
+            "mask; a reply whose mask is later ends with a 400 grammar_too_slow and the other replies go on "
+            "(default auto: 50 on a GPU, 200 on the CPU, where masks share the cores with the forward pass)",
+            metavar="MS"),
     Setting("served_model_names", "--served-model-name", ("MLXCEL_SERVED_MODEL_NAME",), parse_model_name,
             "the model ids requests may name, the first reported as the model's id (default: the model "
             "folder's name or repo id)", multiple=True),

@@ -407,6 +407,8 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
                 lora_apply=not config.lora_init_without_apply,
                 kv_bits=config.prompt_cache.kv_bits,
                 kv_group_size=config.prompt_cache.kv_group_size,
+                grammar_mask_timeout_s=(None if config.grammar_mask_timeout_ms is None
+                                        else config.grammar_mask_timeout_ms / 1000),
             ),
             device_inbox,
         )
@@ -479,13 +481,16 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             eos_token_ids=model.eos_token_ids,
             cache=plan,
         ).run)
+        grammar_checker = GrammarChecker(model.tokenizer, model.eos_token_ids, timeout_s=config.grammar_timeout)
+        # llguidance's tokenizer holds the GIL for seconds while it is built: before serving, not beside steps.
+        await grammar_checker.prepare()
         await nursery.start(RouterActor(
             model=model,
             renderer=renderer,
             cache_enabled=plan.enabled,
             inbox=router_inbox,
             to_scheduler=to_scheduler.clone(),
-            grammar_checker=GrammarChecker(model.tokenizer, model.eos_token_ids, timeout_s=config.grammar_timeout),
+            grammar_checker=grammar_checker,
         ).run)
         logger.info(
             "engine ready: model %s (%s, context %d, prefill step %d), prompt cache %s, APC %s",

@@ -370,3 +370,17 @@ def test_grammar_and_connection_bounds_flags() -> None:
     assert server.max_connections_per_client == 8
     with pytest.raises(ConfigError, match="MLXCEL_GRAMMAR_TIMEOUT"):
         configs([], {"MLXCEL_GRAMMAR_TIMEOUT": "0"})
+
+
+def test_grammar_mask_timeout_flag() -> None:
+    from mlxcel.model.grammar_masks import mask_timeout
+
+    assert configs([])[0].grammar_mask_timeout_ms is None
+    assert (mask_timeout(None, gpu=True), mask_timeout(None, gpu=False)) == (0.05, 0.2)
+    assert configs(["--grammar-mask-timeout-ms", "30"])[0].grammar_mask_timeout_ms == 30
+    assert configs(["--grammar-mask-timeout-ms", "auto"])[0].grammar_mask_timeout_ms is None
+    assert configs([], {"MLXCEL_GRAMMAR_MASK_TIMEOUT_MS": "75"})[0].grammar_mask_timeout_ms == 75
+    with pytest.raises(ConfigError, match="MLXCEL_GRAMMAR_MASK_TIMEOUT_MS"):
+        configs([], {"MLXCEL_GRAMMAR_MASK_TIMEOUT_MS": "0"})
+    with pytest.raises(SystemExit):  # a bad flag is one line and status 2
+        configs(["--grammar-mask-timeout-ms", "0"])

@@ -103,6 +103,10 @@ class MetricsActor:
         self._grammar_mask_seconds = Counter(
             "mlxcel_grammar_mask_seconds", "Time spent computing and unpacking grammar masks (a step's "
             "sequences together)", registry=self.registry)
+        self._grammar_failures = Counter(
+            "mlxcel_grammar_failures", "Constrained replies ended on the device, by cause: mask_timeout (past "
+            "--grammar-mask-timeout-ms) or matcher (a llguidance limit or dead end)", ["cause"],
+            registry=self.registry)
         self._seen_evictions: dict[str, int] = {}
         self._init_snapshot_metrics()
         self._num_events = 0
@@ -139,6 +143,8 @@ class MetricsActor:
                 self._grammar_build_seconds.inc(message.build_seconds)
                 self._grammar_masks.inc(message.masks)
                 self._grammar_mask_seconds.inc(message.mask_seconds)
+                for failure in message.failures:
+                    self._grammar_failures.labels(cause="mask_timeout" if failure.timed_out else "matcher").inc()
             case RenderMetrics():
                 if message.store is not None:
                     self._apply_store(message.store)

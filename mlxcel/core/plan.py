@@ -182,6 +182,17 @@ class DetachedSequence:
 
 
 @attrs.frozen(kw_only=True)
+class GrammarFailure:
+    """A constrained sequence whose grammar could not go on: the device ends it, the core fails its request."""
+
+    sequence_id: int
+    # True: its mask was not ready within the step's bound (--grammar-mask-timeout-ms); False: the
+    # matcher failed (one of llguidance's limits, or a dead end).
+    timed_out: bool
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
 class GrammarWork:
     """What grammar-constrained decoding cost the device in one step."""
 
@@ -189,6 +200,7 @@ class GrammarWork:
     build_seconds: float = 0.0
     masks: int = 0
     mask_seconds: float = 0.0
+    failures: tuple[GrammarFailure, ...] = ()
 
 
 @attrs.frozen(kw_only=True)

@@ -28,6 +28,7 @@ the ``CachePlan`` (``core/cache_plan.py``).
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
@@ -52,6 +53,7 @@ from mlxcel.core.plan import (
     AloneChunk,
     Capabilities,
     DetachedSequence,
+    GrammarFailure,
     InsertBatch,
     Removal,
     SampledToken,
@@ -62,8 +64,10 @@ from mlxcel.core.plan import (
     StepResult,
 )
 from mlxcel.core.warmups import WarmSession as WarmSession, WarmUps
-from mlxcel.errors import GenerationFailed, MlxcelError, ServerBusy
+from mlxcel.errors import GenerationFailed, InvalidRequest, MlxcelError, ServerBusy
 from mlxcel.types import ChatRequest, Delta, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # Steps in a row in which direct starts may hold back the batch's decode step.
 MAX_BATCH_HOLDS = 4
@@ -573,6 +577,9 @@ class SchedulerCore:
         prompt_items = [item for item in result.detached if not item.final and not item.snapshot]
         for item in prompt_items:
             self._donate(item)
+        if result.grammar is not None and result.grammar.failures:
+            # Before the tokens: the device ended these rows with EOS, which must not read as a reply's end.
+            self._fail_grammar_rows(result.grammar.failures, clients, now)
         for token in result.sampled:
             running = self._running.get(token.sequence_id)
             if running is not None and not running.finished:
@@ -696,6 +703,22 @@ class SchedulerCore:
             # A client that is gone misses nothing.
             clients.fail(running.request.request_id, error)
             self._forget(running, clients)
+
+    def _fail_grammar_rows(self, failures: tuple[GrammarFailure, ...], clients: Clients, now: float) -> None:
+        """Requests whose grammar gave up on the device (a late mask, a llguidance limit): a 400 naming the field."""
+        for failure in failures:
+            running = self._running.get(failure.sequence_id)
+            if running is None or running.finished:
+                continue
+            request = running.request
+            # No field named: the router's grammar of the request's tools.
+            param = request.sampling.grammar_param or "tools"
+            logger.warning("request %s ends: %s", request.request_id, failure.reason)
+            self._num_failed += 1
+            code = "grammar_too_slow" if failure.timed_out else "grammar_failed"
+            clients.fail(request.request_id, InvalidRequest(f"{param} cannot be enforced: {failure.reason}",
+                                                            param=param, code=code))
+            self._finish(running, clients, now, donate=False, reason=None)
 
     def _on_token(self, running: _Running, token: SampledToken, clients: Clients, now: float) -> None:
         out = running.output.add(token.token, token.logprob, token.top_logprobs, token.finish_reason, now)

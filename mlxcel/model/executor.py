@@ -36,7 +36,7 @@ from mlxcel.core.plan import (
 )
 from mlxcel.model.adapter_batches import AdapterBatches
 from mlxcel.model.adapters import AdapterSpec
-from mlxcel.model.grammar_masks import Grammars
+from mlxcel.model.grammar_masks import Grammars, mask_timeout
 from mlxcel.model.lora import LoadedAdapters
 from mlxcel.model.sampling import make_sampling, sampled_token
 from mlxcel.types import SamplingParams
@@ -77,6 +77,8 @@ class DeviceSettings:
     kv_group_size: int = 64
     # Masked one-token attention on mlxcel's kernel (mlxcel/model/ragged_attention.py); CUDA only.
     ragged_attention: bool = True
+    # --grammar-mask-timeout-ms: a constrained row whose mask is later than this in a step ends (None: by backend).
+    grammar_mask_timeout_s: float | None = None
 
 
 @attrs.define
@@ -177,7 +179,8 @@ class StepExecutor:
         # Plain KV caches only: cold starts share a forward pass and join the batch without one of their own.
         self._plain_kv = all(type(cache) is KVCache for cache in make_prompt_cache(model))
         self._eos_token_ids = frozenset(eos_token_ids)
-        self._grammars = Grammars(tokenizer, self._eos_token_ids)
+        self._grammars = Grammars(tokenizer, self._eos_token_ids, mask_timeout_s=mask_timeout(
+            settings.grammar_mask_timeout_s, gpu=mx.default_device() != mx.cpu))
         self._family = family
         self.family = family
         self._settings = settings
@@ -458,7 +461,7 @@ class StepExecutor:
                 # A warm-up prefills everything, snapshots, then stops: the extra token is never run.
                 segments.append(prompt[-1:])
             points = [(tuple(cached + prompt[:point.after]), point.checkpoint) for point in start.snapshots]
-        sampler, processors = make_sampling(start.sampling, self._grammars)
+        sampler, processors = make_sampling(start.sampling, self._grammars, start.sequence_id)
         base = _base(start.adopted, len(cached)) if start.restore is None else None
         (uid,) = self._generator.insert_segments(
             [segments],
@@ -527,7 +530,7 @@ class StepExecutor:
         cached, prompt = list(start.cached_tokens), list(start.prompt_tokens)
         run = cached[start.kept:] + prompt
         padding = start.padding
-        sampler, processors = make_sampling(start.sampling, self._grammars)
+        sampler, processors = make_sampling(start.sampling, self._grammars, start.sequence_id)
         all_tokens = cached + prompt
         self._generator.apply([start.sampling.adapter_scales])
         with mx.stream(self._generator.stream):
@@ -599,7 +602,7 @@ class StepExecutor:
             logits = self._model(mx.array(matrix), cache=group_caches)
             last = logits[mx.arange(count), lengths - 1]  # each row's logits at its own last token
             for row, (start, run) in enumerate(zip(starts, runs, strict=True)):
-                sampler, processors = make_sampling(start.sampling, self._grammars)
+                sampler, processors = make_sampling(start.sampling, self._grammars, start.sequence_id)
                 row_logits = last[row:row + 1]
                 if processors:
                     history = mx.array(run, dtype=mx.int32)

@@ -15,13 +15,19 @@ step runs. Compilation costs grow much faster than the grammar, so:
   place gets a 503;
 - verdicts are remembered per tenant (the tokenizer memo's namespace), by
   bytes, so agents resending their tools compile once, and a hit tells no
-  tenant what another sent.
+  tenant what another sent; requests of one tenant sending a grammar that
+  is compiling wait for its verdict instead of compiling it again.
+
+The llguidance tokenizer it builds once, at start-up (``prepare``), is the
+one the device's masks use (``mlxcel.model.grammar_masks.llguidance_tokenizer``),
+so the device never builds it on the step.
 
 Worker threads are daemons: a compile still running does not hold up shutdown.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Hashable
 from typing import Any
@@ -30,6 +36,9 @@ import trio
 
 from mlxcel.core.grammar_bounds import BoundedMemo, text_nbytes
 from mlxcel.errors import InvalidRequest, ServerBusy
+from mlxcel.model.grammar_masks import llguidance_tokenizer, new_matcher, one_line
+
+logger = logging.getLogger(__name__)
 
 # Seconds a grammar may take to compile (`--grammar-timeout`).
 GRAMMAR_TIMEOUT_S = 10.0
@@ -37,41 +46,6 @@ GRAMMAR_TIMEOUT_S = 10.0
 MAX_CONCURRENT_COMPILES = 2
 MEMO_ENTRIES = 4096
 MEMO_BYTES = 32 << 20
-_MAX_REASON_CHARS = 400
-
-
-def one_line(reason: str) -> str:
-    """The engine's reason without its backtrace: the first line, bounded."""
-    reason = reason.split("<backtrace>", 1)[0].strip()
-    first = reason.splitlines()[0] if reason else ""
-    return first[:_MAX_REASON_CHARS]
-
-
-# llguidance tokenizers by (tokenizer folder, size, eos ids): immutable once built, so engines of one model
-# share one (building it takes 1-12 s here).
-_LL_TOKENIZERS: dict[tuple[str, int, tuple[int, ...]], Any] = {}
-_LL_TOKENIZERS_LOCK = threading.Lock()
-
-
-def llguidance_tokenizer(tokenizer: Any, eos_token_ids: tuple[int, ...]) -> Any:
-    from llguidance.hf import from_tokenizer
-
-    # mlx-lm's wrapper holds the Hugging Face tokenizer; its files' folder names it.
-    hf_tokenizer = getattr(tokenizer, "_tokenizer", tokenizer)
-    name = getattr(hf_tokenizer, "name_or_path", "") or str(id(hf_tokenizer))
-    key = (name, len(hf_tokenizer), eos_token_ids)
-    with _LL_TOKENIZERS_LOCK:
-        found = _LL_TOKENIZERS.get(key)
-        if found is not None:
-            return found
-    built = from_tokenizer(hf_tokenizer, eos_token=list(eos_token_ids) or None)
-    with _LL_TOKENIZERS_LOCK:
-        if len(_LL_TOKENIZERS) >= 4:
-            _LL_TOKENIZERS.clear()
-        _LL_TOKENIZERS[key] = built
-    return built
-
-
 class GrammarChecker:
     def __init__(
         self,
@@ -90,6 +64,8 @@ class GrammarChecker:
             max_entries=MEMO_ENTRIES, max_bytes=memo_bytes, value_nbytes=text_nbytes)
         self._ll_tokenizer: Any = None
         self._tokenizer_lock = trio.Lock()
+        # Grammars compiling now, by memo key: a request sending one of them waits for its verdict.
+        self._compiling: dict[tuple[Hashable, str], trio.Event] = {}
         self.num_compiled = 0
         self.num_timed_out = 0
 
@@ -98,9 +74,18 @@ class GrammarChecker:
         """Raise a 400 naming ``param`` if ``grammar`` cannot be enforced, a 503 if no compile place came."""
         key = (namespace, grammar)
         found, reason = self._memo.get(key)
+        while not found and key in self._compiling:
+            # The same grammar is compiling for another request: its verdict serves both.
+            await self._compiling[key].wait()
+            found, reason = self._memo.get(key)
         if not found:
-            reason = await self._compile(grammar)
-            self._memo.put(key, reason)
+            done = self._compiling[key] = trio.Event()
+            try:
+                reason = await self._compile(grammar)
+                self._memo.put(key, reason)
+            finally:
+                del self._compiling[key]
+                done.set()
         if reason is not None:
             raise InvalidRequest(f"{what}: {reason}", param=param, code=code)
 
@@ -115,6 +100,15 @@ class GrammarChecker:
         self.num_timed_out += 1
         return f"it did not compile within {self.timeout_s:g} s (--grammar-timeout)"
 
+    async def prepare(self) -> None:
+        """Build the llguidance tokenizer now (the engine does, before it serves): its build holds the GIL
+        for seconds, which beside running steps would stall every stream. A tokenizer llguidance cannot
+        take is left to fail the first grammar instead."""
+        try:
+            await self._ensure_tokenizer()
+        except Exception as error:  # noqa: BLE001 - grammars then fail one by one, with this reason
+            logger.warning("no llguidance tokenizer for this model (%s): constrained requests will fail", error)
+
     async def _ensure_tokenizer(self) -> None:
         """The llguidance tokenizer, built once (about a second; not counted in the time limit)."""
         async with self._tokenizer_lock:
@@ -126,13 +120,11 @@ class GrammarChecker:
         return llguidance_tokenizer(self._tokenizer, tuple(self._eos_token_ids))
 
     def _matcher_error(self, grammar: str, started: threading.Event) -> str | None:
-        from llguidance import LLMatcher
-
         started.set()
         self.num_compiled += 1
         try:
             # As the device builds it; llguidance releases the GIL while it compiles.
-            matcher = LLMatcher(self._ll_tokenizer, grammar, log_level=0)
+            matcher = new_matcher(self._ll_tokenizer, grammar)
             reason = matcher.get_error() if matcher.is_error() else ""
         except BaseException as error:  # noqa: BLE001 - pyo3's PanicException derives from BaseException
             if isinstance(error, KeyboardInterrupt | SystemExit):

@@ -2,17 +2,118 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 
-from mlxcel.core.plan import GrammarWork
+from mlxcel.core.plan import GrammarFailure, GrammarWork
 
 logger = logging.getLogger(__name__)
+
+# Seconds a step waits for its constrained rows' masks once they could start (--grammar-mask-timeout-ms);
+# a row whose mask is later ends, and the others go on. On the CPU the mask threads share the cores with
+# the forward pass: a step's masks took up to 82 ms there (p99 41 ms) on the 2-core test machine under
+# load; on a GPU the host's cores are the masks' own (docs/operations.md).
+MASK_TIMEOUT_GPU_S = 0.05
+MASK_TIMEOUT_CPU_S = 0.2
+
+
+def mask_timeout(configured_s: float | None, *, gpu: bool) -> float:
+    """The step's bound on mask work: the configured one, else the backend's default."""
+    if configured_s is not None:
+        return configured_s
+    return MASK_TIMEOUT_GPU_S if gpu else MASK_TIMEOUT_CPU_S
+_MAX_REASON_CHARS = 400
+
+
+def one_line(reason: str) -> str:
+    """llguidance's reason without its backtrace or parser state: the first line, bounded."""
+    reason = reason.split("<backtrace>", 1)[0].strip()
+    first = reason.splitlines()[0] if reason else ""
+    return first[:_MAX_REASON_CHARS]
+
+
+def parser_limits() -> Any:
+    """llguidance's limits for every matcher, at the router's check and on the device alike.
+
+    Its defaults bound one mask's lexer and Earley work (step_lexer_fuel, step_max_items: about
+    15 ms of work each) and the grammar's size; past them the matcher fails, and so does the
+    request. Errors leave out the parser state and grammar, which would echo a request's schema
+    into the logs.
+    """
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(verbose_errors=False)
+
+
+def new_matcher(ll_tokenizer: Any, grammar: str) -> Any:
+    """A llguidance matcher of ``grammar``, with the limits every matcher gets."""
+    from llguidance import LLMatcher
+
+    return LLMatcher(ll_tokenizer, grammar, log_level=0, limits=parser_limits())
+
+
+# llguidance tokenizers by (tokenizer files, size, eos ids): immutable once built, so the router's grammar
+# check and the device share one, and engines of one tokenizer too (building it takes 1-12 s here).
+_LL_TOKENIZERS: dict[tuple[str, int, tuple[int, ...]], Any] = {}
+_LL_TOKENIZERS_LOCK = threading.Lock()
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+
+
+def _tokenizer_identity(hf_tokenizer: Any) -> str:
+    """What the tokenizer is: a digest of its files where its folder has them (models sharing a tokenizer
+    share its llguidance one), else its name."""
+    import hashlib
+    from pathlib import Path
+
+    name = str(getattr(hf_tokenizer, "name_or_path", "") or "")
+    folder = Path(name) if name else None
+    if folder is None or not folder.is_dir():
+        return name or str(id(hf_tokenizer))
+    digest = hashlib.sha256()
+    for file_name in _TOKENIZER_FILES:
+        path = folder / file_name
+        if path.is_file():
+            digest.update(file_name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def llguidance_tokenizer(tokenizer: Any, eos_token_ids: tuple[int, ...]) -> Any:
+    from llguidance.hf import from_tokenizer
+
+    if tokenizer is None:
+        raise ValueError("a grammar-constrained request needs the model's tokenizer")
+    # mlx-lm's wrapper holds the Hugging Face tokenizer; its files' folder names it.
+    hf_tokenizer = getattr(tokenizer, "_tokenizer", tokenizer)
+    key = (_tokenizer_identity(hf_tokenizer), len(hf_tokenizer), eos_token_ids)
+    with _LL_TOKENIZERS_LOCK:
+        found = _LL_TOKENIZERS.get(key)
+        if found is not None:
+            return found
+    built = from_tokenizer(hf_tokenizer, eos_token=list(eos_token_ids) or None)
+    with _LL_TOKENIZERS_LOCK:
+        if len(_LL_TOKENIZERS) >= 4:
+            _LL_TOKENIZERS.clear()
+        _LL_TOKENIZERS[key] = built
+    return built
+
+
+# An evaluation of the forward pass that took longer than this found it still running.
+_FORWARD_STILL_RUNNING_S = 0.001
+# Threads beyond the cores' worth, for masks given up on that still run (a thread cannot be stopped).
+_SPARE_THREADS = 4
+
+
+def _mask_threads() -> int:
+    # As llguidance's own executor (80% of the cores, up to 32), and the spare ones.
+    return max(2, min(32, (os.cpu_count() or 2) * 4 // 5)) + _SPARE_THREADS
 
 
 class Grammars:
@@ -21,21 +122,35 @@ class Grammars:
     mlx-lm's step runs every sequence's logits processors, then every
     sequence's sampler. Each constrained sequence's processor only hands over
     the token sampled last, still lazy; the first of their samplers to run
-    reads all those tokens back, starts the step's forward pass (the device
-    computes logits meanwhile), feeds the matchers and computes their masks in
-    parallel on llguidance's threads, and unpacks them on the device in one
-    pass; each sampler then masks its own row. The logprobs the API reports are the model's, before
-    the mask (as vLLM's default). The llguidance tokenizer is built on first
-    use (~1 s).
+    queues the step's forward pass behind those tokens (so the device goes
+    from the last step to this one without a gap), reads the tokens back,
+    and has each matcher consume its token and compute its mask on a thread
+    of its own while the device computes the logits; the masks are unpacked
+    on the device in one pass and each sampler masks its own row.
+
+    A mask not ready ``mask_timeout_s`` after both the step's mask work
+    started and its forward pass ended (so after the point where it would
+    start delaying the batch) costs its own row, not the batch: the row gets
+    a mask of EOS alone (so mlx-lm ends it in this step) and is reported in
+    ``GrammarWork.failures``, and the core fails its request. A matcher that
+    fails (a llguidance limit, a dead end) ends its row the same way.
+
+    The logprobs the API reports are the model's, before the mask (as
+    vLLM's default). The llguidance tokenizer is the one the router's
+    grammar check built before the request got here (``llguidance_tokenizer``).
     """
 
-    def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int], *,
+                 mask_timeout_s: float = MASK_TIMEOUT_CPU_S) -> None:
         self._tokenizer = tokenizer
         self._eos_token_ids = sorted(eos_token_ids)
         # Also what min_tokens / ignore_eos mask (the Grammars object is the executor's one view of them).
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.mask_timeout_s = mask_timeout_s
         self._ll_tokenizer: Any = None
-        self._executor: Any = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        # Masks given up on whose threads still compute them.
+        self._abandoned: list[concurrent.futures.Future[Any]] = []
         # Fed this step, mask not computed yet.
         self._pending: list[GrammarSequence] = []
         # Each computed sequence's row in `_allowed` (the step's unpacked masks).
@@ -44,31 +159,27 @@ class Grammars:
         # Since the last take_work().
         self._work = GrammarWork()
 
-    def sequence(self, grammar: str) -> GrammarSequence:
-        from llguidance import LLExecutor, LLMatcher
-
+    def sequence(self, grammar: str, sequence_id: int | None = None) -> GrammarSequence:
         if self._ll_tokenizer is None:
-            from llguidance.hf import from_tokenizer
-
-            if self._tokenizer is None:
-                raise ValueError("a grammar-constrained request needs the model's tokenizer")
-            # mlx-lm's wrapper holds the Hugging Face tokenizer.
-            hf_tokenizer = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
-            self._ll_tokenizer = from_tokenizer(hf_tokenizer, eos_token=self._eos_token_ids or None)
-            self._executor = LLExecutor()
+            started = time.perf_counter()
+            self._ll_tokenizer = llguidance_tokenizer(self._tokenizer, tuple(self._eos_token_ids))
+            seconds = time.perf_counter() - started
+            if seconds > 0.1:
+                # The router's check builds it first: only a caller that skipped the check gets here.
+                logger.info("built the llguidance tokenizer on the device (%.1f s)", seconds)
         started = time.perf_counter()
-        matcher = LLMatcher(self._ll_tokenizer, grammar, log_level=0)
+        matcher = new_matcher(self._ll_tokenizer, grammar)
         if matcher.is_error():
-            raise ValueError(f"grammar rejected: {matcher.get_error()}")
+            raise ValueError(f"grammar rejected: {one_line(matcher.get_error())}")
         seconds = time.perf_counter() - started
         logger.debug("grammar matcher built in %.1f ms", 1000 * seconds)
         self._work = attrs.evolve(self._work, matchers_built=self._work.matchers_built + 1,
                                   build_seconds=self._work.build_seconds + seconds)
-        return GrammarSequence(self, matcher)
+        return GrammarSequence(self, matcher, sequence_id)
 
     def take_work(self) -> GrammarWork | None:
         work, self._work = self._work, GrammarWork()
-        return work if work.matchers_built or work.masks else None
+        return work if work.matchers_built or work.masks or work.failures else None
 
     def fed(self, sequence: GrammarSequence) -> None:
         self._pending.append(sequence)
@@ -83,52 +194,120 @@ class Grammars:
         import mlx.core as mx
         import numpy as np
 
-        started = time.perf_counter()
         pending, self._pending = self._pending, []
         vocab = logprobs.shape[-1]
-        # The tokens first (they wait for the last step only), then the forward pass is
-        # started: queued before them, it would hold their read-back up.
         tokens = [sequence.last_token for sequence in pending if sequence.last_token is not None]
-        mx.eval(tokens)
+        # The tokens' read-back first in the queue, then the forward pass behind them: the device runs
+        # on from the last step while the host waits for its tokens (queued the other way round, the
+        # read-back would wait for the forward pass).
+        mx.async_eval(tokens)
         mx.async_eval(logprobs)
-        for sequence in pending:
-            if sequence.last_token is not None and not sequence.matcher.is_error():
-                sequence.matcher.consume_token(int(sequence.last_token.item()))
-            sequence.last_token = None
-        width = (self._ll_tokenizer.vocab_size + 31) // 32
-        packed = np.zeros((len(pending), max(width, (vocab + 31) // 32)), dtype=np.int32)
-        working = [(sequence.matcher, row) for row, sequence in enumerate(pending) if not sequence.matcher.is_error()]
-        if working:
-            self._executor.unsafe_compute_mask_ptr(working, packed.ctypes.data, packed.shape[1] * 4, len(pending))
-        words = packed.view(np.uint32)
+        mx.eval(tokens)
+        started = time.perf_counter()
+        width = max((self._ll_tokenizer.vocab_size + 31) // 32, (vocab + 31) // 32)
+        jobs: dict[int, concurrent.futures.Future[np.ndarray]] = {}
         for row, sequence in enumerate(pending):
-            matcher = sequence.matcher
-            if matcher.is_error():
-                logger.warning("grammar matcher failed: %s", matcher.get_error())
-            # EOS passes where the grammar may end; a failed matcher passes nothing else, so the reply stops.
-            may_end = matcher.is_error() or matcher.is_accepting()
+            token = None if sequence.last_token is None else int(sequence.last_token.item())
+            sequence.last_token = None
+            if sequence.failed is None:
+                jobs[row] = self._mask_pool().submit(_consume_and_mask, sequence.matcher, token, width)
+        if jobs:
+            _done, late = concurrent.futures.wait(jobs.values(), timeout=self.mask_timeout_s)
+            if late:
+                # Masks may take as long as the forward pass for free (the step waits for it anyway): when it
+                # was still running, the bound counts from its end. Only here does the host wait for the device.
+                waited = time.perf_counter()
+                mx.eval(logprobs)
+                if time.perf_counter() - waited > _FORWARD_STILL_RUNNING_S:
+                    concurrent.futures.wait(late, timeout=self.mask_timeout_s)
+        packed = np.zeros((len(pending), width), dtype=np.uint32)
+        failures: list[GrammarFailure] = []
+        for row, sequence in enumerate(pending):
+            job = jobs.get(row)
+            if job is not None:
+                failure = self._collect(sequence, job, packed[row])
+                if failure is not None:
+                    failures.append(failure)
+            # EOS passes where the grammar may end; a failed row gets EOS alone, so the reply stops now.
+            may_end = sequence.failed is not None or sequence.matcher.is_accepting()
+            if sequence.failed is not None:
+                packed[row] = 0
             for eos in self._eos_token_ids:
                 if eos < vocab:
                     bit = np.uint32(1 << (eos % 32))
-                    words[row, eos // 32] = words[row, eos // 32] | bit if may_end else words[row, eos // 32] & ~bit
+                    packed[row, eos // 32] = packed[row, eos // 32] | bit if may_end else packed[row, eos // 32] & ~bit
         word_index, bit_index = _bit_positions(vocab)
-        self._allowed = ((mx.array(words)[:, word_index] >> bit_index) & 1).astype(mx.bool_)
+        self._allowed = ((mx.array(packed)[:, word_index] >> bit_index) & 1).astype(mx.bool_)
         self._rows = {id(sequence): row for row, sequence in enumerate(pending)}
         seconds = time.perf_counter() - started
         logger.debug("grammar masks of %d sequences in %.2f ms", len(pending), 1000 * seconds)
-        self._work = attrs.evolve(self._work, masks=self._work.masks + len(pending),
-                                  mask_seconds=self._work.mask_seconds + seconds)
+        self._work = attrs.evolve(self._work, masks=self._work.masks + len(jobs),
+                                  mask_seconds=self._work.mask_seconds + seconds,
+                                  failures=self._work.failures + tuple(failures))
+
+    def _collect(self, sequence: GrammarSequence, job: concurrent.futures.Future[Any],
+                 row: Any) -> GrammarFailure | None:
+        """Copy a finished mask into its row, or give the sequence up: late, or its matcher failed."""
+        if not job.done():
+            if not job.cancel():
+                self._abandoned.append(job)
+            sequence.failed = (f"its grammar's token mask took longer than {1000 * self.mask_timeout_s:g} ms "
+                               "(--grammar-mask-timeout-ms)")
+            logger.warning("grammar mask of sequence %s not ready within %g ms: the sequence ends",
+                           sequence.sequence_id, 1000 * self.mask_timeout_s)
+            timed_out = True
+        else:
+            error = job.exception()
+            if error is None and not sequence.matcher.is_error():
+                row[:] = job.result()
+                return None
+            reason = str(error) if error is not None else sequence.matcher.get_error()
+            sequence.failed = f"its grammar failed: {one_line(reason)}"
+            logger.warning("grammar matcher failed for sequence %s: %s", sequence.sequence_id, one_line(reason))
+            timed_out = False
+        if sequence.sequence_id is None:
+            return None
+        return GrammarFailure(sequence_id=sequence.sequence_id, timed_out=timed_out, reason=sequence.failed)
+
+    def _mask_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        self._abandoned = [job for job in self._abandoned if not job.done()]
+        if self._pool is not None and len(self._abandoned) >= _SPARE_THREADS:
+            # Masks given up on still hold that many threads: a fresh pool, so the other rows' masks never queue
+            # behind them (the old pool's threads end with their masks).
+            self._pool.shutdown(wait=False)
+            self._pool = None
+            self._abandoned = []
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(_mask_threads(), thread_name_prefix="mlxcel-grammar")
+        return self._pool
+
+
+def _consume_and_mask(matcher: Any, token: int | None, width: int) -> Any:
+    """On a mask thread: feed the matcher the token sampled last, then compute its next mask (its own array:
+    a mask given up on may still finish and write it)."""
+    import numpy as np
+
+    if token is not None:
+        matcher.consume_token(token)
+    mask = np.zeros(width, dtype=np.uint32)
+    if not matcher.is_error():
+        # llguidance drops the GIL while it computes.
+        matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+    return mask
 
 
 class GrammarSequence:
     """One sequence's matcher, its processor (``feed``) and its sampler's mask."""
 
-    def __init__(self, grammars: Grammars, matcher: Any) -> None:
+    def __init__(self, grammars: Grammars, matcher: Any, sequence_id: int | None = None) -> None:
         self._grammars = grammars
         self.matcher = matcher
+        self.sequence_id = sequence_id
         self._started = False
         # The token to feed the matcher before this step's mask (None on the first step).
         self.last_token: Any = None
+        # Why the sequence was given up (None: it goes on); its masks then allow EOS alone.
+        self.failed: str | None = None
 
     def feed(self, tokens: Any, logits: Any) -> Any:
         """A logits processor that changes nothing: it hands over the token sampled last, still lazy."""

@@ -71,12 +71,13 @@ def make_sampler(sampling: SamplingParams) -> Callable[[Any], Any] | None:
 
 
 def make_sampling(
-    sampling: SamplingParams, grammars: Grammars | None = None
+    sampling: SamplingParams, grammars: Grammars | None = None, sequence_id: int | None = None
 ) -> tuple[Callable[[Any], Any] | None, list[Callable[[Any, Any], Any]] | None]:
     """A sequence's sampler and logits processors (None: the batch's shared greedy sampler; no processors).
 
     A grammar takes a part in each: its processor feeds the matcher the token
-    just sampled, its sampler masks what the grammar forbids (see Grammars).
+    just sampled, its sampler masks what the grammar forbids (see Grammars);
+    ``sequence_id`` names the sequence when its grammar gives up.
     """
     sampler = make_sampler(sampling)
     processors = make_logits_processors(sampling, grammars.eos_token_ids if grammars is not None else ())
@@ -88,7 +89,7 @@ def make_sampling(
         return sampler, processors
     if grammars is None:
         raise ValueError("a grammar-constrained request needs the model's tokenizer")
-    grammar = grammars.sequence(sampling.grammar)
+    grammar = grammars.sequence(sampling.grammar, sequence_id)
     return grammar.sampler(sampler), [*(processors or ()), grammar.feed]
 
 

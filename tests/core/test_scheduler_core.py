@@ -512,3 +512,33 @@ def test_a_snapshot_the_device_cannot_restore_is_placed_again_from_nothing() -> 
     assert "r0" not in harness.clients.failed
     usage = [delta.usage for delta in harness.clients.deltas["r0"] if delta.usage is not None]
     assert usage[-1].cached_tokens == 0  # reported as what ran, not what the snapshot would have covered
+
+
+def test_a_row_whose_grammar_gave_up_fails_its_request_with_a_400_naming_the_field() -> None:
+    """The device ended the row with EOS (its mask was late): the request fails, the EOS is not its reply's
+    end, nothing is donated, and the sequence leaves the device; the other request goes on."""
+    from mlxcel.core.plan import GrammarFailure, GrammarWork
+
+    harness = Harness()
+    harness.add("r0", 8, max_tokens=40)
+    harness.add("r1", 8, max_tokens=40)
+    for _ in range(3):
+        harness.step()
+    sequences = {request_id: sequence_id for request_id, sequence_id in harness.core._sequence_of.items()}
+    sequence_id = sequences["r0"]
+    plan = harness.core.schedule()
+    late = GrammarFailure(sequence_id=sequence_id, timed_out=True,
+                          reason="its grammar's token mask took longer than 200 ms (--grammar-mask-timeout-ms)")
+    result = StepResult(step_number=99, decode_batch_size=2, grammar=GrammarWork(failures=(late,)), sampled=(
+        SampledToken(sequence_id=sequence_id, token=999, logprob=-1.0, finish_reason="stop"),
+        SampledToken(sequence_id=sequences["r1"], token=1, logprob=-1.0)))
+    before = len(harness.clients.deltas["r0"])
+    harness.core.update(plan, result, harness.clients, 0.0)
+    error = harness.clients.failed["r0"]
+    assert (error.status, error.code, error.param) == (400, "grammar_too_slow", "tools")
+    assert "--grammar-mask-timeout-ms" in error.message
+    assert len(harness.clients.deltas["r0"]) == before  # no final delta: it failed
+    assert "r0" in harness.clients.closed
+    assert "r1" not in harness.clients.failed
+    assert not any(isinstance(effect, DonateSequence) for effect in harness.core.take_effects())
+    assert any(removal.sequence_id == sequence_id for removal in harness.core.schedule().removals)
