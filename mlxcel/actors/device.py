@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import threading
 from typing import Any
 
@@ -41,11 +40,6 @@ class DeviceStats:
     num_steps: int
 
 
-# While this thread waits for the GPU, the event loop's thread runs Python (results, streaming); when the
-# step is done this thread waits for the GIL up to the interpreter's switch interval (5 ms by default),
-# the GPU idle meanwhile. On the H200 (8B, 16 streams) the step on one thread took 9.1 ms and 16.4 ms
-# behind the actors (benchmarks/executor_decode.py): the interval is lowered while the device runs.
-GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class DeviceActor:
@@ -78,16 +72,11 @@ class DeviceActor:
                     token.run_sync_soon(finished.set)
 
         thread = threading.Thread(target=main, name="mlxcel-device", daemon=True)
-        switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(switch_interval, GIL_SWITCH_INTERVAL_S))
-        try:
-            with self.inbox:
-                thread.start()
-                with trio.CancelScope(shield=True):
-                    await finished.wait()
-                thread.join()
-        finally:
-            sys.setswitchinterval(switch_interval)
+        with self.inbox:
+            thread.start()
+            with trio.CancelScope(shield=True):
+                await finished.wait()
+            thread.join()
         if failure:
             raise failure[0]
 

@@ -421,16 +421,3 @@ async def test_a_steps_removals_filter_the_batch_once_and_each_donor_gets_its_ow
             assert item.tokens[:10] == prompts[item.sequence_id]
         assert {token.sequence_id for token in done.sampled} == {3}
 
-
-async def test_the_gil_switch_interval_is_short_while_the_device_runs_and_restored_after() -> None:
-    import sys
-
-    from mlxcel.actors.device import GIL_SWITCH_INTERVAL_S
-
-    before = sys.getswitchinterval()
-    assert before > GIL_SWITCH_INTERVAL_S  # the interpreter's default, 5 ms
-    async with running_device() as (driver, _info, _actor):
-        assert sys.getswitchinterval() == GIL_SWITCH_INTERVAL_S
-        done = await driver.step(starts=(batch(0, tuple(range(1000, 1010)), 2),), run_batch=True)
-        assert done.error is None
-    assert sys.getswitchinterval() == before
