@@ -786,6 +786,7 @@ class SchedulerCore:
         self._admitted = [p for p in self._admitted if p.sequence_id != sequence_id]
         self._deferred = [p for p in self._deferred if p.sequence_id != sequence_id]
         self._alone = [a for a in self._alone if a.pending.sequence_id != sequence_id]
+        self._restoring.pop(sequence_id, None)  # a deferred restore cancelled before it ran
         self._forget_on_device(sequence_id)
         self._removals.append(Removal(sequence_id=sequence_id, donate=donate))
 

@@ -514,6 +514,24 @@ def test_a_snapshot_the_device_cannot_restore_is_placed_again_from_nothing() -> 
     assert usage[-1].cached_tokens == 0  # reported as what ran, not what the snapshot would have covered
 
 
+def test_a_restore_cancelled_while_deferred_leaves_nothing_behind() -> None:
+    """Restores that did not fit a step wait in the deferred list; cancelled there, the core forgets them."""
+    harness = Harness(snapshots=True)
+    for index in range(6):
+        prompt = tuple(range(100 * index, 100 * index + 40))
+        harness.found[repr(prompt)] = Hit(length=32, payload=_Payload(length=32))
+        harness.add(f"r{index}", 40, max_tokens=3, context=CONTEXT, first=100 * index)
+    while (lookup := harness.core.next_lookup(0.0)) is not None:
+        harness.core.resolve(lookup, harness.found.pop(repr(lookup.tokens), Miss()))
+    plan = harness.core.schedule()
+    assert 0 < len(plan.starts) < 6  # the rest were deferred by the step's budget
+    for index in range(6):
+        harness.core.abort(f"r{index}", harness.clients, 0.0)
+    harness.core.update(plan, harness.device.run(plan), harness.clients, 0.0)
+    harness.run_until_idle()
+    assert harness.core._restoring == {}
+
+
 def test_a_row_whose_grammar_gave_up_fails_its_request_with_a_400_naming_the_field() -> None:
     """The device ended the row with EOS (its mask was late): the request fails, the EOS is not its reply's
     end, nothing is donated, and the sequence leaves the device; the other request goes on."""

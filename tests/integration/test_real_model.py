@@ -267,7 +267,9 @@ def smollm2_model_info() -> Any:
     )
 
 
-@pytest.mark.parametrize(("bits", "group_size"), [(0, 64), (8, 64), (8, 32), (4, 64)])
+# The layouts the server offers (the exact baseline and groups of 32 are in docs/prompt-cache.md's table,
+# from benchmarks/kv_quant_agreement.py; each case is ~4 minutes of CI on 2 cores).
+@pytest.mark.parametrize(("bits", "group_size"), [(8, 64), (4, 64)])
 async def test_quantized_stored_kv_hits_against_cold_runs(start_engine, start_server, bits, group_size) -> None:
     """--prompt-cache-kv-bits: the 22 second turns from quantized stored KV against cold runs.
 
@@ -310,8 +312,6 @@ async def test_quantized_stored_kv_hits_against_cold_runs(start_engine, start_se
           f"first-token logprob |hit - cold| mean {sum(differences) / len(differences):.4f} "
           f"max {max(differences):.4f}; stored bytes {stats['unique_bytes']} for {stats['pieces']} pieces")
     print("\n".join(report))
-    if bits == 0:
-        return  # the exact store: the baseline the table compares with
     assert max(differences) > 0  # the hits really came from quantized rows
     if bits == 8:
         # Hadamard-rotated groups: measured 22/22 (plain groups: 20/22, both at near ties of 0.017 and
