@@ -15,17 +15,32 @@ from a copy of its tree) and prints one line per measurement:
 - ``slowbody``: ``--slow-clients`` connections trickling their bodies (a byte
   each 0.5 s, reconnecting when closed) against ``--max-connections``, and
   ``--normal`` normal chats beside them, each on a fresh connection with a
-  10 s timeout: the share that succeeded and their latency.
+  10 s timeout: the share that succeeded and their latency;
+- ``image``: llava fixture, a base64 PNG of 1 x 7,000,000 pixels (36 KB of
+  JSON) through chat: status, time, whether the server still answers;
+- ``regex``: a string schema with ``pattern: "(a+)+$"`` decoding beside a
+  normal chat: the normal chat's latency against the same chat alone;
+- ``fetch``: llava fixture with ``--allow-image-urls``: 4 image URLs whose
+  server drips a byte each 0.5 s, and text chats beside them (latency); a
+  loopback URL without an allowance (status, time);
+- ``memo``: the tools' grammar memo as a timing oracle across tenants: tenant
+  A sends a strict tool, then tenant B (another ``cache_salt``) sends the same
+  tool or a tool never sent; the AUC of telling the two apart by tenant B's
+  latency (0.5: indistinguishable), over ``--memo-probes`` pairs.
 
     PYTHONPATH=. python3 -m benchmarks.hostile_input grammar tokenize reset slowbody
     PYTHONPATH=. python3 -m benchmarks.hostile_input --tree /tmp/before grammar --answer-timeout 30
+    PYTHONPATH=. python3 -m benchmarks.hostile_input image regex fetch memo
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import io
 import json
 import signal
+import socket
 import statistics
 import sys
 import threading
@@ -215,6 +230,166 @@ def slowbody(tree: Path, num_slow: int, num_normal: int, max_connections: int) -
           f"({100 * len(succeeded) / len(outcomes):.0f}%), {latency}", flush=True)
 
 
+def strip_png() -> str:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (1, 7_000_000)).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def image_chat(url: str) -> dict[str, Any]:
+    return {"max_tokens": 1, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what is this?"}]}]}
+
+
+def knows(tree: Path, text: str) -> bool:
+    """Whether the tree's configuration has a flag (the older tree lacks the newer ones)."""
+    return text in (tree / "mlxcel" / "config.py").read_text()
+
+
+def image(tree: Path) -> None:
+    from mlxcel.fixtures import vision_fixture_path
+
+    with server(tree, "-m", str(vision_fixture_path("llava"))) as (process, base_url):
+        body = image_chat(f"data:image/png;base64,{strip_png()}")
+        status, seconds, text = post(base_url, "/v1/chat/completions", body, 120)
+        after = post(base_url, "/v1/chat/completions", NORMAL, 30)[0]
+        time.sleep(1.0)
+        alive = process.poll() is None
+        print(f"image 1 x 7,000,000 PNG ({len(json.dumps(body)) // 1024} KB body): {status} in {seconds:.2f} s "
+              f"({one_line(text)}); server {'alive' if alive else f'exited with {process.returncode}'}, "
+              f"a normal chat after it: {after}", flush=True)
+
+
+def regex(tree: Path) -> None:
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": "(a+)+$"}}, "required": ["s"]}
+    hostile = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "temperature": 0,
+               "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}}
+    normal = {**NORMAL, "max_tokens": 16}
+    with server(tree) as (_process, base_url):
+        post(base_url, "/v1/chat/completions", normal, 60)
+        alone = statistics.median(post(base_url, "/v1/chat/completions", normal, 60)[1] for _ in range(3))
+        post(base_url, "/v1/chat/completions", {**hostile, "max_tokens": 1}, 120)  # its grammar compiled
+
+        def next_to(other: dict[str, Any]) -> tuple[tuple[str, float, str], tuple[str, float, str]]:
+            result: list[tuple[str, float, str]] = []
+            thread = threading.Thread(target=lambda: result.append(post(base_url, "/v1/chat/completions", other, 120)))
+            thread.start()
+            time.sleep(0.3)
+            beside_it = post(base_url, "/v1/chat/completions", normal, 120)
+            thread.join()
+            return result[0], beside_it
+
+        (_, free_seconds, _), beside_free = next_to({**NORMAL, "max_tokens": 64, "ignore_eos": True})
+        own, beside_it = next_to(hostile)
+    print(f"regex (a+)+$: its own request {own[0]} in {own[1]:.2f} s; a 16-token normal chat beside it "
+          f"{beside_it[0]} in {beside_it[1]:.2f} s: {beside_it[1] / alone:.2f}x of the chat alone ({alone:.2f} s), "
+          f"{beside_it[1] / beside_free[1]:.2f}x of the chat beside an unconstrained 64-token request "
+          f"({beside_free[1]:.2f} s)", flush=True)
+
+
+class DripServer:
+    """An HTTP server on loopback that sends its reply a byte each ``interval`` seconds."""
+
+    def __init__(self, interval: float = 0.5) -> None:
+        self.interval = interval
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        self.listener.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                connection, _ = self.listener.accept()
+            except OSError:
+                continue
+            threading.Thread(target=self._drip, args=(connection,), daemon=True).start()
+
+    def _drip(self, connection: socket.socket) -> None:
+        reply = b"HTTP/1.1 200 OK\r\ncontent-type: image/png\r\ncontent-length: 100000\r\n\r\n" + bytes(100_000)
+        with connection:
+            for byte in reply:
+                if self._stop.wait(self.interval):
+                    return
+                try:
+                    connection.sendall(bytes([byte]))
+                except OSError:
+                    return
+
+    def close(self) -> None:
+        self._stop.set()
+        self.listener.close()
+
+
+def fetch(tree: Path) -> None:
+    from mlxcel.fixtures import vision_fixture_path
+
+    drip = DripServer()
+    flags = ["-m", str(vision_fixture_path("llava")), "--allow-image-urls", "--image-fetch-timeout", "5"]
+    try:
+        if knows(tree, "image_fetch_allow"):
+            with server(tree, *flags) as (_process, base_url):
+                post(base_url, "/v1/chat/completions", NORMAL, 60)
+                status, seconds, text = post(base_url, "/v1/chat/completions",
+                                             image_chat(f"http://127.0.0.1:{drip.port}/a.png"), 60)
+                print(f"fetch a loopback URL, no allowance: {status} in {seconds:.2f} s ({one_line(text)})",
+                      flush=True)
+            flags += ["--image-fetch-allow", "127.0.0.1"]
+        with server(tree, *flags) as (_process, base_url):
+            post(base_url, "/v1/chat/completions", NORMAL, 60)
+            results: list[tuple[str, float, str]] = []
+            threads = [threading.Thread(target=lambda index=index: results.append(post(
+                base_url, "/v1/chat/completions", image_chat(f"http://127.0.0.1:{drip.port}/{index}.png"), 120)))
+                for index in range(4)]
+            for thread in threads:
+                thread.start()
+            time.sleep(1.0)
+            normals = [post(base_url, "/v1/chat/completions", NORMAL, 90) for _ in range(5)]
+            for thread in threads:
+                thread.join()
+        statuses = sorted({status for status, _, _ in results})
+        print(f"fetch 4 dripping image URLs (--image-fetch-timeout 5): statuses {statuses}, slowest "
+              f"{max(seconds for _, seconds, _ in results):.2f} s; 5 text chats beside them: "
+              f"{[status for status, _, _ in normals]}, slowest {max(seconds for _, seconds, _ in normals):.2f} s",
+              flush=True)
+    finally:
+        drip.close()
+
+
+def memo(tree: Path, probes: int) -> None:
+    import tempfile
+
+    from tests.http.test_tool_loop_and_logprobs import fixture_copy
+    from tests.integration.test_tool_calls import TOOL_TEMPLATE
+
+    def tool_body(name: str, salt: str) -> dict[str, Any]:
+        # Short to render (so prefill noise stays small), slow to compile: bounded repetitions.
+        properties = {f"{name}_{i}": {"type": "string", "pattern": f"^[a-z]{{1,{40 + i}}}(-[0-9]{{1,24}}){{0,6}}$"}
+                      for i in range(16)}
+        tool = {"type": "function", "function": {"name": name, "strict": True, "parameters": {
+            "type": "object", "properties": properties, "required": list(properties)}}}
+        return {**NORMAL, "tools": [tool], "cache_salt": salt}
+
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = fixture_copy(Path(scratch) / "tools", template=TOOL_TEMPLATE)
+        with server(tree, "-m", str(folder)) as (_process, base_url):
+            post(base_url, "/v1/chat/completions", tool_body("warm", "w"), 120)  # the grammar engine's tables
+            used, unused = [], []
+            for index in range(probes):
+                post(base_url, "/v1/chat/completions", tool_body(f"used{index}", "tenant-a"), 60)
+                pair = [(used, f"used{index}"), (unused, f"new{index}")]
+                for into, name in pair if index % 2 else reversed(pair):  # neither always goes first
+                    into.append(post(base_url, "/v1/chat/completions", tool_body(name, "tenant-b"), 60)[1])
+    # AUC: the chance that a tool never sent takes longer than one another tenant sent (ties count half).
+    auc = sum((u > s) + 0.5 * (u == s) for u in unused for s in used) / (len(used) * len(unused))
+    print(f"tools memo across tenants, {probes} probe pairs: tenant B's latency for a tool tenant A sent "
+          f"median {1000 * statistics.median(used):.0f} ms, for a tool never sent "
+          f"{1000 * statistics.median(unused):.0f} ms; AUC {auc:.2f} (0.5: indistinguishable)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tree", type=Path, default=HERE)
@@ -225,6 +400,7 @@ def main() -> None:
     parser.add_argument("--slow-clients", type=int, default=400)
     parser.add_argument("--normal", type=int, default=40)
     parser.add_argument("--max-connections", type=int, default=256)
+    parser.add_argument("--memo-probes", type=int, default=16)
     parser.add_argument("scenarios", nargs="*", default=["grammar", "tokenize", "reset", "slowbody"])
     arguments = parser.parse_args()
     tree = arguments.tree.resolve()
@@ -237,6 +413,14 @@ def main() -> None:
             reset(tree, arguments.reset_mb)
         elif scenario == "slowbody":
             slowbody(tree, arguments.slow_clients, arguments.normal, arguments.max_connections)
+        elif scenario == "image":
+            image(tree)
+        elif scenario == "regex":
+            regex(tree)
+        elif scenario == "fetch":
+            fetch(tree)
+        elif scenario == "memo":
+            memo(tree, arguments.memo_probes)
         else:
             parser.error(f"unknown scenario {scenario!r}")
 
