@@ -28,7 +28,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from mlxcel.core.plan import DiskRead, DiskReadDone, DiskWrite, StepPlan
+from mlxcel.core.plan import DiskRead, DiskReadDone, DiskWrite, StartAlone, StartDirect, StepPlan
 from mlxcel.disk.index import (
     DiskPlan,
     PieceData,
@@ -409,15 +409,15 @@ def read_starts(disk: DeviceDisk | None, plan: StepPlan, prefill_seconds_per_tok
         payload = disk.read(read, prefill_seconds_per_token) if disk is not None else None
         length = int(payload.length) if payload is not None else 0
         # What the start keeps of the read (an InsertBatch adopts all its cached tokens).
-        kept = getattr(start, "kept", len(start.cached_tokens))
-        whole = payload is not None and length >= read.num_tokens
-        if whole and not read.snapshot and kept and not payload.can_adopt(kept):
-            whole = False
+        kept = start.kept if isinstance(start, (StartDirect, StartAlone)) else len(start.cached_tokens)
+        whole = payload is not None and length >= read.num_tokens and (
+            read.snapshot or not kept or payload.can_adopt(kept))
         done.append(DiskReadDone(sequence_id=start.sequence_id, payload=payload, num_tokens=length, started=whole))
         if not whole:
             dropped.add(start.sequence_id)
-            continue
-        if read.snapshot:
+        elif isinstance(start, StartAlone):
+            starts.append(attrs.evolve(start, adopted=payload if kept else None, disk_read=None))
+        elif read.snapshot:
             starts.append(attrs.evolve(start, restore=payload, disk_read=None))
         else:
             starts.append(attrs.evolve(start, adopted=payload if kept else None, disk_read=None))
