@@ -135,37 +135,58 @@ class SchedulerActor:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with self.inbox, self._to_device:
-            task_status.started()
-            # Steps sent to the device and not yet reported, oldest first.
-            in_flight: collections.deque[tuple[StepPlan, trio.MemoryReceiveChannel[StepResult]]] = (
-                collections.deque())
+            try:
+                await self._run(task_status)
+            finally:
+                self._hand_over_writes()
+
+    def _hand_over_writes(self) -> None:
+        """Stopping: disk writes not yet planned go to the device in a plan of their own (it flushes them)."""
+        with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
             while True:
-                if not self._take_inbox():
+                message = self.inbox.receive_nowait()
+                if isinstance(message, WriteToDisk):
+                    self.core.persist(message.writes)
+        writes = self.core.take_disk_writes()
+        if not writes:
+            return
+        reply_to, replies = trio.open_memory_channel[StepResult](1)
+        replies.close()  # nobody waits for the answer
+        with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            self._to_device.send_nowait(RunStep(plan=StepPlan(disk_writes=writes), reply_to=reply_to))
+
+    async def _run(self, task_status: trio.TaskStatus[None]) -> None:
+        task_status.started()
+        # Steps sent to the device and not yet reported, oldest first.
+        in_flight: collections.deque[tuple[StepPlan, trio.MemoryReceiveChannel[StepResult]]] = (
+            collections.deque())
+        while True:
+            if not self._take_inbox():
+                return
+            if not in_flight and not self.core.has_work():
+                try:
+                    message = await self.inbox.receive()
+                except trio.EndOfChannel:
                     return
-                if not in_flight and not self.core.has_work():
-                    try:
-                        message = await self.inbox.receive()
-                    except trio.EndOfChannel:
-                        return
-                    self._handle(message)
-                    continue
-                if not in_flight and self.core.starting_from_idle():
-                    await self._gather_arrivals()
-                await self._answer_lookups()
-                # Cancels that came in meanwhile apply before the plan, not a step later.
-                if not self._take_inbox():
-                    return
-                if not in_flight or (len(in_flight) < self._steps_ahead and self.core.can_plan_ahead()):
-                    in_flight.append(await self._send_step())
-                    if len(in_flight) < self._steps_ahead and self.core.can_plan_ahead():
-                        continue  # plan the next decode step while this one runs
-                plan, replies = in_flight.popleft()
-                with replies:
-                    result = await replies.receive()
-                self.core.update(plan, result, self._clients, trio.current_time())
-                if result.grammar is not None:
-                    self._send_nowait(self._to_metrics, result.grammar)
-                self._fan_out()
+                self._handle(message)
+                continue
+            if not in_flight and self.core.starting_from_idle():
+                await self._gather_arrivals()
+            await self._answer_lookups()
+            # Cancels that came in meanwhile apply before the plan, not a step later.
+            if not self._take_inbox():
+                return
+            if not in_flight or (len(in_flight) < self._steps_ahead and self.core.can_plan_ahead()):
+                in_flight.append(await self._send_step())
+                if len(in_flight) < self._steps_ahead and self.core.can_plan_ahead():
+                    continue  # plan the next decode step while this one runs
+            plan, replies = in_flight.popleft()
+            with replies:
+                result = await replies.receive()
+            self.core.update(plan, result, self._clients, trio.current_time())
+            if result.grammar is not None:
+                self._send_nowait(self._to_metrics, result.grammar)
+            self._fan_out()
 
     async def _send_step(self) -> tuple[StepPlan, trio.MemoryReceiveChannel[StepResult]]:
         plan = self.core.schedule()

@@ -297,6 +297,11 @@ class SchedulerCore:
         """Disk writes the cache store planned: the next plan carries them (an idle device gets a plan of them)."""
         self._disk_writes.extend(writes)
 
+    def take_disk_writes(self) -> tuple[DiskWrite, ...]:
+        """The disk writes not yet planned (the scheduler hands them over when it stops)."""
+        writes, self._disk_writes = tuple(self._disk_writes), []
+        return writes
+
     def take_release(self) -> tuple[Any, ...]:
         """The released payloads, for the next step's message (the core keeps no reference)."""
         release, self._release = tuple(self._release), []
@@ -562,7 +567,7 @@ class SchedulerCore:
         removals, self._removals = tuple(self._removals), []
         if self._warm_ups.is_running() and self._running:
             self._warm_ups.num_steps_with_foreground += 1
-        writes, self._disk_writes = tuple(self._disk_writes), []
+        writes = self.take_disk_writes()
         return StepPlan(removals=removals, starts=tuple(starts), alone_chunk=alone_chunk, alone_rest=alone_rest,
                         run_batch=run_batch, disk_writes=writes)
 

@@ -76,8 +76,9 @@ class _Core:
         return usage[-1].cached_tokens
 
 
-def _on_disk(num_tokens: int, *, memory: Hit | Miss = Miss(), snapshot: bool = False,
+def _on_disk(num_tokens: int, *, memory: Hit | Miss | None = None, snapshot: bool = False,
              retain_seconds: float = 0.0) -> OnDisk:
+    memory = memory if memory is not None else Miss()
     return OnDisk(memory=memory, read=DiskRead(
         source=("files", num_tokens), num_tokens=num_tokens, snapshot=snapshot, retain_seconds=retain_seconds,
         memory=memory.payload if isinstance(memory, Hit) else None,
@@ -89,7 +90,8 @@ def test_a_disk_hit_is_a_start_that_carries_its_read_and_is_donated_once_read() 
     plan = core.admit(_on_disk(32, retain_seconds=60.0))
     (start,) = plan.starts
     assert isinstance(start, StartDirect)
-    assert start.disk_read is not None and start.disk_read.source == ("files", 32)
+    assert start.disk_read is not None
+    assert start.disk_read.source == ("files", 32)
     # Placed as a hit of the files' length: the device adopts what it reads, nothing is adopted yet.
     assert (len(start.cached_tokens), start.prompt_tokens, start.kept, start.adopted) == (32, PROMPT[32:], 32, None)
     core.report(plan, DiskReadDone(sequence_id=start.sequence_id, payload=_KV(32), num_tokens=32, started=True))
@@ -135,7 +137,8 @@ def test_a_read_that_fails_falls_back_to_memorys_match() -> None:
     core = _Core()
     plan = core.admit(_on_disk(32, memory=Hit(length=8, payload=_KV(8))))
     (start,) = plan.starts
-    assert start.disk_read is not None and start.disk_read.memory == _KV(8)
+    assert start.disk_read is not None
+    assert start.disk_read.memory == _KV(8)
     core.report(plan, DiskReadDone(sequence_id=start.sequence_id, payload=None, started=False))
     assert CacheLookedUp(hit=True, tokens_reused=8, tokens_queried=40) in core.core.take_effects()
     (again,) = core.step().starts
@@ -147,7 +150,8 @@ def test_a_session_snapshot_on_disk_is_restored_by_its_start_or_the_start_runs_c
     core = _Core(snapshots=True)
     plan = core.admit(_on_disk(24, snapshot=True))
     (start,) = plan.starts
-    assert start.disk_read is not None and start.disk_read.snapshot
+    assert start.disk_read is not None
+    assert start.disk_read.snapshot
     assert (start.restore, len(start.cached_tokens)) == (None, 24)
     core.report(plan, DiskReadDone(sequence_id=start.sequence_id, payload=_KV(24), num_tokens=24, started=True))
     (donated,) = [effect for effect in core.core.take_effects() if isinstance(effect, DonateSnapshot)]
@@ -172,7 +176,8 @@ def test_disk_writes_ride_the_next_plan_and_alone_they_are_not_a_step() -> None:
     core.core.persist((write,))
     assert core.core.has_work()  # an idle device gets a plan of the writes alone
     plan = core.core.schedule()
-    assert plan.only_writes and plan.disk_writes == (write,)
+    assert plan.only_writes
+    assert plan.disk_writes == (write,)
     before = core.core.statistics().num_steps
     core.core.update(plan, StepResult(step_number=0), core.clients, 0.0)
     assert core.core.statistics().num_steps == before
@@ -181,4 +186,6 @@ def test_disk_writes_ride_the_next_plan_and_alone_they_are_not_a_step() -> None:
     # Beside other work they ride that work's plan, which is a step.
     core.core.persist((write,))
     plan = core.admit(Miss())
-    assert plan.disk_writes == (write,) and plan.starts and not plan.only_writes
+    assert plan.disk_writes == (write,)
+    assert plan.starts
+    assert not plan.only_writes
