@@ -236,7 +236,7 @@ async def test_a_disk_hit_rides_its_start_with_no_message_of_its_own(tmp_path: P
         received.clear()
         resumed = await engine.chat(turn(history))
         steps = [message for message in received if isinstance(message, RunStep)]
-        assert {type(message).__name__ for message in received} == {"UseDiskTier", "RunStep"}
+        assert {type(message).__name__ for message in received} == {"RunStep"}
         cold = await engine.chat(turn(history, cache=CacheOptions(cache_prompt=False)))
         disk = (await engine.cache_stats())["disk"]
     reading = [step for step in steps if any(start.disk_read is not None for start in step.plan.starts)]
