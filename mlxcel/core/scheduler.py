@@ -632,7 +632,7 @@ class SchedulerCore:
         for sequence_id in result.warmed:
             self._warm_ups.finished(sequence_id)
         for done in result.disk_reads:
-            self._disk_read_done(done)
+            self._disk_read_done(plan, done)
         self._place_failed_restores(plan, result)
         for sequence_id in result.prompts_done:
             running = self._running.get(sequence_id)
@@ -643,18 +643,19 @@ class SchedulerCore:
         if result.error is not None:
             self._fail_step(result, clients)
 
-    def _disk_read_done(self, done: DiskReadDone) -> None:
+    def _disk_read_done(self, plan: StepPlan, done: DiskReadDone) -> None:
         """A start's disk read: its lookup counted, what it gave donated to memory, and a short one placed again.
 
         A read that gave less than the start was placed for (a piece refused or gone, a read cut short
         where prefilling is faster) did not run: the start is placed again, in the next step, on what
         the read gave, else on memory's match, else cold.
         """
-        pending = self._restoring.get(done.sequence_id)
+        read = next((start.disk_read for start in plan.starts if start.sequence_id == done.sequence_id), None)
         running = self._running.get(done.sequence_id)
-        if pending is None or pending.disk_read is None or running is None:
+        if read is None or running is None:
+            if done.payload is not None:
+                self._release.append(done.payload)  # freed on the device thread, with the next step
             return
-        read = pending.disk_read
         request = running.request
         found: Hit | Miss = Miss()
         if done.payload is not None:
@@ -665,7 +666,9 @@ class SchedulerCore:
         self._effects.append(CacheLookedUp(hit=reused > 0, tokens_reused=reused,
                                            tokens_queried=len(request.prompt_tokens)))
         context = request.cache_context
-        if done.payload is not None and context is not None:
+        if done.payload is not None and context is None:
+            self._release.append(done.payload)
+        elif done.payload is not None and context is not None:
             # Promoted into memory: the store owns it from now on (and frees it on the device thread).
             tokens = request.prompt_tokens[:done.num_tokens]
             if read.snapshot:
