@@ -444,7 +444,10 @@ class SchedulerCore:
         matched, adopted, restore, disk_read = 0, None, None, None
         vision = request.vision
         if isinstance(found, OnDisk) and vision is not None and found.read.num_tokens < vision.end:
-            found = found.memory  # image rows come only from the vision tower (below): not worth reading
+            # Image rows come only from the vision tower (below): not worth reading; memory's answer counts.
+            found = found.memory
+            reused = found.length if isinstance(found, Hit) else 0
+            self._effects.append(CacheLookedUp(hit=reused > 0, tokens_reused=reused, tokens_queried=len(prompt)))
         if isinstance(found, OnDisk):
             matched, disk_read = found.read.num_tokens, found.read
         elif isinstance(found, Hit):
