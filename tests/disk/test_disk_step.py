@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import pytest
 
 from mlxcel.core.plan import (
     AloneChunk,
@@ -15,7 +16,8 @@ from mlxcel.core.plan import (
     StartDirect,
     StepPlan,
 )
-from mlxcel.disk.device import read_starts
+from mlxcel.disk.device import DeviceDisk, read_starts
+from mlxcel.disk.index import PIECE_BLOCKS, PIECE_TOKENS
 from mlxcel.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -79,3 +81,30 @@ def test_a_snapshot_read_is_the_starts_restore_and_a_plan_without_reads_is_left_
     # No disk tier on the device (it cannot happen with a plan that reads): the start does not run.
     ran, reads = read_starts(None, StepPlan(starts=(_direct(0, "whole"),)), None)
     assert (ran.starts, reads) == ((), (DiskReadDone(sequence_id=0),))
+
+
+@pytest.mark.slow
+def test_a_damaged_piece_takes_its_start_out_of_the_step_with_what_came_before_it(tmp_path) -> None:
+    """Real files: a whole read is the start's KV; a truncated piece ends the read, and the start waits."""
+    from tests.disk.test_disk_kv import CONTEXT, LAYERS, TOKENS, open_tier, payload, pieces, write
+
+    write(open_tier(tmp_path), payload())
+    tier = open_tier(tmp_path)
+    disk_plan = tier.probe(CONTEXT, TOKENS, len(TOKENS) - 1, 0)
+    assert disk_plan is not None
+    read = DiskRead(source=disk_plan, num_tokens=disk_plan.num_tokens)
+    start = _direct(0, None, cached=disk_plan.num_tokens)
+    plan = StepPlan(starts=(attrs.evolve(start, disk_read=read),))
+    device = DeviceDisk(tier, LAYERS)
+    ran, (done,) = read_starts(device, plan, None)
+    assert (done.started, done.num_tokens) == (True, disk_plan.num_tokens)
+    assert ran.starts[0].adopted is done.payload
+    # The second piece in token order: the read keeps the first.
+    second = next(path for path in pieces(tmp_path) if f"-{PIECE_BLOCKS:07d}-{2 * PIECE_BLOCKS:07d}-" in path.name)
+    second.write_bytes(second.read_bytes()[: second.stat().st_size // 2])
+    ran, (done,) = read_starts(device, plan, None)
+    assert (done.started, done.num_tokens, ran.starts) == (False, PIECE_TOKENS, ())
+    assert done.payload is not None
+    assert tier.statistics().refusals["truncated"] == 1
+    tier.close()
+
