@@ -1,10 +1,12 @@
 """The scheduler actor: one task between the inbox, the cache store and the device.
 
 Each turn of its loop: take what the inbox holds (submissions, cancels,
-warm-ups, released payloads, stats requests); answer the lookups the core
-asks for, one at a time, from the cache store; ask the core for a
-``StepPlan``; have the device carry it out; hand the ``StepResult`` to the
-core; send what it produced to the clients and the other actors. While the
+warm-ups, released payloads, disk writes, stats requests); answer the
+lookups the core asks for, one at a time, from the cache store (a disk hit
+is handed over as a read for the start to carry, not loaded here); ask the
+core for a ``StepPlan``; have the device carry it out; hand the
+``StepResult`` to the core; send what it produced to the clients and the
+other actors. While the
 batch only decodes, the next plan goes to the device before the step in
 flight reports (at most ``steps_ahead`` in flight), so the device starts
 each step without waiting for the host to read the last one; a plan with
