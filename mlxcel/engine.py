@@ -383,7 +383,7 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             "no --model given: serving the built-in demo model at %s, which has RANDOM WEIGHTS "
             "and answers with gibberish (for trying the server, not for use)", model_path,
         )
-    # Room for the disk tier's write jobs beside the scheduler's one step in flight.
+    # The scheduler's steps in flight (the disk tier's reads and writes ride them) and UseDiskTier.
     to_device, device_inbox = trio.open_memory_channel[Any](64)
     to_cache_store, cache_inbox = trio.open_memory_channel[Any](_INBOX_SIZE)
     to_metrics, metrics_inbox = trio.open_memory_channel[Any](_INBOX_SIZE)
@@ -458,7 +458,7 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             cross_session=plan.cross_session,
             to_scheduler=to_scheduler.clone(),
             to_kv_events=to_kv_events,
-            disk=disk, to_device=to_device.clone() if disk is not None else None,
+            disk=disk,
         ).run)
         await nursery.start(WarmerActor(
             inbox=warmer_inbox,

@@ -91,7 +91,7 @@ def test_the_message_table_names_only_messages_that_exist() -> None:
 def test_the_parser_reads_the_table() -> None:
     # The checks above are only as good as the parse: a row with two names, one with a parenthesis.
     documented = _documented_messages()
-    assert {"RouteRequest", "PersistPieces", "PersistSnapshot", "RunStep", "StepResult"} <= documented
+    assert {"RouteRequest", "LookupPrefix", "LookupSnapshot", "RunStep", "WriteToDisk", "StepResult"} <= documented
     assert "StepPlan" not in documented
     assert "PrefixFound" in {cls.__name__ for cls in _reply_messages({messages.LookupPrefix})}
 

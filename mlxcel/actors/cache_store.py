@@ -30,8 +30,6 @@ from mlxcel.actors.messages import (
     LookupPrefix,
     LookupSnapshot,
     MetricsMsg,
-    PersistPieces,
-    PersistSnapshot,
     PrefixFound,
     PrefixMissing,
     PrefixOnDisk,
@@ -43,12 +41,13 @@ from mlxcel.actors.messages import (
     SnapshotMissing,
     SnapshotOnDisk,
     SnapshotRestoreFailed,
+    WriteToDisk,
 )
 from mlxcel.cache.key import CacheContext
 from mlxcel.cache.kv_events import BlockChange
 from mlxcel.cache.snapshots import SnapshotHit, SnapshotRefused, SnapshotStats, SnapshotStore
 from mlxcel.cache.store import InsertOutcome, Match, PromptCacheStore, ResetOutcome, StoreStats
-from mlxcel.core.plan import KVHandle
+from mlxcel.core.plan import DiskWrite, KVHandle
 from mlxcel.disk.tier import DiskTier
 
 logger = logging.getLogger(__name__)
@@ -126,11 +125,10 @@ class CacheStoreActor:
         to_scheduler: trio.MemorySendChannel[Any] | None = None,
         to_kv_events: trio.MemorySendChannel[KvEventsMsg] | None = None,
         disk: DiskTier | None = None,
-        to_device: trio.MemorySendChannel[Any] | None = None,
     ) -> None:
         # The disk tier: a lookup tier after memory, and where stored prefixes are written behind (None: off).
+        # Its writes go to the scheduler, whose next step plan carries them to the device.
         self._disk = disk
-        self._to_device = to_device
         # The KV event publisher, fed the store's block changes (None: events are off).
         self._to_kv_events = to_kv_events
         # Where let-go payloads go, so MLX frees them on the device thread.
@@ -150,7 +148,7 @@ class CacheStoreActor:
         self._to_metrics = to_metrics
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        with self.inbox, self._to_device if self._to_device is not None else contextlib.nullcontext():
+        with self.inbox:
             task_status.started()
             async for message in self.inbox:
                 self._handle(message)
@@ -236,19 +234,24 @@ class CacheStoreActor:
         return memory if plan is None else PrefixOnDisk(memory=memory, plan=plan)
 
     def _disk_persist(self, message: DonateSequence) -> None:
-        """A stored prefix's pieces that are not on disk go to the device, which writes them behind its steps."""
-        if self._disk is None or self._to_device is None:
+        """A stored prefix's pieces that are not on disk ride the next step plan; the device writes them behind."""
+        if self._disk is None:
             return
         if message.retain_seconds > 0:
             self._disk.record_retention(message.context, message.tokens, message.retain_seconds)
         pieces = self._disk.plan_write(message.context, message.tokens, message.prompt_len)
-        if not pieces:
+        if pieces:
+            self._write(DiskWrite(payload=message.payload, pieces=pieces, urgent=message.retain_seconds > 0),
+                        len(pieces))
+
+    def _write(self, write: DiskWrite, count: int) -> None:
+        if self._to_scheduler is None:
             return
         try:
-            self._to_device.send_nowait(PersistPieces(
-                payload=cast(KVHandle, message.payload), pieces=pieces, urgent=message.retain_seconds > 0))
+            self._to_scheduler.send_nowait(WriteToDisk(writes=(write,)))
         except trio.WouldBlock:
-            self._disk.drop(len(pieces))
+            assert self._disk is not None
+            self._disk.drop(count)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
 
@@ -282,15 +285,10 @@ class CacheStoreActor:
     def _donate_snapshot(self, message: DonateSnapshot, now: float) -> None:
         stored = self._snapshots.insert(message.context, message.tokens, message.payload, message.nbytes, now,
                                         checkpoint=message.checkpoint, cuttable=message.cuttable)
-        if stored and self._disk is not None and self._to_device is not None and not message.context.is_multimodal:
+        if stored and self._disk is not None and not message.context.is_multimodal:
             name = self._disk.plan_snapshot(message.context, message.tokens)
             if name is not None:
-                try:
-                    self._to_device.send_nowait(PersistSnapshot(payload=message.payload, name=name))
-                except trio.WouldBlock:
-                    self._disk.drop()
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass
+                self._write(DiskWrite(payload=message.payload, snapshot=name), 1)
         if not stored and message.nbytes > self._snapshot_capacity_bytes:
             logger.warning(
                 "a %d-byte session snapshot is larger than the whole snapshot store (%d bytes); "

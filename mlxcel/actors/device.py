@@ -6,8 +6,10 @@ thread that made them). The thread loads the model, then loops on
 Each ``RunStep`` carries a ``StepPlan`` decided by the scheduling core
 (``mlxcel/core/scheduler.py``); the executor (``mlxcel/model/executor.py``)
 carries it out and the thread queues its ``StepResult`` back to the Trio
-loop without waiting. The disk tier's messages are dispatched here too
-(``mlxcel/disk/device.py`` does their work).
+loop without waiting. The disk tier's work rides the same plan: its reads
+run before the executor gets the plan, its writes are queued after the
+step (``mlxcel/disk/device.py`` does both); a plan of writes alone is not a
+step, and the executor never sees it.
 """
 
 from __future__ import annotations
@@ -20,15 +22,8 @@ from typing import Any
 import attrs
 import trio
 
-from mlxcel.actors.messages import (
-    DeviceMsg,
-    LoadDiskPrefix,
-    LoadDiskSnapshot,
-    PersistPieces,
-    PersistSnapshot,
-    RunStep,
-    UseDiskTier,
-)
+from mlxcel.actors.messages import DeviceMsg, RunStep, UseDiskTier
+from mlxcel.core.plan import StepResult
 from mlxcel.model.executor import DeviceSettings as DeviceSettings, StepExecutor
 from mlxcel.model.info import ModelInfo as ModelInfo
 
@@ -145,16 +140,19 @@ class DeviceActor:
                     case None:
                         continue
                     case RunStep():
-                        done = worker.run_step(message.plan)
-                        self._num_steps = done.step_number
+                        done = self._run_step(worker, disk, message.plan)
                         # Queued, not awaited: the device goes on to the next step at once (the reply
                         # channel is the step's own, and Trio runs queued callbacks in order).
                         with contextlib.suppress(trio.RunFinishedError):
                             trio_token.run_sync_soon(_reply, message.reply_to, done)
+                        if disk is not None:
+                            disk.queue(message.plan.disk_writes)  # behind the step, converted when idle
                         # Drops the released payloads here, so MLX frees them on this thread.
                         del message, done
-                    case UseDiskTier() | PersistPieces() | LoadDiskPrefix() | PersistSnapshot() | LoadDiskSnapshot():
-                        disk = _disk_message(disk, message, worker, trio_token)
+                    case UseDiskTier():
+                        from mlxcel.disk.device import DeviceDisk
+
+                        disk = DeviceDisk(message.tier, worker.num_layers, worker.family)
                         del message
                     case _:
                         raise AssertionError(f"unexpected device message {message!r}")
@@ -164,6 +162,17 @@ class DeviceActor:
             # Work queued without a wait (donation copies) ends before the thread does.
             with contextlib.suppress(Exception):
                 mx.synchronize()
+
+    def _run_step(self, worker: StepExecutor, disk: Any, plan: Any) -> StepResult:
+        """The plan's disk reads, then the step; a plan of disk writes alone runs nothing."""
+        if plan.only_writes:
+            return StepResult(step_number=self._num_steps)
+        from mlxcel.disk.device import read_starts
+
+        plan, reads = read_starts(disk, plan, worker.prefill_seconds_per_token)
+        done = worker.run_step(plan)
+        self._num_steps = done.step_number
+        return attrs.evolve(done, disk_reads=reads) if reads else done
 
     def _receive(self, disk: Any) -> DeviceMsg | None:
         """The next message; with disk writes queued, None after converting a slice of them when none waits."""
@@ -184,42 +193,6 @@ async def _receive_within(inbox: trio.MemoryReceiveChannel[DeviceMsg], seconds: 
     with trio.move_on_after(seconds):
         return await inbox.receive()
     return None
-
-
-def _disk_message(disk: Any, message: UseDiskTier | PersistPieces | LoadDiskPrefix | PersistSnapshot
-                  | LoadDiskSnapshot, worker: StepExecutor, trio_token: trio.lowlevel.TrioToken) -> Any:
-    """The disk tier's messages (mlxcel/disk/device.py does the work); returns the device's DeviceDisk."""
-    from mlxcel.actors.messages import DiskPrefixLoaded
-    from mlxcel.disk.device import DeviceDisk
-
-    match message:
-        case UseDiskTier():
-            return DeviceDisk(message.tier, worker.num_layers, worker.family)
-        case PersistSnapshot():
-            if disk is not None:
-                disk.persist_snapshot(message.payload, message.name)
-        case LoadDiskSnapshot():
-            snapshot = None
-            if disk is not None:
-                try:
-                    snapshot = disk.load_snapshot(message.name)
-                except Exception:  # noqa: BLE001 - a disk fault must never stop the device
-                    logger.exception("prompt-cache disk tier: loading a snapshot failed")
-            found = DiskPrefixLoaded(payload=snapshot, num_tokens=snapshot.length if snapshot is not None else 0)
-            trio.from_thread.run_sync(_reply, message.reply_to, found, trio_token=trio_token)
-        case PersistPieces():
-            if disk is not None:
-                disk.persist(message.payload, message.pieces, urgent=message.urgent)
-        case LoadDiskPrefix():
-            payload = None
-            if disk is not None:
-                try:
-                    payload = disk.load(message.plan, message.memory, worker.prefill_seconds_per_token)
-                except Exception:  # noqa: BLE001 - a disk fault must never stop the device
-                    logger.exception("prompt-cache disk tier: loading a disk hit failed")
-            loaded = DiskPrefixLoaded(payload=payload, num_tokens=payload.length if payload is not None else 0)
-            trio.from_thread.run_sync(_reply, message.reply_to, loaded, trio_token=trio_token)
-    return disk
 
 
 def _reply(reply_to: trio.MemorySendChannel[Any], done: Any) -> None:

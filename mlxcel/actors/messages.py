@@ -20,6 +20,7 @@ from mlxcel.cache.store import StoreStats
 
 # The messages that carry the scheduling core's values are defined there (pure), named here.
 from mlxcel.core.effects import (
+    CacheLookedUp as CacheLookedUp,
     DonateSequence as DonateSequence,
     DonateSnapshot as DonateSnapshot,
     ReplyFinished as ReplyFinished,
@@ -28,9 +29,9 @@ from mlxcel.core.effects import (
     ShedCache as ShedCache,
     SnapshotRestoreFailed as SnapshotRestoreFailed,
 )
-from mlxcel.core.plan import GrammarWork, KVHandle, StepPlan, StepResult
+from mlxcel.core.plan import DiskWrite, GrammarWork, KVHandle, StepPlan, StepResult
 from mlxcel.core.scheduler import NewRequest, WarmSession as WarmSession
-from mlxcel.disk.index import DiskPlan, PieceSpec, SnapshotName
+from mlxcel.disk.index import DiskPlan, SnapshotName
 from mlxcel.errors import MlxcelError
 from mlxcel.types import ChatRequest, CompletionRequest, Delta
 
@@ -87,6 +88,13 @@ class ReleasePayloads:
 
 
 @attrs.frozen(kw_only=True)
+class WriteToDisk:
+    """Stored payloads the disk tier lacks (cache store -> scheduler): they ride the next step's plan."""
+
+    writes: tuple[DiskWrite, ...] = attrs.field(repr=False)
+
+
+@attrs.frozen(kw_only=True)
 class CancelRequest:
     """The client went away or gave up: free the sequence, donate nothing."""
 
@@ -124,7 +132,7 @@ class RunStep:
     reply_to: trio.MemorySendChannel[StepResult] = attrs.field(repr=False)
 
 
-# --- the disk tier (anyone -> device): see mlxcel/disk/device.py ----------------------
+# --- the disk tier: configuration only; its reads and writes ride RunStep's plan (mlxcel/disk/device.py) ---
 
 
 @attrs.frozen(kw_only=True)
@@ -134,49 +142,7 @@ class UseDiskTier:
     tier: Any = attrs.field(repr=False)
 
 
-@attrs.frozen(kw_only=True)
-class PersistPieces:
-    """From the cache store: write these pieces of a stored payload to disk, behind the steps."""
-
-    payload: KVHandle = attrs.field(repr=False)
-    pieces: tuple[PieceSpec, ...] = attrs.field(repr=False)
-    # A retained prompt (cache_control, prompt_cache_retention): ahead of the queue.
-    urgent: bool = False
-
-
-@attrs.frozen(kw_only=True)
-class LoadDiskPrefix:
-    """From the scheduler, between steps: build a disk hit's KV (the memory match's rows, then the pieces)."""
-
-    plan: DiskPlan
-    memory: KVHandle | None = attrs.field(default=None, repr=False)
-    reply_to: trio.MemorySendChannel[DiskPrefixLoaded] = attrs.field(repr=False)
-
-
-@attrs.frozen(kw_only=True)
-class PersistSnapshot:
-    """From the cache store: write a stored session snapshot to disk, behind the steps."""
-
-    payload: Any = attrs.field(repr=False)
-    name: SnapshotName
-
-
-@attrs.frozen(kw_only=True)
-class LoadDiskSnapshot:
-    """From the scheduler, between steps: read a session snapshot back from disk."""
-
-    name: SnapshotName
-    reply_to: trio.MemorySendChannel[DiskPrefixLoaded] = attrs.field(repr=False)
-
-
-@attrs.frozen(kw_only=True)
-class DiskPrefixLoaded:
-    # None: nothing usable was read (a piece vanished or was refused); the memory match stands.
-    payload: KVHandle | None = attrs.field(repr=False)
-    num_tokens: int = 0
-
-
-DeviceMsg = RunStep | UseDiskTier | PersistPieces | LoadDiskPrefix | PersistSnapshot | LoadDiskSnapshot
+DeviceMsg = RunStep | UseDiskTier
 
 
 # --- scheduler <-> cache store ---------------------------------------------------------
@@ -262,16 +228,6 @@ CacheStoreMsg = (
 
 
 # --- anyone -> metrics ------------------------------------------------------------------
-
-
-@attrs.frozen(kw_only=True)
-class CacheLookedUp:
-    hit: bool
-    tokens_reused: int = 0
-    # The request's prompt length: vLLM's prefix_cache_queries count tokens, not lookups.
-    tokens_queried: int = 0
-    # A stored snapshot was refused for this cause: not a miss (a miss is nothing stored).
-    refusal: str | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -1,10 +1,12 @@
 """The scheduler actor: one task between the inbox, the cache store and the device.
 
 Each turn of its loop: take what the inbox holds (submissions, cancels,
-warm-ups, released payloads, stats requests); answer the lookups the core
-asks for, one at a time, from the cache store; ask the core for a
-``StepPlan``; have the device carry it out; hand the ``StepResult`` to the
-core; send what it produced to the clients and the other actors. While the
+warm-ups, released payloads, disk writes, stats requests); answer the
+lookups the core asks for, one at a time, from the cache store (a disk hit
+is handed over as a read for the start to carry, not loaded here); ask the
+core for a ``StepPlan``; have the device carry it out; hand the
+``StepResult`` to the core; send what it produced to the clients and the
+other actors. While the
 batch only decodes, the next plan goes to the device before the step in
 flight reports (at most ``steps_ahead`` in flight), so the device starts
 each step without waiting for the host to read the last one; a plan with
@@ -22,7 +24,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 import trio
@@ -32,12 +33,7 @@ from mlxcel.actors.messages import (
     CacheStoreMsg,
     CancelRequest,
     DeviceMsg,
-    DiskPrefixLoaded,
-    DonateSequence,
-    DonateSnapshot,
     GetSchedulerStats,
-    LoadDiskPrefix,
-    LoadDiskSnapshot,
     LookupPrefix,
     LookupSnapshot,
     MetricsMsg,
@@ -55,19 +51,20 @@ from mlxcel.actors.messages import (
     SubmitRequest,
     WarmerMsg,
     WarmSession,
+    WriteToDisk,
 )
 from mlxcel.config import SchedulerConfig
 from mlxcel.core.cache_plan import CACHE_OFF, CachePlan
 from mlxcel.core.effects import ReplyFinished, RequestFinished
-from mlxcel.core.plan import Capabilities, StepPlan, StepResult
-from mlxcel.core.scheduler import Hit, Lookup, LookupResult, Miss, SchedulerCore
+from mlxcel.core.plan import Capabilities, DiskRead, StepPlan, StepResult
+from mlxcel.core.scheduler import Hit, Lookup, LookupResult, Miss, OnDisk, SchedulerCore
 from mlxcel.errors import MlxcelError
 from mlxcel.types import Delta
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-SchedulerMsg = SubmitRequest | CancelRequest | GetSchedulerStats | WarmSession | ReleasePayloads
+SchedulerMsg = SubmitRequest | CancelRequest | GetSchedulerStats | WarmSession | ReleasePayloads | WriteToDisk
 
 # How long an idle device waits for requests the router says are right behind
 # the first one, so clients that arrive together are prefilled together.
@@ -140,37 +137,58 @@ class SchedulerActor:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with self.inbox, self._to_device:
-            task_status.started()
-            # Steps sent to the device and not yet reported, oldest first.
-            in_flight: collections.deque[tuple[StepPlan, trio.MemoryReceiveChannel[StepResult]]] = (
-                collections.deque())
+            try:
+                await self._run(task_status)
+            finally:
+                self._hand_over_writes()
+
+    def _hand_over_writes(self) -> None:
+        """Stopping: disk writes not yet planned go to the device in a plan of their own (it flushes them)."""
+        with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
             while True:
-                if not self._take_inbox():
+                message = self.inbox.receive_nowait()
+                if isinstance(message, WriteToDisk):
+                    self.core.persist(message.writes)
+        writes = self.core.take_disk_writes()
+        if not writes:
+            return
+        reply_to, replies = trio.open_memory_channel[StepResult](1)
+        replies.close()  # nobody waits for the answer
+        with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            self._to_device.send_nowait(RunStep(plan=StepPlan(disk_writes=writes), reply_to=reply_to))
+
+    async def _run(self, task_status: trio.TaskStatus[None]) -> None:
+        task_status.started()
+        # Steps sent to the device and not yet reported, oldest first.
+        in_flight: collections.deque[tuple[StepPlan, trio.MemoryReceiveChannel[StepResult]]] = (
+            collections.deque())
+        while True:
+            if not self._take_inbox():
+                return
+            if not in_flight and not self.core.has_work():
+                try:
+                    message = await self.inbox.receive()
+                except trio.EndOfChannel:
                     return
-                if not in_flight and not self.core.has_work():
-                    try:
-                        message = await self.inbox.receive()
-                    except trio.EndOfChannel:
-                        return
-                    self._handle(message)
-                    continue
-                if not in_flight and self.core.starting_from_idle():
-                    await self._gather_arrivals()
-                await self._answer_lookups()
-                # Cancels that came in meanwhile apply before the plan, not a step later.
-                if not self._take_inbox():
-                    return
-                if not in_flight or (len(in_flight) < self._steps_ahead and self.core.can_plan_ahead()):
-                    in_flight.append(await self._send_step())
-                    if len(in_flight) < self._steps_ahead and self.core.can_plan_ahead():
-                        continue  # plan the next decode step while this one runs
-                plan, replies = in_flight.popleft()
-                with replies:
-                    result = await replies.receive()
-                self.core.update(plan, result, self._clients, trio.current_time())
-                if result.grammar is not None:
-                    self._send_nowait(self._to_metrics, result.grammar)
-                self._fan_out()
+                self._handle(message)
+                continue
+            if not in_flight and self.core.starting_from_idle():
+                await self._gather_arrivals()
+            await self._answer_lookups()
+            # Cancels that came in meanwhile apply before the plan, not a step later.
+            if not self._take_inbox():
+                return
+            if not in_flight or (len(in_flight) < self._steps_ahead and self.core.can_plan_ahead()):
+                in_flight.append(await self._send_step())
+                if len(in_flight) < self._steps_ahead and self.core.can_plan_ahead():
+                    continue  # plan the next decode step while this one runs
+            plan, replies = in_flight.popleft()
+            with replies:
+                result = await replies.receive()
+            self.core.update(plan, result, self._clients, trio.current_time())
+            if result.grammar is not None:
+                self._send_nowait(self._to_metrics, result.grammar)
+            self._fan_out()
 
     async def _send_step(self) -> tuple[StepPlan, trio.MemoryReceiveChannel[StepResult]]:
         plan = self.core.schedule()
@@ -203,6 +221,8 @@ class SchedulerActor:
                 self.core.abort(message.request_id, self._clients, trio.current_time())
             case ReleasePayloads():
                 self.core.release(message.payloads)
+            case WriteToDisk():
+                self.core.persist(message.writes)
             case WarmSession():
                 self.core.warm(message)
             case GetSchedulerStats():
@@ -225,6 +245,7 @@ class SchedulerActor:
             self.core.resolve(lookup, await self._lookup(lookup))
 
     async def _lookup(self, lookup: Lookup) -> LookupResult:
+        """The cache store's answer; a disk hit becomes a read that rides the start's step (no round trip here)."""
         assert self._to_cache_store is not None
         found: PrefixFound | PrefixMissing | PrefixOnDisk | SnapshotFound | SnapshotMissing | SnapshotOnDisk
         if lookup.kind in ("snapshot", "warm"):
@@ -233,76 +254,33 @@ class SchedulerActor:
             await self._to_cache_store.send(LookupSnapshot(
                 context=lookup.context, tokens=lookup.tokens, record=lookup.record, reply_to=snapshot_to))
             found = await _answer(snapshot_replies, SnapshotMissing())
-            if isinstance(found, SnapshotOnDisk):
-                found = await self._load_snapshot_from_disk(lookup, found)
         else:
             prefix_to, prefix_replies = trio.open_memory_channel[PrefixFound | PrefixMissing | PrefixOnDisk](1)
             await self._to_cache_store.send(LookupPrefix(
                 context=lookup.context, tokens=lookup.tokens, max_len=len(lookup.tokens) - 1,
                 record=lookup.record, reply_to=prefix_to))
             found = await _answer(prefix_replies, PrefixMissing())
-            if isinstance(found, PrefixOnDisk):
-                found = await self._load_from_disk(lookup, found)
         match found:
-            case PrefixFound():
-                return Hit(length=found.matched_len, payload=found.payload)
-            case SnapshotFound():
-                return Hit(length=found.num_tokens, payload=found.payload)
-            case SnapshotMissing():
-                return Miss(refusal=found.refusal)
-        return Miss()
-
-    async def _read_from_disk(
-        self, lookup: Lookup, message: Callable[[trio.MemorySendChannel[DiskPrefixLoaded]], DeviceMsg],
-        memory_tokens: int,
-    ) -> DiskPrefixLoaded:
-        """Send the device a disk read and wait for it; the lookup is reported (disk's tokens, else memory's)."""
-        reply_to, replies = trio.open_memory_channel[DiskPrefixLoaded](1)
-        await self._to_device.send(message(reply_to))
-        loaded = await _answer(replies, DiskPrefixLoaded(payload=None))
-        matched = loaded.num_tokens if loaded.payload is not None else memory_tokens
-        self._send_nowait(self._to_metrics, CacheLookedUp(hit=matched > 0, tokens_reused=matched,
-                                                          tokens_queried=len(lookup.tokens)))
-        return loaded
-
-    async def _load_from_disk(self, lookup: Lookup, found: PrefixOnDisk) -> PrefixFound | PrefixMissing:
-        """Have the device load a disk hit (no step is in flight now); memory's match if nothing was read."""
-        memory = found.memory
-        loaded = await self._read_from_disk(
-            lookup, lambda reply_to: LoadDiskPrefix(
-                plan=found.plan, memory=memory.payload if isinstance(memory, PrefixFound) else None,
-                reply_to=reply_to),
-            memory.matched_len if isinstance(memory, PrefixFound) else 0)
-        if loaded.payload is None:
-            return memory
-        # Promoted into memory: the store owns it from now on (and frees it on the device thread).
-        self._send_nowait(self._to_cache_store, DonateSequence(
-            context=lookup.context, tokens=lookup.tokens[:loaded.num_tokens], payload=loaded.payload,
-            nbytes=loaded.payload.nbytes,
-            # A retained prompt read back within its ttl is pinned again (DiskTier.record_retention).
-            retain_seconds=found.plan.retain_seconds if loaded.num_tokens >= found.plan.num_tokens else 0.0))
-        return PrefixFound(matched_len=loaded.num_tokens, payload=loaded.payload, cross_session=False, partial=True)
-
-    async def _load_snapshot_from_disk(self, lookup: Lookup, found: SnapshotOnDisk) -> SnapshotFound | SnapshotMissing:
-        """Have the device read a session snapshot from disk; memory's answer if it cannot."""
-        memory = found.memory
-        loaded = await self._read_from_disk(
-            lookup, lambda reply_to: LoadDiskSnapshot(name=found.name, reply_to=reply_to),
-            memory.num_tokens if isinstance(memory, SnapshotFound) else 0)
-        if loaded.payload is None:
-            return memory
-        # Promoted into the snapshot store, which owns it from now on.
-        self._send_nowait(self._to_cache_store, DonateSnapshot(
-            context=lookup.context, tokens=lookup.tokens[:loaded.num_tokens], payload=loaded.payload,
-            nbytes=loaded.payload.nbytes, cuttable=bool(getattr(loaded.payload, "cuttable", False))))
-        return SnapshotFound(num_tokens=loaded.num_tokens, payload=loaded.payload)
+            case PrefixOnDisk():
+                memory = _result(found.memory)
+                return OnDisk(memory=memory, read=DiskRead(
+                    source=found.plan, num_tokens=found.plan.num_tokens, retain_seconds=found.plan.retain_seconds,
+                    memory=memory.payload if isinstance(memory, Hit) else None,
+                    memory_tokens=memory.length if isinstance(memory, Hit) else 0))
+            case SnapshotOnDisk():
+                memory = _result(found.memory)
+                return OnDisk(memory=memory, read=DiskRead(
+                    source=found.name, num_tokens=found.name.num_tokens, snapshot=True,
+                    memory=memory.payload if isinstance(memory, Hit) else None,
+                    memory_tokens=memory.length if isinstance(memory, Hit) else 0))
+        return _result(found)
 
     # --- out -------------------------------------------------------------------
 
     def _fan_out(self) -> None:
         for effect in self.core.take_effects():
             match effect:
-                case RequestFinished():
+                case RequestFinished() | CacheLookedUp():
                     self._send_nowait(self._to_metrics, effect)
                 case ReplyFinished():
                     self._send_nowait(self._to_warmer, effect)
@@ -328,3 +306,14 @@ async def _answer(replies: trio.MemoryReceiveChannel[_T], missing: _T) -> _T:
             return await replies.receive()
         except trio.EndOfChannel:
             return missing
+
+
+def _result(found: PrefixFound | PrefixMissing | SnapshotFound | SnapshotMissing) -> Hit | Miss:
+    match found:
+        case PrefixFound():
+            return Hit(length=found.matched_len, payload=found.payload)
+        case SnapshotFound():
+            return Hit(length=found.num_tokens, payload=found.payload)
+        case SnapshotMissing():
+            return Miss(refusal=found.refusal)
+    return Miss()

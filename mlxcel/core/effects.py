@@ -61,6 +61,18 @@ class RequestFinished:
 
 
 @attrs.frozen(kw_only=True)
+class CacheLookedUp:
+    """A lookup's outcome (the cache store's, or the core's once a start's disk read is done)."""
+
+    hit: bool
+    tokens_reused: int = 0
+    # The request's prompt length: vLLM's prefix_cache_queries count tokens, not lookups.
+    tokens_queried: int = 0
+    # A stored snapshot was refused for this cause: not a miss (a miss is nothing stored).
+    refusal: str | None = None
+
+
+@attrs.frozen(kw_only=True)
 class ReplyFinished:
     """A healthy reply finished: the warmer may prepare the session's next turn."""
 
@@ -72,7 +84,7 @@ class ReplyFinished:
 
 
 CacheEffect = DonateSequence | DonateSnapshot | SnapshotRestoreFailed | ShedCache
-Effect = CacheEffect | RequestFinished | ReplyFinished
+Effect = CacheEffect | RequestFinished | ReplyFinished | CacheLookedUp
 
 
 @attrs.frozen(kw_only=True)

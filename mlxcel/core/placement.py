@@ -60,7 +60,13 @@ def admission_fields(pending: Pending) -> dict[str, Any]:
 
 def starts_cold(start: StartDirect) -> bool:
     """A direct start from no stored state, of a text prompt: the device runs such starts in one pass."""
-    return start.kept == 0 and start.restore is None and not start.from_alone and start.vision is None
+    return (start.kept == 0 and start.restore is None and not start.from_alone and start.vision is None
+            and start.disk_read is None)
+
+
+def adopts(pending: Pending) -> bool:
+    """Its cached tokens come from a stored KV prefix (in memory, or read from disk first), which may be cut."""
+    return pending.adopted is not None or (pending.disk_read is not None and not pending.disk_read.snapshot)
 
 
 class Placement:
@@ -87,6 +93,7 @@ class Placement:
         """
         step = self.capabilities.prefill_step_size
         return (self.capabilities.bucket_starts and pending.restore is None and pending.vision is None
+                and (pending.disk_read is None or not pending.disk_read.snapshot)
                 and not pending.snapshots and not pending.warm
                 and len(pending.prompt_tokens) > step >= START_PREFIX_ALIGN)
 
@@ -118,7 +125,7 @@ class Placement:
     def direct(self, pending: Pending) -> StartDirect:
         cached = len(pending.cached_tokens)
         # A restored snapshot covers every cached token; an adopted prefix may be cut.
-        kept = self.kept(pending, cached) if (pending.adopted is not None or pending.from_alone) else cached
+        kept = self.kept(pending, cached) if (adopts(pending) or pending.from_alone) else cached
         return StartDirect(
             **{**admission_fields(pending), "adopted": pending.adopted if kept else None},
             kept=kept, padding=self.padding(kept, cached - kept + len(pending.prompt_tokens)),
@@ -127,7 +134,7 @@ class Placement:
 
     def alone(self, pending: Pending) -> AlonePrefill:
         """A long prompt to prefill alone: it keeps the cut of an adopted prefix and runs the rest in chunks."""
-        kept = self.kept(pending, len(pending.cached_tokens)) if pending.adopted is not None else 0
+        kept = self.kept(pending, len(pending.cached_tokens)) if adopts(pending) else 0
         return AlonePrefill(pending=pending, tokens=pending.cached_tokens + pending.prompt_tokens, done=kept)
 
     def alone_chunk_end(self, prefill: AlonePrefill) -> tuple[int, bool]:
@@ -144,7 +151,7 @@ class Placement:
     def alone_rest(self, prefill: AlonePrefill, end: int) -> Pending:
         """What is left of a prompt prefilled alone after its last chunk: a direct start from its own KV."""
         return attrs.evolve(prefill.pending, cached_tokens=prefill.tokens[:end], prompt_tokens=prefill.tokens[end:],
-                            adopted=None, from_alone=True)
+                            adopted=None, disk_read=None, from_alone=True)
 
     def insert(self, pending: Pending) -> InsertBatch:
         return InsertBatch(**admission_fields(pending), snapshots=pending.snapshots, warm=pending.warm)

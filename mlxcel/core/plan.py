@@ -40,6 +40,53 @@ class Capabilities:
     bucket_starts: bool = False
 
 
+# --- the disk tier's part of a step (vLLM's KV-connector metadata rides its scheduler output the same way) ---
+
+
+@attrs.frozen(kw_only=True)
+class DiskRead:
+    """KV the device reads from the disk tier before the step's starts, for the start that carries it.
+
+    ``source`` is opaque here: the disk tier's description of the files (``disk/index.py``'s
+    ``DiskPlan`` for a prefix, ``SnapshotName`` for a session snapshot).
+    """
+
+    source: Any = attrs.field(repr=False)
+    # Tokens it covers when read whole: the start was placed as a hit of this length.
+    num_tokens: int
+    # A session snapshot (restored) rather than a KV prefix (adopted).
+    snapshot: bool = False
+    # Memory's match: a prefix read keeps its first rows; it stands if the read gives nothing (None: no match).
+    memory: Any = attrs.field(default=None, repr=False)
+    memory_tokens: int = 0
+    # The prefix was retained when written: read back whole, it is pinned again for this long.
+    retain_seconds: float = 0.0
+
+
+@attrs.frozen(kw_only=True)
+class DiskWrite:
+    """A stored payload the device writes to the disk tier behind its steps: KV pieces or one snapshot."""
+
+    payload: Any = attrs.field(repr=False)
+    # disk/index.py's PieceSpec of each piece not on disk yet (a KV prefix).
+    pieces: tuple[Any, ...] = attrs.field(default=(), repr=False)
+    # disk/index.py's SnapshotName (a session snapshot); None for pieces.
+    snapshot: Any = None
+    # A retained prompt: ahead of the queue.
+    urgent: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class DiskReadDone:
+    """What a start's disk read gave: the KV (None: nothing usable) and whether the start ran on it."""
+
+    sequence_id: int
+    payload: Any = attrs.field(default=None, repr=False)
+    num_tokens: int = 0
+    # False: the read gave less than the start was placed for (or nothing); the start did not run.
+    started: bool = False
+
+
 # --- what a step runs ----------------------------------------------------------------
 
 
@@ -64,6 +111,8 @@ class Admission:
     # The images whose features the prompt's image tokens take (mlxcel.vision.processing.VisionInputs):
     # set only on a cold start, which runs the vision tower over the whole prompt in one direct start.
     vision: Any = attrs.field(default=None, repr=False)
+    # The cached tokens come from the disk tier: the device reads them first, into ``adopted`` or ``restore``.
+    disk_read: DiskRead | None = attrs.field(default=None, repr=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -113,6 +162,8 @@ class StartAlone:
     kept: int = 0
     # The LoRA adapter scales its chunks run under (SamplingParams.adapter_scales).
     adapter_scales: tuple[float, ...] = ()
+    # ``adopted`` comes from the disk tier: read before the step's starts.
+    disk_read: DiskRead | None = attrs.field(default=None, repr=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -146,6 +197,14 @@ class StepPlan:
     alone_rest: StartDirect | None = None
     # Run the batch's prefill chunk and decode step (False: held back for waiting starts, or empty).
     run_batch: bool = False
+    # Stored payloads to write to the disk tier, behind this step's forward work.
+    disk_writes: tuple[DiskWrite, ...] = attrs.field(default=(), repr=False)
+
+    @property
+    def only_writes(self) -> bool:
+        """Nothing to run, only disk writes to queue: not a step (an idle device gets such plans)."""
+        return bool(self.disk_writes) and not (self.removals or self.starts or self.alone_chunk
+                                               or self.alone_rest or self.run_batch)
 
     @property
     def direct_starts(self) -> tuple[StartDirect, ...]:
@@ -224,3 +283,5 @@ class StepResult:
     warmed: tuple[int, ...] = ()
     # None: no grammar work this step.
     grammar: GrammarWork | None = None
+    # The disk reads of this step's starts, each start's outcome.
+    disk_reads: tuple[DiskReadDone, ...] = ()

@@ -38,6 +38,7 @@ from mlxcel.cache.key import CacheContext, session_id, trie_key
 from mlxcel.cache.snapshots import common_prefix_length
 from mlxcel.core.cache_plan import CACHE_OFF, CachePlan
 from mlxcel.core.effects import (
+    CacheLookedUp,
     DonateSequence,
     DonateSnapshot,
     Effect,
@@ -53,6 +54,9 @@ from mlxcel.core.plan import (
     AloneChunk,
     Capabilities,
     DetachedSequence,
+    DiskRead,
+    DiskReadDone,
+    DiskWrite,
     GrammarFailure,
     InsertBatch,
     Removal,
@@ -133,7 +137,15 @@ class Miss:
     refusal: str | None = None
 
 
-LookupResult = Hit | Miss
+@attrs.frozen(kw_only=True)
+class OnDisk:
+    """The disk tier holds more of the prompt than memory: the start carries ``read``, else ``memory`` stands."""
+
+    read: DiskRead
+    memory: Hit | Miss
+
+
+LookupResult = Hit | Miss | OnDisk
 
 
 class Clients(Protocol):
@@ -206,8 +218,11 @@ class SchedulerCore:
         # Starts decided since the last plan, and direct starts over a step's budget.
         self._admitted: list[Pending] = []
         self._deferred: list[Pending] = []
-        # Starts sent with a snapshot to restore, until their step reports: one that fails is placed again, cold.
+        # Starts sent with a snapshot to restore or a disk read, until their step reports: one whose
+        # restore fails is placed again, cold; one whose read gives less, again on what it gave.
         self._restoring: dict[int, Pending] = {}
+        # Stored payloads the disk tier lacks, for the next plan (core/plan.py's DiskWrite).
+        self._disk_writes: list[DiskWrite] = []
         # Long prompts prefilled alone, oldest first.
         self._alone: list[AlonePrefill] = []
         # What the device holds: sequences in its batch, prefilling there, owing a first token.
@@ -278,13 +293,23 @@ class SchedulerCore:
         """Payloads the stores let go of, to be dropped on the device thread with the next step."""
         self._release.extend(payloads)
 
+    def persist(self, writes: tuple[DiskWrite, ...]) -> None:
+        """Disk writes the cache store planned: the next plan carries them (an idle device gets a plan of them)."""
+        self._disk_writes.extend(writes)
+
+    def take_disk_writes(self) -> tuple[DiskWrite, ...]:
+        """The disk writes not yet planned (the scheduler hands them over when it stops)."""
+        writes, self._disk_writes = tuple(self._disk_writes), []
+        return writes
+
     def take_release(self) -> tuple[Any, ...]:
         """The released payloads, for the next step's message (the core keeps no reference)."""
         release, self._release = tuple(self._release), []
         return release
 
     def has_work(self) -> bool:
-        if self._waiting or self._running or self._removals or self._warm_ups.is_running() or self._release:
+        if (self._waiting or self._running or self._removals or self._warm_ups.is_running() or self._release
+                or self._disk_writes):
             return True
         return self._warm_ups.has_pending() and self._idle()
 
@@ -401,35 +426,48 @@ class SchedulerCore:
         return best_sequence, best_shared
 
     def _admit(self, request: NewRequest, found: LookupResult | None, now: float) -> None:
+        if self._trace is not None and self._snapshots and request.cache_context is not None:
+            self._trace_snapshot(request, found)
+        sequence_id = self._new_sequence_id()
+        output = RequestOutput(tokenizer=self._tokenizer, sampling=request.sampling,
+                               eos_token_ids=self._eos_token_ids, prompt_tokens=len(request.prompt_tokens),
+                               submitted_at=now, keep_text=self._keep_reply_text,
+                               parsing=self._reply_format.parsing(request.chat, request.prompt_tokens))
+        running = self._running[sequence_id] = _Running(request=request, sequence_id=sequence_id, output=output)
+        self._sequence_of[request.request_id] = sequence_id
+        self._admitted.append(self._pending(running, found))
+
+    def _pending(self, running: _Running, found: LookupResult | None) -> Pending:
+        """A running request's start from what the lookup found (or what its disk read gave)."""
+        request = running.request
         prompt = request.prompt_tokens
-        matched, adopted, restore = 0, None, None
-        if isinstance(found, Hit):
+        matched, adopted, restore, disk_read = 0, None, None, None
+        vision = request.vision
+        if isinstance(found, OnDisk) and vision is not None and found.read.num_tokens < vision.end:
+            # Image rows come only from the vision tower (below): not worth reading; memory's answer counts.
+            found = found.memory
+            reused = found.length if isinstance(found, Hit) else 0
+            self._effects.append(CacheLookedUp(hit=reused > 0, tokens_reused=reused, tokens_queried=len(prompt)))
+        if isinstance(found, OnDisk):
+            matched, disk_read = found.read.num_tokens, found.read
+        elif isinstance(found, Hit):
             if self._snapshots:
                 matched, restore = found.length, found.payload
             elif found.payload.can_adopt(found.length):
                 matched, adopted = found.length, found.payload
-        if self._trace is not None and self._snapshots and request.cache_context is not None:
-            self._trace_snapshot(request, found)
-        vision = request.vision
         if vision is not None and matched < vision.end:
             # Image rows come only from the vision tower: a prefix that stops short of them is not adopted.
             matched, adopted, restore = 0, None, None
-        sequence_id = self._new_sequence_id()
         snapshots = (self._snapshot_points(request, matched)
                      if self._snapshots and self._cache.boundary_snapshots and vision is None else ())
-        output = RequestOutput(tokenizer=self._tokenizer, sampling=request.sampling,
-                               eos_token_ids=self._eos_token_ids, prompt_tokens=len(prompt),
-                               submitted_at=now, keep_text=self._keep_reply_text,
-                               parsing=self._reply_format.parsing(request.chat, prompt))
-        output.cached_tokens = matched
-        self._running[sequence_id] = _Running(request=request, sequence_id=sequence_id, output=output)
-        self._sequence_of[request.request_id] = sequence_id
-        self._admitted.append(Pending(
-            sequence_id=sequence_id,
+        running.output.cached_tokens = matched
+        return Pending(
+            sequence_id=running.sequence_id,
             prompt_tokens=prompt[matched:],
             cached_tokens=prompt[:matched],
             adopted=adopted,
             restore=restore,
+            disk_read=disk_read,
             snapshots=snapshots,
             sampling=request.sampling,
             max_tokens=request.max_tokens,
@@ -438,7 +476,7 @@ class SchedulerCore:
                 self._cache.prompt_donation or self._retains(request) or self._keeps_image_prompt(request)),
             vision=vision if matched == 0 else None,
             image_end=vision.end if vision is not None and matched else 0,
-        ))
+        )
 
     def _snapshot_points(self, request: NewRequest, matched: int) -> tuple[SnapshotPoint, ...]:
         return snapshot_points(
@@ -469,7 +507,10 @@ class SchedulerCore:
         assert self._trace is not None
         assert request.cache_context is not None
         session = request.cache_context.session_key
-        if isinstance(found, Hit):
+        if isinstance(found, OnDisk):
+            self._trace(f"request {request.request_id} session={session} reads its {found.read.num_tokens}-token "
+                        f"snapshot from disk (prompt {len(request.prompt_tokens)})")
+        elif isinstance(found, Hit):
             self._trace(f"request {request.request_id} session={session} restores its {found.length}-token "
                         f"snapshot (prompt {len(request.prompt_tokens)})")
         elif isinstance(found, Miss) and found.refusal is not None:
@@ -488,7 +529,7 @@ class SchedulerCore:
         starts: list[Start] = []
         budget = placement.budget()
         for pending in candidates:
-            if pending.restore is not None:
+            if pending.restore is not None or pending.disk_read is not None:
                 self._restoring[pending.sequence_id] = pending
             if placement.starts_directly(pending):
                 start = placement.direct(pending)
@@ -501,7 +542,8 @@ class SchedulerCore:
                 self._alone.append(alone)
                 starts.append(StartAlone(sequence_id=pending.sequence_id, tokens=alone.tokens,
                                          adopted=pending.adopted if alone.done else None, kept=alone.done,
-                                         adapter_scales=pending.sampling.adapter_scales))
+                                         adapter_scales=pending.sampling.adapter_scales,
+                                         disk_read=pending.disk_read))
             else:
                 starts.append(self._insert(pending))
         alone_chunk, alone_rest = None, None
@@ -528,8 +570,9 @@ class SchedulerCore:
         removals, self._removals = tuple(self._removals), []
         if self._warm_ups.is_running() and self._running:
             self._warm_ups.num_steps_with_foreground += 1
+        writes = self.take_disk_writes()
         return StepPlan(removals=removals, starts=tuple(starts), alone_chunk=alone_chunk, alone_rest=alone_rest,
-                        run_batch=run_batch)
+                        run_batch=run_batch, disk_writes=writes)
 
     def _insert(self, pending: Pending) -> InsertBatch:
         self._in_batch.add(pending.sequence_id)
@@ -566,6 +609,8 @@ class SchedulerCore:
     # --- what came of it ------------------------------------------------------------------
 
     def update(self, plan: StepPlan, result: StepResult, clients: Clients, now: float) -> None:
+        if plan.only_writes:
+            return  # the device only queued writes: no step ran
         self._num_steps += 1
         if result.decode_batch_size:
             self._decode_batch_sizes[result.decode_batch_size] += 1
@@ -589,6 +634,8 @@ class SchedulerCore:
                 self._donate(item)
         for sequence_id in result.warmed:
             self._warm_ups.finished(sequence_id)
+        for done in result.disk_reads:
+            self._disk_read_done(plan, done)
         self._place_failed_restores(plan, result)
         for sequence_id in result.prompts_done:
             running = self._running.get(sequence_id)
@@ -598,6 +645,51 @@ class SchedulerCore:
             self._release_parked(sequence_id)
         if result.error is not None:
             self._fail_step(result, clients)
+
+    def _disk_read_done(self, plan: StepPlan, done: DiskReadDone) -> None:
+        """A start's disk read: its lookup counted, what it gave donated to memory, and a short one placed again.
+
+        A read that gave less than the start was placed for (a piece refused or gone, a read cut short
+        where prefilling is faster) did not run: the start is placed again, in the next step, on what
+        the read gave, else on memory's match, else cold.
+        """
+        read = next((start.disk_read for start in plan.starts if start.sequence_id == done.sequence_id), None)
+        running = self._running.get(done.sequence_id)
+        if read is None or running is None:
+            if done.payload is not None:
+                self._release.append(done.payload)  # freed on the device thread, with the next step
+            return
+        request = running.request
+        found: Hit | Miss = Miss()
+        if done.payload is not None:
+            found = Hit(length=done.num_tokens, payload=done.payload)
+        elif read.memory is not None and read.memory_tokens:
+            found = Hit(length=read.memory_tokens, payload=read.memory)
+        reused = found.length if isinstance(found, Hit) else 0
+        self._effects.append(CacheLookedUp(hit=reused > 0, tokens_reused=reused,
+                                           tokens_queried=len(request.prompt_tokens)))
+        context = request.cache_context
+        if done.payload is not None and context is None:
+            self._release.append(done.payload)
+        elif done.payload is not None and context is not None:
+            # Promoted into memory: the store owns it from now on (and frees it on the device thread).
+            tokens = request.prompt_tokens[:done.num_tokens]
+            if read.snapshot:
+                self._effects.append(DonateSnapshot(
+                    context=context, tokens=tokens, payload=done.payload, nbytes=done.payload.nbytes,
+                    cuttable=bool(getattr(done.payload, "cuttable", False))))
+            else:
+                # A retained prompt read back within its ttl is pinned again (DiskTier.record_retention).
+                self._effects.append(DonateSequence(
+                    context=context, tokens=tokens, payload=done.payload, nbytes=done.payload.nbytes,
+                    retain_seconds=read.retain_seconds if done.num_tokens >= read.num_tokens else 0.0))
+        if done.started or running.finished:
+            return
+        self._restoring.pop(done.sequence_id, None)
+        self._forget_on_device(done.sequence_id)
+        self._alone = [alone for alone in self._alone if alone.pending.sequence_id != done.sequence_id]
+        self._deferred = [other for other in self._deferred if other.sequence_id != done.sequence_id]
+        self._deferred.insert(0, self._pending(running, found))
 
     def _place_failed_restores(self, plan: StepPlan, result: StepResult) -> None:
         """A snapshot the device could not restore: the start did not run, and is placed again from no state."""

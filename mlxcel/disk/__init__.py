@@ -13,6 +13,7 @@
   verified pieces back to KV.
 
 Only ``device.py`` imports MLX, none imports Trio, and nothing here imports
-the actors, the engine or HTTP (``tests/test_layering.py``): the actors hand
-the tier's work over in their messages (``mlxcel/actors/messages.py``).
+the actors, the engine or HTTP (``tests/test_layering.py``): the tier's reads
+and writes ride the step plan (``mlxcel/core/plan.py``'s ``DiskRead`` and
+``DiskWrite``), which the device actor hands to ``device.py``.
 """

@@ -1,12 +1,16 @@
 """The device thread's half of the disk tier: KV rows to host buffers, and verified pieces back to KV.
 
-Only the device thread calls into this module (it touches MLX). Writing is
-write-behind: a ``PersistPieces`` job only queues the payload; the device
-converts a slice of it (a few layers, at most ``SLICE_BYTES``) whenever its
-inbox is empty, and hands each finished piece, as host buffers that no
-longer reference MLX, to the tier's writer thread. A step that arrives
-waits for at most one slice. Reading happens when the scheduler asks for a
-disk hit (``LoadDiskPrefix``): between steps, measured.
+Only the device thread calls into this module (it touches MLX). Both
+directions ride the step plan (``core/plan.py``), as vLLM's KV-connector
+metadata rides its scheduler output. Writing is write-behind: a plan's
+``disk_writes`` only queue their payloads (after the step's forward work);
+the device converts a slice of them (a few layers, at most ``SLICE_BYTES``)
+whenever its inbox is empty, and hands each finished piece, as host buffers
+that no longer reference MLX, to the tier's writer thread. A step that
+arrives waits for at most one slice. Reading is a start's ``disk_read``:
+``read_starts`` runs the plan's reads before its starts, measured, and gives
+each start its KV, or takes the start out of the plan when the read gave
+less than it was placed for (the core places it again).
 
 ``rows`` is the one function that reads a payload's rows: the layout of a
 stored payload is known here and nowhere else in the disk tier.
@@ -24,6 +28,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
+from mlxcel.core.plan import DiskRead, DiskReadDone, DiskWrite, StartAlone, StartDirect, StepPlan
 from mlxcel.disk.index import (
     DiskPlan,
     PieceData,
@@ -159,6 +164,26 @@ class DeviceDisk:
         self._num_layers = num_layers
         self._family = family
         self._jobs: collections.deque[_Job | _SnapshotJob] = collections.deque()
+
+    # --- the step plan's part ----------------------------------------------------------------
+
+    def queue(self, writes: tuple[DiskWrite, ...]) -> None:
+        """A plan's disk writes, queued behind its step (converted later, a slice at a time)."""
+        for write in writes:
+            if write.snapshot is not None:
+                self.persist_snapshot(write.payload, write.snapshot)
+            else:
+                self.persist(write.payload, write.pieces, urgent=write.urgent)
+
+    def read(self, read: DiskRead, prefill_seconds_per_token: float | None) -> Any:
+        """One start's disk read: the KV or snapshot it gave (None: nothing usable). Never raises."""
+        try:
+            if read.snapshot:
+                return self.load_snapshot(read.source)
+            return self.load(read.source, read.memory, prefill_seconds_per_token)
+        except Exception:  # noqa: BLE001 - a disk fault must never stop the device
+            logger.exception("prompt-cache disk tier: reading a disk hit failed")
+            return None
 
     # --- writing ---------------------------------------------------------------------------
 
@@ -362,3 +387,43 @@ def _device(dtype: str, shape: tuple[int, ...], buffer: memoryview) -> mx.array:
     host_type, view_as = _HOST[dtype]
     array = mx.array(np.frombuffer(buffer, dtype=host_type).reshape(shape))
     return array.view(view_as) if view_as is not None else array
+
+
+def read_starts(disk: DeviceDisk | None, plan: StepPlan, prefill_seconds_per_token: float | None
+                ) -> tuple[StepPlan, tuple[DiskReadDone, ...]]:
+    """Run the plan's disk reads before its starts; returns the plan the executor runs and each read's outcome.
+
+    A read that gives all the start was placed for becomes its ``adopted`` (or ``restore``); one that
+    gives less, or nothing, takes the start out of this step (with its chunk alone, if it had one).
+    """
+    if not any(start.disk_read is not None for start in plan.starts):
+        return plan, ()
+    starts: list[Any] = []
+    done: list[DiskReadDone] = []
+    dropped: set[int] = set()
+    for start in plan.starts:
+        read = start.disk_read
+        if read is None:
+            starts.append(start)
+            continue
+        payload = disk.read(read, prefill_seconds_per_token) if disk is not None else None
+        length = int(payload.length) if payload is not None else 0
+        # What the start keeps of the read (an InsertBatch adopts all its cached tokens).
+        kept = start.kept if isinstance(start, (StartDirect, StartAlone)) else len(start.cached_tokens)
+        whole = payload is not None and length >= read.num_tokens and (
+            read.snapshot or not kept or payload.can_adopt(kept))
+        done.append(DiskReadDone(sequence_id=start.sequence_id, payload=payload, num_tokens=length, started=whole))
+        if not whole:
+            dropped.add(start.sequence_id)
+        elif isinstance(start, StartAlone):
+            starts.append(attrs.evolve(start, adopted=payload if kept else None, disk_read=None))
+        elif read.snapshot:
+            starts.append(attrs.evolve(start, restore=payload, disk_read=None))
+        else:
+            starts.append(attrs.evolve(start, adopted=payload if kept else None, disk_read=None))
+    chunk, rest = plan.alone_chunk, plan.alone_rest
+    if chunk is not None and chunk.sequence_id in dropped:
+        chunk = None
+    if rest is not None and rest.sequence_id in dropped:
+        rest = None
+    return attrs.evolve(plan, starts=tuple(starts), alone_chunk=chunk, alone_rest=rest), tuple(done)

@@ -228,7 +228,7 @@ class DiskTier:
             return None
 
     def drop(self, count: int = 1) -> None:
-        """Pieces planned but never handed to the device (its inbox was full)."""
+        """Pieces planned but never handed on (the scheduler's inbox was full)."""
         self.writer.drop(count)
 
     # --- stats and reset (the engine, off the Trio thread) ----------------------------------------

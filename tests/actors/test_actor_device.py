@@ -421,3 +421,18 @@ async def test_a_steps_removals_filter_the_batch_once_and_each_donor_gets_its_ow
             assert item.tokens[:10] == prompts[item.sequence_id]
         assert {token.sequence_id for token in done.sampled} == {3}
 
+
+
+async def test_a_plan_of_disk_writes_alone_is_not_a_step() -> None:
+    """An idle scheduler sends the disk tier's writes in a plan of their own: the executor never sees it."""
+    from mlxcel.core.plan import DiskWrite
+
+    async with running_device(prefill_step_size=512) as (driver, _info, actor):
+        writes = (DiskWrite(payload=None, pieces=("piece",)),)  # no disk tier here: queued nowhere
+        done = await driver.step(disk_writes=writes)
+        assert (done.step_number, done.sampled, done.decode_batch_size) == (0, (), 0)
+        assert actor.statistics() == DeviceStats(num_steps=0)
+        # Beside a start they ride a real step, which counts.
+        done = await driver.step(starts=(direct(0, tuple(range(1000, 1008)), 1),), disk_writes=writes)
+        assert done.step_number == 1
+        assert [token.sequence_id for token in done.sampled] == [0]

@@ -868,3 +868,29 @@ def test_a_plan_with_a_prompt_cache_needs_a_cache_store_to_ask() -> None:
                        inbox=inbox, to_device=to_device, to_cache_store=None, to_metrics=None, to_warmer=None,
                        tokenizer=FakeTokenizer(), eos_token_ids=frozenset({EOS}),
                        cache=CachePlan(mode=CacheMode.PREFIX))
+
+
+async def test_disk_writes_ride_a_plan_and_are_handed_to_the_device_when_the_scheduler_stops() -> None:
+    from mlxcel.actors.messages import WriteToDisk
+    from mlxcel.core.plan import DiskWrite
+
+    inbox_send, inbox = trio.open_memory_channel[Any](64)
+    to_device, device = trio.open_memory_channel[RunStep](8)
+    actor = SchedulerActor(config=SchedulerConfig(steps_ahead=1),
+                           capabilities=Capabilities(prefill_step_size=64, context_size=4096),
+                           inbox=inbox, to_device=to_device, to_cache_store=None, to_metrics=None, to_warmer=None,
+                           tokenizer=FakeTokenizer(), eos_token_ids=frozenset({EOS}))
+    first, second = DiskWrite(payload="kv-1", pieces=("a",)), DiskWrite(payload="kv-2", pieces=("b",))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(actor.run)
+        inbox_send.send_nowait(WriteToDisk(writes=(first,)))
+        step = await device.receive()  # idle: a plan of the writes alone
+        assert step.plan.only_writes
+        assert step.plan.disk_writes == (first,)
+        # That step is not answered yet when another write comes in and the engine stops.
+        inbox_send.send_nowait(WriteToDisk(writes=(second,)))
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    handed = device.receive_nowait()
+    assert handed.plan.only_writes
+    assert handed.plan.disk_writes == (second,)

@@ -205,3 +205,44 @@ async def test_an_image_conversation_resumes_from_disk_after_a_restart(tmp_path:
     reference = {item.token: item.logprob for item in cold.choices[0].logprobs.content[0].top_logprobs}
     assert hot.keys() == reference.keys()
     assert max(abs(hot[token] - value) for token, value in reference.items()) < 1e-4
+
+
+async def test_a_disk_hit_rides_its_start_with_no_message_of_its_own(tmp_path: Path, monkeypatch) -> None:
+    """The read is a field of the start's plan: the device gets steps only, the hit starts in the step that reads it."""
+    from mlxcel.actors import device as device_actor
+    from mlxcel.actors.messages import RunStep
+
+    received: list[object] = []
+    receive = device_actor.DeviceActor._receive
+
+    def counting(self, disk):
+        message = receive(self, disk)
+        if message is not None:
+            received.append(message)
+        return message
+
+    monkeypatch.setattr(device_actor.DeviceActor, "_receive", counting)
+    config = make_engine_config(prompt_cache=evolve_cache(disk_dir=tmp_path))
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Open the first file."}]
+    async with open_engine(config) as engine:
+        first = await engine.chat(turn(history))
+        await wait_for_writes(engine, 1)
+    # Turn 1's pieces went to the device inside step plans, not as messages of their own.
+    assert {type(message).__name__ for message in received} == {"UseDiskTier", "RunStep"}
+    assert any(message.plan.disk_writes for message in received if isinstance(message, RunStep))
+    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Now the second."}]
+
+    async with open_engine(config) as engine:
+        received.clear()
+        resumed = await engine.chat(turn(history))
+        steps = [message for message in received if isinstance(message, RunStep)]
+        assert {type(message).__name__ for message in received} == {"RunStep"}
+        cold = await engine.chat(turn(history, cache=CacheOptions(cache_prompt=False)))
+        disk = (await engine.cache_stats())["disk"]
+    reading = [step for step in steps if any(start.disk_read is not None for start in step.plan.starts)]
+    # One start, in the step that read its KV: no step before it asked for the read, none after placed it again.
+    assert len(reading) == 1
+    assert [step for step in steps if step.plan.starts] == reading
+    assert disk["hits"] == 1
+    assert resumed.usage.cached_tokens > 256
+    assert resumed.text == cold.text
