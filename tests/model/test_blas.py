@@ -153,3 +153,23 @@ def test_describe_macos() -> None:
 def test_in_process_load_refuses_after_mlx_is_imported(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "mlx.core", object())
     assert blas.load_optimized_blas_in_process({}, platform="linux") is None
+
+
+def test_importing_the_package_and_its_blas_module_loads_no_mlx() -> None:
+    """The suite and the benchmarks bind MLX to OpenBLAS after ``import mlxcel.blas``; were MLX loaded by
+    then, they would run on the reference BLAS (~40x slower), as the suite did for a while."""
+    import subprocess
+    import sys
+
+    code = "import sys, mlxcel, mlxcel.blas; print('mlx.core' in sys.modules, mlxcel.ChatRequest.__name__)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["False", "ChatRequest"]
+
+
+def test_this_test_process_runs_mlx_on_the_optimized_blas_where_the_machine_has_one() -> None:
+    """conftest.py preloads it; a regression there makes every model test slow, not red."""
+    import sys
+
+    if sys.platform == "darwin" or blas.find_optimized_blas(platform=sys.platform) is None:
+        pytest.skip("no optimized BLAS on this machine")
+    assert not blas.describe_blas().startswith("BLAS: reference"), blas.describe_blas()
