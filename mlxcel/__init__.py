@@ -33,7 +33,29 @@ _HOMES = {
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
-__all__ = sorted(_HOME_OF)
+__all__ = [
+    "CacheOptions",
+    "ChatRequest",
+    "Completion",
+    "CompletionRequest",
+    "Delta",
+    "DeltaStream",
+    "Engine",
+    "EngineConfig",
+    "GenerationFailed",
+    "InternalError",
+    "InvalidRequest",
+    "MlxcelError",
+    "PromptCacheConfig",
+    "SamplingParams",
+    "SchedulerConfig",
+    "ServerBusy",
+    "ServerConfig",
+    "Usage",
+    "open_engine",
+    "run_engine",
+]
+assert sorted(__all__) == sorted(_HOME_OF)
 
 
 def __getattr__(name: str) -> Any:
