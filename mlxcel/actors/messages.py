@@ -28,7 +28,7 @@ from mlxcel.core.effects import (
     ShedCache as ShedCache,
     SnapshotRestoreFailed as SnapshotRestoreFailed,
 )
-from mlxcel.core.plan import GrammarWork, KVHandle, StepPlan, StepResult
+from mlxcel.core.plan import GrammarWork, KVHandle, SpeculationWork, StepPlan, StepResult
 from mlxcel.core.scheduler import NewRequest, WarmSession as WarmSession
 from mlxcel.disk.index import DiskPlan, PieceSpec, SnapshotName
 from mlxcel.errors import MlxcelError
@@ -288,7 +288,7 @@ class RenderMetrics:
     reply_to: trio.MemorySendChannel[bytes] = attrs.field(repr=False)
 
 
-MetricsMsg = CacheLookedUp | RequestFinished | RenderMetrics | GrammarWork
+MetricsMsg = CacheLookedUp | RequestFinished | RenderMetrics | GrammarWork | SpeculationWork
 
 
 # --- cache store -> KV event publisher ---------------------------------------------------

@@ -204,6 +204,15 @@ class GrammarWork:
 
 
 @attrs.frozen(kw_only=True)
+class SpeculationWork:
+    """What speculative decoding did in one step: verify passes, tokens proposed, tokens accepted."""
+
+    verify_steps: int = 0
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+@attrs.frozen(kw_only=True)
 class StepResult:
     step_number: int
     sampled: tuple[SampledToken, ...] = ()
@@ -224,3 +233,5 @@ class StepResult:
     warmed: tuple[int, ...] = ()
     # None: no grammar work this step.
     grammar: GrammarWork | None = None
+    # None: no verify step ran (mlxcel/model/speculation.py).
+    speculation: SpeculationWork | None = None

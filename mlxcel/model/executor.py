@@ -29,6 +29,7 @@ from mlxcel.core.plan import (
     InsertBatch,
     Removal,
     SampledToken,
+    SpeculationWork,
     StartAlone,
     StartDirect,
     StepPlan,
@@ -193,6 +194,7 @@ class StepExecutor:
         self._step = settings.prefill_step_size
         # Proposals made, accepted and verified since start (speculation.py), whatever the resets.
         self.speculation_stats = SpeculationStats()
+        self._speculation_seen = SpeculationWork()
 
         def make_generator(batched: Any) -> Any:
             generator = BatchGenerator(
@@ -283,8 +285,22 @@ class StepExecutor:
             sample = (time.perf_counter() - step_started) / report.prefill_tokens
             known = self.prefill_seconds_per_token
             self.prefill_seconds_per_token = sample if known is None else 0.8 * known + 0.2 * sample
-        return report.result(self._step_number, decode_batch_size=len(generation_responses),
-                             grammar=self._grammars.take_work())
+        result = report.result(self._step_number, decode_batch_size=len(generation_responses),
+                               grammar=self._grammars.take_work())
+        return self._with_speculation(result)
+
+    def _with_speculation(self, result: StepResult) -> StepResult:
+        """The step's share of the speculation counters (none: the result as it was)."""
+        stats, seen = self.speculation_stats, self._speculation_seen
+        if stats.verify_steps == seen.verify_steps:
+            return result
+        work = SpeculationWork(verify_steps=stats.verify_steps - seen.verify_steps,
+                               proposed_tokens=stats.proposed_tokens - seen.proposed_tokens,
+                               accepted_tokens=stats.accepted_tokens - seen.accepted_tokens)
+        self._speculation_seen = SpeculationWork(verify_steps=stats.verify_steps,
+                                                 proposed_tokens=stats.proposed_tokens,
+                                                 accepted_tokens=stats.accepted_tokens)
+        return attrs.evolve(result, speculation=work)
 
     def _execute(self, plan: StepPlan, report: _Report, direct: list[_DirectStart]) -> tuple[list[Any], list[Any]]:
         """Removals, starts, the chunk alone, one evaluation of the direct starts, then the batch."""
