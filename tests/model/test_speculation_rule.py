@@ -111,6 +111,18 @@ class MarkovModel:
         return self.table[inputs]
 
 
+def assert_kv_holds_the_tokens(batch: Any) -> None:
+    """Each row's KV (its keys are its tokens) is exactly the row's tokens: nothing rejected stays."""
+    if not batch.uids:
+        return
+    (cache,) = batch.prompt_cache
+    padding = cache.left_padding.tolist()
+    keys = np.asarray(cache.keys[:, 0, :cache._idx, 0]).astype(int)
+    for row, tokens in enumerate(batch.tokens):
+        assert keys[row, padding[row]:].tolist() == tokens[-(cache._idx - padding[row]):]
+        assert int(cache.offset[row].item()) == cache._idx - padding[row]
+
+
 def chain_probabilities(sampling: SamplingParams) -> np.ndarray:
     return np.asarray(sampling_probs(mx.array(TABLE, dtype=mx.float32), sampling))
 
@@ -130,6 +142,7 @@ def run_chain(sampling: SamplingParams, *, rows: int, length: int, speculate: bo
         _prompt_responses, responses = generator.next()
         for response in responses:
             replies[response.uid].append(response.token)
+        assert_kv_holds_the_tokens(generator._generation_batch)
         if all(len(reply) == length for reply in replies.values()):
             break
     generator.close()
