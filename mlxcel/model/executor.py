@@ -40,8 +40,7 @@ from mlxcel.model.adapters import AdapterSpec
 from mlxcel.model.grammar_masks import Grammars, mask_timeout
 from mlxcel.model.lora import LoadedAdapters
 from mlxcel.model.sampling import make_sampling, sampled_token
-from mlxcel.model.speculation import SpeculationStats
-from mlxcel.model.speculation import install as install_speculation
+from mlxcel.model.speculation import SpeculationStats, install as install_speculation
 from mlxcel.types import SamplingParams
 
 logger = logging.getLogger(__name__)

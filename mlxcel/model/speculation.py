@@ -163,7 +163,7 @@ class SpeculativeBatch(GenerationBatch):
                 candidates.append((e, row, room))
         if not candidates:
             return None
-        pending = self._next_tokens.tolist()
+        pending: list[int] = self._next_tokens.tolist()  # type: ignore[union-attr, assignment]
         proposals: list[list[int]] = [[] for _ in self.uids]
         for e, row, room in candidates:
             proposals[e] = row.index.propose(room, pending[e])
@@ -175,9 +175,11 @@ class SpeculativeBatch(GenerationBatch):
 
     def _verify(self, pending: list[int], proposals: list[list[int]]) -> tuple[list[list[int]], list[list[Any]]]:
         width = 1 + max(len(proposal) for proposal in proposals)
-        self._current_tokens = self._next_tokens
+        self._current_tokens = self._next_tokens  # type: ignore[assignment]
         self._current_logprobs = self._next_logprobs
-        inputs = self._current_tokens
+        inputs: Any = self._current_tokens
+        # mlx-lm annotates these as optional; a batch with rows has them.
+        row_processors: Any = self.logits_processors
         # Shorter rows are padded with their own token: those positions are trimmed below.
         matrix = [[pending[e], *proposal] + [pending[e]] * (width - 1 - len(proposal))
                   for e, proposal in enumerate(proposals)]
@@ -187,13 +189,13 @@ class SpeculativeBatch(GenerationBatch):
         # The first position of rows that did not propose: exactly mlx-lm's step.
         first = logits[:, 0, :]
         token_context = []
-        if any(self.logits_processors):
+        if any(row_processors):
             processed = []
             for e in range(len(self.uids)):
                 row_logits = first[e:e + 1]
-                processors = self.logits_processors[e] or ()
+                processors = row_processors[e] or ()
                 if processors:
-                    context = self._token_context[e].update_and_fetch(inputs[e:e + 1])
+                    context = self._token_context[e].update_and_fetch(inputs[e:e + 1])  # type: ignore[no-untyped-call]
                     token_context.append(context)
                     for processor in processors:
                         row_logits = processor(context, row_logits)
