@@ -149,6 +149,7 @@ def run_chain(sampling: SamplingParams, *, rows: int, length: int, speculate: bo
     return [tuple(replies[uid]) for uid in uids], model
 
 
+@pytest.mark.slow  # about a minute: 6,000 replies through mlx-lm's batch
 @pytest.mark.parametrize("sampling", [
     SamplingParams(temperature=1.0),
     SamplingParams(temperature=0.7, top_k=3),
