@@ -339,8 +339,8 @@ def _chat_unsupported(root: Mapping[str, Any]) -> None:
     if root.get("audio") is not None:
         fail("audio", "audio output is not supported: the reply can only be text", UNSUPPORTED)
     if root.get("prediction") is not None:
-        fail("prediction", "prediction (predicted outputs) needs speculative decoding, which this server does "
-              "not have yet", UNSUPPORTED)
+        fail("prediction", "prediction (predicted outputs) is not supported: --speculative ngram proposes from "
+              "the prompt and the reply, not from a given prediction", UNSUPPORTED)
     if root.get("web_search_options") is not None:
         fail("web_search_options", "web search is not available on this server", UNSUPPORTED)
     _neutral(root, "id_slot", (-1,), "requests are not pinned to slots here (-1, any slot, is accepted)")
