@@ -144,6 +144,9 @@ class EngineConfig:
     # Milliseconds a decode step waits for a constrained row's token mask; a row whose mask is later ends
     # (its request fails), the others go on. None: 50 on a GPU, 200 on the CPU (docs/operations.md).
     grammar_mask_timeout_ms: int | None = None
+    # Speculative decoding in the decode batch: "ngram" (prompt lookup) or "off"; K proposed tokens a step.
+    speculative: str = "off"
+    speculative_tokens: int = 4
     prompt_cache: PromptCacheConfig = PromptCacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     kv_events: KvEventsConfig = KvEventsConfig()
@@ -410,6 +413,23 @@ def parse_kv_event_format(text: str) -> str:
     return value
 
 
+SPECULATIVE_MODES = ("ngram", "off")
+
+
+def parse_speculative(text: str) -> str:
+    value = text.strip().lower()
+    if value not in SPECULATIVE_MODES:
+        raise ValueError(f"expected ngram or off, got {text!r}")
+    return value
+
+
+def parse_speculative_tokens(text: str) -> int:
+    value = parse_positive_int(text)
+    if value > 16:
+        raise ValueError(f"expected at most 16 tokens, got {text!r}")
+    return value
+
+
 def parse_folder(text: str) -> str:
     folder = Path(text.strip()).expanduser()
     if not folder.is_dir():
@@ -664,6 +684,13 @@ ENGINE_SETTINGS = (
             "mask; a reply whose mask is later ends with a 400 grammar_too_slow and the other replies go on "
             "(default auto: 50 on a GPU, 200 on the CPU, where masks share the cores with the forward pass)",
             metavar="MS"),
+    Setting("speculative", "--speculative", ("MLXCEL_SPECULATIVE",), parse_speculative,
+            "speculative decoding in the decode batch: ngram (prompt lookup: rows whose recent tokens "
+            "occurred earlier in their prompt or reply verify the tokens that followed, several per forward "
+            "pass; outputs unchanged) or off (default off)", metavar="MODE"),
+    Setting("speculative_tokens", "--speculative-tokens", ("MLXCEL_SPECULATIVE_TOKENS",),
+            parse_speculative_tokens, "tokens a row proposes per verify step with --speculative ngram, "
+            "1 to 16 (default 4)", metavar="K"),
     Setting("served_model_names", "--served-model-name", ("MLXCEL_SERVED_MODEL_NAME",), parse_model_name,
             "the model ids requests may name, the first reported as the model's id (default: the model "
             "folder's name or repo id)", multiple=True),

@@ -214,9 +214,18 @@ class Engine:
         body = stats.to_json()
         body["apc_enabled"] = body["apc_enabled"] and self.cache_plan.apc
         body["disk"] = {"enabled": False}
+        body["speculative"] = await self._speculation_stats()
         if self._disk is not None:
             body["disk"] = {"enabled": True, **(await trio.to_thread.run_sync(self._disk.statistics)).to_json()}
         return body
+
+    async def _speculation_stats(self) -> dict[str, Any]:
+        """--speculative's counters since start and the share of proposed tokens accepted."""
+        scheduler: SchedulerStats = await self._ask(self._to_scheduler, GetSchedulerStats)
+        proposed, accepted = scheduler.num_proposed_tokens, scheduler.num_accepted_tokens
+        return {"mode": self.config.speculative, "verify_steps": scheduler.num_verify_steps,
+                "proposed_tokens": proposed, "accepted_tokens": accepted,
+                "acceptance_rate": round(accepted / proposed, 4) if proposed else None}
 
     async def reset_cache(self, *, disk: bool = False) -> dict[str, int]:
         """Empty the memory stores; with ``disk``, delete the disk tier's files too (every process's)."""
@@ -409,6 +418,8 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
                 kv_group_size=config.prompt_cache.kv_group_size,
                 grammar_mask_timeout_s=(None if config.grammar_mask_timeout_ms is None
                                         else config.grammar_mask_timeout_ms / 1000),
+                speculative=config.speculative,
+                speculative_tokens=config.speculative_tokens,
             ),
             device_inbox,
         )

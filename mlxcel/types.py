@@ -82,6 +82,8 @@ class SamplingParams:
     adapter_scales: tuple[float, ...] = ()
     # Thinking tokens allowed before the end of thinking is forced (None: no limit).
     reasoning_budget: ReasoningBudget | None = None
+    # Not sampling either: whether the row may use speculative decoding (the request's `speculative`).
+    speculative: bool = True
 
     @property
     def processes_logits(self) -> bool:

@@ -29,7 +29,7 @@ from mlxcel.core.effects import (
     ShedCache as ShedCache,
     SnapshotRestoreFailed as SnapshotRestoreFailed,
 )
-from mlxcel.core.plan import DiskWrite, GrammarWork, KVHandle, StepPlan, StepResult
+from mlxcel.core.plan import DiskWrite, GrammarWork, KVHandle, SpeculationWork, StepPlan, StepResult
 from mlxcel.core.scheduler import NewRequest, WarmSession as WarmSession
 from mlxcel.disk.index import DiskPlan, SnapshotName
 from mlxcel.errors import MlxcelError
@@ -244,7 +244,7 @@ class RenderMetrics:
     reply_to: trio.MemorySendChannel[bytes] = attrs.field(repr=False)
 
 
-MetricsMsg = CacheLookedUp | RequestFinished | RenderMetrics | GrammarWork
+MetricsMsg = CacheLookedUp | RequestFinished | RenderMetrics | GrammarWork | SpeculationWork
 
 
 # --- cache store -> KV event publisher ---------------------------------------------------

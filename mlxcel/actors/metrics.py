@@ -30,7 +30,7 @@ from mlxcel.actors.messages import (
 )
 from mlxcel.cache.snapshots import RefusalCause, SnapshotStats
 from mlxcel.cache.store import StoreStats
-from mlxcel.core.plan import GrammarWork
+from mlxcel.core.plan import GrammarWork, SpeculationWork
 
 EVICTION_REASONS = ("lru", "ttl", "capacity")
 
@@ -93,6 +93,14 @@ class MetricsActor:
         self._ttft = Histogram(
             "mlxcel_time_to_first_token_seconds", "Time from admission to the first token", registry=self.registry
         )
+        self._verify_steps = Counter(
+            "mlxcel_speculative_verify_steps", "Decode steps that verified speculative proposals (--speculative)",
+            registry=self.registry)
+        self._proposed_tokens = Counter(
+            "mlxcel_speculative_proposed_tokens", "Tokens proposed by speculative decoding", registry=self.registry)
+        self._accepted_tokens = Counter(
+            "mlxcel_speculative_accepted_tokens", "Proposed tokens the model accepted (emitted as its own)",
+            registry=self.registry)
         self._grammar_builds = Counter(
             "mlxcel_grammar_matchers_built", "Grammar matchers compiled for constrained sequences",
             registry=self.registry)
@@ -145,6 +153,10 @@ class MetricsActor:
                 self._grammar_mask_seconds.inc(message.mask_seconds)
                 for failure in message.failures:
                     self._grammar_failures.labels(cause="mask_timeout" if failure.timed_out else "matcher").inc()
+            case SpeculationWork():
+                self._verify_steps.inc(message.verify_steps)
+                self._proposed_tokens.inc(message.proposed_tokens)
+                self._accepted_tokens.inc(message.accepted_tokens)
             case RenderMetrics():
                 if message.store is not None:
                     self._apply_store(message.store)

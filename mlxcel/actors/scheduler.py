@@ -188,6 +188,8 @@ class SchedulerActor:
             self.core.update(plan, result, self._clients, trio.current_time())
             if result.grammar is not None:
                 self._send_nowait(self._to_metrics, result.grammar)
+            if result.speculation is not None:
+                self._send_nowait(self._to_metrics, result.speculation)
             self._fan_out()
 
     async def _send_step(self) -> tuple[StepPlan, trio.MemoryReceiveChannel[StepResult]]:

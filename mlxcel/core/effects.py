@@ -108,4 +108,8 @@ class SchedulerStats:
     num_warm_preempted: int = 0
     # Steps in which a warm-up ran while foreground requests waited or ran: must stay 0.
     num_warm_steps_with_foreground: int = 0
+    # Speculative decoding since start: verify steps, proposed and accepted tokens.
+    num_verify_steps: int = 0
+    num_proposed_tokens: int = 0
+    num_accepted_tokens: int = 0
     running_request_ids: tuple[str, ...]

@@ -263,6 +263,15 @@ class GrammarWork:
 
 
 @attrs.frozen(kw_only=True)
+class SpeculationWork:
+    """What speculative decoding did in one step: verify passes, tokens proposed, tokens accepted."""
+
+    verify_steps: int = 0
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+@attrs.frozen(kw_only=True)
 class StepResult:
     step_number: int
     sampled: tuple[SampledToken, ...] = ()
@@ -285,3 +294,5 @@ class StepResult:
     grammar: GrammarWork | None = None
     # The disk reads of this step's starts, each start's outcome.
     disk_reads: tuple[DiskReadDone, ...] = ()
+    # None: no verify step ran (mlxcel/model/speculation.py).
+    speculation: SpeculationWork | None = None

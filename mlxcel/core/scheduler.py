@@ -237,6 +237,8 @@ class SchedulerCore:
         self._warm_ups = WarmUps()
         self._effects: list[Effect] = []
         self._num_steps = 0
+        # Speculative decoding since start: verify steps, proposed tokens, accepted tokens.
+        self._speculation = (0, 0, 0)
         self._num_completed = 0
         self._num_cancelled = 0
         self._num_failed = 0
@@ -616,6 +618,11 @@ class SchedulerCore:
             self._decode_batch_sizes[result.decode_batch_size] += 1
             if result.prefilling:
                 self._num_interleaved_steps += 1
+        if result.speculation is not None:
+            work = result.speculation
+            verify, proposed, accepted = self._speculation
+            self._speculation = (verify + work.verify_steps, proposed + work.proposed_tokens,
+                                 accepted + work.accepted_tokens)
         if result.error is None:
             self._track_device(plan, result)
         # Prompt KV first: a client that turns out to be gone at its first token still leaves its prompt.
@@ -923,5 +930,8 @@ class SchedulerCore:
             num_warm_completed=self._warm_ups.num_completed,
             num_warm_preempted=self._warm_ups.num_preempted,
             num_warm_steps_with_foreground=self._warm_ups.num_steps_with_foreground,
+            num_verify_steps=self._speculation[0],
+            num_proposed_tokens=self._speculation[1],
+            num_accepted_tokens=self._speculation[2],
             running_request_ids=tuple(r.request.request_id for r in self._running.values()),
         )

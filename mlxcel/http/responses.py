@@ -93,7 +93,7 @@ RESPONSES_FIELDS = frozenset({
 # mlxcel's chat-completions extensions, passed through to the chat parser as they are.
 EXTENSION_FIELDS = frozenset({
     "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
-    "logit_bias", "cache_prompt", "cache_salt", "chat_template_kwargs", "reasoning_format",
+    "logit_bias", "cache_prompt", "cache_salt", "chat_template_kwargs", "reasoning_format", "speculative",
 })
 # What decides who may see a stored response, besides the API key.
 OWNER_FIELDS = ("user", "prompt_cache_key", "cache_salt")

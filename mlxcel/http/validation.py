@@ -294,7 +294,7 @@ CHAT_FIELDS = frozenset({
     "prompt_cache_key", "cache_salt", "cache_prompt", "prompt_cache_retention", "extra_body", "lora",
     "min_tokens", "ignore_eos", "timings_per_token", "return_progress", "modalities", "audio", "prediction",
     "web_search_options", "id_slot", "echo", "typical_p", "mirostat", "dry_multiplier", "xtc_probability",
-    "top_n_sigma", "dynatemp_range",
+    "top_n_sigma", "dynatemp_range", "speculative",
 })
 # Fields clients send that change nothing a local server could do, accepted and documented
 # (docs/api.md): OpenAI's bookkeeping (`metadata` and `store` tag and keep completions in
@@ -339,8 +339,8 @@ def _chat_unsupported(root: Mapping[str, Any]) -> None:
     if root.get("audio") is not None:
         fail("audio", "audio output is not supported: the reply can only be text", UNSUPPORTED)
     if root.get("prediction") is not None:
-        fail("prediction", "prediction (predicted outputs) needs speculative decoding, which this server does "
-              "not have yet", UNSUPPORTED)
+        fail("prediction", "prediction (predicted outputs) is not supported: --speculative ngram proposes from "
+              "the prompt and the reply, not from a given prediction", UNSUPPORTED)
     if root.get("web_search_options") is not None:
         fail("web_search_options", "web search is not available on this server", UNSUPPORTED)
     _neutral(root, "id_slot", (-1,), "requests are not pinned to slots here (-1, any slot, is accepted)")
@@ -509,6 +509,7 @@ def parse_native_completion(
         grammar=grammar,
         grammar_param=grammar_param,
         ignore_eos=_optional(root, "ignore_eos", read_bool, False),
+        speculative=_optional(root, "speculative", read_bool, True),
     )
     if sampling.ignore_eos and sampling.grammar is not None:
         fail("ignore_eos", "ignore_eos cannot be combined with json_schema or grammar")
@@ -1179,6 +1180,7 @@ def _openai_sampling(
         min_tokens=min_tokens,
         ignore_eos=ignore_eos,
         grammar_param=grammar_param,
+        speculative=extension("speculative", read_bool, True),
     )
 
 

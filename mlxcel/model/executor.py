@@ -29,6 +29,7 @@ from mlxcel.core.plan import (
     InsertBatch,
     Removal,
     SampledToken,
+    SpeculationWork,
     StartAlone,
     StartDirect,
     StepPlan,
@@ -39,6 +40,7 @@ from mlxcel.model.adapters import AdapterSpec
 from mlxcel.model.grammar_masks import Grammars, mask_timeout
 from mlxcel.model.lora import LoadedAdapters
 from mlxcel.model.sampling import make_sampling, sampled_token
+from mlxcel.model.speculation import SpeculationStats, install as install_speculation
 from mlxcel.types import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -79,6 +81,9 @@ class DeviceSettings:
     ragged_attention: bool = True
     # --grammar-mask-timeout-ms: a constrained row whose mask is later than this in a step ends (None: by backend).
     grammar_mask_timeout_s: float | None = None
+    # --speculative ("ngram" or "off") and --speculative-tokens: see mlxcel/model/speculation.py.
+    speculative: str = "off"
+    speculative_tokens: int = 4
 
 
 @attrs.define
@@ -186,13 +191,24 @@ class StepExecutor:
         self._settings = settings
         assert settings.prefill_step_size is not None, "resolved before the worker is made"
         self._step = settings.prefill_step_size
-        self._make_generator: Callable[[Any], Any] = lambda batched: BatchGenerator(
-            batched,
-            stop_tokens=[[token] for token in sorted(eos_token_ids)],
-            completion_batch_size=settings.max_batch_size,
-            prefill_batch_size=settings.prefill_batch_size,
-            prefill_step_size=self._step,
-        )
+        # Proposals made, accepted and verified since start (speculation.py), whatever the resets.
+        self.speculation_stats = SpeculationStats()
+        self._speculation_seen = SpeculationWork()
+
+        def make_generator(batched: Any) -> Any:
+            generator = BatchGenerator(
+                batched,
+                stop_tokens=[[token] for token in sorted(eos_token_ids)],
+                completion_batch_size=settings.max_batch_size,
+                prefill_batch_size=settings.prefill_batch_size,
+                prefill_step_size=self._step,
+            )
+            if settings.speculative == "ngram" and self._plain_kv:
+                install_speculation(generator, num_tokens=settings.speculative_tokens,
+                                    policy=self._speculation_policy, stats=self.speculation_stats)
+            return generator
+
+        self._make_generator: Callable[[Any], Any] = make_generator
         self._adapters = adapters
         # A vision model's tower (mlxcel.vision.encoder.VisionEncoder); None for a text model.
         self._vision = vision
@@ -207,6 +223,13 @@ class StepExecutor:
         # Seconds a prefilled token costs, measured (None until measured): a disk hit reads from disk
         # only while that is faster than prefilling.
         self.prefill_seconds_per_token: float | None = None
+
+    def _speculation_policy(self, uid: int) -> SamplingParams | None:
+        """A batch row's sampling settings if it may speculate (its request did not opt out), else None."""
+        sequence = self._by_uid.get(uid)
+        if sequence is None or not sequence.sampling.speculative:
+            return None
+        return sequence.sampling
 
     @property
     def settings(self) -> DeviceSettings:
@@ -261,8 +284,22 @@ class StepExecutor:
             sample = (time.perf_counter() - step_started) / report.prefill_tokens
             known = self.prefill_seconds_per_token
             self.prefill_seconds_per_token = sample if known is None else 0.8 * known + 0.2 * sample
-        return report.result(self._step_number, decode_batch_size=len(generation_responses),
-                             grammar=self._grammars.take_work())
+        result = report.result(self._step_number, decode_batch_size=len(generation_responses),
+                               grammar=self._grammars.take_work())
+        return self._with_speculation(result)
+
+    def _with_speculation(self, result: StepResult) -> StepResult:
+        """The step's share of the speculation counters (none: the result as it was)."""
+        stats, seen = self.speculation_stats, self._speculation_seen
+        if stats.verify_steps == seen.verify_steps:
+            return result
+        work = SpeculationWork(verify_steps=stats.verify_steps - seen.verify_steps,
+                               proposed_tokens=stats.proposed_tokens - seen.proposed_tokens,
+                               accepted_tokens=stats.accepted_tokens - seen.accepted_tokens)
+        self._speculation_seen = SpeculationWork(verify_steps=stats.verify_steps,
+                                                 proposed_tokens=stats.proposed_tokens,
+                                                 accepted_tokens=stats.accepted_tokens)
+        return attrs.evolve(result, speculation=work)
 
     def _execute(self, plan: StepPlan, report: _Report, direct: list[_DirectStart]) -> tuple[list[Any], list[Any]]:
         """Removals, starts, the chunk alone, one evaluation of the direct starts, then the batch."""

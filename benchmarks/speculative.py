@@ -1,0 +1,186 @@
+"""Speculative decoding (--speculative ngram) against plain decoding, in one process, CPU or GPU (issue 29, part 3).
+
+The device's StepExecutor driven by a scheduling core on this thread (as benchmarks/executor_decode.py
+does: no Trio, no HTTP), each workload run with speculation off and on, one after the other, greedy:
+
+  edit       a ~2k-token source file in the prompt, asked back with one name changed (a real model copies
+             most of it: the case prompt lookup is for)
+  repeat     random weights' own repetition: a prompt of a repeated pattern (random weights soon repeat
+             a token; proposals come from the reply itself)
+  fresh      a short prompt asking for new text (a story): little to look up; what speculation costs
+             rows without proposals, which must stay >= 0.97x
+
+at 1 and 8 streams (``--streams``). Per run: decode tokens/s (tokens of steps that prefilled nothing,
+over those steps' wall time), verify steps, proposed and accepted tokens; per pair: the speed ratio and
+whether every reply's tokens are identical (they must be).
+
+usage:
+  python benchmarks/speculative.py --model-path ~/.cache/mlxcel/models/smollm2-f32-gguf-v1 \
+      [--workloads edit,fresh] [--streams 1,8] [--reply-tokens 256] [--tokens K] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# This checkout's mlxcel, whatever the working directory.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+class _Clients:
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+
+    def send(self, request_id: str, delta: Any) -> bool:
+        self.tokens.setdefault(request_id, []).extend(delta.token_ids)
+        return True
+
+    def fail(self, request_id: str, error: Any) -> None:
+        raise RuntimeError(getattr(error, "message", str(error)))
+
+    def close(self, request_id: str) -> None:
+        pass
+
+
+def source_file(lines: int, seed: int) -> str:
+    """A plausible Python module of about ``lines`` lines (deterministic)."""
+    rng = random.Random(seed)
+    names = ["total", "count", "items", "value", "result", "index", "buffer", "offset", "limit", "name"]
+    out = []
+    for number in range(lines // 6):
+        a, b, c = rng.sample(names, 3)
+        out += [f"def compute_{a}_{number}({b}, {c}):",
+                f"    \"\"\"Return the {a} of {b} and {c}.\"\"\"",
+                f"    {a} = {b} + {c} * {number}",
+                f"    if {a} > {rng.randint(10, 999)}:",
+                f"        return {a} - {c}",
+                f"    return {a}", ""]
+    return "\n".join(out)
+
+
+def chat(tokenizer: Any, text: str) -> tuple[int, ...]:
+    # SmolLM2's (ChatML) turn markers; on random weights any tokens do.
+    prompt = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+    return tuple(tokenizer.encode(prompt, add_special_tokens=False))
+
+
+def workload_prompts(name: str, tokenizer: Any, streams: int, file_lines: int = 330) -> list[tuple[int, ...]]:
+    prompts = []
+    for index in range(streams):
+        if name == "edit":
+            code = source_file(file_lines, seed=index)
+            text = ("Here is a Python file.\n\n```python\n" + code + "\n```\n\nRewrite the whole file, unchanged "
+                    "except that the variable `total` is renamed to `amount`. Reply with the file only.")
+            prompts.append(chat(tokenizer, text))
+        elif name == "repeat":
+            pattern = [5 + index, 17, 99, 230, 41, 7, 300, 12]
+            prompts.append(tuple(pattern * 40))
+        elif name == "fresh":
+            topics = ["a lighthouse keeper", "a lost dog", "a city under the sea", "a robot gardener",
+                      "a winter market", "a desert train", "a clockmaker", "a mountain school"]
+            prompts.append(chat(tokenizer, f"Write a long, imaginative story about {topics[index % len(topics)]}."))
+        else:
+            raise SystemExit(f"unknown workload {name!r}")
+    return prompts
+
+
+def run(loaded: Any, model_path: Path, prompts: list[tuple[int, ...]], *, speculative: str, tokens: int,
+        reply_tokens: int, step_size: int) -> dict[str, Any]:
+    from mlxcel.core.plan import Capabilities
+    from mlxcel.core.scheduler import NewRequest, SchedulerCore
+    from mlxcel.model.executor import DeviceSettings, StepExecutor
+    from mlxcel.types import SamplingParams
+
+    settings = DeviceSettings(model_path=model_path, context_size=8192, prefill_step_size=step_size,
+                              max_batch_size=max(8, len(prompts)), speculative=speculative,
+                              speculative_tokens=tokens)
+    executor = StepExecutor(loaded.model, loaded.eos_token_ids, settings, loaded.family.model_type,
+                            tokenizer=loaded.tokenizer)
+    core = SchedulerCore(Capabilities(prefill_step_size=step_size, context_size=8192,
+                                      max_batch_size=settings.max_batch_size, bucket_starts=executor.bucket_starts),
+                         tokenizer=loaded.tokenizer, eos_token_ids=frozenset(loaded.eos_token_ids))
+    clients = _Clients()
+    for index, prompt in enumerate(prompts):
+        core.add(NewRequest(request_id=f"r{index}", prompt_tokens=prompt, max_tokens=reply_tokens,
+                            sampling=SamplingParams(temperature=0.0), cache_context=None), clients)
+    decode_seconds = 0.0
+    decode_tokens = steps = 0
+    while core.has_work():
+        assert core.next_lookup(0.0) is None
+        plan = core.schedule()
+        started = time.perf_counter()
+        result = executor.run_step(plan)
+        elapsed = time.perf_counter() - started
+        core.update(plan, result, clients, 0.0)
+        if result.prefill_tokens == 0 and not plan.starts and result.sampled:
+            decode_seconds += elapsed
+            decode_tokens += len(result.sampled)
+            steps += 1
+    stats = executor.speculation_stats
+    return {
+        "speculative": speculative, "decode_tokens": decode_tokens, "decode_steps": steps,
+        "decode_seconds": round(decode_seconds, 3),
+        "tokens_per_second": round(decode_tokens / decode_seconds, 2) if decode_seconds else None,
+        "verify_steps": stats.verify_steps, "proposed_tokens": stats.proposed_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "acceptance_rate": round(stats.accepted_tokens / stats.proposed_tokens, 3) if stats.proposed_tokens else None,
+        "reply_tokens": [len(clients.tokens.get(f"r{i}", [])) for i in range(len(prompts))],
+        "_replies": [clients.tokens.get(f"r{i}", []) for i in range(len(prompts))],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", type=Path, required=True)
+    parser.add_argument("--workloads", default="edit,repeat,fresh")
+    parser.add_argument("--streams", default="1,8")
+    parser.add_argument("--reply-tokens", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=4, help="--speculative-tokens")
+    parser.add_argument("--prefill-step-size", type=int, default=512)
+    parser.add_argument("--file-lines", type=int, default=330, help="the edit workload's file (330: ~2.8k tokens)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    from mlxcel.blas import load_optimized_blas_in_process
+
+    load_optimized_blas_in_process()
+    import mlx.core as mx
+
+    from mlxcel.model.loader import load_model
+
+    loaded = load_model(args.model_path)
+    rows = []
+    for workload in args.workloads.split(","):
+        for streams in (int(text) for text in args.streams.split(",")):
+            prompts = workload_prompts(workload, loaded.tokenizer, streams, args.file_lines)
+            pair = {}
+            for mode in ("off", "ngram"):
+                pair[mode] = run(loaded, args.model_path, prompts, speculative=mode, tokens=args.tokens,
+                                 reply_tokens=args.reply_tokens, step_size=args.prefill_step_size)
+            off, on = pair["off"], pair["ngram"]
+            identical = off.pop("_replies") == on.pop("_replies")
+            ratio = (on["tokens_per_second"] / off["tokens_per_second"]
+                     if on["tokens_per_second"] and off["tokens_per_second"] else None)
+            row = {"workload": workload, "streams": streams,
+                   "prompt_tokens": sum(len(p) for p in prompts) // len(prompts),
+                   "off": off, "ngram": on, "speedup": round(ratio, 3) if ratio else None, "identical": identical}
+            rows.append(row)
+            print(f"{workload:7s} streams={streams:2d} prompt~{row['prompt_tokens']:5d}  "
+                  f"off {off['tokens_per_second']} tok/s  ngram {on['tokens_per_second']} tok/s  "
+                  f"x{row['speedup']}  accepted {on['accepted_tokens']}/{on['proposed_tokens']} "
+                  f"({on['acceptance_rate']}) in {on['verify_steps']} verify steps  identical={identical}",
+                  flush=True)
+    device = str(mx.default_device())
+    if args.out:
+        args.out.write_text(json.dumps({"device": device, "model": str(args.model_path), "tokens": args.tokens,
+                                        "reply_tokens": args.reply_tokens, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

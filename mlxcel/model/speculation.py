@@ -1,0 +1,325 @@
+"""N-gram (prompt-lookup) speculative decoding inside mlx-lm's decode batch, per row.
+
+``SpeculativeBatch`` is mlx-lm's ``GenerationBatch`` with one step more: when
+a row's recent tokens occurred earlier in its prompt or reply
+(``mlxcel/core/ngram.py``), the step feeds the batch ``1 + k`` tokens per
+row (the token in flight, then the proposal, shorter rows padded) in one
+forward pass and keeps, per row, the proposed tokens the target agrees
+with plus one token of its own (the correction, or a bonus after a fully
+accepted run). Greedy: a proposal is accepted while it equals the argmax.
+Sampled: the standard rejection rule for a deterministic draft (accept
+with the target's probability, else sample the target with the proposal
+removed), on the row's sampling distribution as mlxcel's sampler forms it
+(top-p, min-p, top-k, temperature), so outputs are distributed as without
+speculation. Each row's KV then holds exactly its kept tokens: the rows'
+common rejected count is trimmed, the rest rolled into the row's left
+padding (``BatchKVCache.prepare(right_padding=...)``), so ``tokens`` always
+equals what the KV holds.
+
+Rows with logits processors (grammars, penalties, logit_bias, reasoning
+budgets, min_tokens) never propose: they take the verify step's first
+position exactly as a plain step. When no row proposes, the step is
+mlx-lm's own, pipelined. A subclass, not a copy of mlx-lm's batch: the
+prompt stage, joins and removals keep working on it unchanged.
+Only the device thread uses it, and only for plain KV caches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import GenerationBatch
+from mlx_lm.models.cache import BatchKVCache
+
+from mlxcel.core.ngram import NgramIndex
+from mlxcel.types import SamplingParams
+
+# After a proposal with nothing accepted a row waits 1, 2, 4 .. up to this many steps before
+# proposing again: a row whose text does not repeat stops paying for verify positions.
+MAX_BACKOFF_STEPS = 16
+
+
+@attrs.define
+class SpeculationStats:
+    """Counters since start: what was proposed and accepted, and the verify steps run."""
+
+    verify_steps: int = 0
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+def accept_drafts(probs: np.ndarray, drafts: Sequence[int], rng: np.random.Generator) -> tuple[int, int]:
+    """The rejection rule for a deterministic draft: (how many of ``drafts`` are accepted, the next token).
+
+    ``probs[j]`` is the target's sampling distribution after the row and
+    ``drafts[:j]`` (``len(drafts) + 1`` rows). Draft ``j`` is accepted with
+    probability ``probs[j, drafts[j]]``; at the first rejection the next
+    token is sampled from ``probs[j]`` without the rejected token,
+    renormalised; after all are accepted, from the last row (the bonus).
+    Each emitted token is then distributed exactly as the target samples it.
+    """
+    for position, draft in enumerate(drafts):
+        row = probs[position]
+        if rng.random() < row[draft]:
+            continue
+        residual = np.array(row, dtype=np.float64)
+        residual[draft] = 0.0
+        return position, _sample(residual, rng)
+    return len(drafts), _sample(np.asarray(probs[len(drafts)], dtype=np.float64), rng)
+
+
+def _sample(weights: np.ndarray, rng: np.random.Generator) -> int:
+    cumulative = np.cumsum(weights)
+    index = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
+    return min(index, len(weights) - 1)
+
+
+def sampling_probs(logprobs: Any, sampling: SamplingParams) -> Any:
+    """The distribution mlxcel's sampler draws from (``make_sampler``): filters, then temperature."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+    if 0 < sampling.top_p < 1.0:
+        logprobs = apply_top_p(logprobs, sampling.top_p)
+    if sampling.min_p > 0:
+        logprobs = apply_min_p(logprobs, sampling.min_p)
+    if 0 < sampling.top_k < logprobs.shape[-1]:
+        logprobs = apply_top_k(logprobs, sampling.top_k)
+    return mx.softmax(logprobs.astype(mx.float32) * (1 / sampling.temperature), axis=-1)
+
+
+@attrs.define
+class _Row:
+    index: NgramIndex
+    rng: np.random.Generator | None = None
+    wait: int = 0
+    failures: int = 0
+
+
+class SpeculativeBatch(GenerationBatch):
+    """mlx-lm's decode batch, verifying n-gram proposals per row (see the module's docstring)."""
+
+    def configure(self, *, num_tokens: int, policy: Callable[[int], SamplingParams | None],
+                  stats: SpeculationStats) -> None:
+        """``policy(uid)``: the row's sampling settings if it may speculate, else None."""
+        self.num_speculative = num_tokens
+        self.policy = policy
+        self.stats = stats
+        self._rows: dict[int, _Row] = {}
+        self._plan: tuple[list[int], list[list[int]]] | None = None
+
+    # --- mlx-lm's entry points -----------------------------------------------------------------
+
+    def next(self) -> list[Any]:
+        if not self.uids:
+            return []
+        self._plan = self._proposals()
+        if self._plan is None:
+            return super().next()  # calls _step: mlx-lm's own, pipelined
+        emitted, logprobs = self._verify(*self._plan)
+        self._plan = None
+        return self._respond(emitted, logprobs)
+
+    def filter(self, keep: list[int]) -> None:
+        super().filter(keep)
+        present = set(self.uids)
+        for uid in [uid for uid in self._rows if uid not in present]:
+            del self._rows[uid]
+
+    # --- proposals -----------------------------------------------------------------------------
+
+    def _row(self, uid: int, sampling: SamplingParams) -> _Row:
+        row = self._rows.get(uid)
+        if row is None:
+            rng = None
+            if sampling.temperature != 0:
+                rng = np.random.default_rng(sampling.seed)
+            row = self._rows[uid] = _Row(index=NgramIndex(), rng=rng)
+        return row
+
+    def _proposals(self) -> tuple[list[int], list[list[int]]] | None:
+        """The token in flight of every row and each row's proposal, or None: no row proposes."""
+        if self.num_speculative <= 0 or not all(type(cache) is BatchKVCache for cache in self.prompt_cache):
+            return None
+        candidates: list[tuple[int, _Row, int]] = []
+        for e, uid in enumerate(self.uids):
+            sampling = self.policy(uid)
+            if sampling is None or (self.logits_processors and self.logits_processors[e]):
+                continue
+            # Tokens after the one in flight that this row may still emit.
+            room = min(self.num_speculative, self.max_tokens[e] - self._num_tokens[e] - 1)
+            if room <= 0:
+                continue
+            row = self._row(uid, sampling)
+            if row.wait > 0:
+                row.wait -= 1
+                continue
+            row.index.catch_up(self.tokens[e])
+            # Without the token in flight (not read yet, so the pipeline is kept): is a proposal likely?
+            if row.index.propose(1):
+                candidates.append((e, row, room))
+        if not candidates:
+            return None
+        pending: list[int] = self._next_tokens.tolist()  # type: ignore[union-attr, assignment]
+        proposals: list[list[int]] = [[] for _ in self.uids]
+        for e, row, room in candidates:
+            proposals[e] = row.index.propose(room, pending[e])
+        if not any(proposals):
+            return None
+        return pending, proposals
+
+    # --- the verify step -----------------------------------------------------------------------
+
+    def _verify(self, pending: list[int], proposals: list[list[int]]) -> tuple[list[list[int]], list[list[Any]]]:
+        width = 1 + max(len(proposal) for proposal in proposals)
+        self._current_tokens = self._next_tokens  # type: ignore[assignment]
+        self._current_logprobs = self._next_logprobs
+        inputs: Any = self._current_tokens
+        # mlx-lm annotates these as optional; a batch with rows has them.
+        row_processors: Any = self.logits_processors
+        # Shorter rows are padded with their own token: those positions are trimmed below.
+        matrix = [[pending[e], *proposal] + [pending[e]] * (width - 1 - len(proposal))
+                  for e, proposal in enumerate(proposals)]
+        logits = self.model(mx.array(matrix, dtype=mx.uint32), cache=self.prompt_cache)
+        all_logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+        # The first position of rows that did not propose: exactly mlx-lm's step.
+        first = logits[:, 0, :]
+        token_context = []
+        if any(row_processors):
+            processed = []
+            for e in range(len(self.uids)):
+                row_logits = first[e:e + 1]
+                processors = row_processors[e] or ()
+                if processors:
+                    context = self._token_context[e].update_and_fetch(inputs[e:e + 1])  # type: ignore[no-untyped-call]
+                    token_context.append(context)
+                    for processor in processors:
+                        row_logits = processor(context, row_logits)
+                processed.append(row_logits)
+            first = mx.concatenate(processed, axis=0)
+        first_logprobs = first - mx.logsumexp(first, axis=-1, keepdims=True)
+        plain = [e for e, proposal in enumerate(proposals) if not proposal]
+        sampled_first: dict[int, Any] = {}
+        for e in plain:
+            sampler = (self.samplers[e] if self.samplers else None) or self.fallback_sampler
+            sampled_first[e] = sampler(first_logprobs[e:e + 1])
+
+        greedy: dict[int, Any] = {}
+        distributions: dict[int, Any] = {}
+        for e, proposal in enumerate(proposals):
+            if not proposal:
+                continue
+            sampling = self.policy(self.uids[e])
+            assert sampling is not None, "a proposing row has a policy"
+            if sampling.temperature == 0:
+                greedy[e] = mx.argmax(all_logprobs[e, :len(proposal) + 1], axis=-1)
+            else:
+                distributions[e] = sampling_probs(all_logprobs[e, :len(proposal) + 1], sampling)
+        mx.eval(inputs, self._current_logprobs, all_logprobs, first_logprobs, list(sampled_first.values()),
+                list(greedy.values()), list(distributions.values()), token_context)
+
+        emitted: list[list[int]] = []
+        emitted_logprobs: list[list[Any]] = []
+        next_tokens: list[int] = []
+        next_logprobs: list[Any] = []
+        kept: list[int] = []
+        for e, proposal in enumerate(proposals):
+            accepted = 0
+            if not proposal:
+                next_tokens.append(int(sampled_first[e].item()))
+                next_logprobs.append(first_logprobs[e])
+            else:
+                if e in greedy:
+                    targets = greedy[e].tolist()
+                    while accepted < len(proposal) and proposal[accepted] == targets[accepted]:
+                        accepted += 1
+                    token = targets[accepted]
+                else:
+                    row = self._rows[self.uids[e]]
+                    assert row.rng is not None
+                    accepted, token = accept_drafts(np.asarray(distributions[e]), proposal, row.rng)
+                next_tokens.append(token)
+                next_logprobs.append(all_logprobs[e, accepted])
+                self._account(self.uids[e], len(proposal), accepted)
+            emitted.append([pending[e], *proposal[:accepted]])
+            emitted_logprobs.append([self._current_logprobs[e], *(all_logprobs[e, j] for j in range(accepted))])
+            kept.append(1 + accepted)
+        self.stats.verify_steps += 1
+        self._keep(width, kept)
+        for tokens, new in zip(self.tokens, emitted, strict=True):
+            tokens.extend(new)
+        self._next_tokens = mx.array(next_tokens, dtype=mx.uint32)
+        self._next_logprobs = next_logprobs
+        return emitted, emitted_logprobs
+
+    def _account(self, uid: int, proposed: int, accepted: int) -> None:
+        self.stats.proposed_tokens += proposed
+        self.stats.accepted_tokens += accepted
+        row = self._rows[uid]
+        if accepted == 0:
+            row.failures += 1
+            row.wait = min(MAX_BACKOFF_STEPS, 1 << (row.failures - 1))
+        else:
+            row.failures = 0
+
+    def _keep(self, width: int, kept: list[int]) -> None:
+        """Each row's KV keeps its first ``kept`` of the ``width`` positions just written."""
+        rejected = [width - count for count in kept]
+        common = min(rejected)
+        extra = [count - common for count in rejected]
+        for cache in self.prompt_cache:
+            if common:
+                cache.trim(common)
+            if any(extra):
+                cache.prepare(right_padding=extra)
+                cache.finalize()
+
+    def _respond(self, emitted: list[list[int]], logprobs: list[list[Any]]) -> list[Any]:
+        """mlx-lm's ``next`` over several tokens per row: one response per token, none after a row's end."""
+        keep = []
+        responses = []
+        for i, (tokens, row_logprobs) in enumerate(zip(emitted, logprobs, strict=True)):
+            finish_reason = None
+            for j, token in enumerate(tokens):
+                self._num_tokens[i] += 1
+                if self._num_tokens[i] >= self.max_tokens[i]:
+                    finish_reason = "length"
+                if self._matchers[i].advance(token):
+                    finish_reason = "stop"
+                if finish_reason is None:
+                    responses.append(self.Response(uid=self.uids[i], token=token, logprobs=row_logprobs[j],
+                                                   finish_reason=None, prompt_cache=None, all_tokens=None))
+                    continue
+                # The row ends here: its KV and tokens lose what came after this token.
+                cut = len(tokens) - 1 - j
+                caches = self.extract_cache(i)
+                all_tokens = self.tokens[i]
+                if cut:
+                    for cache in caches:
+                        cache.trim(cut)
+                    all_tokens = all_tokens[:-cut]
+                responses.append(self.Response(uid=self.uids[i], token=token, logprobs=row_logprobs[j],
+                                               finish_reason=finish_reason, prompt_cache=caches,
+                                               all_tokens=all_tokens))
+                break
+            if finish_reason is None:
+                keep.append(i)
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
+
+
+def install(generator: Any, *, num_tokens: int, policy: Callable[[int], SamplingParams | None],
+            stats: SpeculationStats) -> SpeculativeBatch:
+    """Give a fresh ``BatchGenerator`` a speculative decode batch (before any sequence enters it)."""
+    current = generator._generation_batch
+    if len(current):
+        raise RuntimeError("install speculation before any sequence decodes")
+    batch = SpeculativeBatch.empty(generator.model, generator.sampler)
+    batch.configure(num_tokens=num_tokens, policy=policy, stats=stats)
+    generator._generation_batch = batch
+    return batch

@@ -1,0 +1,106 @@
+"""--speculative ngram end to end: replies equal to plain decoding, the prompt cache unaffected, stats counted.
+
+One engine on the llama fixture (random weights soon repeat a token, so the
+n-gram proposer has work); ``speculative: false`` on a request is the plain
+baseline in the same engine, so the field is tested with it.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import trio
+
+pytestmark = pytest.mark.slow
+
+PATTERN = "alpha beta gamma delta alpha beta gamma epsilon "
+
+
+@pytest.fixture
+async def speculative_server(start_engine, start_server):
+    engine = await start_engine("llama", speculative="ngram", speculative_tokens=4)
+    return engine, await start_server(engine)
+
+
+async def complete(client: httpx.AsyncClient, **body) -> dict:
+    body = {"model": "llama-v1-seed0", "temperature": 0, "logprobs": 2, **body}
+    response = await client.post("/v1/completions", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def same_reply(spoken: dict, plain: dict) -> None:
+    a, b = spoken["choices"][0], plain["choices"][0]
+    assert a["text"] == b["text"]
+    assert a["finish_reason"] == b["finish_reason"]
+    assert spoken["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+    assert a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
+    for x, y in zip(a["logprobs"]["token_logprobs"], b["logprobs"]["token_logprobs"], strict=True):
+        assert abs(x - y) < 1e-4
+
+
+async def stats(client: httpx.AsyncClient) -> dict:
+    response = await client.get("/v1/cache/stats")
+    assert response.status_code == 200
+    return response.json()["speculative"]
+
+
+async def test_replies_equal_plain_decoding_with_limits_and_stops(speculative_server) -> None:
+    engine, base_url = speculative_server
+    async with httpx.AsyncClient(base_url=base_url) as client:
+        prompt = PATTERN * 12
+        before = await stats(client)
+        plain = await complete(client, prompt=prompt, max_tokens=24, speculative=False)
+        assert (await stats(client))["proposed_tokens"] == before["proposed_tokens"]  # the field is honoured
+        spoken = await complete(client, prompt=prompt, max_tokens=24)
+        same_reply(spoken, plain)
+        after = await stats(client)
+        assert after["verify_steps"] > before["verify_steps"]
+        assert after["accepted_tokens"] > 0
+        assert after["mode"] == "ngram"
+        assert 0 < after["acceptance_rate"] <= 1
+        # max_tokens and a stop string landing inside accepted runs.
+        for limit in (7, 9, 10):
+            same_reply(await complete(client, prompt=prompt, max_tokens=limit),
+                       await complete(client, prompt=prompt, max_tokens=limit, speculative=False))
+        text = plain["choices"][0]["text"]
+        for cut in (9, 13):
+            stop = text[cut - 3:cut]
+            same_reply(await complete(client, prompt=prompt, max_tokens=24, stop=[stop]),
+                       await complete(client, prompt=prompt, max_tokens=24, stop=[stop], speculative=False))
+        # Several rows at once, some speculating and some not.
+        results: dict[int, dict] = {}
+
+        async def one(index: int) -> None:
+            results[index] = await complete(client, prompt=PATTERN * (8 + index), max_tokens=20,
+                                            speculative=index % 2 == 0)
+
+        async with trio.open_nursery() as nursery:
+            for index in range(4):
+                nursery.start_soon(one, index)
+        for index in range(4):
+            same_reply(results[index], await complete(client, prompt=PATTERN * (8 + index), max_tokens=20,
+                                                      speculative=False))
+
+
+async def test_a_hit_after_a_speculative_turn_equals_a_cold_run(speculative_server) -> None:
+    engine, base_url = speculative_server
+    async with httpx.AsyncClient(base_url=base_url) as client:
+        messages = [{"role": "system", "content": PATTERN * 10}, {"role": "user", "content": "go on"}]
+        body = {"model": engine.model_id, "temperature": 0, "max_tokens": 32}
+        first = (await client.post("/v1/chat/completions", json={**body, "messages": messages}, timeout=300)).json()
+        assert (await stats(client))["accepted_tokens"] > 0
+        follow_up = [*messages, {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "again"}]
+        request = {**body, "messages": follow_up, "logprobs": True, "top_logprobs": 5, "max_tokens": 8,
+                   "speculative": False}
+        cached = (await client.post("/v1/chat/completions", json=request, timeout=300)).json()
+        cold = (await client.post("/v1/chat/completions", json={**request, "cache_prompt": False},
+                                  timeout=300)).json()
+        assert cached["usage"]["prompt_tokens_details"]["cached_tokens"] > first["usage"]["prompt_tokens"] // 2
+        assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert cached["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
+        hot = cached["choices"][0]["logprobs"]["content"]
+        reference = cold["choices"][0]["logprobs"]["content"]
+        for a, b in zip(hot, reference, strict=True):
+            assert abs(a["logprob"] - b["logprob"]) < 1e-4
