@@ -89,3 +89,20 @@ class LetterTokenizer:
 def loopback(**settings: Any) -> ServerConfig:
     """The HTTP config of a test server: loopback, a free port, and ``settings`` (`ServerConfig` fields)."""
     return ServerConfig(**{"host": "127.0.0.1", "port": 0, **settings})
+
+
+class Recorder:
+    """A scheduling core's clients for tests that drive it directly: each request's deltas; a failure raises."""
+
+    def __init__(self) -> None:
+        self.deltas: dict[str, list[Any]] = {}
+
+    def send(self, request_id: str, delta: Any) -> bool:
+        self.deltas.setdefault(request_id, []).append(delta)
+        return True
+
+    def fail(self, request_id: str, error: Any) -> None:
+        raise AssertionError(f"{request_id} failed: {error}")
+
+    def close(self, request_id: str) -> None:
+        pass

@@ -24,6 +24,7 @@ from mlxcel.model.executor import DeviceSettings, StepExecutor
 from mlxcel.model.loader import LoadedModel, load_model
 from mlxcel.model.lora import Config, LoadedAdapters, load_adapters
 from mlxcel.types import Delta, SamplingParams
+from tests.support import Recorder
 
 pytestmark = pytest.mark.slow
 
@@ -152,23 +153,6 @@ def test_a_pass_with_scales_for_other_rows_is_refused(adapted: tuple[Any, Loaded
         mx.eval(model(mx.array([[1, 2, 3]])))  # every adapter off for every row: the base model's pass
     finally:
         adapters.set_rows([])
-
-
-class Recorder:
-    """The core's clients: each request's token ids and logprobs."""
-
-    def __init__(self) -> None:
-        self.deltas: dict[str, list[Delta]] = {}
-
-    def send(self, request_id: str, delta: Delta) -> bool:
-        self.deltas.setdefault(request_id, []).append(delta)
-        return True
-
-    def fail(self, request_id: str, error: Any) -> None:
-        raise AssertionError(f"{request_id} failed: {error}")
-
-    def close(self, request_id: str) -> None:
-        pass
 
 
 # The executor's paths: 512-token chunks; a 600-token prompt takes two (mlx-lm's prompt stage, or

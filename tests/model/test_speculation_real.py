@@ -20,6 +20,7 @@ from mlxcel.fixtures import fixture_path
 from mlxcel.model.executor import DeviceSettings, StepExecutor
 from mlxcel.model.loader import load_model
 from mlxcel.types import Delta, SamplingParams
+from tests.support import Recorder
 
 pytestmark = pytest.mark.slow
 
@@ -36,21 +37,6 @@ def total_weight(items):
         total = total + item.weight
     return total
 """
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.deltas: dict[str, list[Delta]] = {}
-
-    def send(self, request_id: str, delta: Delta) -> bool:
-        self.deltas.setdefault(request_id, []).append(delta)
-        return True
-
-    def fail(self, request_id: str, error: Any) -> None:
-        raise AssertionError(f"{request_id} failed: {error}")
-
-    def close(self, request_id: str) -> None:
-        pass
 
 
 def run(loaded: Any, prompts: list[tuple[int, ...]], speculative: str) -> tuple[dict[str, list[Delta]], Any]:
