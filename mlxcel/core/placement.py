@@ -60,8 +60,14 @@ def admission_fields(pending: Pending) -> dict[str, Any]:
 
 def starts_cold(start: StartDirect) -> bool:
     """A direct start from no stored state, of a text prompt: the device runs such starts in one pass."""
-    return (start.kept == 0 and start.restore is None and not start.from_alone and start.vision is None
-            and start.disk_read is None)
+    return start.kept == 0 and shares_a_pass(start)
+
+
+def shares_a_pass(start: StartDirect) -> bool:
+    """A direct start of a text prompt from nothing stored or from a stored prefix in memory: the device runs
+    such starts that keep the same prefix length in one forward pass (mlxcel/model/executor.py)."""
+    return (start.restore is None and not start.from_alone and start.vision is None and start.disk_read is None
+            and (start.kept == 0 or start.adopted is not None))
 
 
 def adopts(pending: Pending) -> bool:
@@ -174,18 +180,20 @@ class DirectBudget:
     charge: int
     num_tokens: int = 0
     has_direct: bool = False
-    cold_charged: bool = False
+    # The kept prefix lengths whose shared pass is charged already (0: the cold starts' pass).
+    charged: set[int] = attrs.Factory(set)
 
     def take(self, start: StartDirect) -> bool:
         """Count ``start``; False: over the budget, it waits (its cost still counts against the step)."""
-        cold = starts_cold(start)
-        # Cold starts share one forward pass on the device: the pass is charged once.
-        cost = len(start.cached_tokens) + len(start.prompt_tokens) if cold else len(start.prompt_tokens)
-        self.num_tokens += cost + (0 if cold and self.cold_charged else self.charge)
+        shared = shares_a_pass(start)
+        cost = len(start.cached_tokens) + len(start.prompt_tokens) if starts_cold(start) else len(start.prompt_tokens)
+        # Starts that keep the same prefix length share one forward pass on the device: charged once.
+        self.num_tokens += cost + (0 if shared and start.kept in self.charged else self.charge)
         if self.has_direct and self.num_tokens > self.step:
             return False
         self.has_direct = True
-        self.cold_charged = self.cold_charged or cold
+        if shared:
+            self.charged.add(start.kept)
         return True
 
     def take_rest(self, num_tokens: int) -> bool:

@@ -3,7 +3,7 @@
 It carries out a ``StepPlan`` decided by the scheduling core
 (``mlxcel/core/scheduler.py``) in order and returns a ``StepResult``:
 removals (with donations), starts (cold ones batched into one forward pass,
-hits on their own adopted caches, long prompts a chunk at a time alone),
+hits that keep the same prefix length too, long prompts a chunk at a time alone),
 then the batch's decode step. Batching, chunked prefill in the batch and
 per-sequence caches come from mlx-lm's ``BatchGenerator`` (one for every
 LoRA configuration, ``adapter_batches.py``); started sequences join its decode
@@ -53,6 +53,9 @@ PREFILL_RATE_MIN_TOKENS = 128
 # Token positions (rows x padded length) of one batched pass of cold starts: their logits are
 # rows x length x vocabulary (4,096 x 128k bf16 is 1 GiB), so larger waves take several passes.
 COLD_GROUP_POSITIONS = 4096
+# Key positions (rows x kept plus run length) of one batched pass of hits: the rows' prefixes are
+# copied into one buffer per layer (131,072 positions of an 8B model's KV are 16 GiB).
+HIT_GROUP_KV_POSITIONS = 131072
 
 
 @attrs.frozen(kw_only=True)
@@ -304,17 +307,16 @@ class StepExecutor:
     def _execute(self, plan: StepPlan, report: _Report, direct: list[_DirectStart]) -> tuple[list[Any], list[Any]]:
         """Removals, starts, the chunk alone, one evaluation of the direct starts, then the batch."""
         self._remove_all(plan.removals, report.detached)
-        cold = [start for start in plan.starts if isinstance(start, StartDirect) and self._starts_cold(start)]
-        if len(cold) < 2:
-            cold = []
-        batched = {id(start) for start in cold}
+        shared = self._shared_passes(plan.starts)
+        batched = {id(start) for group in shared.values() for start in group}
         for start in plan.starts:
             if id(start) in batched:
                 continue
             failure = self._start(start, direct)
             if failure is not None:
                 report.restore_failures.append((start.sequence_id, failure))
-        direct.extend(self._start_cold(cold))
+        for kept, group in shared.items():
+            direct.extend(self._start_shared(group, kept))
         if plan.alone_chunk is not None:
             report.prefill_tokens += self._run_alone_chunk(plan.alone_chunk)
             if plan.alone_rest is None:
@@ -598,51 +600,72 @@ class StepExecutor:
                             processors=processors, token=token, logprobs=logprobs[0], donation=donation,
                             base=base)
 
-    def _starts_cold(self, start: StartDirect) -> bool:
-        """A direct start from nothing stored, of a text prompt: it can share a forward pass with others."""
-        return (self._plain_kv and start.kept == 0 and start.restore is None
-                and not start.from_alone and start.vision is None)
+    def _shares_a_pass(self, start: StartDirect | InsertBatch | StartAlone) -> bool:
+        """A direct start of a text prompt, from nothing stored or from a stored prefix: it can share a pass."""
+        from mlxcel.model.kv import DetachedKV
 
-    def _start_cold(self, starts: list[StartDirect]) -> list[_DirectStart]:
-        """Cold direct starts, batched: one forward pass per row budget, each row at its own adapter scales.
+        return (isinstance(start, StartDirect) and self._plain_kv and start.restore is None
+                and not start.from_alone and start.vision is None
+                and (start.kept == 0 or isinstance(start.adopted, DetachedKV)))
 
-        Rows are padded on the right to the longest (with the core's bucket
+    def _shared_passes(self, starts: tuple[Any, ...]) -> dict[int, list[StartDirect]]:
+        """The starts that share forward passes, by the prefix length they keep (two or more of each)."""
+        by_kept: dict[int, list[StartDirect]] = {}
+        for start in starts:
+            if self._shares_a_pass(start):
+                by_kept.setdefault(start.kept, []).append(start)
+        return {kept: group for kept, group in by_kept.items() if len(group) > 1}
+
+    def _start_shared(self, starts: list[StartDirect], kept: int) -> list[_DirectStart]:
+        """Direct starts that keep the same prefix length, batched: one forward pass per row budget.
+
+        Cold starts keep nothing; hits keep ``kept`` rows of their own stored
+        prefixes (the core cuts hits' prefixes to aligned lengths, so hits of
+        similar conversations keep the same). Each row's tokens after what it
+        keeps are padded on the right to the longest (with the core's bucket
         padding, a multiple of the bucket), so causal attention keeps each
         row's real tokens exact; each row's first token comes from the logits
         at its own last token, and its cache keeps only its own rows.
         """
-        if not starts:
-            return []
-        width = max(len(start.cached_tokens) + len(start.prompt_tokens) + start.padding for start in starts)
+        width = max(len(start.cached_tokens) - kept + len(start.prompt_tokens) + start.padding for start in starts)
         rows = max(1, COLD_GROUP_POSITIONS // max(width, 1))
+        if kept:
+            rows = min(rows, max(1, HIT_GROUP_KV_POSITIONS // (kept + width)))
         begun: list[_DirectStart] = []
         for first in range(0, len(starts), rows):
-            begun.extend(self._start_cold_rows(starts[first:first + rows], width))
+            begun.extend(self._start_shared_rows(starts[first:first + rows], kept, width))
         return begun
 
-    def _start_cold_rows(self, starts: list[StartDirect], width: int) -> list[_DirectStart]:
+    def _start_shared_rows(self, starts: list[StartDirect], kept: int, width: int) -> list[_DirectStart]:
         import mlx.core as mx
         from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-        runs = [list(start.cached_tokens) + list(start.prompt_tokens) for start in starts]
+        from mlxcel.model.kv import adopt_rows
+
+        every = [list(start.cached_tokens) + list(start.prompt_tokens) for start in starts]
+        runs = [tokens[kept:] for tokens in every]
         count = len(runs)
         # With bucketed shapes the row count is bucketed too (powers of two): filler rows repeat the first.
         padded_count = 1 << (count - 1).bit_length() if self.bucket_starts else count
         matrix = [run + run[-1:] * (width - len(run)) for run in runs]
         matrix += matrix[:1] * (padded_count - count)
         lengths = mx.array([len(run) for run in runs])
-        group_caches = make_prompt_cache(self._model)
+        if kept:
+            handles = [start.adopted for start in starts]
+            group_caches = adopt_rows(handles + handles[:1] * (padded_count - count), kept, room=width)
+        else:
+            group_caches = make_prompt_cache(self._model)
         configs = [start.sampling.adapter_scales for start in starts]
         self._generator.apply(configs + configs[:1] * (padded_count - count))
         begun = []
         with mx.stream(self._generator.stream):
             logits = self._model(mx.array(matrix), cache=group_caches)
             last = logits[mx.arange(count), lengths - 1]  # each row's logits at its own last token
-            for row, (start, run) in enumerate(zip(starts, runs, strict=True)):
+            for row, (start, tokens) in enumerate(zip(starts, every, strict=True)):
                 sampler, processors = make_sampling(start.sampling, self._grammars, start.sequence_id)
                 row_logits = last[row:row + 1]
                 if processors:
-                    history = mx.array(run, dtype=mx.int32)
+                    history = mx.array(tokens, dtype=mx.int32)
                     for processor in processors:
                         row_logits = processor(history, row_logits)
                 logprobs = row_logits - mx.logsumexp(row_logits, axis=-1, keepdims=True)
@@ -650,16 +673,20 @@ class StepExecutor:
                 caches = []
                 for layer in group_caches:
                     own = KVCache()
-                    own.keys = layer.keys[row:row + 1, :, :len(run)]
-                    own.values = layer.values[row:row + 1, :, :len(run)]
-                    own.offset = len(run)
+                    own.keys = layer.keys[row:row + 1, :, :len(tokens)]
+                    own.values = layer.values[row:row + 1, :, :len(tokens)]
+                    own.offset = len(tokens)
                     caches.append(own)
+                # A hit's donation reuses its stored pieces and copies only the rows past them.
+                base = _base(start.adopted, len(start.cached_tokens)) if kept else None
                 donation = None
                 if start.donate_prompt:
-                    donation = _detach(start.sequence_id, caches, run, final=False, evaluate=False)
-                begun.append(_DirectStart(start=start, caches=caches, all_tokens=run, sampler=sampler,
+                    donation = _detach(start.sequence_id, caches, tokens, final=False, evaluate=False, base=base)
+                    if donation is not None:
+                        base = donation.payload
+                begun.append(_DirectStart(start=start, caches=caches, all_tokens=tokens, sampler=sampler,
                                           processors=processors, token=token, logprobs=logprobs[0],
-                                          donation=donation, base=donation.payload if donation else None))
+                                          donation=donation, base=base))
         return begun
 
     def _text_forward(self, tokens: Any, *, cache: list[Any], offset: int = 0) -> Any:

@@ -318,6 +318,40 @@ def adopt(detached: DetachedKV, num_tokens: int, *, room: int = 0) -> list[KVCac
     return caches
 
 
+def adopt_rows(handles: Sequence[DetachedKV], num_tokens: int, *, room: int = 0) -> list[KVCache]:
+    """Per layer one cache of ``len(handles)`` rows: row i holds the first ``num_tokens`` rows of ``handles[i]``.
+
+    Each layer's keys and values are written into one buffer with ``room``
+    rows more, so the tokens the rows run next are written in place (a batch
+    of hits on prefixes cut to one length shares a forward pass).
+    """
+    for handle in handles:
+        if not handle.can_adopt(num_tokens):
+            raise AdoptError(f"cannot adopt {num_tokens} tokens from an entry of {handle.length}")
+    spans = [handle._spans(0, num_tokens) for handle in handles]
+    caches = []
+    for layer in range(len(handles[0].segments[0][0].layers)):
+        buffers: list[mx.array] = []
+        for side in (0, 1):
+            buffer = None
+            for row, row_spans in enumerate(spans):
+                position = 0
+                for piece, begin, stop in row_spans:
+                    rows = piece.dense(_rows_of(piece.layers[layer][side], begin, stop))
+                    if buffer is None:
+                        _one, heads, _length, dim = rows.shape
+                        buffer = mx.zeros((len(handles), heads, num_tokens + room, dim), rows.dtype)
+                    buffer[row:row + 1, :, position:position + stop - begin] = rows
+                    position += stop - begin
+            assert buffer is not None, "can_adopt: at least one row"
+            buffers.append(buffer)
+        cache = KVCache()
+        cache.keys, cache.values = buffers
+        cache.offset = num_tokens
+        caches.append(cache)
+    return caches
+
+
 def _concatenated(parts: list[Stored]) -> Stored:
     if isinstance(parts[0], tuple):
         return tuple(mx.concatenate(list(components), axis=2) for components in zip(*parts, strict=True))

@@ -90,8 +90,10 @@ async def running_device(**settings: Any) -> AsyncIterator[tuple[Driver, ModelIn
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
             info: ModelInfo = await nursery.start(actor.run)
-            yield Driver(to_device), info, actor
-            to_device.close()  # run() returns: the nursery can exit
+            try:
+                yield Driver(to_device), info, actor
+            finally:
+                to_device.close()  # run() returns: the nursery can exit (a failed assertion too)
 
 
 def assert_same_tokens(ours: list[SampledToken], theirs: list[SampledToken]) -> None:
@@ -231,6 +233,55 @@ async def test_cold_starts_in_one_pass_give_what_each_gives_alone(bucketed: bool
             tokens = first + together[10 + index]
             assert_same_tokens(tokens, alone[index])
             assert [token.finish_reason for token in tokens] == [None] * 5 + ["length"]
+
+
+@pytest.mark.parametrize("bucketed", [False, True], ids=["plain", "bucketed"])
+async def test_hits_that_keep_one_prefix_length_share_a_pass_and_give_what_each_gives_alone(bucketed: bool) -> None:
+    """Hits of one step that keep the same length of their stored prefixes run in one forward pass (their
+    prefixes copied into one buffer, new tokens padded on the right); a hit that keeps another length runs
+    on its own. Each gets the tokens and logprobs it gets started alone, and donates its own prompt."""
+    prefix = tuple(range(5000, 5040))
+    suffixes = [tuple(range(6000 + 100 * index, 6000 + 100 * index + length))
+                for index, length in enumerate((5, 9, 13, 7))]
+    # The first three keep 32 of the 40 cached tokens (8 run again), the fourth keeps all 40.
+    kept = [32, 32, 32, 40]
+    async with running_device(prefill_step_size=64, bucket_starts=bucketed) as (driver, _info, _actor):
+        done = await driver.step(starts=(direct(0, prefix, 1, donate_prompt=True),))
+        (stored,) = [item.payload for item in done.detached if item.tokens == prefix]
+
+        def hit(sequence_id: int, index: int) -> StartDirect:
+            run = len(prefix) - kept[index] + len(suffixes[index])
+            return StartDirect(sequence_id=sequence_id, prompt_tokens=suffixes[index], cached_tokens=prefix,
+                               adopted=stored, kept=kept[index], padding=-run % 16 if bucketed else 0,
+                               sampling=WITH_LOGPROBS, max_tokens=6, donate_prompt=True)
+
+        alone = {}
+        for index in range(4):
+            done = await driver.step(starts=(hit(10 + index, index),))
+            assert done.error is None, done.error
+            alone[index] = list(done.sampled) + (await driver.run_until_finished({10 + index}))[10 + index]
+        done = await driver.step(starts=tuple(hit(20 + index, index) for index in range(4)))
+        assert done.error is None, done.error
+        assert sorted(token.sequence_id for token in done.sampled) == [20, 21, 22, 23]
+        assert sorted((item.sequence_id, item.tokens) for item in done.detached) == [
+            (20 + index, prefix + suffixes[index]) for index in range(4)]
+        together = await driver.run_until_finished({20, 21, 22, 23})
+        for index in range(4):
+            first = [token for token in done.sampled if token.sequence_id == 20 + index]
+            tokens = first + together[20 + index]
+            assert_same_tokens(tokens, alone[index])
+            assert [token.finish_reason for token in tokens] == [None] * 5 + ["length"]
+        # A donated hit's KV seeds the next turn like any stored prefix: its rows are the hit's own.
+        (second,) = [item.payload for item in done.detached if item.sequence_id == 21]
+        again = StartDirect(sequence_id=30, prompt_tokens=(7, 8, 9), cached_tokens=prefix + suffixes[1],
+                            adopted=second, kept=len(prefix) + len(suffixes[1]), sampling=WITH_LOGPROBS,
+                            max_tokens=2)
+        reference = StartDirect(sequence_id=31, prompt_tokens=prefix + suffixes[1] + (7, 8, 9), cached_tokens=(),
+                                sampling=WITH_LOGPROBS, max_tokens=2)
+        resumed = await driver.step(starts=(again,))
+        cold = await driver.step(starts=(reference,))
+        assert_same_tokens(list(resumed.sampled), list(cold.sampled))
+        await driver.run_until_finished({30, 31})
 
 
 async def test_a_prompt_prefilled_alone_then_started_directly_gives_the_batch_tokens() -> None:

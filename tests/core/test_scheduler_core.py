@@ -7,6 +7,8 @@ once), so each test reads as: these requests arrive, these plans come out.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from typing import Any
 
 import attrs
@@ -255,19 +257,23 @@ def test_a_long_prompt_in_bucketed_shapes_is_prefilled_alone_then_starts_its_res
 
 
 def test_bucketed_direct_starts_are_charged_for_their_own_forward_pass() -> None:
-    """On CUDA each hit's start costs a forward pass beyond its tokens: fewer go per step."""
-    def per_step(bucket: bool) -> list[list[int]]:
+    """On CUDA a forward pass costs beyond its tokens: hits that keep the same prefix length share one pass
+    on the device (charged once), hits that keep other lengths each pay for their own."""
+    def per_step(bucket: bool, kept: Callable[[int], int]) -> list[list[int]]:
         harness = Harness(bucket_starts=bucket, prefill_step_size=1024)
         for index in range(6):
-            prompt = tuple(range(1000 * index, 1000 * index + 356))
-            harness.found[repr(prompt)] = Hit(length=256, payload=_Payload(length=356))
-            harness.add(f"r{index}", 356, first=1000 * index, context=CONTEXT)
+            length = kept(index) + 100
+            prompt = tuple(range(1000 * index, 1000 * index + length))
+            harness.found[repr(prompt)] = Hit(length=kept(index), payload=_Payload(length=length))
+            harness.add(f"r{index}", length, first=1000 * index, context=CONTEXT)
         return [started(harness.step()) for _ in range(3)]
 
-    assert per_step(False) == [[0, 1, 2, 3, 4, 5], [], []]
-    # 100 new tokens + DIRECT_START_TOKENS each: two fit a 1024-token step.
     assert placement.DIRECT_START_TOKENS == 256
-    assert per_step(True) == [[0, 1], [2, 3], [4, 5]]
+    assert per_step(False, lambda index: 256) == [[0, 1, 2, 3, 4, 5], [], []]
+    # One pass of 256 plus 100 new tokens each.
+    assert per_step(True, lambda index: 256) == [[0, 1, 2, 3, 4, 5], [], []]
+    # Two passes (256 and 384 kept): 2 x 256 + 100 each, and the sixth is over the 1024-token step.
+    assert per_step(True, lambda index: 256 + 128 * (index % 2)) == [[0, 1, 2, 3, 4], [5], []]
 
 
 def test_cold_direct_starts_share_one_charged_pass() -> None:

@@ -104,6 +104,53 @@ async def test_bucketed_starts_answer_as_the_plain_path_does(serve_family, monke
     assert any(alone)
 
 
+async def test_hits_arriving_together_on_one_system_prompt_share_a_pass_and_answer_as_alone(
+        serve_family, monkeypatch) -> None:
+    """With shape buckets (forced on, small), users arriving at once on a stored system prompt keep the same
+    cut of it: their starts run in one forward pass, and each answer (reply, first-token logprobs, cached
+    count) is the one the unbucketed path gives that user started alone."""
+    from mlxcel.model.executor import StepExecutor
+
+    monkeypatch.setattr(core_placement, "START_PREFIX_ALIGN", 16)
+    monkeypatch.setattr(core_placement, "START_QUERY_BUCKET", 32)
+    shared: list[tuple[int, int]] = []  # (kept, rows) of each shared pass
+    original = StepExecutor._start_shared_rows
+    monkeypatch.setattr(StepExecutor, "_start_shared_rows", lambda executor, starts, kept, width: (
+        shared.append((kept, len(starts))), original(executor, starts, kept, width))[1])
+    users = ["bob", "carol", "dave", "erin"]
+    answers: dict[bool, dict[str, object]] = {}
+    for buckets in (False, True):
+        # A 512-token step: its budget holds the pass's charge (256) and the four users' new tokens.
+        engine, base_url = await serve_family(
+            scheduler=SchedulerConfig(prefill_step_size=512, device_warmup=False, start_buckets=buckets))
+        client = client_for(base_url)
+        await create(client, model=engine.model_id, user="alice",
+                     messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "warm it"}])
+        replies: dict[str, object] = {}
+
+        async def ask(user: str, client=client, engine=engine, replies=replies) -> None:
+            messages = [{"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": f"{user} asks about item {len(user) * 3}"}]
+            replies[user] = await create(client, model=engine.model_id, messages=messages, user=user,
+                                         logprobs=True, top_logprobs=5)
+
+        if buckets:
+            async with trio.open_nursery() as nursery:
+                for user in users:
+                    nursery.start_soon(ask, user)
+        else:  # the reference: one at a time
+            for user in users:
+                await ask(user)
+        answers[buckets] = replies
+    assert any(kept > 0 and rows > 1 for kept, rows in shared), shared
+    for user in users:
+        together, alone = answers[True][user], answers[False][user]
+        assert together.usage.prompt_tokens_details.cached_tokens >= 100  # the system prompt hit
+        assert together.usage.prompt_tokens_details.cached_tokens == alone.usage.prompt_tokens_details.cached_tokens
+        assert together.choices[0].message.content == alone.choices[0].message.content
+        assert_same_first_token_logprobs(together, alone)
+
+
 async def test_four_turn_conversation_reuses_history(serve_family) -> None:
     engine, base_url = await serve_family()
     client = client_for(base_url)

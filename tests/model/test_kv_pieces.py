@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from mlxcel.model.kv import AdoptError, DetachedKV, adopt, detach
+from mlxcel.model.kv import AdoptError, DetachedKV, adopt, adopt_rows, detach
 
 LAYERS, HEADS, DIM = 2, 2, 4
 
@@ -88,3 +88,27 @@ def test_a_prefix_of_several_pieces_is_adopted_with_room_for_the_next_tokens() -
     # One piece: views, no room needed (the cache copies once on its first write anyway).
     (single, *_) = adopt(base, 5, room=3)
     assert single.keys.shape[2] == 5
+
+
+def test_rows_of_several_prefixes_share_one_buffer_each_row_as_adopted_alone() -> None:
+    """A batch of hits adopts each row's prefix (one piece, or several shared with other rows) into one buffer
+    per layer, with room after: row i then equals its own adoption."""
+    base = detach(caches_of(12), 5)
+    several = detach(caches_of(12), 12, base=base)
+    single = detach(caches_of(9), 9)
+    assert several is not None and single is not None and base is not None
+    assert len(several.pieces()) == 2
+    handles = [several, single, several.cut(8)]
+    caches = adopt_rows(handles, 8, room=4)
+    assert [cache.offset for cache in caches] == [8] * LAYERS
+    assert caches[0].keys.shape == (3, HEADS, 12, DIM)
+    for row, handle in enumerate(handles):
+        for layer, alone in enumerate(adopt(handle, 8)):
+            assert caches[layer].keys[row:row + 1, :, :8].tolist() == alone.keys[..., :8, :].tolist()
+            assert caches[layer].values[row:row + 1, :, :8].tolist() == alone.values[..., :8, :].tolist()
+    # The next tokens are written into that buffer, not a new one.
+    keys, _ = caches[0].update_and_fetch(mx.full((3, HEADS, 4, DIM), 99.0), mx.zeros((3, HEADS, 4, DIM)))
+    assert caches[0].keys.shape[2] == 12
+    assert keys[2, 0, :, 0].tolist() == [*range(8), 99.0, 99.0, 99.0, 99.0]
+    with pytest.raises(AdoptError):
+        adopt_rows([single, base], 8)

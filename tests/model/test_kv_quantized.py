@@ -13,7 +13,7 @@ from mlxcel.cache.key import CacheContext
 from mlxcel.disk.device import DeviceDisk
 from mlxcel.disk.directory import DiskSettings
 from mlxcel.disk.tier import DiskTier
-from mlxcel.model.kv import EXACT, StoreFormat, adopt, detach, store_format, use_store_format
+from mlxcel.model.kv import EXACT, StoreFormat, adopt, adopt_rows, detach, store_format, use_store_format
 
 LAYERS, HEADS, DIM = 2, 2, 64
 TOKENS = tuple(range(100, 700))
@@ -183,3 +183,13 @@ def test_stored_groups_hold_the_rotated_rows(stored_as) -> None:
     rotated = np.array(mx.hadamard_transform(cache.keys, scale=DIM**-0.5))
     assert np.abs(plain - rotated).max() < 0.1
     assert np.abs(plain - np.array(cache.keys)).max() > 10  # not the rows themselves
+
+
+def test_quantized_prefixes_adopt_into_one_buffer_as_each_adopts_alone(stored_as) -> None:
+    stored_as(8)
+    first, second = detach(caches_of(64, seed=1), 64), detach(caches_of(64, seed=2), 64)
+    assert first is not None and second is not None
+    together = adopt_rows([first, second], 64)
+    for row, handle in enumerate((first, second)):
+        assert np.array_equal(dense([cache for cache in adopt(handle, 64)], 64),
+                              np.stack([np.array(cache.keys[row:row + 1].astype(mx.float32)) for cache in together]))
