@@ -8,7 +8,6 @@ once), so each test reads as: these requests arrive, these plans come out.
 from __future__ import annotations
 
 from collections.abc import Callable
-
 from typing import Any
 
 import attrs

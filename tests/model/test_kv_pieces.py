@@ -96,7 +96,9 @@ def test_rows_of_several_prefixes_share_one_buffer_each_row_as_adopted_alone() -
     base = detach(caches_of(12), 5)
     several = detach(caches_of(12), 12, base=base)
     single = detach(caches_of(9), 9)
-    assert several is not None and single is not None and base is not None
+    assert several is not None
+    assert single is not None
+    assert base is not None
     assert len(several.pieces()) == 2
     handles = [several, single, several.cut(8)]
     caches = adopt_rows(handles, 8, room=4)

@@ -188,7 +188,8 @@ def test_stored_groups_hold_the_rotated_rows(stored_as) -> None:
 def test_quantized_prefixes_adopt_into_one_buffer_as_each_adopts_alone(stored_as) -> None:
     stored_as(8)
     first, second = detach(caches_of(64, seed=1), 64), detach(caches_of(64, seed=2), 64)
-    assert first is not None and second is not None
+    assert first is not None
+    assert second is not None
     together = adopt_rows([first, second], 64)
     for row, handle in enumerate((first, second)):
         assert np.array_equal(dense([cache for cache in adopt(handle, 64)], 64),
