@@ -640,7 +640,7 @@ class StepExecutor:
         import mlx.core as mx
         from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-        from mlxcel.model.kv import adopt_rows
+        from mlxcel.model.kv import DetachedKV, adopt_rows
 
         every = [list(start.cached_tokens) + list(start.prompt_tokens) for start in starts]
         runs = [tokens[kept:] for tokens in every]
@@ -651,7 +651,8 @@ class StepExecutor:
         matrix += matrix[:1] * (padded_count - count)
         lengths = mx.array([len(run) for run in runs])
         if kept:
-            handles = [start.adopted for start in starts]
+            handles = [start.adopted for start in starts if isinstance(start.adopted, DetachedKV)]
+            assert len(handles) == count, "_shares_a_pass: a hit's prefix is a DetachedKV"
             group_caches = adopt_rows(handles + handles[:1] * (padded_count - count), kept, room=width)
         else:
             group_caches = make_prompt_cache(self._model)
