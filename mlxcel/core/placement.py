@@ -32,6 +32,11 @@ COLD_QUERY_BUCKETS = (32, 64)
 # 154 new tokens on an 8k prefix into one 0.49 s step on the H200 (8B), so the first
 # tokens of all twelve waited for the slowest; at 256, four go per step.
 DIRECT_START_TOKENS = 256
+# What one step's shared pass of hits may keep in all (tokens of stored prefix adopted): the device copies
+# each hit's prefix into the pass's buffer and then into the batch, so a step's hits briefly hold about three
+# times their KV. At 16 hits of 8k tokens (8B) that ran the H200 out of memory beside 64 decoding 8k rows;
+# 32k tokens is the four such hits a step held before hits shared a pass.
+SHARED_HIT_KEPT_TOKENS = 32768
 
 
 @attrs.frozen(kw_only=True)
@@ -182,6 +187,7 @@ class DirectBudget:
     has_direct: bool = False
     # The kept prefix lengths whose shared pass is charged already (0: the cold starts' pass).
     charged: set[int] = attrs.Factory(set)
+    kept_tokens: int = 0
 
     def take(self, start: StartDirect) -> bool:
         """Count ``start``; False: over the budget, it waits (its cost still counts against the step)."""
@@ -189,7 +195,8 @@ class DirectBudget:
         cost = len(start.cached_tokens) + len(start.prompt_tokens) if starts_cold(start) else len(start.prompt_tokens)
         # Starts that keep the same prefix length share one forward pass on the device: charged once.
         self.num_tokens += cost + (0 if shared and start.kept in self.charged else self.charge)
-        if self.has_direct and self.num_tokens > self.step:
+        self.kept_tokens += start.kept
+        if self.has_direct and (self.num_tokens > self.step or self.kept_tokens > SHARED_HIT_KEPT_TOKENS):
             return False
         self.has_direct = True
         if shared:

@@ -277,11 +277,12 @@ class StepExecutor:
         try:
             prompt_responses, generation_responses = self._execute(plan, report, direct)
             started = self._start_generating(direct)
+            # Reporting queues donation copies: an out-of-memory there fails the step, not the server.
+            self._report_direct(direct, started, report)
+            self._report_decoded(generation_responses, report)
+            self._report_prefilled(prompt_responses, report)
         except Exception as error:  # noqa: BLE001 - reported to every sequence on the device
             return self._failed(plan, report, error)
-        self._report_direct(direct, started, report)
-        self._report_decoded(generation_responses, report)
-        self._report_prefilled(prompt_responses, report)
         if report.prefill_tokens >= PREFILL_RATE_MIN_TOKENS:
             # The whole step over its prefill tokens: an over-estimate when it also decoded.
             sample = (time.perf_counter() - step_started) / report.prefill_tokens
@@ -347,6 +348,7 @@ class StepExecutor:
             {sequence.sequence_id for sequence in self._by_uid.values()}
             | {start.sequence_id for start in plan.starts}
             | {start.sequence_id for start in plan.direct_starts}
+            | {token.sequence_id for token in report.sampled}  # reported before the failure, now dropped
             | set(self._alone) | set(self._alone_done)
         )
         self._alone.clear()
