@@ -108,6 +108,35 @@ async def test_out_of_memory_is_a_503_and_the_store_sheds(start_engine, start_se
         assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
 
 
+async def test_out_of_memory_while_a_step_is_reported_fails_the_step_not_the_server(
+        start_engine, start_server, monkeypatch) -> None:
+    """MLX raises an allocation failure where a queued copy is evaluated: in the H200's 64-conversation run
+    that was a finished sequence's donation, reported after the step, and it ended the server."""
+    from mlxcel.model.executor import StepExecutor
+
+    original = StepExecutor._report_decoded
+    failures = []
+
+    def report_decoded(executor, responses, report) -> None:
+        if any(response.finish_reason is not None for response in responses) and not failures:
+            failures.append(len(responses))
+            raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+        original(executor, responses, report)
+
+    monkeypatch.setattr(StepExecutor, "_report_decoded", report_decoded)
+    engine = await start_engine()
+    base_url = await start_server(engine)
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        failed = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3})
+        assert failures
+        assert failed.status_code == 503
+        assert "out of memory" in failed.json()["error"]["message"]
+        served = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3})
+        assert served.status_code == 200
+    stats = await engine.scheduler_stats()
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+
+
 async def test_a_step_failing_while_a_prompt_is_prefilled_alone_fails_it_cleanly(start_engine, start_server) -> None:
     """With buckets forced on, a long prompt is prefilled alone over several steps; a fault in
     one of them fails that request only, leaves no cache entry, and the next one is served."""
