@@ -17,8 +17,8 @@ import pytest
 from mlxcel.core.plan import Capabilities
 from mlxcel.core.scheduler import NewRequest, SchedulerCore
 from mlxcel.fixtures import fixture_path
-from mlxcel.model.executor import DeviceSettings, StepExecutor
 from mlxcel.model.draft import load_draft
+from mlxcel.model.executor import DeviceSettings, StepExecutor
 from mlxcel.model.loader import ModelLoadError, load_model
 from mlxcel.types import Delta, SamplingParams
 from tests.support import Recorder
