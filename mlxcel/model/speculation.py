@@ -1,17 +1,19 @@
-"""N-gram (prompt-lookup) speculative decoding inside mlx-lm's decode batch, per row.
+"""Speculative decoding inside mlx-lm's decode batch, per row: n-gram (prompt lookup) or a draft model.
 
 ``SpeculativeBatch`` is mlx-lm's ``GenerationBatch`` with one step more: when
 a row's recent tokens occurred earlier in its prompt or reply
-(``mlxcel/core/ngram.py``), the step feeds the batch ``1 + k`` tokens per
+(``mlxcel/core/ngram.py``), or, with a draft model, whenever the row may
+propose (``draft.py``: the draft's greedy or sampled next k tokens, its KV
+per row kept beside the batch), the step feeds the batch ``1 + k`` tokens per
 row (the token in flight, then the proposal, shorter rows padded) in one
 forward pass and keeps, per row, the proposed tokens the target agrees
 with plus one token of its own (the correction, or a bonus after a fully
 accepted run). Greedy: a proposal is accepted while it equals the argmax.
-Sampled: the standard rejection rule for a deterministic draft (accept
-with the target's probability, else sample the target with the proposal
-removed), on the row's sampling distribution as mlxcel's sampler forms it
-(top-p, min-p, top-k, temperature), so outputs are distributed as without
-speculation. Each row's KV then holds exactly its kept tokens: the rows'
+Sampled: the standard rejection rule (``accept_drafts``: accept with
+min(1, p/q), else sample max(p - q, 0); an n-gram proposal is a
+deterministic draft, q one-hot), on the row's sampling distribution as
+mlxcel's sampler forms it (top-p, min-p, top-k, temperature), so outputs
+are distributed as without speculation. Each row's KV then holds exactly its kept tokens: the rows'
 common rejected count is trimmed, the rest rolled into the row's left
 padding (``BatchKVCache.prepare(right_padding=...)``), so ``tokens`` always
 equals what the KV holds.
