@@ -1,4 +1,4 @@
-"""Speculative decoding (--speculative ngram|draft) against plain decoding, in one process, CPU or GPU (issue 29, part 3).
+"""Speculative decoding (--speculative ngram|draft) against plain decoding, in one process, CPU or GPU (issue 29).
 
 The device's StepExecutor driven by a scheduling core on this thread (as benchmarks/executor_decode.py
 does: no Trio, no HTTP), each workload run with speculation off and in each mode of ``--modes``, one
@@ -134,6 +134,11 @@ def run(loaded: Any, model_path: Path, prompts: list[tuple[int, ...]], *, specul
         "verify_steps": stats.verify_steps, "proposed_tokens": stats.proposed_tokens,
         "accepted_tokens": stats.accepted_tokens,
         "acceptance_rate": round(stats.accepted_tokens / stats.proposed_tokens, 3) if stats.proposed_tokens else None,
+        # A draft model's prefill of each row's context, inside the decode steps above; without it:
+        "draft_prefill_seconds": round(stats.draft_prefill_seconds, 3),
+        "tokens_per_second_past_draft_prefill": (
+            round(decode_tokens / (decode_seconds - stats.draft_prefill_seconds), 2)
+            if decode_seconds > stats.draft_prefill_seconds else None),
         "reply_tokens": [len(clients.tokens.get(f"r{i}", [])) for i in range(len(prompts))],
         "_replies": [clients.tokens.get(f"r{i}", []) for i in range(len(prompts))],
     }
@@ -192,6 +197,10 @@ def main() -> None:
                 line += (f" | {mode} {on['tokens_per_second']} tok/s x{row[mode]['speedup']} accepted "
                          f"{on['accepted_tokens']}/{on['proposed_tokens']} ({on['acceptance_rate']}) in "
                          f"{on['verify_steps']} verify steps identical={identical}")
+                if on["draft_prefill_seconds"]:
+                    past = on["tokens_per_second_past_draft_prefill"]
+                    line += (f" (draft prefill {on['draft_prefill_seconds']} s; without it {past} tok/s "
+                             f"x{round(past / off['tokens_per_second'], 3) if past else None})")
             rows.append(row)
             print(line, flush=True)
     device = str(mx.default_device())

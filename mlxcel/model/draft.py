@@ -7,9 +7,10 @@ has proposed for, as one ``BatchKVCache`` whose rows are kept by uid:
 
 - A row joins the draft batch lazily, the first time it proposes: its
   tokens so far are prefilled alone on a fresh cache (in prefill-sized
-  chunks), then merged in. Rows that never propose (grammars, opted out)
-  cost the draft nothing; a row that ends or is removed leaves with the
-  target batch's ``filter``.
+  chunks; counted in ``SpeculationStats.draft_prefill_*``), then merged
+  in. Rows that never propose (grammars, opted out) cost the draft
+  nothing; a row that ends or is removed leaves with the target batch's
+  ``filter``.
 - Each proposal step runs every member row: one pass feeds each row the
   tokens it has not seen (those accepted since, plus the token in flight;
   shorter rows right-padded, the padding then rolled into left padding, as
@@ -29,6 +30,7 @@ every row's KV per step). Plain KV caches only; only the device thread uses it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -108,8 +110,10 @@ class DraftRequest:
 class DraftRows:
     """The draft's KV for one decode batch's rows, and its proposals (see the module's docstring)."""
 
-    def __init__(self, draft: DraftModel) -> None:
+    def __init__(self, draft: DraftModel, stats: Any = None) -> None:
         self.draft = draft
+        # speculation.SpeculationStats: the catch-up prefill is counted there.
+        self.stats = stats
         self.cache: list[Any] | None = None
         # Row uids in the draft cache's order, and how many of each row's tokens its draft KV holds.
         self.members: list[int] = []
@@ -226,11 +230,15 @@ class DraftRows:
         import mlx.core as mx
         from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
+        started = time.perf_counter()
         caches = make_prompt_cache(self.draft.model)
         step = max(1, self.draft.prefill_step_size)
         for start in range(0, len(tokens), step):
             self.draft.model(mx.array(tokens[start:start + step], dtype=mx.uint32)[None], cache=caches)
             mx.eval([cache.state for cache in caches if cache.keys is not None])
+        if self.stats is not None:
+            self.stats.draft_prefill_tokens += len(tokens)
+            self.stats.draft_prefill_seconds += time.perf_counter() - started
         joining = [BatchKVCache.merge([cache]) for cache in caches]
         if self.cache is None:
             self.cache = joining

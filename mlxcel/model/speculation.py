@@ -53,6 +53,9 @@ class SpeculationStats:
     verify_steps: int = 0
     proposed_tokens: int = 0
     accepted_tokens: int = 0
+    # A draft model's catch-up: context tokens it prefilled for rows joining it, and the seconds that took.
+    draft_prefill_tokens: int = 0
+    draft_prefill_seconds: float = 0.0
 
 
 def accept_drafts(probs: np.ndarray, drafts: Sequence[int], rng: np.random.Generator,
@@ -141,7 +144,7 @@ class SpeculativeBatch(GenerationBatch):
         self.policy = policy
         self.stats = stats
         self._rows: dict[int, _Row] = {}
-        self._draft = DraftRows(draft) if draft is not None else None
+        self._draft = DraftRows(draft, stats) if draft is not None else None
         self._plan: _Plan | None = None
 
     # --- mlx-lm's entry points -----------------------------------------------------------------
