@@ -48,6 +48,9 @@ class DraftModel:
     path: Path
     # Tokens a joining row's context is prefilled in at a time.
     prefill_step_size: int = 256
+    # The tokenizer's ids are below this: logits past it (a padded embedding) are never proposed,
+    # since the model may have no row for them. None: every logit.
+    id_limit: int | None = None
 
 
 def same_vocabulary(target: Any, draft: Any) -> bool:
@@ -93,7 +96,8 @@ def load_draft(path: str | Path, target_tokenizer: Any, *, prefill_step_size: in
                              f"(a draft must share the model's tokenizer)")
     if not all(type(cache) is KVCache for cache in make_prompt_cache(loaded.model)):
         raise ModelLoadError(f"--draft-model {path}: only models with plain KV caches can draft")
-    return DraftModel(model=loaded.model, path=loaded.path, prefill_step_size=prefill_step_size)
+    limit = max(target_tokenizer.get_vocab().values()) + 1
+    return DraftModel(model=loaded.model, path=loaded.path, prefill_step_size=prefill_step_size, id_limit=limit)
 
 
 @attrs.frozen(kw_only=True)
@@ -176,6 +180,8 @@ class DraftRows:
         for position in range(num_tokens):
             if position:
                 logits = self.draft.model(drafted[-1][:, None], cache=self.cache)[:, -1, :]
+            if self.draft.id_limit is not None and logits.shape[-1] > self.draft.id_limit:
+                logits = logits[:, :self.draft.id_limit]
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             chosen = mx.argmax(logprobs, axis=-1).astype(mx.uint32)
             step_distributions: dict[int, Any] = {}

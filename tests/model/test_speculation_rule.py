@@ -336,3 +336,31 @@ def test_sampled_replies_with_a_stochastic_draft_follow_the_chain(sampling: Samp
             transitions[previous, token] += 1
     expected_transitions = transitions.sum(axis=1, keepdims=True) * probs
     assert chi_square_p_value(transitions.ravel(), expected_transitions.ravel()) > 1e-3
+
+
+def test_a_draft_never_proposes_ids_past_the_tokenizer() -> None:
+    # The draft's table prefers token 4, which the "tokenizer" (ids below 4) does not have.
+    table = np.log(np.full((VOCABULARY, VOCABULARY), 0.05))
+    table[:, 4] = 0.0
+    draft = DraftModel(model=MarkovModel(table), path=Path("draft"), prefill_step_size=3, id_limit=4)
+    model = MarkovModel()
+    generator = BatchGenerator(model, stop_tokens=[], completion_batch_size=2, prefill_batch_size=2,
+                               prefill_step_size=64)
+    stats = SpeculationStats()
+    install(generator, num_tokens=3, policy=lambda uid: SamplingParams(temperature=0.0), stats=stats, draft=draft)
+    generator.insert([[0, 1, 2], [2, 1]], max_tokens=[8, 8])
+    proposed: list[list[int]] = []
+    batch = generator._generation_batch
+    original = batch._draft.propose
+
+    def spy(*args: Any) -> Any:
+        result = original(*args)
+        proposed.extend(proposal for proposal, _q in result.values())
+        return result
+
+    batch._draft.propose = spy
+    for _ in range(6):
+        generator.next()
+    generator.close()
+    assert proposed
+    assert all(token < 4 for proposal in proposed for token in proposal)
