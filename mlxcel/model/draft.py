@@ -150,7 +150,7 @@ class DraftRows:
         """
         import mlx.core as mx
 
-        from mlxcel.model.speculation import sampling_probs
+        from mlxcel.model.sampling import sampling_probs
 
         index = {uid: e for e, uid in enumerate(uids)}
         for request in requests:

@@ -39,7 +39,10 @@ from mlx_lm.models.cache import BatchKVCache
 
 from mlxcel.core.ngram import NgramIndex
 from mlxcel.model.draft import DraftModel, DraftRequest, DraftRows
+from mlxcel.model.sampling import sampling_probs
 from mlxcel.types import SamplingParams
+
+__all__ = ["SpeculationStats", "SpeculativeBatch", "accept_drafts", "install", "sampling_probs"]
 
 # After a proposal with nothing accepted a row waits 1, 2, 4 .. up to this many steps before
 # proposing again: a row whose text does not repeat stops paying for verify positions.
@@ -98,19 +101,6 @@ def _sample(weights: np.ndarray, rng: np.random.Generator) -> int:
     cumulative = np.cumsum(weights)
     index = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
     return min(index, len(weights) - 1)
-
-
-def sampling_probs(logprobs: Any, sampling: SamplingParams) -> Any:
-    """The distribution mlxcel's sampler draws from (``make_sampler``): filters, then temperature."""
-    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
-
-    if 0 < sampling.top_p < 1.0:
-        logprobs = apply_top_p(logprobs, sampling.top_p)
-    if sampling.min_p > 0:
-        logprobs = apply_min_p(logprobs, sampling.min_p)
-    if 0 < sampling.top_k < logprobs.shape[-1]:
-        logprobs = apply_top_k(logprobs, sampling.top_k)
-    return mx.softmax(logprobs.astype(mx.float32) * (1 / sampling.temperature), axis=-1)
 
 
 @attrs.frozen(kw_only=True)
