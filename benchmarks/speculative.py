@@ -1,7 +1,8 @@
-"""Speculative decoding (--speculative ngram) against plain decoding, in one process, CPU or GPU (issue 29, part 3).
+"""Speculative decoding (--speculative ngram|draft) against plain decoding, in one process, CPU or GPU (issue 29).
 
 The device's StepExecutor driven by a scheduling core on this thread (as benchmarks/executor_decode.py
-does: no Trio, no HTTP), each workload run with speculation off and on, one after the other, greedy:
+does: no Trio, no HTTP), each workload run with speculation off and in each mode of ``--modes``, one
+after the other, greedy:
 
   edit       a ~2k-token source file in the prompt, asked back with one name changed (a real model copies
              most of it: the case prompt lookup is for)
@@ -11,12 +12,15 @@ does: no Trio, no HTTP), each workload run with speculation off and on, one afte
              rows without proposals, which must stay >= 0.97x
 
 at 1 and 8 streams (``--streams``). Per run: decode tokens/s (tokens of steps that prefilled nothing,
-over those steps' wall time), verify steps, proposed and accepted tokens; per pair: the speed ratio and
-whether every reply's tokens are identical (they must be).
+over those steps' wall time), verify steps, proposed and accepted tokens; per mode: the speed ratio
+against off and whether every reply's tokens are identical to off's (they must be). ``draft`` needs
+``--draft-model`` (the model itself: every proposal holds, the upper bound of acceptance, and the
+mechanism's full cost: a draft as expensive as the target).
 
 usage:
   python benchmarks/speculative.py --model-path ~/.cache/mlxcel/models/smollm2-f32-gguf-v1 \
-      [--workloads edit,fresh] [--streams 1,8] [--reply-tokens 256] [--tokens K] [--out FILE.json]
+      [--workloads edit,fresh] [--streams 1,8] [--reply-tokens 256] [--tokens K] \
+      [--modes ngram,draft --draft-model PATH] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ def workload_prompts(name: str, tokenizer: Any, streams: int, file_lines: int = 
 
 
 def run(loaded: Any, model_path: Path, prompts: list[tuple[int, ...]], *, speculative: str, tokens: int,
-        reply_tokens: int, step_size: int) -> dict[str, Any]:
+        reply_tokens: int, step_size: int, draft: Any = None) -> dict[str, Any]:
     from mlxcel.core.plan import Capabilities
     from mlxcel.core.scheduler import NewRequest, SchedulerCore
     from mlxcel.model.executor import DeviceSettings, StepExecutor
@@ -101,7 +105,7 @@ def run(loaded: Any, model_path: Path, prompts: list[tuple[int, ...]], *, specul
                               max_batch_size=max(8, len(prompts)), speculative=speculative,
                               speculative_tokens=tokens)
     executor = StepExecutor(loaded.model, loaded.eos_token_ids, settings, loaded.family.model_type,
-                            tokenizer=loaded.tokenizer)
+                            tokenizer=loaded.tokenizer, draft=draft if speculative == "draft" else None)
     core = SchedulerCore(Capabilities(prefill_step_size=step_size, context_size=8192,
                                       max_batch_size=settings.max_batch_size, bucket_starts=executor.bucket_starts),
                          tokenizer=loaded.tokenizer, eos_token_ids=frozenset(loaded.eos_token_ids))
@@ -130,6 +134,11 @@ def run(loaded: Any, model_path: Path, prompts: list[tuple[int, ...]], *, specul
         "verify_steps": stats.verify_steps, "proposed_tokens": stats.proposed_tokens,
         "accepted_tokens": stats.accepted_tokens,
         "acceptance_rate": round(stats.accepted_tokens / stats.proposed_tokens, 3) if stats.proposed_tokens else None,
+        # A draft model's prefill of each row's context, inside the decode steps above; without it:
+        "draft_prefill_seconds": round(stats.draft_prefill_seconds, 3),
+        "tokens_per_second_past_draft_prefill": (
+            round(decode_tokens / (decode_seconds - stats.draft_prefill_seconds), 2)
+            if decode_seconds > stats.draft_prefill_seconds else None),
         "reply_tokens": [len(clients.tokens.get(f"r{i}", [])) for i in range(len(prompts))],
         "_replies": [clients.tokens.get(f"r{i}", []) for i in range(len(prompts))],
     }
@@ -144,8 +153,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4, help="--speculative-tokens")
     parser.add_argument("--prefill-step-size", type=int, default=512)
     parser.add_argument("--file-lines", type=int, default=330, help="the edit workload's file (330: ~2.8k tokens)")
+    parser.add_argument("--modes", default="ngram", help="speculative modes run against off: ngram, draft")
+    parser.add_argument("--draft-model", type=Path, help="--speculative draft's model (same tokenizer)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    if "draft" in modes and args.draft_model is None:
+        parser.error("--modes draft needs --draft-model")
 
     from mlxcel.blas import load_optimized_blas_in_process
 
@@ -155,31 +169,46 @@ def main() -> None:
     from mlxcel.model.loader import load_model
 
     loaded = load_model(args.model_path)
+    draft = None
+    if "draft" in modes:
+        from mlxcel.model.draft import load_draft
+
+        draft = load_draft(args.draft_model, loaded.tokenizer, prefill_step_size=args.prefill_step_size)
     rows = []
     for workload in args.workloads.split(","):
         for streams in (int(text) for text in args.streams.split(",")):
             prompts = workload_prompts(workload, loaded.tokenizer, streams, args.file_lines)
-            pair = {}
-            for mode in ("off", "ngram"):
-                pair[mode] = run(loaded, args.model_path, prompts, speculative=mode, tokens=args.tokens,
-                                 reply_tokens=args.reply_tokens, step_size=args.prefill_step_size)
-            off, on = pair["off"], pair["ngram"]
-            identical = off.pop("_replies") == on.pop("_replies")
-            ratio = (on["tokens_per_second"] / off["tokens_per_second"]
-                     if on["tokens_per_second"] and off["tokens_per_second"] else None)
-            row = {"workload": workload, "streams": streams,
-                   "prompt_tokens": sum(len(p) for p in prompts) // len(prompts),
-                   "off": off, "ngram": on, "speedup": round(ratio, 3) if ratio else None, "identical": identical}
+            runs = {}
+            for mode in ("off", *modes):
+                runs[mode] = run(loaded, args.model_path, prompts, speculative=mode, tokens=args.tokens,
+                                 reply_tokens=args.reply_tokens, step_size=args.prefill_step_size, draft=draft)
+            off = runs["off"]
+            replies = {mode: result.pop("_replies") for mode, result in runs.items()}
+            row: dict[str, Any] = {"workload": workload, "streams": streams,
+                                   "prompt_tokens": sum(len(p) for p in prompts) // len(prompts), "off": off}
+            line = (f"{workload:7s} streams={streams:2d} prompt~{row['prompt_tokens']:5d}  "
+                    f"off {off['tokens_per_second']} tok/s")
+            for mode in modes:
+                on = runs[mode]
+                identical = replies[mode] == replies["off"]
+                ratio = (on["tokens_per_second"] / off["tokens_per_second"]
+                         if on["tokens_per_second"] and off["tokens_per_second"] else None)
+                row[mode] = {**on, "speedup": round(ratio, 3) if ratio else None, "identical": identical}
+                line += (f" | {mode} {on['tokens_per_second']} tok/s x{row[mode]['speedup']} accepted "
+                         f"{on['accepted_tokens']}/{on['proposed_tokens']} ({on['acceptance_rate']}) in "
+                         f"{on['verify_steps']} verify steps identical={identical}")
+                if on["draft_prefill_seconds"]:
+                    past = on["tokens_per_second_past_draft_prefill"]
+                    line += (f" (draft prefill {on['draft_prefill_seconds']} s; without it {past} tok/s "
+                             f"x{round(past / off['tokens_per_second'], 3) if past else None})")
             rows.append(row)
-            print(f"{workload:7s} streams={streams:2d} prompt~{row['prompt_tokens']:5d}  "
-                  f"off {off['tokens_per_second']} tok/s  ngram {on['tokens_per_second']} tok/s  "
-                  f"x{row['speedup']}  accepted {on['accepted_tokens']}/{on['proposed_tokens']} "
-                  f"({on['acceptance_rate']}) in {on['verify_steps']} verify steps  identical={identical}",
-                  flush=True)
+            print(line, flush=True)
     device = str(mx.default_device())
     if args.out:
         args.out.write_text(json.dumps({"device": device, "model": str(args.model_path), "tokens": args.tokens,
-                                        "reply_tokens": args.reply_tokens, "rows": rows}, indent=1))
+                                        "reply_tokens": args.reply_tokens, "modes": modes,
+                                        "draft_model": str(args.draft_model) if args.draft_model else None,
+                                        "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -69,6 +69,14 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
             model_config = read_model_config(engine_config.model_path)
         except ModelLoadError as error:
             return _fail(str(error))
+        if engine_config.draft_model is not None:
+            from mlxcel.model.draft import check_draft_vocabulary
+
+            try:
+                read_model_config(engine_config.draft_model)
+                check_draft_vocabulary(engine_config.model_path, engine_config.draft_model)
+            except ModelLoadError as error:
+                return _fail(str(error))
         if engine_config.lora:
             from mlxcel.model.adapters import AdapterError, check_adapters
             from mlxcel.model.loader import resolve_model

@@ -144,9 +144,12 @@ class EngineConfig:
     # Milliseconds a decode step waits for a constrained row's token mask; a row whose mask is later ends
     # (its request fails), the others go on. None: 50 on a GPU, 200 on the CPU (docs/operations.md).
     grammar_mask_timeout_ms: int | None = None
-    # Speculative decoding in the decode batch: "ngram" (prompt lookup) or "off"; K proposed tokens a step.
+    # Speculative decoding in the decode batch: "ngram" (prompt lookup), "draft" (a draft model) or "off";
+    # K proposed tokens a step.
     speculative: str = "off"
     speculative_tokens: int = 4
+    # The draft model of --speculative draft (a folder or repo id sharing the model's tokenizer).
+    draft_model: Path | None = None
     prompt_cache: PromptCacheConfig = PromptCacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     kv_events: KvEventsConfig = KvEventsConfig()
@@ -413,14 +416,28 @@ def parse_kv_event_format(text: str) -> str:
     return value
 
 
-SPECULATIVE_MODES = ("ngram", "off")
+SPECULATIVE_MODES = ("ngram", "draft", "off")
 
 
 def parse_speculative(text: str) -> str:
     value = text.strip().lower()
     if value not in SPECULATIVE_MODES:
-        raise ValueError(f"expected ngram or off, got {text!r}")
+        raise ValueError(f"expected ngram, draft or off, got {text!r}")
     return value
+
+
+def parse_model_path(text: str) -> Path:
+    if not text.strip():
+        raise ValueError("expected a model folder or repo id")
+    return Path(text.strip()).expanduser()
+
+
+def check_speculative(engine: EngineConfig) -> None:
+    """--speculative draft and --draft-model come together (ConfigError otherwise)."""
+    if engine.speculative == "draft" and engine.draft_model is None:
+        raise ConfigError("--speculative draft needs --draft-model PATH")
+    if engine.draft_model is not None and engine.speculative != "draft":
+        raise ConfigError(f"--draft-model is used by --speculative draft only (--speculative is {engine.speculative})")
 
 
 def parse_speculative_tokens(text: str) -> int:
@@ -687,10 +704,14 @@ ENGINE_SETTINGS = (
     Setting("speculative", "--speculative", ("MLXCEL_SPECULATIVE",), parse_speculative,
             "speculative decoding in the decode batch: ngram (prompt lookup: rows whose recent tokens "
             "occurred earlier in their prompt or reply verify the tokens that followed, several per forward "
-            "pass; outputs unchanged) or off (default off)", metavar="MODE"),
+            "pass), draft (--draft-model proposes each row's next tokens) or off (default off); outputs "
+            "unchanged", metavar="MODE"),
     Setting("speculative_tokens", "--speculative-tokens", ("MLXCEL_SPECULATIVE_TOKENS",),
-            parse_speculative_tokens, "tokens a row proposes per verify step with --speculative ngram, "
-            "1 to 16 (default 4)", metavar="K"),
+            parse_speculative_tokens, "tokens a row proposes per verify step with --speculative ngram or "
+            "draft, 1 to 16 (default 4)", metavar="K"),
+    Setting("draft_model", "--draft-model", ("MLXCEL_DRAFT_MODEL",), parse_model_path,
+            "the draft model of --speculative draft: a model folder or Hugging Face repo id with the "
+            "model's tokenizer (same vocabulary), loaded beside it", metavar="PATH"),
     Setting("served_model_names", "--served-model-name", ("MLXCEL_SERVED_MODEL_NAME",), parse_model_name,
             "the model ids requests may name, the first reported as the model's id (default: the model "
             "folder's name or repo id)", multiple=True),
@@ -830,4 +851,5 @@ def build_configs(
         scheduler=config_from_settings(SchedulerConfig, SCHEDULER_SETTINGS, namespace, environ),
         kv_events=config_from_settings(KvEventsConfig, KV_EVENTS_SETTINGS, namespace, environ),
     )
+    check_speculative(engine)
     return engine, config_from_settings(ServerConfig, SERVER_SETTINGS, namespace, environ)

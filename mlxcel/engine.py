@@ -45,7 +45,7 @@ from mlxcel.actors.warmer import WarmerActor
 from mlxcel.cache.capacity import CapacityDecision, kv_bytes_per_token, kv_head_dim
 from mlxcel.cache.snapshots import SnapshotLimits, SnapshotStore
 from mlxcel.cache.store import ApcSettings, PromptCacheStore, StoreLimits
-from mlxcel.config import EngineConfig, PromptCacheConfig
+from mlxcel.config import EngineConfig, PromptCacheConfig, check_speculative
 from mlxcel.core.cache_plan import CachePlan, plan_cache
 from mlxcel.core.plan import Capabilities
 from mlxcel.disk import index as disk_index
@@ -383,6 +383,7 @@ async def _open_disk(config: EngineConfig, model: ModelInfo, plan: CachePlan) ->
 
 async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engine] = trio.TASK_STATUS_IGNORED) -> None:
     """Run every actor until cancelled; ``task_status.started`` hands out the Engine."""
+    check_speculative(config)
     model_path = config.model_path
     if model_path is None:
         from mlxcel.fixtures.text import demo_model_path
@@ -420,6 +421,7 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
                                         else config.grammar_mask_timeout_ms / 1000),
                 speculative=config.speculative,
                 speculative_tokens=config.speculative_tokens,
+                draft_model_path=config.draft_model,
             ),
             device_inbox,
         )

@@ -206,6 +206,10 @@ USER_ERRORS = [
     (["serve", "--port", "70000"], {}, "--port: expected a port 0..65535"),
     (["serve"], {"MLXCEL_PORT": "eighty"}, "MLXCEL_PORT"),
     (["serve"], {"MLXCEL_PROMPT_CACHE_KV_GROUP_SIZE": "48"}, "MLXCEL_PROMPT_CACHE_KV_GROUP_SIZE"),
+    (["serve", "--speculative", "draft"], {}, "--speculative draft needs --draft-model PATH"),
+    (["serve", "--draft-model", "/nonexistent/draft"], {}, "--draft-model is used by --speculative draft only"),
+    (["serve", "--speculative", "ngram"], {"MLXCEL_DRAFT_MODEL": "/x"}, "--draft-model is used by --speculative"),
+    (["serve", "--speculative", "eagle"], {}, "expected ngram, draft or off"),
     (["nonsense"], {}, "unknown command"),
 ]
 
@@ -384,3 +388,52 @@ def test_grammar_mask_timeout_flag() -> None:
         configs([], {"MLXCEL_GRAMMAR_MASK_TIMEOUT_MS": "0"})
     with pytest.raises(SystemExit):  # a bad flag is one line and status 2
         configs(["--grammar-mask-timeout-ms", "0"])
+
+
+def other_vocabulary_folder(source, folder):
+    """A copy of a model folder's config and tokenizer whose vocabulary swaps two tokens' ids."""
+    import json
+    import shutil
+
+    folder.mkdir()
+    for name in ("config.json", "tokenizer_config.json"):
+        shutil.copy(source / name, folder / name)
+    tokenizer = json.loads((source / "tokenizer.json").read_text())
+    vocabulary = tokenizer["model"]["vocab"]
+    first, second = list(vocabulary)[:2]
+    vocabulary[first], vocabulary[second] = vocabulary[second], vocabulary[first]
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return folder
+
+
+def test_a_draft_of_another_vocabulary_is_refused_at_start_up(tmp_path) -> None:
+    from mlxcel.fixtures import fixture_path
+    from mlxcel.model.draft import check_draft_vocabulary
+    from mlxcel.model.loader import ModelLoadError
+
+    target = fixture_path("llama")
+    other = other_vocabulary_folder(target, tmp_path / "other")
+    check_draft_vocabulary(target, fixture_path("llama", seed=1))  # the same tokenizer passes
+    with pytest.raises(ModelLoadError, match="vocabulary differs"):
+        check_draft_vocabulary(target, other)
+    for draft, needle in ((other, "its tokenizer's vocabulary differs from the model's"),
+                          (tmp_path / "missing", "model folder not found")):
+        result = subprocess.run(
+            [sys.executable, "-m", "mlxcel", "serve", "-m", str(target), "--speculative", "draft",
+             "--draft-model", str(draft)],
+            capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
+        )
+        assert result.returncode == 2, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1, result.stderr
+        assert needle in lines[0]
+
+
+def test_speculative_draft_flags_reach_the_config(tmp_path) -> None:
+    engine, _ = configs(["--speculative", "draft", "--draft-model", str(tmp_path), "--speculative-tokens", "6"])
+    assert (engine.speculative, engine.draft_model, engine.speculative_tokens) == ("draft", tmp_path, 6)
+    engine, _ = configs([], {"MLXCEL_SPECULATIVE": "draft", "MLXCEL_DRAFT_MODEL": str(tmp_path)})
+    assert (engine.speculative, engine.draft_model) == ("draft", tmp_path)
+    assert configs([])[0].draft_model is None
+    with pytest.raises(ConfigError, match="needs --draft-model"):
+        configs(["--speculative", "draft"])

@@ -105,8 +105,13 @@ class DeviceActor:
             from mlxcel.vision.encoder import VisionEncoder
 
             vision = VisionEncoder(loaded.path, loaded.model, mrope=loaded.vision.mrope)
+        draft = None
+        if self._settings.draft_model_path is not None and self._settings.speculative == "draft":
+            from mlxcel.model.draft import load_draft
+
+            draft = load_draft(self._settings.draft_model_path, loaded.tokenizer, prefill_step_size=step)
         worker = StepExecutor(loaded.model, loaded.eos_token_ids, self._settings, loaded.family.model_type,
-                             tokenizer=loaded.tokenizer, adapters=adapters, vision=vision)
+                             tokenizer=loaded.tokenizer, adapters=adapters, vision=vision, draft=draft)
         info = ModelInfo(
             model_id=loaded.model_id,
             path=loaded.path,

@@ -84,9 +84,11 @@ class DeviceSettings:
     ragged_attention: bool = True
     # --grammar-mask-timeout-ms: a constrained row whose mask is later than this in a step ends (None: by backend).
     grammar_mask_timeout_s: float | None = None
-    # --speculative ("ngram" or "off") and --speculative-tokens: see mlxcel/model/speculation.py.
+    # --speculative ("ngram", "draft" or "off") and --speculative-tokens: see mlxcel/model/speculation.py.
     speculative: str = "off"
     speculative_tokens: int = 4
+    # --draft-model (with --speculative draft): loaded by the device thread, handed to the executor.
+    draft_model_path: Path | None = None
 
 
 @attrs.define
@@ -161,7 +163,7 @@ class StepExecutor:
 
     def __init__(
         self, model: Any, eos_token_ids: frozenset[int] | set[int], settings: DeviceSettings, family: str = "",
-        *, tokenizer: Any = None, adapters: LoadedAdapters | None = None, vision: Any = None,
+        *, tokenizer: Any = None, adapters: LoadedAdapters | None = None, vision: Any = None, draft: Any = None,
     ) -> None:
         import mlx.core as mx
         from mlx_lm.generate import BatchGenerator
@@ -197,6 +199,8 @@ class StepExecutor:
         # Proposals made, accepted and verified since start (speculation.py), whatever the resets.
         self.speculation_stats = SpeculationStats()
         self._speculation_seen = SpeculationWork()
+        if settings.speculative == "draft" and draft is None:
+            raise ValueError("--speculative draft needs a draft model (mlxcel.model.draft.load_draft)")
 
         def make_generator(batched: Any) -> Any:
             generator = BatchGenerator(
@@ -206,9 +210,10 @@ class StepExecutor:
                 prefill_batch_size=settings.prefill_batch_size,
                 prefill_step_size=self._step,
             )
-            if settings.speculative == "ngram" and self._plain_kv:
+            if settings.speculative in ("ngram", "draft") and self._plain_kv:
                 install_speculation(generator, num_tokens=settings.speculative_tokens,
-                                    policy=self._speculation_policy, stats=self.speculation_stats)
+                                    policy=self._speculation_policy, stats=self.speculation_stats,
+                                    draft=draft if settings.speculative == "draft" else None)
             return generator
 
         self._make_generator: Callable[[Any], Any] = make_generator

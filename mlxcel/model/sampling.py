@@ -70,6 +70,20 @@ def make_sampler(sampling: SamplingParams) -> Callable[[Any], Any] | None:
     return sample
 
 
+def sampling_probs(logprobs: Any, sampling: SamplingParams) -> Any:
+    """The distribution ``make_sampler`` draws from (filters, then temperature), for speculation's rejection rule."""
+    import mlx.core as mx
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+    if 0 < sampling.top_p < 1.0:
+        logprobs = apply_top_p(logprobs, sampling.top_p)
+    if sampling.min_p > 0:
+        logprobs = apply_min_p(logprobs, sampling.min_p)
+    if 0 < sampling.top_k < logprobs.shape[-1]:
+        logprobs = apply_top_k(logprobs, sampling.top_k)
+    return mx.softmax(logprobs.astype(mx.float32) * (1 / sampling.temperature), axis=-1)
+
+
 def make_sampling(
     sampling: SamplingParams, grammars: Grammars | None = None, sequence_id: int | None = None
 ) -> tuple[Callable[[Any], Any] | None, list[Callable[[Any, Any], Any]] | None]:

@@ -1,17 +1,19 @@
-"""N-gram (prompt-lookup) speculative decoding inside mlx-lm's decode batch, per row.
+"""Speculative decoding inside mlx-lm's decode batch, per row: n-gram (prompt lookup) or a draft model.
 
 ``SpeculativeBatch`` is mlx-lm's ``GenerationBatch`` with one step more: when
 a row's recent tokens occurred earlier in its prompt or reply
-(``mlxcel/core/ngram.py``), the step feeds the batch ``1 + k`` tokens per
+(``mlxcel/core/ngram.py``), or, with a draft model, whenever the row may
+propose (``draft.py``: the draft's greedy or sampled next k tokens, its KV
+per row kept beside the batch), the step feeds the batch ``1 + k`` tokens per
 row (the token in flight, then the proposal, shorter rows padded) in one
 forward pass and keeps, per row, the proposed tokens the target agrees
 with plus one token of its own (the correction, or a bonus after a fully
 accepted run). Greedy: a proposal is accepted while it equals the argmax.
-Sampled: the standard rejection rule for a deterministic draft (accept
-with the target's probability, else sample the target with the proposal
-removed), on the row's sampling distribution as mlxcel's sampler forms it
-(top-p, min-p, top-k, temperature), so outputs are distributed as without
-speculation. Each row's KV then holds exactly its kept tokens: the rows'
+Sampled: the standard rejection rule (``accept_drafts``: accept with
+min(1, p/q), else sample max(p - q, 0); an n-gram proposal is a
+deterministic draft, q one-hot), on the row's sampling distribution as
+mlxcel's sampler forms it (top-p, min-p, top-k, temperature), so outputs
+are distributed as without speculation. Each row's KV then holds exactly its kept tokens: the rows'
 common rejected count is trimmed, the rest rolled into the row's left
 padding (``BatchKVCache.prepare(right_padding=...)``), so ``tokens`` always
 equals what the KV holds.
@@ -36,7 +38,11 @@ from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import BatchKVCache
 
 from mlxcel.core.ngram import NgramIndex
+from mlxcel.model.draft import DraftModel, DraftRequest, DraftRows
+from mlxcel.model.sampling import sampling_probs
 from mlxcel.types import SamplingParams
+
+__all__ = ["SpeculationStats", "SpeculativeBatch", "accept_drafts", "install", "sampling_probs"]
 
 # After a proposal with nothing accepted a row waits 1, 2, 4 .. up to this many steps before
 # proposing again: a row whose text does not repeat stops paying for verify positions.
@@ -50,25 +56,44 @@ class SpeculationStats:
     verify_steps: int = 0
     proposed_tokens: int = 0
     accepted_tokens: int = 0
+    # A draft model's catch-up: context tokens it prefilled for rows joining it, and the seconds that took.
+    draft_prefill_tokens: int = 0
+    draft_prefill_seconds: float = 0.0
 
 
-def accept_drafts(probs: np.ndarray, drafts: Sequence[int], rng: np.random.Generator) -> tuple[int, int]:
-    """The rejection rule for a deterministic draft: (how many of ``drafts`` are accepted, the next token).
+def accept_drafts(probs: np.ndarray, drafts: Sequence[int], rng: np.random.Generator,
+                  draft_probs: np.ndarray | None = None) -> tuple[int, int]:
+    """The rejection rule: (how many of ``drafts`` are accepted, the next token).
 
-    ``probs[j]`` is the target's sampling distribution after the row and
-    ``drafts[:j]`` (``len(drafts) + 1`` rows). Draft ``j`` is accepted with
-    probability ``probs[j, drafts[j]]``; at the first rejection the next
-    token is sampled from ``probs[j]`` without the rejected token,
-    renormalised; after all are accepted, from the last row (the bonus).
-    Each emitted token is then distributed exactly as the target samples it.
+    ``probs[j]`` is the target's sampling distribution p after the row and
+    ``drafts[:j]`` (``len(drafts) + 1`` rows); ``draft_probs[j]`` the
+    distribution q that ``drafts[j]`` was sampled from (None: a
+    deterministic draft, q one-hot at the draft). Draft ``j`` is accepted
+    with probability min(1, p(x) / q(x)); at the first rejection the next
+    token is sampled from max(p - q, 0), renormalised (for a one-hot q: p
+    without the rejected token); after all are accepted, from the last row
+    of p (the bonus). Each emitted token is then distributed exactly as the
+    target samples it.
     """
     for position, draft in enumerate(drafts):
-        row = probs[position]
-        if rng.random() < row[draft]:
+        row = np.asarray(probs[position], dtype=np.float64)
+        q = None if draft_probs is None else np.asarray(draft_probs[position], dtype=np.float64)
+        if q is not None and len(q) != len(row):
+            # A draft whose logits are wider or narrower: tokens past either end have probability 0 there.
+            width = max(len(q), len(row))
+            row, q = np.pad(row, (0, width - len(row))), np.pad(q, (0, width - len(q)))
+        target = row[draft] if draft < len(row) else 0.0
+        chance = target if q is None else min(1.0, target / q[draft]) if q[draft] > 0 else 1.0
+        if rng.random() < chance:
             continue
-        residual = np.array(row, dtype=np.float64)
-        residual[draft] = 0.0
-        return position, _sample(residual, rng)
+        if q is None:
+            residual = row.copy()
+            residual[draft] = 0.0
+        else:
+            residual = np.maximum(row - q, 0.0)
+            if residual.sum() <= 0:
+                residual = row  # p == q up to rounding: a rejection had probability ~0
+        return position, _sample(residual[:len(probs[position])], rng)
     return len(drafts), _sample(np.asarray(probs[len(drafts)], dtype=np.float64), rng)
 
 
@@ -78,17 +103,14 @@ def _sample(weights: np.ndarray, rng: np.random.Generator) -> int:
     return min(index, len(weights) - 1)
 
 
-def sampling_probs(logprobs: Any, sampling: SamplingParams) -> Any:
-    """The distribution mlxcel's sampler draws from (``make_sampler``): filters, then temperature."""
-    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+@attrs.frozen(kw_only=True)
+class _Plan:
+    """A verify step's inputs: every row's token in flight, each row's proposal (empty: none)."""
 
-    if 0 < sampling.top_p < 1.0:
-        logprobs = apply_top_p(logprobs, sampling.top_p)
-    if sampling.min_p > 0:
-        logprobs = apply_min_p(logprobs, sampling.min_p)
-    if 0 < sampling.top_k < logprobs.shape[-1]:
-        logprobs = apply_top_k(logprobs, sampling.top_k)
-    return mx.softmax(logprobs.astype(mx.float32) * (1 / sampling.temperature), axis=-1)
+    pending: list[int]
+    proposals: list[list[int]]
+    # Sampled rows of a draft model: the draft's distribution at each proposed token (row index: q).
+    draft_probs: dict[int, Any] = attrs.Factory(dict)
 
 
 @attrs.define
@@ -103,13 +125,17 @@ class SpeculativeBatch(GenerationBatch):
     """mlx-lm's decode batch, verifying n-gram proposals per row (see the module's docstring)."""
 
     def configure(self, *, num_tokens: int, policy: Callable[[int], SamplingParams | None],
-                  stats: SpeculationStats) -> None:
-        """``policy(uid)``: the row's sampling settings if it may speculate, else None."""
+                  stats: SpeculationStats, draft: DraftModel | None = None) -> None:
+        """``policy(uid)``: the row's sampling settings if it may speculate, else None.
+
+        With ``draft`` the draft model proposes (``draft.py``), else the n-gram index.
+        """
         self.num_speculative = num_tokens
         self.policy = policy
         self.stats = stats
         self._rows: dict[int, _Row] = {}
-        self._plan: tuple[list[int], list[list[int]]] | None = None
+        self._draft = DraftRows(draft, stats) if draft is not None else None
+        self._plan: _Plan | None = None
 
     # --- mlx-lm's entry points -----------------------------------------------------------------
 
@@ -119,7 +145,7 @@ class SpeculativeBatch(GenerationBatch):
         self._plan = self._proposals()
         if self._plan is None:
             return super().next()  # calls _step: mlx-lm's own, pipelined
-        emitted, logprobs = self._verify(*self._plan)
+        emitted, logprobs = self._verify(self._plan)
         self._plan = None
         return self._respond(emitted, logprobs)
 
@@ -128,6 +154,8 @@ class SpeculativeBatch(GenerationBatch):
         present = set(self.uids)
         for uid in [uid for uid in self._rows if uid not in present]:
             del self._rows[uid]
+        if self._draft is not None:
+            self._draft.retain(self.uids)
 
     # --- proposals -----------------------------------------------------------------------------
 
@@ -140,11 +168,11 @@ class SpeculativeBatch(GenerationBatch):
             row = self._rows[uid] = _Row(index=NgramIndex(), rng=rng)
         return row
 
-    def _proposals(self) -> tuple[list[int], list[list[int]]] | None:
+    def _proposals(self) -> _Plan | None:
         """The token in flight of every row and each row's proposal, or None: no row proposes."""
         if self.num_speculative <= 0 or not all(type(cache) is BatchKVCache for cache in self.prompt_cache):
             return None
-        candidates: list[tuple[int, _Row, int]] = []
+        candidates: list[tuple[int, _Row, int, SamplingParams]] = []
         for e, uid in enumerate(self.uids):
             sampling = self.policy(uid)
             if sampling is None or (self.logits_processors and self.logits_processors[e]):
@@ -157,23 +185,37 @@ class SpeculativeBatch(GenerationBatch):
             if row.wait > 0:
                 row.wait -= 1
                 continue
+            if self._draft is not None:
+                candidates.append((e, row, room, sampling))
+                continue
             row.index.catch_up(self.tokens[e])
             # Without the token in flight (not read yet, so the pipeline is kept): is a proposal likely?
             if row.index.propose(1):
-                candidates.append((e, row, room))
+                candidates.append((e, row, room, sampling))
         if not candidates:
             return None
         pending: list[int] = self._next_tokens.tolist()  # type: ignore[union-attr, assignment]
         proposals: list[list[int]] = [[] for _ in self.uids]
-        for e, row, room in candidates:
+        draft_probs: dict[int, Any] = {}
+        if self._draft is not None:
+            requests = [DraftRequest(uid=self.uids[e], room=room, sampling=sampling, rng=row.rng)
+                        for e, row, room, sampling in candidates]
+            drafted = self._draft.propose(self.uids, self.tokens, pending, requests)
+            for e, _row, _room, _sampling in candidates:
+                proposals[e], q = drafted[self.uids[e]]
+                if q is not None:
+                    draft_probs[e] = q
+            return _Plan(pending=pending, proposals=proposals, draft_probs=draft_probs)
+        for e, row, room, _sampling in candidates:
             proposals[e] = row.index.propose(room, pending[e])
         if not any(proposals):
             return None
-        return pending, proposals
+        return _Plan(pending=pending, proposals=proposals)
 
     # --- the verify step -----------------------------------------------------------------------
 
-    def _verify(self, pending: list[int], proposals: list[list[int]]) -> tuple[list[list[int]], list[list[Any]]]:
+    def _verify(self, plan: _Plan) -> tuple[list[list[int]], list[list[Any]]]:
+        pending, proposals = plan.pending, plan.proposals
         width = 1 + max(len(proposal) for proposal in proposals)
         self._current_tokens = self._next_tokens  # type: ignore[assignment]
         self._current_logprobs = self._next_logprobs
@@ -221,6 +263,7 @@ class SpeculativeBatch(GenerationBatch):
                 distributions[e] = sampling_probs(all_logprobs[e, :len(proposal) + 1], sampling)
         mx.eval(inputs, self._current_logprobs, all_logprobs, first_logprobs, list(sampled_first.values()),
                 list(greedy.values()), list(distributions.values()), token_context)
+        accepted_by_uid: dict[int, int] = {}
 
         emitted: list[list[int]] = []
         emitted_logprobs: list[list[Any]] = []
@@ -241,15 +284,20 @@ class SpeculativeBatch(GenerationBatch):
                 else:
                     row = self._rows[self.uids[e]]
                     assert row.rng is not None
-                    accepted, token = accept_drafts(np.asarray(distributions[e]), proposal, row.rng)
+                    q = plan.draft_probs.get(e)
+                    accepted, token = accept_drafts(np.asarray(distributions[e]), proposal, row.rng,
+                                                    None if q is None else np.asarray(q))
                 next_tokens.append(token)
                 next_logprobs.append(all_logprobs[e, accepted])
                 self._account(self.uids[e], len(proposal), accepted)
+                accepted_by_uid[self.uids[e]] = accepted
             emitted.append([pending[e], *proposal[:accepted]])
             emitted_logprobs.append([self._current_logprobs[e], *(all_logprobs[e, j] for j in range(accepted))])
             kept.append(1 + accepted)
         self.stats.verify_steps += 1
         self._keep(width, kept)
+        if self._draft is not None:
+            self._draft.settle(accepted_by_uid)
         for tokens, new in zip(self.tokens, emitted, strict=True):
             tokens.extend(new)
         self._next_tokens = mx.array(next_tokens, dtype=mx.uint32)
@@ -314,12 +362,12 @@ class SpeculativeBatch(GenerationBatch):
 
 
 def install(generator: Any, *, num_tokens: int, policy: Callable[[int], SamplingParams | None],
-            stats: SpeculationStats) -> SpeculativeBatch:
+            stats: SpeculationStats, draft: DraftModel | None = None) -> SpeculativeBatch:
     """Give a fresh ``BatchGenerator`` a speculative decode batch (before any sequence enters it)."""
     current = generator._generation_batch
     if len(current):
         raise RuntimeError("install speculation before any sequence decodes")
     batch = SpeculativeBatch.empty(generator.model, generator.sampler)
-    batch.configure(num_tokens=num_tokens, policy=policy, stats=stats)
+    batch.configure(num_tokens=num_tokens, policy=policy, stats=stats, draft=draft)
     generator._generation_batch = batch
     return batch

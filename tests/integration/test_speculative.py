@@ -104,3 +104,84 @@ async def test_a_hit_after_a_speculative_turn_equals_a_cold_run(speculative_serv
         reference = cold["choices"][0]["logprobs"]["content"]
         for a, b in zip(hot, reference, strict=True):
             assert abs(a["logprob"] - b["logprob"]) < 1e-4
+
+
+# --- --speculative draft ------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["itself", "another"])
+async def draft_server(request, start_engine, start_server):
+    from mlxcel.fixtures import fixture_path
+
+    # The model as its own draft (every greedy proposal holds) and another random-weight model of
+    # the same tokenizer (most are rejected).
+    draft = fixture_path("llama", seed=0 if request.param == "itself" else 1)
+    engine = await start_engine("llama", speculative="draft", draft_model=draft, speculative_tokens=4)
+    return request.param, await start_server(engine)
+
+
+async def test_draft_replies_equal_plain_decoding_with_rows_joining_and_leaving(draft_server) -> None:
+    kind, base_url = draft_server
+    async with httpx.AsyncClient(base_url=base_url) as client:
+        prompt = "the quick brown fox jumps over the lazy dog " * 3
+        plain = await complete(client, prompt=prompt, max_tokens=24, speculative=False)
+        assert (await stats(client))["proposed_tokens"] == 0  # the field is honoured
+        spoken = await complete(client, prompt=prompt, max_tokens=24)
+        same_reply(spoken, plain)
+        after = await stats(client)
+        assert after["mode"] == "draft"
+        assert after["verify_steps"] > 0
+        if kind == "itself":
+            assert after["acceptance_rate"] > 0.9
+        else:
+            assert after["proposed_tokens"] > after["accepted_tokens"]
+        # Rows of different lengths joining and leaving while others speculate, some opted out.
+        results: dict[int, dict] = {}
+
+        async def one(index: int) -> None:
+            await trio.sleep(0.05 * index)
+            results[index] = await complete(client, prompt=PATTERN * (2 + 3 * index), max_tokens=8 + 5 * index,
+                                            speculative=index != 2)
+
+        async with trio.open_nursery() as nursery:
+            for index in range(5):
+                nursery.start_soon(one, index)
+        for index in range(5):
+            same_reply(results[index], await complete(client, prompt=PATTERN * (2 + 3 * index),
+                                                      max_tokens=8 + 5 * index, speculative=False))
+
+
+async def test_a_hit_after_a_draft_speculative_turn_equals_a_cold_run(draft_server) -> None:
+    _kind, base_url = draft_server
+    async with httpx.AsyncClient(base_url=base_url) as client:
+        messages = [{"role": "system", "content": PATTERN * 10}, {"role": "user", "content": "go on"}]
+        body = {"model": "llama-v1-seed0", "temperature": 0, "max_tokens": 32}
+        first = (await client.post("/v1/chat/completions", json={**body, "messages": messages}, timeout=300)).json()
+        assert (await stats(client))["proposed_tokens"] > 0
+        follow_up = [*messages, {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "again"}]
+        request = {**body, "messages": follow_up, "logprobs": True, "top_logprobs": 5, "max_tokens": 8,
+                   "speculative": False}
+        cached = (await client.post("/v1/chat/completions", json=request, timeout=300)).json()
+        cold = (await client.post("/v1/chat/completions", json={**request, "cache_prompt": False},
+                                  timeout=300)).json()
+        assert cached["usage"]["prompt_tokens_details"]["cached_tokens"] > first["usage"]["prompt_tokens"] // 2
+        assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert cached["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
+        for a, b in zip(cached["choices"][0]["logprobs"]["content"], cold["choices"][0]["logprobs"]["content"],
+                        strict=True):
+            assert abs(a["logprob"] - b["logprob"]) < 1e-4
+            for x, y in zip(a["top_logprobs"], b["top_logprobs"], strict=True):
+                assert x["token"] == y["token"]
+                assert abs(x["logprob"] - y["logprob"]) < 1e-4
+
+
+async def test_sampled_replies_with_a_draft_keep_their_seed(draft_server) -> None:
+    # A seeded sampled request twice: the same reply (the draft's own draws come from the row's seed too).
+    _kind, base_url = draft_server
+    async with httpx.AsyncClient(base_url=base_url) as client:
+        body = {"prompt": PATTERN * 4, "max_tokens": 16, "temperature": 0.9, "top_p": 0.95, "seed": 7}
+        first = await complete(client, **body)
+        second = await complete(client, **body)
+        assert first["choices"][0]["text"] == second["choices"][0]["text"]
+        assert (await stats(client))["verify_steps"] > 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -18,6 +19,7 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache
 
+from mlxcel.model.draft import DraftModel
 from mlxcel.model.sampling import make_sampler
 from mlxcel.model.speculation import SpeculationStats, accept_drafts, install, sampling_probs
 from mlxcel.types import SamplingParams
@@ -91,11 +93,21 @@ TABLE = np.log(np.array([
 ]))
 
 
+# A draft that disagrees with the chain often: its proposals are sometimes rejected.
+DRAFT_TABLE = np.log(np.array([
+    [0.10, 0.30, 0.40, 0.10, 0.10],
+    [0.05, 0.05, 0.30, 0.50, 0.10],
+    [0.50, 0.20, 0.10, 0.10, 0.10],
+    [0.60, 0.10, 0.10, 0.10, 0.10],
+    [0.10, 0.50, 0.20, 0.10, 0.10],
+]))
+
+
 class MarkovModel:
     """Logits that depend on the input token only; one cache layer, so the batch's KV bookkeeping is real."""
 
-    def __init__(self) -> None:
-        self.table = mx.array(TABLE, dtype=mx.float32)
+    def __init__(self, table: np.ndarray = TABLE) -> None:
+        self.table = mx.array(table, dtype=mx.float32)
         self.widths: list[int] = []
 
     def make_cache(self) -> list[Any]:
@@ -123,27 +135,57 @@ def assert_kv_holds_the_tokens(batch: Any) -> None:
         assert int(cache.offset[row].item()) == cache._idx - padding[row]
 
 
-def chain_probabilities(sampling: SamplingParams) -> np.ndarray:
-    return np.asarray(sampling_probs(mx.array(TABLE, dtype=mx.float32), sampling))
+def assert_draft_kv_holds_a_prefix(batch: Any) -> None:
+    """The draft's KV of each member row is the first tokens of the row, as many as it says it holds."""
+    draft = getattr(batch, "_draft", None)
+    if draft is None or draft.cache is None:
+        return
+    (cache,) = draft.cache
+    padding = cache.left_padding.tolist()
+    keys = np.asarray(cache.keys[:, 0, :cache._idx, 0]).astype(int)
+    rows = dict(zip(batch.uids, batch.tokens, strict=True))
+    assert set(draft.members) <= set(rows)
+    for m, uid in enumerate(draft.members):
+        held = draft.held[uid]
+        assert cache._idx - padding[m] == held
+        assert keys[m, padding[m]:].tolist() == rows[uid][:held]
 
 
-def run_chain(sampling: SamplingParams, *, rows: int, length: int, speculate: bool,
-              stats: SpeculationStats) -> tuple[list[tuple[int, ...]], MarkovModel]:
+def chain_probabilities(sampling: SamplingParams, table: np.ndarray = TABLE) -> np.ndarray:
+    return np.asarray(sampling_probs(mx.array(table, dtype=mx.float32), sampling))
+
+
+def run_chain(sampling: SamplingParams, *, rows: int, length: int | list[int], speculate: bool,
+              stats: SpeculationStats, draft: MarkovModel | None = None,
+              later: int = 0) -> tuple[list[tuple[int, ...]], MarkovModel]:
+    """``rows`` replies of ``length`` tokens each (or one length a row); ``later`` rows join after 3 steps."""
     model = MarkovModel()
     generator = BatchGenerator(model, stop_tokens=[], completion_batch_size=rows, prefill_batch_size=rows,
                                prefill_step_size=64)
     if speculate:
-        install(generator, num_tokens=4, policy=lambda uid: sampling, stats=stats)
-    prompt = [0, 1, 2, 0, 1, 2, 0, 1]
-    uids = generator.insert([prompt] * rows, max_tokens=[length] * rows,
-                            samplers=[make_sampler(sampling) for _ in range(rows)])
+        drafting = None if draft is None else DraftModel(model=draft, path=Path("draft"), prefill_step_size=3)
+        install(generator, num_tokens=4, policy=lambda uid: sampling, stats=stats, draft=drafting)
+    lengths = length if isinstance(length, list) else [length] * rows
+    # Prompts of different lengths, all ending with 1 (the chain tests count on it).
+    prompts = [[0, 1, 2, 0, 1, 2, 0, 1][3 * (row % 3):] for row in range(rows)]
+    first = rows - later
+    uids = generator.insert(prompts[:first], max_tokens=lengths[:first],
+                            samplers=[make_sampler(sampling) for _ in range(first)])
     replies: dict[int, list[int]] = {uid: [] for uid in uids}
-    while len(replies) > sum(1 for reply in replies.values() if len(reply) == length) or not any(replies.values()):
+    steps = 0
+    while True:
         _prompt_responses, responses = generator.next()
+        steps += 1
         for response in responses:
             replies[response.uid].append(response.token)
         assert_kv_holds_the_tokens(generator._generation_batch)
-        if all(len(reply) == length for reply in replies.values()):
+        assert_draft_kv_holds_a_prefix(generator._generation_batch)
+        if steps == 3 and later:
+            joined = generator.insert(prompts[first:], max_tokens=lengths[first:],
+                                      samplers=[make_sampler(sampling) for _ in range(later)])
+            uids.extend(joined)
+            replies.update({uid: [] for uid in joined})
+        if len(uids) == rows and all(len(replies[uid]) == lengths[i] for i, uid in enumerate(uids)):
             break
     generator.close()
     return [tuple(replies[uid]) for uid in uids], model
@@ -200,3 +242,125 @@ def test_greedy_replies_and_kv_with_speculation_equal_plain_decoding() -> None:
     assert stats.verify_steps > 0
     assert stats.accepted_tokens > 0
     assert len(model.widths) < 12  # fewer passes than tokens
+
+
+# --- a draft model ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("drafts", [[0], [2, 1], [3, 3, 0]])
+def test_the_rule_with_a_stochastic_draft_keeps_the_target_distribution(drafts: list[int]) -> None:
+    rng = np.random.default_rng(2)
+    vocabulary = 4
+    probs = rng.dirichlet(np.ones(vocabulary), size=len(drafts) + 1)
+    draft_probs = rng.dirichlet(np.ones(vocabulary), size=len(drafts))
+    trials = 20000
+    counts = np.zeros(vocabulary)
+    accepted_first = 0
+    for _ in range(trials):
+        # The draft samples its tokens from q, as a stochastic draft does; the fixed list only sets the length.
+        sampled = [int(rng.choice(vocabulary, p=row)) for row in draft_probs]
+        accepted, token = accept_drafts(probs, sampled, rng, draft_probs)
+        counts[sampled[0] if accepted else token] += 1
+        accepted_first += accepted > 0
+    assert chi_square_p_value(counts, probs[0] * trials) > 1e-3
+    # The first draft is accepted with probability sum(min(p, q)).
+    expected = np.minimum(probs[0], draft_probs[0]).sum()
+    assert abs(accepted_first / trials - expected) < 4 * math.sqrt(expected * (1 - expected) / trials)
+
+
+def test_the_rule_with_q_one_hot_is_the_deterministic_rule() -> None:
+    probs = np.array([[0.2, 0.5, 0.3], [0.6, 0.1, 0.3]])
+    one_hot = np.array([[0.0, 1.0, 0.0]])
+    for seed in range(50):
+        assert (accept_drafts(probs, [1], np.random.default_rng(seed), one_hot)
+                == accept_drafts(probs, [1], np.random.default_rng(seed)))
+
+
+def test_the_rule_pads_a_draft_of_another_width() -> None:
+    # A draft whose logits are one wider: its extra token has target probability 0 and is always rejected.
+    probs = np.array([[0.5, 0.5], [0.5, 0.5]])
+    draft_probs = np.array([[0.0, 0.0, 1.0]])
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        accepted, token = accept_drafts(probs, [2], rng, draft_probs)
+        assert accepted == 0
+        assert token in (0, 1)
+
+
+@pytest.mark.parametrize("draft_table", [TABLE, DRAFT_TABLE], ids=["itself", "another"])
+def test_greedy_replies_with_a_draft_model_equal_plain_decoding(draft_table: np.ndarray) -> None:
+    greedy = SamplingParams(temperature=0.0)
+    stats = SpeculationStats()
+    # Rows of different prompt and reply lengths, two joining mid-speculation: rows leave and join.
+    lengths = [12, 7, 15, 9, 11]
+    plain, _ = run_chain(greedy, rows=5, length=lengths, speculate=False, stats=stats, later=2)
+    spoken, model = run_chain(greedy, rows=5, length=lengths, speculate=True, stats=stats,
+                              draft=MarkovModel(draft_table), later=2)
+    assert spoken == plain
+    assert stats.verify_steps > 0
+    if draft_table is TABLE:
+        assert stats.accepted_tokens == stats.proposed_tokens  # its own draft: every proposal holds
+    else:
+        assert 0 < stats.accepted_tokens < stats.proposed_tokens
+
+
+def test_sampled_self_draft_accepts_everything() -> None:
+    # p == q: min(1, p / q) is 1, so every drafted token is accepted.
+    sampling = SamplingParams(temperature=0.8, top_k=4)
+    stats = SpeculationStats()
+    run_chain(sampling, rows=4, length=10, speculate=True, stats=stats, draft=MarkovModel())
+    assert stats.proposed_tokens > 0
+    assert stats.accepted_tokens == stats.proposed_tokens
+
+
+@pytest.mark.slow  # about a minute: 2,000 replies through mlx-lm's batch
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=3),
+])
+def test_sampled_replies_with_a_stochastic_draft_follow_the_chain(sampling: SamplingParams) -> None:
+    mx.random.seed(0)
+    length = 6
+    stats = SpeculationStats()
+    replies: list[tuple[int, ...]] = []
+    for _ in range(4):
+        batch, _model = run_chain(sampling, rows=500, length=length, speculate=True, stats=stats,
+                                  draft=MarkovModel(DRAFT_TABLE))
+        replies.extend(batch)
+    assert stats.verify_steps > 0
+    assert 0 < stats.accepted_tokens < stats.proposed_tokens
+    probs = chain_probabilities(sampling)
+    transitions = np.zeros((VOCABULARY, VOCABULARY))
+    for reply in replies:
+        for previous, token in itertools.pairwise((1, *reply)):
+            transitions[previous, token] += 1
+    expected_transitions = transitions.sum(axis=1, keepdims=True) * probs
+    assert chi_square_p_value(transitions.ravel(), expected_transitions.ravel()) > 1e-3
+
+
+def test_a_draft_never_proposes_ids_past_the_tokenizer() -> None:
+    # The draft's table prefers token 4, which the "tokenizer" (ids below 4) does not have.
+    table = np.log(np.full((VOCABULARY, VOCABULARY), 0.05))
+    table[:, 4] = 0.0
+    draft = DraftModel(model=MarkovModel(table), path=Path("draft"), prefill_step_size=3, id_limit=4)
+    model = MarkovModel()
+    generator = BatchGenerator(model, stop_tokens=[], completion_batch_size=2, prefill_batch_size=2,
+                               prefill_step_size=64)
+    stats = SpeculationStats()
+    install(generator, num_tokens=3, policy=lambda uid: SamplingParams(temperature=0.0), stats=stats, draft=draft)
+    generator.insert([[0, 1, 2], [2, 1]], max_tokens=[8, 8])
+    proposed: list[list[int]] = []
+    batch = generator._generation_batch
+    original = batch._draft.propose
+
+    def spy(*args: Any) -> Any:
+        result = original(*args)
+        proposed.extend(proposal for proposal, _q in result.values())
+        return result
+
+    batch._draft.propose = spy
+    for _ in range(6):
+        generator.next()
+    generator.close()
+    assert proposed
+    assert all(token < 4 for proposal in proposed for token in proposal)
