@@ -99,7 +99,7 @@ def give_back_freed_heap() -> None:
 
     The llguidance tokenizer's build, on a worker thread, frees about 150 MiB of scratch (a 150k-token
     vocabulary) in that thread's malloc arena, which glibc keeps: idle RSS +150 MiB over the 114 MiB
-    the tables hold. Trimming once there takes ~12 ms (docs/benchmarks.md, issue 32).
+    the tables hold. A trim takes ~12 ms (docs/benchmarks.md, issue 32).
     """
     trim = _malloc_trim()
     if trim is not None:
@@ -118,6 +118,9 @@ def llguidance_tokenizer(tokenizer: Any, eos_token_ids: tuple[int, ...]) -> Any:
         found = _LL_TOKENIZERS.get(key)
         if found is not None:
             return found
+    # Trimmed before as well: the build's scratch goes to a thread's arena, so what the main one holds free
+    # would otherwise sit under the build's peak (start-up peak -145 MiB on the fixture's vocabulary).
+    give_back_freed_heap()
     built = from_tokenizer(hf_tokenizer, eos_token=list(eos_token_ids) or None)
     give_back_freed_heap()
     with _LL_TOKENIZERS_LOCK:
