@@ -12,6 +12,8 @@ and, with ``PROBE_TIMING=1``, the durations of the request path's stages
     # idle RSS: each variant started alone, in turn (order reversed every other round)
     python benchmarks/tree_compare.py idle --model-path DIR --rounds 3 \\
         before=/tmp/before after=. 'after_notrim=.|PROBE_NO_TRIM=1' 'after_nollg=.|PROBE_NO_LLG=1'
+    # start-up peak, idle and workload peak RSS (sampled every 50 ms; the workload is `mlxcel bench`'s default)
+    python benchmarks/tree_compare.py peak --model-path DIR --rounds 2 before=/tmp/before32 after=.
     # cold turn-0 TTFT: both servers side by side, one request at a time, alternating which goes first
     python benchmarks/tree_compare.py ttft --model-path DIR --requests 200 --before /tmp/before --after .
 
@@ -237,6 +239,52 @@ def idle(args: argparse.Namespace) -> None:
     print(f"load average {os.getloadavg()}")
 
 
+def peak(args: argparse.Namespace) -> None:
+    variants = [_variant(spec) for spec in args.variants]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    port = args.port
+    print(f"load average {os.getloadavg()}")
+    for round_number in range(args.rounds):
+        for name, tree, env in (variants if round_number % 2 == 0 else variants[::-1]):
+            port += 1
+            out = out_dir / f"{name}.{round_number}"
+            process = _start(tree, args.model_path, port, out, env)
+            samples: list[tuple[float, float]] = []
+            stop = threading.Event()
+
+            def sample(pid: int = process.pid, into: list[tuple[float, float]] = samples,
+                       stopped: threading.Event = stop) -> None:
+                while not stopped.wait(0.05):
+                    try:
+                        status = Path(f"/proc/{pid}/status").read_text()
+                    except OSError:
+                        continue
+                    line = next(line for line in status.splitlines() if line.startswith("VmRSS:"))
+                    into.append((time.perf_counter(), int(line.split()[1]) / 1024))
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+            try:
+                _wait_ready(port, process)
+                ready = time.perf_counter()
+                time.sleep(args.settle)
+                idle_mib = samples[-1][1]
+                subprocess.run([sys.executable, "-m", "mlxcel", "bench", "--url", f"http://127.0.0.1:{port}",
+                                "--model-path", args.model_path, "--no-floor", "--quiet", "--out", str(out) + "_bench"],
+                               cwd=HERE.parents[1], env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True,
+                               check=True)
+            finally:
+                stop.set()
+                sampler.join()
+                _stop(process)
+            start_peak = max(mib for at, mib in samples if at < ready)
+            work_peak = max(mib for at, mib in samples if at >= ready)
+            print(f"{name:16s} start-up peak {start_peak:6.0f} MiB  idle {idle_mib:6.0f}  workload peak {work_peak:6.0f}",
+                  flush=True)
+    print(f"load average {os.getloadavg()}")
+
+
 def _chat(client: Any, port: int, model_id: str, system: str, user: str) -> tuple[float, float, dict[str, Any]]:
     body = {"model": model_id, "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
             "max_tokens": 16, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
@@ -320,7 +368,7 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    for name in ("idle", "ttft"):
+    for name in ("idle", "peak", "ttft"):
         command = commands.add_parser(name)
         command.add_argument("--model-path", required=True)
         command.add_argument("--out", default=f"/tmp/tree_compare_{name}")
@@ -328,6 +376,9 @@ def main() -> None:
     commands.choices["idle"].add_argument("--rounds", type=int, default=3)
     commands.choices["idle"].add_argument("--settle", type=float, default=8.0, help="seconds after ready")
     commands.choices["idle"].add_argument("variants", nargs="+", help="NAME=TREE[|ENV=VALUE,...]")
+    commands.choices["peak"].add_argument("--rounds", type=int, default=2)
+    commands.choices["peak"].add_argument("--settle", type=float, default=2.0, help="seconds after ready")
+    commands.choices["peak"].add_argument("variants", nargs="+", help="NAME=TREE[|ENV=VALUE,...]")
     ttft_command = commands.choices["ttft"]
     ttft_command.add_argument("--before", required=True)
     ttft_command.add_argument("--after", default=".")
@@ -336,7 +387,7 @@ def main() -> None:
     ttft_command.add_argument("--user-words", type=int, default=100)
     ttft_command.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    {"idle": idle, "ttft": ttft}[args.command](args)
+    {"idle": idle, "peak": peak, "ttft": ttft}[args.command](args)
 
 
 if __name__ == "__main__":
