@@ -219,15 +219,7 @@ class DraftRows:
         fed = self._extra_fed
         self._extra_fed = 0
         kept = [min(accepted.get(uid, 0), fed) for uid in self.members]
-        rejected = [fed - count for count in kept]
-        common = min(rejected)
-        extra = [count - common for count in rejected]
-        for cache in self.cache:
-            if common:
-                cache.trim(common)
-            if any(extra):
-                cache.prepare(right_padding=extra)
-                cache.finalize()
+        keep_written(self.cache, fed, kept)
         for uid, count in zip(self.members, kept, strict=True):
             self.held[uid] += count
 
@@ -253,3 +245,20 @@ class DraftRows:
                 cache.extend(other)
         self.members.append(uid)
         self.held[uid] = len(tokens)
+
+
+def keep_written(caches: Any, width: int, kept: list[int]) -> None:
+    """Each row of these batch caches keeps its first ``kept`` of the ``width`` positions just written.
+
+    The rows' common rejected count is trimmed; the rest is rolled into each
+    row's left padding (mlx-lm's ``BatchKVCache.prepare(right_padding=...)``).
+    """
+    rejected = [width - count for count in kept]
+    common = min(rejected)
+    extra = [count - common for count in rejected]
+    for cache in caches:
+        if common:
+            cache.trim(common)
+        if any(extra):
+            cache.prepare(right_padding=extra)
+            cache.finalize()

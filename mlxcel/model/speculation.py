@@ -38,7 +38,7 @@ from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import BatchKVCache
 
 from mlxcel.core.ngram import NgramIndex
-from mlxcel.model.draft import DraftModel, DraftRequest, DraftRows
+from mlxcel.model.draft import DraftModel, DraftRequest, DraftRows, keep_written
 from mlxcel.model.sampling import sampling_probs
 from mlxcel.types import SamplingParams
 
@@ -316,15 +316,7 @@ class SpeculativeBatch(GenerationBatch):
 
     def _keep(self, width: int, kept: list[int]) -> None:
         """Each row's KV keeps its first ``kept`` of the ``width`` positions just written."""
-        rejected = [width - count for count in kept]
-        common = min(rejected)
-        extra = [count - common for count in rejected]
-        for cache in self.prompt_cache:
-            if common:
-                cache.trim(common)
-            if any(extra):
-                cache.prepare(right_padding=extra)
-                cache.finalize()
+        keep_written(self.prompt_cache, width, kept)
 
     def _respond(self, emitted: list[list[int]], logprobs: list[list[Any]]) -> list[Any]:
         """mlx-lm's ``next`` over several tokens per row: one response per token, none after a row's end."""
