@@ -28,6 +28,7 @@ Only the device thread uses it, and only for plain KV caches.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import BatchKVCache
 
 from mlxcel.core.ngram import NgramIndex
+from mlxcel.core.speculation_gate import SpeculationGate
 from mlxcel.model.draft import DraftModel, DraftRequest, DraftRows, keep_written
 from mlxcel.model.sampling import sampling_probs
 from mlxcel.types import SamplingParams
@@ -136,17 +138,30 @@ class SpeculativeBatch(GenerationBatch):
         self._rows: dict[int, _Row] = {}
         self._draft = DraftRows(draft, stats) if draft is not None else None
         self._plan: _Plan | None = None
+        self.gate = SpeculationGate()
+        # The step before this one: (rows, verified, tokens emitted, when it began).
+        self._previous_step: tuple[int, bool, int, float] | None = None
 
     # --- mlx-lm's entry points -----------------------------------------------------------------
 
     def next(self) -> list[Any]:
         if not self.uids:
+            self._previous_step = None
             return []
+        began = time.perf_counter()
+        previous = self._previous_step
+        if previous is not None and previous[0] == len(self.uids):
+            # Wall time until this step: the step itself, and the host's work around it (a plain step
+            # is pipelined, so its time shows here). Steps where rows joined or left are not counted.
+            self.gate.record(previous[0], verified=previous[1], tokens=previous[2], seconds=began - previous[3])
         self._plan = self._proposals()
         if self._plan is None:
-            return super().next()  # calls _step: mlx-lm's own, pipelined
+            responses = super().next()  # calls _step: mlx-lm's own, pipelined
+            self._previous_step = (len(self.uids), False, len(responses), began)
+            return responses
         emitted, logprobs = self._verify(self._plan)
         self._plan = None
+        self._previous_step = (len(self.uids), True, sum(len(tokens) for tokens in emitted), began)
         return self._respond(emitted, logprobs)
 
     def filter(self, keep: list[int]) -> None:
@@ -193,6 +208,11 @@ class SpeculativeBatch(GenerationBatch):
             if row.index.propose(1):
                 candidates.append((e, row, room, sampling))
         if not candidates:
+            return None
+        # A seeded sampled row's tokens depend on which steps verify: for its replies to repeat, that must
+        # not depend on the gate's timings, so such a row verifies whenever it proposes.
+        seeded = any(sampling.temperature != 0 and sampling.seed is not None for *_rest, sampling in candidates)
+        if not seeded and not self.gate.should_verify(len(self.uids)):
             return None
         pending: list[int] = self._next_tokens.tolist()  # type: ignore[union-attr, assignment]
         proposals: list[list[int]] = [[] for _ in self.uids]

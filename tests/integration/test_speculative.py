@@ -13,6 +13,16 @@ import trio
 
 pytestmark = pytest.mark.slow
 
+
+@pytest.fixture(autouse=True)
+def gate_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step with proposals verifies: these tests are about what a verify step gives, not about when
+    the gate (mlxcel/core/speculation_gate.py, measured wall times) lets one run."""
+    from mlxcel.core.speculation_gate import SpeculationGate
+
+    monkeypatch.setattr(SpeculationGate, "should_verify", lambda gate, batch_size: True)
+
+
 PATTERN = "alpha beta gamma delta alpha beta gamma epsilon "
 
 
@@ -185,3 +195,26 @@ async def test_sampled_replies_with_a_draft_keep_their_seed(draft_server) -> Non
         second = await complete(client, **body)
         assert first["choices"][0]["text"] == second["choices"][0]["text"]
         assert (await stats(client))["verify_steps"] > 0
+
+
+async def test_a_closed_gate_decodes_plainly_but_a_seeded_sampled_row_still_verifies(
+        speculative_server, monkeypatch) -> None:
+    """Where verify steps lose to plain ones the gate stops them: greedy replies stay those of plain decoding
+    and no step verifies; a seeded sampled request verifies whatever the gate says, so it repeats."""
+    from mlxcel.core.speculation_gate import SpeculationGate
+
+    monkeypatch.setattr(SpeculationGate, "should_verify", lambda gate, batch_size: False)
+    _engine, base_url = speculative_server
+    async with httpx.AsyncClient(base_url=base_url) as client:
+        prompt = PATTERN * 12
+        before = (await stats(client))["verify_steps"]
+        spoken = await complete(client, prompt=prompt, max_tokens=24)
+        plain = await complete(client, prompt=prompt, max_tokens=24, speculative=False)
+        same_reply(spoken, plain)
+        assert (await stats(client))["verify_steps"] == before
+        # Sampled, but cool enough to repeat the pattern as greedy decoding does (so rows propose).
+        body = {"prompt": prompt, "max_tokens": 16, "temperature": 0.05, "seed": 7}
+        first = await complete(client, **body)
+        second = await complete(client, **body)
+        assert first["choices"][0]["text"] == second["choices"][0]["text"]
+        assert (await stats(client))["verify_steps"] > before

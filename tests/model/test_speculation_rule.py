@@ -25,6 +25,15 @@ from mlxcel.model.speculation import SpeculationStats, accept_drafts, install, s
 from mlxcel.types import SamplingParams
 
 
+@pytest.fixture(autouse=True)
+def gate_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step with proposals verifies: these tests are about what a verify step gives, not about when
+    the gate (mlxcel/core/speculation_gate.py, measured wall times) lets one run."""
+    from mlxcel.core.speculation_gate import SpeculationGate
+
+    monkeypatch.setattr(SpeculationGate, "should_verify", lambda gate, batch_size: True)
+
+
 def chi_square_p_value(observed: np.ndarray, expected: np.ndarray) -> float:
     """Pearson's test, cells with expected count under 5 pooled (Wilson-Hilferty approximation)."""
     small = expected < 5
