@@ -64,8 +64,8 @@ class SpeculationGate:
             return True
         if rates.plain_steps < WARM_STEPS:
             return False
-        assert rates.plain is not None and rates.verify is not None, "measured"
-        if rates.verify >= rates.plain:
+        plain, verify = rates.plain or 0.0, rates.verify or 0.0  # both measured by now
+        if verify >= plain:
             return True
         rates.skipped += 1
         if rates.skipped >= EXPLORE_EVERY:
