@@ -104,3 +104,18 @@ def test_same_prompt_same_logits(loaded_model) -> None:
     first = loaded.model(ids)
     second = loaded.model(ids)
     assert mx.array_equal(first, second).item()
+
+
+@pytest.mark.slow
+def test_a_lora_fixture_is_the_same_bytes_each_time_it_is_written(tmp_path) -> None:
+    """Its lora_a came unseeded from mlx-lm's layer init: two machines (or two cache folders) held different
+    adapters under one name, and one draw made two configurations answer alike."""
+    from mlxcel.fixtures import fixture_path
+    from mlxcel.fixtures.text import write_lora_fixture
+
+    first = write_lora_fixture(fixture_path("llama"), tmp_path / "first", seed=1)
+    mx.random.seed(12345)  # whatever the generator held before
+    second = write_lora_fixture(fixture_path("llama"), tmp_path / "second", seed=1)
+    assert (first / "adapters.safetensors").read_bytes() == (second / "adapters.safetensors").read_bytes()
+    other = write_lora_fixture(fixture_path("llama"), tmp_path / "other", seed=2)
+    assert (other / "adapters.safetensors").read_bytes() != (first / "adapters.safetensors").read_bytes()
