@@ -96,6 +96,24 @@ def workload_prompts(name: str, tokenizer: Any, streams: int, file_lines: int = 
 
 def run(loaded: Any, model_path: Path, prompts: list[tuple[int, ...]], *, speculative: str, tokens: int,
         reply_tokens: int, step_size: int, draft: Any = None) -> dict[str, Any]:
+    """One workload under ``speculative`` (off, ngram, draft; "-open": the gate held open, as before it)."""
+    from mlxcel.core.speculation_gate import SpeculationGate
+
+    if not speculative.endswith("-open"):
+        return _run(loaded, model_path, prompts, speculative=speculative, tokens=tokens,
+                    reply_tokens=reply_tokens, step_size=step_size, draft=draft)
+    measured = SpeculationGate.should_verify
+    SpeculationGate.should_verify = lambda gate, batch_size: True  # type: ignore[method-assign]
+    try:
+        result = _run(loaded, model_path, prompts, speculative=speculative.removesuffix("-open"), tokens=tokens,
+                      reply_tokens=reply_tokens, step_size=step_size, draft=draft)
+    finally:
+        SpeculationGate.should_verify = measured  # type: ignore[method-assign]
+    return {**result, "speculative": speculative}
+
+
+def _run(loaded: Any, model_path: Path, prompts: list[tuple[int, ...]], *, speculative: str, tokens: int,
+         reply_tokens: int, step_size: int, draft: Any = None) -> dict[str, Any]:
     from mlxcel.core.plan import Capabilities
     from mlxcel.core.scheduler import NewRequest, SchedulerCore
     from mlxcel.model.executor import DeviceSettings, StepExecutor
@@ -153,12 +171,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4, help="--speculative-tokens")
     parser.add_argument("--prefill-step-size", type=int, default=512)
     parser.add_argument("--file-lines", type=int, default=330, help="the edit workload's file (330: ~2.8k tokens)")
-    parser.add_argument("--modes", default="ngram", help="speculative modes run against off: ngram, draft")
+    parser.add_argument("--modes", default="ngram",
+                        help="speculative modes run against off: ngram, draft, and either with -open (the gate held "
+                             "open: every step with proposals verifies, as before the gate)")
     parser.add_argument("--draft-model", type=Path, help="--speculative draft's model (same tokenizer)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     modes = args.modes.split(",")
-    if "draft" in modes and args.draft_model is None:
+    if any(mode.startswith("draft") for mode in modes) and args.draft_model is None:
         parser.error("--modes draft needs --draft-model")
 
     from mlxcel.blas import load_optimized_blas_in_process
@@ -170,7 +190,7 @@ def main() -> None:
 
     loaded = load_model(args.model_path)
     draft = None
-    if "draft" in modes:
+    if any(mode.startswith("draft") for mode in modes):
         from mlxcel.model.draft import load_draft
 
         draft = load_draft(args.draft_model, loaded.tokenizer, prefill_step_size=args.prefill_step_size)
