@@ -53,9 +53,6 @@ PREFILL_RATE_MIN_TOKENS = 128
 # Token positions (rows x padded length) of one batched pass of cold starts: their logits are
 # rows x length x vocabulary (4,096 x 128k bf16 is 1 GiB), so larger waves take several passes.
 COLD_GROUP_POSITIONS = 4096
-# Key positions (rows x kept plus run length) of one batched pass of hits: the rows' prefixes are
-# copied into one buffer per layer (131,072 positions of an 8B model's KV are 16 GiB).
-HIT_GROUP_KV_POSITIONS = 131072
 
 
 @attrs.frozen(kw_only=True)
@@ -635,9 +632,8 @@ class StepExecutor:
         at its own last token, and its cache keeps only its own rows.
         """
         width = max(len(start.cached_tokens) - kept + len(start.prompt_tokens) + start.padding for start in starts)
+        # What hits keep in all is bounded by the core (placement.SHARED_HIT_KEPT_TOKENS).
         rows = max(1, COLD_GROUP_POSITIONS // max(width, 1))
-        if kept:
-            rows = min(rows, max(1, HIT_GROUP_KV_POSITIONS // (kept + width)))
         begun: list[_DirectStart] = []
         for first in range(0, len(starts), rows):
             begun.extend(self._start_shared_rows(starts[first:first + rows], kept, width))

@@ -93,13 +93,14 @@ async def test_replies_equal_plain_decoding_with_limits_and_stops(speculative_se
                                                       speculative=False))
 
 
-async def test_a_hit_after_a_speculative_turn_equals_a_cold_run(speculative_server) -> None:
-    engine, base_url = speculative_server
+async def assert_a_hit_after_a_speculative_turn_equals_a_cold_run(base_url: str, model: str, counter: str) -> None:
+    """A speculative turn (its ``counter`` in the stats goes up), then its follow-up: a hit on that turn's
+    stored KV answers as a cold run (replies, logprobs and top logprobs within 1e-4)."""
     async with httpx.AsyncClient(base_url=base_url) as client:
         messages = [{"role": "system", "content": PATTERN * 10}, {"role": "user", "content": "go on"}]
-        body = {"model": engine.model_id, "temperature": 0, "max_tokens": 32}
+        body = {"model": model, "temperature": 0, "max_tokens": 32}
         first = (await client.post("/v1/chat/completions", json={**body, "messages": messages}, timeout=300)).json()
-        assert (await stats(client))["accepted_tokens"] > 0
+        assert (await stats(client))[counter] > 0
         follow_up = [*messages, {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
                      {"role": "user", "content": "again"}]
         request = {**body, "messages": follow_up, "logprobs": True, "top_logprobs": 5, "max_tokens": 8,
@@ -110,10 +111,17 @@ async def test_a_hit_after_a_speculative_turn_equals_a_cold_run(speculative_serv
         assert cached["usage"]["prompt_tokens_details"]["cached_tokens"] > first["usage"]["prompt_tokens"] // 2
         assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert cached["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
-        hot = cached["choices"][0]["logprobs"]["content"]
-        reference = cold["choices"][0]["logprobs"]["content"]
-        for a, b in zip(hot, reference, strict=True):
+        for a, b in zip(cached["choices"][0]["logprobs"]["content"], cold["choices"][0]["logprobs"]["content"],
+                        strict=True):
             assert abs(a["logprob"] - b["logprob"]) < 1e-4
+            for x, y in zip(a["top_logprobs"], b["top_logprobs"], strict=True):
+                assert x["token"] == y["token"]
+                assert abs(x["logprob"] - y["logprob"]) < 1e-4
+
+
+async def test_a_hit_after_a_speculative_turn_equals_a_cold_run(speculative_server) -> None:
+    engine, base_url = speculative_server
+    await assert_a_hit_after_a_speculative_turn_equals_a_cold_run(base_url, engine.model_id, "accepted_tokens")
 
 
 # --- --speculative draft ------------------------------------------------------------------------
@@ -163,27 +171,7 @@ async def test_draft_replies_equal_plain_decoding_with_rows_joining_and_leaving(
 
 async def test_a_hit_after_a_draft_speculative_turn_equals_a_cold_run(draft_server) -> None:
     _kind, base_url = draft_server
-    async with httpx.AsyncClient(base_url=base_url) as client:
-        messages = [{"role": "system", "content": PATTERN * 10}, {"role": "user", "content": "go on"}]
-        body = {"model": "llama-v1-seed0", "temperature": 0, "max_tokens": 32}
-        first = (await client.post("/v1/chat/completions", json={**body, "messages": messages}, timeout=300)).json()
-        assert (await stats(client))["proposed_tokens"] > 0
-        follow_up = [*messages, {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-                     {"role": "user", "content": "again"}]
-        request = {**body, "messages": follow_up, "logprobs": True, "top_logprobs": 5, "max_tokens": 8,
-                   "speculative": False}
-        cached = (await client.post("/v1/chat/completions", json=request, timeout=300)).json()
-        cold = (await client.post("/v1/chat/completions", json={**request, "cache_prompt": False},
-                                  timeout=300)).json()
-        assert cached["usage"]["prompt_tokens_details"]["cached_tokens"] > first["usage"]["prompt_tokens"] // 2
-        assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        assert cached["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
-        for a, b in zip(cached["choices"][0]["logprobs"]["content"], cold["choices"][0]["logprobs"]["content"],
-                        strict=True):
-            assert abs(a["logprob"] - b["logprob"]) < 1e-4
-            for x, y in zip(a["top_logprobs"], b["top_logprobs"], strict=True):
-                assert x["token"] == y["token"]
-                assert abs(x["logprob"] - y["logprob"]) < 1e-4
+    await assert_a_hit_after_a_speculative_turn_equals_a_cold_run(base_url, "llama-v1-seed0", "proposed_tokens")
 
 
 async def test_sampled_replies_with_a_draft_keep_their_seed(draft_server) -> None:
