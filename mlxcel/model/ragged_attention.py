@@ -1,4 +1,4 @@
-"""Decode attention for a batch whose rows have different lengths, without MLX's unfused fallback.
+"""Decode and verify attention for a batch whose rows have different lengths, without MLX's unfused fallback.
 
 mlx-lm's ``BatchKVCache`` keeps rows of different lengths in one buffer and
 masks each row's padding with a boolean array. MLX's CUDA backend has no fused
@@ -8,6 +8,12 @@ to separate matmul, mask and softmax kernels: on the H200 that made mlx-lm's
 batched step ~1.9x the plain-cache step (8B shape, 64 rows; see
 docs/benchmarks.md). This module adds that missing kernel: MLX's own one-pass
 vector attention (``kernel_sdpav_1pass``), with the mask read per key.
+
+A speculative verify pass has a few queries per row (the token in flight and
+the proposal, ``MAX_QUERIES`` at most) and a key length one step longer each
+time: cuDNN builds a plan for every such pair (about 0.2 s a verify step on
+the H200). The kernel takes those too, one block per (row, head, query),
+each query reading its own row of the (causal and padding) mask.
 
 ``install(model)`` points the model's modules at ``attention`` on CUDA only;
 every other case (the CPU, prefill, quantized caches, attention sinks, other
@@ -21,6 +27,8 @@ import sys
 from typing import Any
 
 _HEAD_DIMS = (64, 96, 128)
+# The widest verify pass taken (the token in flight and up to 7 proposed tokens); wider is a prefill.
+MAX_QUERIES = 8
 # One block per (row, head) reads all of a row's keys: with few blocks and long rows the GPU is mostly
 # idle and MLX's fallback is faster (H200: 1 row x 32 heads x 8,192 keys, 0.25 ms against 0.21 ms;
 # 16 rows, 0.80 against 1.40 ms).
@@ -42,15 +50,19 @@ _SOURCE = """
     const int warp_idx = warp.meta_group_rank();
 
     const int batch = blockIdx.z;
+    const int query = blockIdx.y;
     const int head = blockIdx.x;
     const int kv_head = head / GQA;
     const int num_heads = queries_shape[1];
+    const int num_queries = queries_shape[2];
     const int num_keys = keys_shape[2];
 
-    const T* q_row = queries + batch * queries_strides[0] + head * queries_strides[1];
+    const T* q_row = queries + batch * queries_strides[0] + head * queries_strides[1]
+        + query * queries_strides[2];
     const T* k_row = keys + batch * keys_strides[0] + kv_head * keys_strides[1];
     const T* v_row = values + batch * values_strides[0] + kv_head * values_strides[1];
-    const bool* m_row = mask + (MASK_ROWS ? batch * mask_strides[0] : 0);
+    const bool* m_row = mask + (MASK_ROWS ? batch * mask_strides[0] : 0)
+        + (MASK_QUERIES ? query * mask_strides[2] : 0);
     const int64_t k_step = keys_strides[2];
     const int64_t v_step = values_strides[2];
     const int64_t m_step = mask_strides[3];
@@ -107,7 +119,7 @@ _SOURCE = """
         block.sync();
     }
     if (lane == 0) {
-        T* out_row = out + (static_cast<int64_t>(batch) * num_heads + head) * D;
+        T* out_row = out + ((static_cast<int64_t>(batch) * num_heads + head) * num_queries + query) * D;
         for (int i = 0; i < VPT; i++) {
             out_row[VPT * warp_idx + i] = static_cast<T>(o[i]);
         }
@@ -136,19 +148,23 @@ def _ragged_kernel() -> Any:
 
 
 def supported(queries: Any, keys: Any, values: Any, mask: Any) -> bool:
-    """Whether ``ragged_attention`` computes this call: a one-token query and a per-row boolean key mask."""
+    """Whether ``ragged_attention`` computes this call: at most ``MAX_QUERIES`` queries a row, a boolean mask.
+
+    The mask is (1 or rows, 1, 1 or queries, keys). One-token queries over long keys with few rows stay on
+    MLX's path, which is faster there; several queries always come here (MLX would build a cuDNN plan).
+    """
     import mlx.core as mx
 
     if not isinstance(mask, mx.array) or mask.dtype != mx.bool_ or mask.ndim != 4:
         return False
     batch, heads, length, dim = queries.shape
     return (
-        length == 1 and dim in _HEAD_DIMS and values.shape[-1] == dim and keys.shape[-1] == dim
+        1 <= length <= MAX_QUERIES and dim in _HEAD_DIMS and values.shape[-1] == dim and keys.shape[-1] == dim
         and heads % keys.shape[1] == 0 and keys.shape[0] == batch
-        and mask.shape[0] in (1, batch) and mask.shape[1] == 1 and mask.shape[2] == 1
-        and mask.shape[3] == keys.shape[2]
+        and mask.shape[0] in (1, batch) and mask.shape[1] == 1 and mask.shape[2] in (1, length)
+        and mask.shape[3] == keys.shape[2] and length <= keys.shape[2]
         and queries.dtype in (mx.float16, mx.bfloat16, mx.float32)
-        and (keys.shape[2] <= _LONG_ROW or batch * heads >= _MIN_BLOCKS_FOR_LONG_ROWS)
+        and (length > 1 or keys.shape[2] <= _LONG_ROW or batch * heads >= _MIN_BLOCKS_FOR_LONG_ROWS)
     )
 
 
@@ -156,12 +172,12 @@ def ragged_attention(queries: Any, keys: Any, values: Any, *, scale: float, mask
     """``mx.fast.scaled_dot_product_attention(queries, keys, values, scale, mask)`` for a ``supported`` call."""
     import mlx.core as mx
 
-    batch, heads, _length, dim = queries.shape
+    batch, heads, length, dim = queries.shape
     (out,) = _ragged_kernel()(
         inputs=[queries, keys, values, mask, _scales.setdefault(scale, mx.array(scale, dtype=mx.float32))],
         template=[("T", queries.dtype), ("D", dim), ("GQA", heads // keys.shape[1]),
-                  ("MASK_ROWS", mask.shape[0] != 1)],
-        grid=(heads * 1024, 1, batch),
+                  ("MASK_ROWS", mask.shape[0] != 1), ("MASK_QUERIES", mask.shape[2] != 1)],
+        grid=(heads * 1024, length, batch),
         threadgroup=(1024, 1, 1),
         output_shapes=[queries.shape],
         output_dtypes=[queries.dtype],
@@ -171,7 +187,7 @@ def ragged_attention(queries: Any, keys: Any, values: Any, *, scale: float, mask
 
 def attention(queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Any,
               sinks: Any = None) -> Any:
-    """mlx-lm's ``scaled_dot_product_attention``, with masked one-token queries on the ragged kernel."""
+    """mlx-lm's ``scaled_dot_product_attention``, with masked decode and verify queries on the ragged kernel."""
     from mlx_lm.models.base import scaled_dot_product_attention
 
     if sinks is None and not hasattr(cache, "bits") and supported(queries, keys, values, mask):

@@ -10,14 +10,18 @@ from mlxcel.model import ragged_attention
 cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="the kernel is CUDA-only")
 
 
-def _inputs(batch: int, heads: int, kv_heads: int, dim: int, length: int, dtype=mx.float32):
+def _inputs(batch: int, heads: int, kv_heads: int, dim: int, length: int, dtype=mx.float32, queries: int = 1):
+    """Rows with their own left padding; with several queries, the mask is also causal (a verify pass)."""
     mx.random.seed(1)
-    queries = mx.random.normal((batch, heads, 1, dim)).astype(dtype)
+    count = queries
+    queries = mx.random.normal((batch, heads, count, dim)).astype(dtype)
     # Slices of a longer buffer, as mlx-lm's caches hand them over.
     keys = mx.random.normal((batch, kv_heads, length + 9, dim)).astype(dtype)[..., 3:3 + length, :]
     values = mx.random.normal((batch, kv_heads, length + 9, dim)).astype(dtype)[..., 3:3 + length, :]
     padding = mx.array([(row * 7) % max(1, length - 1) for row in range(batch)])
     mask = mx.expand_dims(padding, (1, 2, 3)) <= mx.arange(length)[None, None, None]
+    if count > 1:
+        mask = mask & (mx.arange(length - count, length)[:, None] >= mx.arange(length)[None])
     return queries, keys, values, mask
 
 
@@ -27,7 +31,7 @@ def test_only_one_token_queries_with_a_per_row_boolean_mask_are_taken():
     assert not ragged_attention.supported(queries, keys, values, None)
     assert not ragged_attention.supported(queries, keys, values, "causal")
     assert not ragged_attention.supported(queries, keys, values, mask.astype(mx.float32))
-    prefill = mx.concatenate([queries, queries], axis=2)
+    prefill = mx.concatenate([queries] * (ragged_attention.MAX_QUERIES + 1), axis=2)
     assert not ragged_attention.supported(prefill, keys, values, mask)
     odd_head = mx.zeros((3, 8, 1, 80))
     assert not ragged_attention.supported(odd_head, mx.zeros((3, 2, 20, 80)), mx.zeros((3, 2, 20, 80)), mask)
@@ -36,6 +40,17 @@ def test_only_one_token_queries_with_a_per_row_boolean_mask_are_taken():
     long_rows = _inputs(1, 8, 2, 64, 3000)
     assert not ragged_attention.supported(*long_rows)
     assert ragged_attention.supported(*_inputs(40, 8, 2, 64, 3000))
+
+
+def test_verify_passes_of_a_few_queries_are_taken_whatever_the_key_length():
+    # MLX would build a cuDNN plan for each (queries, keys) pair of a verify pass.
+    for count in (2, ragged_attention.MAX_QUERIES):
+        assert ragged_attention.supported(*_inputs(3, 8, 2, 64, 20, queries=count))
+        assert ragged_attention.supported(*_inputs(1, 8, 2, 64, 3000, queries=count))
+    queries, keys, values, mask = _inputs(3, 8, 2, 64, 20, queries=4)
+    assert ragged_attention.supported(queries, keys, values, mask[:, :, :1])  # one mask row for every query
+    assert not ragged_attention.supported(queries, keys, values, mask[:, :, :2])
+    assert not ragged_attention.supported(queries, keys[:, :, :3], values[:, :, :3], mask[..., :3])
 
 
 @pytest.mark.skipif(mx.cuda.is_available(), reason="checks the CPU path")
@@ -53,8 +68,9 @@ def test_install_leaves_the_model_alone_off_cuda():
 @cuda
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 32, 8, 128, 37), (6, 32, 8, 128, 700), (20, 14, 2, 64, 4100), (2, 4, 4, 96, 9)])
-def test_the_kernel_equals_masked_attention(dtype, shape):
-    queries, keys, values, mask = _inputs(*shape, dtype=dtype)
+@pytest.mark.parametrize("queries", [1, 3, 8])
+def test_the_kernel_equals_masked_attention(dtype, shape, queries):
+    queries, keys, values, mask = _inputs(*shape, dtype=dtype, queries=queries)
     scale = shape[3] ** -0.5
     expected = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
     got = ragged_attention.ragged_attention(queries, keys, values, scale=scale, mask=mask)
@@ -63,7 +79,7 @@ def test_the_kernel_equals_masked_attention(dtype, shape):
 
 
 @cuda
-def test_a_batched_model_decodes_as_with_mlx_masked_attention():
+def test_a_batched_model_decodes_and_verifies_as_with_mlx_masked_attention():
     from mlx_lm.models import llama
     from mlx_lm.models.cache import BatchKVCache
 
@@ -81,6 +97,9 @@ def test_a_batched_model_decodes_as_with_mlx_masked_attention():
             token = mx.argmax(logits, axis=-1)
             logits = model(token[:, None], cache=cache)[:, -1]
             out.append(logits)
+        # A verify pass: three tokens a row against the padded cache.
+        verify = model(mx.array([[7, 8, 9], [10, 11, 12]]), cache=cache)
+        out.extend(verify[:, position] for position in range(3))
         return mx.stack(out)
 
     expected = decode()
