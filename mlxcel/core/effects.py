@@ -105,6 +105,8 @@ class SchedulerStats:
     num_shared_prefills: int
     num_warm_started: int = 0
     num_warm_completed: int = 0
+    # Warm-ups that found their tokens already in a stored snapshot (nothing ran).
+    num_warm_covered: int = 0
     num_warm_preempted: int = 0
     # Steps in which a warm-up ran while foreground requests waited or ran: must stay 0.
     num_warm_steps_with_foreground: int = 0

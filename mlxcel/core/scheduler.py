@@ -494,6 +494,7 @@ class SchedulerCore:
         tokens = job.tokens
         matched, payload = (found.length, found.payload) if isinstance(found, Hit) else (0, None)
         if len(tokens) - matched < 1:
+            self._warm_ups.covered()
             return
         sequence_id = self._new_sequence_id()
         self._warm_ups.start(sequence_id, job)
@@ -928,6 +929,7 @@ class SchedulerCore:
             num_shared_prefills=self._num_shared_prefills,
             num_warm_started=self._warm_ups.num_started,
             num_warm_completed=self._warm_ups.num_completed,
+            num_warm_covered=self._warm_ups.num_covered,
             num_warm_preempted=self._warm_ups.num_preempted,
             num_warm_steps_with_foreground=self._warm_ups.num_steps_with_foreground,
             num_verify_steps=self._speculation[0],

@@ -37,6 +37,8 @@ class WarmUps:
         self.num_queued = 0
         self.num_started = 0
         self.num_completed = 0
+        # Jobs whose stored snapshot already covered their tokens: nothing ran.
+        self.num_covered = 0
         self.num_preempted = 0
         # Steps in which a warm-up ran beside foreground work (it waited for the next turn's request).
         self.num_steps_with_foreground = 0
@@ -90,6 +92,10 @@ class WarmUps:
     def __iter__(self) -> Iterator[WarmSession]:
         """The running jobs."""
         return iter(self._running.values())
+
+    def covered(self) -> None:
+        """The job's lookup found its tokens stored already: it ends without running."""
+        self.num_covered += 1
 
     def finished(self, sequence_id: int) -> None:
         """The device took the job's snapshot."""

@@ -340,6 +340,18 @@ def test_warm_ups_run_only_while_idle_and_give_way_to_requests() -> None:
     assert (stats.num_warm_started, stats.num_warm_preempted, stats.num_warm_steps_with_foreground) == (1, 1, 0)
 
 
+def test_a_warm_up_whose_tokens_are_stored_already_ends_counted_without_running() -> None:
+    harness = Harness(snapshots=True)
+    tokens = tuple(range(30))
+    harness.found[repr(tokens)] = Hit(length=30, payload=_Payload(length=30))
+    harness.core.warm(WarmSession(context=CONTEXT, tokens=tokens))
+    plan = harness.step()
+    assert plan.starts == ()
+    stats = harness.core.statistics()
+    assert (stats.num_warm_started, stats.num_warm_completed, stats.num_warm_covered) == (0, 0, 1)
+    assert not harness.core.has_work()
+
+
 def test_the_next_turn_of_a_conversation_being_warmed_waits_for_its_warm_up() -> None:
     """The warm-up computes the prefix that turn resumes from: preempting it would prefill it again."""
     harness = Harness(snapshots=True)
