@@ -12,8 +12,9 @@ if [ "$part" = spec ]; then
   nvidia-smi --query-gpu=name,utilization.gpu,memory.used --format=csv
   timeout 120 python3 -m pytest tests/model/test_ragged_attention.py -q -p no:cacheprovider 2>&1 | tail -3
   timeout 120 python3 benchmarks/ragged_attention_check.py 2>&1 | tee $out/ragged_check.txt
-  timeout 330 python3 benchmarks/speculative.py --model-path $m --workloads repeat,fresh --streams 1,16 \
-    --reply-tokens 128 --modes ngram,ngram-open,draft --draft-model $m --out $out/spec8b.json 2>&1 | grep -v Warning
+  timeout 300 python3 benchmarks/speculative.py --model-path $m --workloads repeat,fresh --streams 1,16 \
+    --reply-tokens 128 --modes ngram,draft --draft-model $m --out $out/spec8b.json 2>&1 | grep -v Warning
+  timeout 90 python3 benchmarks/disk_load_profile.py --pieces 32 --piece-mib 32 2>&1 | tail -1
 elif [ "$part" = disk ]; then
   nproc
   timeout 90 python3 benchmarks/disk_load_profile.py --pieces 32 --piece-mib 32 2>&1 | tail -2
@@ -26,8 +27,8 @@ elif [ "$part" = disk ]; then
 fi
 if [ "$part" = gil ]; then
   # The device thread's wait for the GIL behind the event loop: Python's 5 ms switch interval against 0.5 ms.
-  timeout 250 python3 -m benchmarks.decode_speed --model-path $m --reply-tokens 128 --streams 1,16,64 \
+  timeout 250 python3 -m benchmarks.decode_speed --model-path $m --reply-tokens 128 --streams 16,64 \
     --skip-wave --skip-conversations --out $out/gil-default.json 2>&1 | grep "^|\|mlxcel:"
   MLXCEL_SWITCH_INTERVAL_S=0.0005 timeout 200 python3 -m benchmarks.decode_speed --model-path $m --reply-tokens 128 \
-    --streams 1,16,64 --skip-floor --skip-wave --skip-conversations --out $out/gil-05ms.json 2>&1 | grep "^|\|mlxcel:"
+    --streams 16,64 --skip-floor --skip-wave --skip-conversations --out $out/gil-05ms.json 2>&1 | grep "^|\|mlxcel:"
 fi
