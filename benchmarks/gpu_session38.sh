@@ -15,6 +15,7 @@ if [ "$part" = spec ]; then
   timeout 300 python3 benchmarks/speculative.py --model-path $m --workloads repeat,fresh --streams 1,16 \
     --reply-tokens 128 --modes ngram,draft --draft-model $m --out $out/spec8b.json 2>&1 | grep -v Warning
   timeout 90 python3 benchmarks/disk_load_profile.py --pieces 32 --piece-mib 32 2>&1 | tail -1
+  timeout 120 python3 benchmarks/disk_copy_options.py 2>&1 | tail -1
 elif [ "$part" = disk ]; then
   nproc
   timeout 90 python3 benchmarks/disk_load_profile.py --pieces 32 --piece-mib 32 2>&1 | tail -2
