@@ -12,7 +12,7 @@ if [ "$part" = spec ]; then
   nvidia-smi --query-gpu=name,utilization.gpu,memory.used --format=csv
   timeout 120 python3 -m pytest tests/model/test_ragged_attention.py -q -p no:cacheprovider 2>&1 | tail -3
   timeout 120 python3 benchmarks/ragged_attention_check.py 2>&1 | tee $out/ragged_check.txt
-  timeout 300 python3 benchmarks/speculative.py --model-path $m --workloads repeat,fresh --streams 1,16 \
+  timeout 270 python3 benchmarks/speculative.py --model-path $m --workloads repeat,fresh --streams 1,16 \
     --reply-tokens 128 --modes ngram,draft --draft-model $m --out $out/spec8b.json 2>&1 | grep -v Warning
   timeout 90 python3 benchmarks/disk_load_profile.py --pieces 32 --piece-mib 32 2>&1 | tail -1
   timeout 120 python3 benchmarks/disk_copy_options.py 2>&1 | tail -1
