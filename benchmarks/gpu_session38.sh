@@ -28,8 +28,8 @@ elif [ "$part" = disk ]; then
 fi
 if [ "$part" = gil ]; then
   # The device thread's wait for the GIL behind the event loop: Python's 5 ms switch interval against 0.5 ms.
-  timeout 250 python3 -m benchmarks.decode_speed --model-path $m --reply-tokens 128 --streams 16,64 \
-    --skip-wave --skip-conversations --out $out/gil-default.json 2>&1 | grep "^|\|mlxcel:"
+  timeout 280 python3 -m benchmarks.decode_speed --model-path $m --reply-tokens 128 --streams 1,16,64 \
+    --skip-conversations --out $out/gil-default.json 2>&1 | grep "^|\|mlxcel:"
   MLXCEL_SWITCH_INTERVAL_S=0.0005 timeout 200 python3 -m benchmarks.decode_speed --model-path $m --reply-tokens 128 \
-    --streams 16,64 --skip-floor --skip-wave --skip-conversations --out $out/gil-05ms.json 2>&1 | grep "^|\|mlxcel:"
+    --streams 1,16,64 --skip-floor --skip-conversations --out $out/gil-05ms.json 2>&1 | grep "^|\|mlxcel:"
 fi
