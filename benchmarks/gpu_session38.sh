@@ -27,6 +27,7 @@ elif [ "$part" = disk ]; then
     | grep -v "^disk_stats\|^start_up" | tail -16
 fi
 if [ "$part" = gil ]; then
+  timeout 100 python3 benchmarks/batch_join_cost.py --rows 8,16,32 2>&1 | tail -3
   # The device thread's wait for the GIL behind the event loop: Python's 5 ms switch interval against 0.5 ms.
   timeout 280 python3 -m benchmarks.decode_speed --model-path $m --reply-tokens 128 --streams 1,16,64 \
     --skip-conversations --out $out/gil-default.json 2>&1 | grep "^|\|mlxcel:"

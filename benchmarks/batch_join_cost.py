@@ -1,0 +1,86 @@
+"""What joining and leaving mlx-lm's decode batch costs when its rows hold long contexts (issue 28).
+
+    python benchmarks/batch_join_cost.py [--rows 8,16,32] [--context 8192] [--layers 32]
+
+mlx-lm's ``BatchKVCache.extend`` (new rows join) concatenates every layer's keys and values, so a join copies
+the whole batch's KV; ``filter`` (rows leave) gathers the kept rows, a copy as well. With the 8B KV shape (8 KV
+heads of 128, bf16: 128 KiB a token over 32 layers) and 64 conversations of 8k tokens the batch holds ~70 GB.
+This times, per batch size: 4 rows of the same context joining, one row leaving, and one decode-sized write
+(a token per row, the in-place update a step makes, after the write that grew the buffer) for comparison. Milliseconds, best of ``--repeats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def main() -> None:
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="8,16,32")
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    dtype = mx.bfloat16 if mx.default_device() != mx.cpu else mx.float32
+
+    def batch(rows: int) -> list[BatchKVCache]:
+        caches = []
+        for _ in range(args.layers):
+            cache = BatchKVCache([0] * rows)
+            shape = (rows, args.kv_heads, args.context, args.head_dim)
+            cache.update_and_fetch(mx.zeros(shape, dtype=dtype), mx.zeros(shape, dtype=dtype))
+            caches.append(cache)
+        mx.eval([(cache.keys, cache.values) for cache in caches])
+        return caches
+
+    def best(action) -> float:
+        times = []
+        for _ in range(args.repeats):
+            times.append(action())
+        return round(min(times), 2)
+
+    for rows in map(int, args.rows.split(",")):
+        def join() -> float:
+            caches, joining = batch(rows), batch(4)
+            started = time.perf_counter()
+            for cache, other in zip(caches, joining, strict=True):
+                cache.extend(other)
+            mx.eval([(cache.keys, cache.values) for cache in caches])
+            return 1000 * (time.perf_counter() - started)
+
+        def leave() -> float:
+            caches = batch(rows)
+            started = time.perf_counter()
+            for cache in caches:
+                cache.filter(list(range(1, rows)))
+            mx.eval([(cache.keys, cache.values) for cache in caches])
+            return 1000 * (time.perf_counter() - started)
+
+        def write() -> float:
+            caches = batch(rows)
+            token = mx.zeros((rows, args.kv_heads, 1, args.head_dim), dtype=dtype)
+            for cache in caches:  # the first write grows the buffer by 256 positions (a copy too)
+                cache.update_and_fetch(token, token)
+            mx.eval([(cache.keys, cache.values) for cache in caches])
+            started = time.perf_counter()
+            for cache in caches:
+                cache.update_and_fetch(token, token)
+            mx.eval([(cache.keys, cache.values) for cache in caches])
+            return 1000 * (time.perf_counter() - started)
+
+        gigabytes = rows * args.context * args.layers * args.kv_heads * args.head_dim * 2 * dtype.size / 1e9
+        print(json.dumps({"rows": rows, "context": args.context, "batch_kv_gb": round(gigabytes, 2),
+                          "join_4_rows_ms": best(join), "one_row_leaves_ms": best(leave),
+                          "decode_write_ms": best(write)}), flush=True)
+        mx.clear_cache()
+
+
+if __name__ == "__main__":
+    main()
