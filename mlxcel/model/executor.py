@@ -50,8 +50,9 @@ logger = logging.getLogger(__name__)
 PREFILL_RATE_MIN_TOKENS = 128
 
 
-# Token positions (rows x padded length) of one batched pass of cold starts: their logits are
-# rows x length x vocabulary (4,096 x 128k bf16 is 1 GiB), so larger waves take several passes.
+# Token positions (rows x padded length) of one batched pass of cold starts: a model outside
+# HEAD_AFTER_INNER_MODULES projects every one of them to the vocabulary (4,096 x 128k bf16 is 1 GiB),
+# so larger waves take several passes.
 COLD_GROUP_POSITIONS = 4096
 
 # mlx-lm model classes whose forward is their inner model, then the vocabulary head and nothing else: a start
@@ -178,9 +179,10 @@ class StepExecutor:
             if changed := ragged_attention.install(model):
                 logger.info("decode attention of %s runs on the ragged kernel", ", ".join(changed))
         # How a direct start gets its last token's logits: on a GPU in the same
-        # forward pass as the rest (projecting every position to the vocabulary
-        # costs less than reading the weights again); on the CPU in a second
-        # one-token pass, as mlx-lm does (the projection costs more there).
+        # forward pass as the rest (projecting the last position alone, or for
+        # models outside HEAD_AFTER_INNER_MODULES every position, which costs less
+        # than reading the weights again); on the CPU in a second one-token pass,
+        # as mlx-lm does (the projection costs more there).
         one_pass = settings.one_pass_starts
         self._one_pass_starts = mx.default_device() != mx.cpu if one_pass is None else one_pass
         bucket = settings.bucket_starts
