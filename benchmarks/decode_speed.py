@@ -10,7 +10,7 @@ One run measures, on one model folder (the llama-bench fixture by default):
                  per-token interval (median gap between consecutive content chunks of one stream, pooled
                  over all streams) and aggregate tokens/s (all completion tokens over the round's wall time;
                  also over the window in which every stream was decoding)
-  wave           --wave short requests sent at once: TTFT median and p99
+  wave           --wave short requests sent at once: TTFT median and p99 (--wave-rounds waves: their medians)
   conversations  --conversations chats sharing one --system-tokens system prompt, --turns turns each, every
                  turn of every conversation sent at once, the history (with the replies given) resent:
                  TTFT median per turn (turn 0 cold, later turns warm)
@@ -434,15 +434,33 @@ def streams_round(client: StreamClient, model: str, level: int, args: argparse.N
     }
 
 
-def wave_round(client: StreamClient, model: str, args: argparse.Namespace) -> dict[str, Any]:
+def wave_round(client: StreamClient, model: str, args: argparse.Namespace, tag: str = "wave") -> dict[str, Any]:
     bodies = [_body(model, messages, args.wave_reply_tokens)
-              for messages in short_prompts("wave", args.wave, args.prompt_words)]
+              for messages in short_prompts(tag, args.wave, args.prompt_words)]
     results, busy = client.round(bodies)
     ttfts = [result.ttft for result in results if result.served and result.ttft is not None]
     problems = _problems(results, None)
     return {"requests": args.wave, "ttft_median_s": median(ttfts), "ttft_p99_s": percentile(ttfts, 0.99),
             "ttft_max_s": max(ttfts, default=None), "served": len(results) - len(problems), "problems": problems,
-            "client_cpu_share": busy}
+            "client_cpu_share": busy, "ttfts_s": ttfts,
+            "sent": [result.sent for result in results]}
+
+
+def wave_rounds(client: StreamClient, model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """--wave-rounds waves one after another (distinct prompts each); the figures are the rounds' medians."""
+    if args.wave_rounds == 1:
+        return wave_round(client, model, args)
+    rounds = [wave_round(client, model, args, tag=f"wave-{index}") for index in range(args.wave_rounds)]
+    for index, row in enumerate(rounds):
+        _progress("wave", f"round {index}", {key: value for key, value in row.items()
+                                             if key not in ("ttfts_s", "sent")})
+    return {"requests": args.wave, "rounds": rounds,
+            "ttft_median_s": median([row["ttft_median_s"] for row in rounds if row["ttft_median_s"] is not None]),
+            "ttft_p99_s": median([row["ttft_p99_s"] for row in rounds if row["ttft_p99_s"] is not None]),
+            "ttft_max_s": max((row["ttft_max_s"] for row in rounds if row["ttft_max_s"] is not None), default=None),
+            "served": sum(row["served"] for row in rounds),
+            "problems": [problem for row in rounds for problem in row["problems"]],
+            "client_cpu_share": max(row["client_cpu_share"] for row in rounds)}
 
 
 def conversations_rounds(client: StreamClient, model: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -499,8 +517,9 @@ def measure_server(name: str, base_url: str, model: str, args: argparse.Namespac
                 figures["streams"][str(level)] = row
                 _progress(name, f"{level} streams", row)
         if not args.skip_wave and not _out_of_time(args, figures, "wave"):
-            figures["wave"] = wave_round(client, model, args)
-            _progress(name, f"wave of {args.wave}", figures["wave"])
+            figures["wave"] = wave_rounds(client, model, args)
+            _progress(name, f"wave of {args.wave}", {key: value for key, value in figures["wave"].items()
+                                                     if key not in ("rounds", "ttfts_s", "sent")})
         if not args.skip_conversations and not _out_of_time(args, figures, "conversations"):
             figures["conversations"] = conversations_rounds(client, model, args)
             for turn in figures["conversations"]["turns"]:
@@ -683,6 +702,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-words", type=_positive, default=24, help="words of each short prompt")
     parser.add_argument("--wave", type=_positive, default=64, help="short requests sent at once")
     parser.add_argument("--wave-reply-tokens", type=_positive, default=16)
+    parser.add_argument("--wave-rounds", type=_positive, default=1,
+                        help="waves sent one after another (each its own prompts): the figures are their medians")
     parser.add_argument("--conversations", type=_positive, default=64)
     parser.add_argument("--turns", type=_positive, default=3)
     parser.add_argument("--system-tokens", type=_positive, default=8000)

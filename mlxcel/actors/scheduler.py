@@ -69,6 +69,9 @@ SchedulerMsg = SubmitRequest | CancelRequest | GetSchedulerStats | WarmSession |
 # How long an idle device waits for requests the router says are right behind
 # the first one, so clients that arrive together are prefilled together.
 ARRIVAL_WINDOW_SECONDS = 0.02
+# With the device idle, rounds of lookups for requests submitted while the last round was answered, before
+# the step is planned (each round needs new submissions; the bound only guards against an endless stream).
+MAX_LOOKUP_ROUNDS = 8
 
 
 class _Channels:
@@ -134,6 +137,7 @@ class SchedulerActor:
         self._to_metrics = to_metrics
         self._to_warmer = to_warmer
         self._clients = _Channels()
+        self._num_submitted = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with self.inbox, self._to_device:
@@ -174,10 +178,16 @@ class SchedulerActor:
                 continue
             if not in_flight and self.core.starting_from_idle():
                 await self._gather_arrivals()
-            await self._answer_lookups()
-            # Cancels that came in meanwhile apply before the plan, not a step later.
-            if not self._take_inbox():
-                return
+            # Cancels that came in meanwhile apply before the plan, not a step later; with the device idle,
+            # requests submitted meanwhile are looked up too, so they start in this step rather than the
+            # next (20 of a wave of 64 arrived during the first step's lookups and waited out that step).
+            for _round in range(MAX_LOOKUP_ROUNDS):
+                await self._answer_lookups()
+                submitted = self._num_submitted
+                if not self._take_inbox():
+                    return
+                if in_flight or self._num_submitted == submitted:
+                    break
             if not in_flight or (len(in_flight) < self._steps_ahead and self.core.can_plan_ahead()):
                 in_flight.append(await self._send_step())
                 if len(in_flight) < self._steps_ahead and self.core.can_plan_ahead():
@@ -217,6 +227,7 @@ class SchedulerActor:
     def _handle(self, message: SchedulerMsg) -> None:
         match message:
             case SubmitRequest():
+                self._num_submitted += 1
                 self._clients.events[message.request.request_id] = message.events
                 self.core.add(message.request, self._clients)
             case CancelRequest():

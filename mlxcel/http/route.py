@@ -36,6 +36,9 @@ SCHEMA_FIELDS = ("tools", "response_format", "json_schema", "grammar")
 SCHEMA_PARSE_THREADS = 4
 # The routes whose bodies are a few fields (cache reset, LoRA scales) take at most this much.
 SMALL_BODY_BYTES = 64 << 10
+# A body this small without schemas is validated on the event loop (tens of microseconds): a worker thread's
+# round trip took 4-14 ms per request when 64 short chats arrived at once (benchmarks/decode_speed.py's wave).
+INLINE_PARSE_BYTES = 16 << 10
 
 _Parsed = TypeVar("_Parsed")
 Handler = Callable[..., Awaitable[Response]]
@@ -131,24 +134,34 @@ class RouteContext:
         return b"".join(chunks)
 
     async def read_body(self, *, allow_list: bool = False, limit: int | None = None) -> object:
+        return (await self._read_sized_body(allow_list=allow_list, limit=limit))[0]
+
+    async def _read_sized_body(self, *, allow_list: bool = False, limit: int | None = None) -> tuple[object, int]:
+        """The decoded body and its size in bytes."""
         limit = self.config.max_body_bytes if limit is None else limit
-        return decode_json_body(await self.read_raw_body(limit), max_bytes=limit, allow_list=allow_list)
+        raw = await self.read_raw_body(limit)
+        return decode_json_body(raw, max_bytes=limit, allow_list=allow_list), len(raw)
 
     async def read_small_body(self, *, allow_list: bool = False) -> object:
         return await self.read_body(allow_list=allow_list, limit=min(SMALL_BODY_BYTES, self.config.max_body_bytes))
 
     async def parse(self, parse: Callable[..., _Parsed], body: object, *arguments: Any,
-                    schema_fields: tuple[str, ...] = SCHEMA_FIELDS, **options: Any) -> _Parsed:
+                    schema_fields: tuple[str, ...] = SCHEMA_FIELDS, body_bytes: int | None = None,
+                    **options: Any) -> _Parsed:
         """``parse(body, *arguments, limits=..., **options)`` on a worker thread: a large tool set or a new
-        response schema takes milliseconds to seconds."""
+        response schema takes milliseconds to seconds. A body of at most INLINE_PARSE_BYTES (``body_bytes``,
+        when known) without schemas is parsed here, on the event loop."""
         schema_bearing = isinstance(body, dict) and any(body.get(field) for field in schema_fields)
+        if not schema_bearing and body_bytes is not None and body_bytes <= INLINE_PARSE_BYTES:
+            return parse(body, *arguments, limits=self.limits, **options)
         call = functools.partial(parse, body, *arguments, limits=self.limits, **options)
         return await trio.to_thread.run_sync(call,
                                              limiter=self._schema_parses if schema_bearing else None)
 
     async def parse_body(self, parse: Callable[..., _Parsed], **options: Any) -> _Parsed:
         """The request's body, read, parsed and its model checked."""
-        parsed = await self.parse(parse, await self.read_body(), **options)
+        body, size = await self._read_sized_body()
+        parsed = await self.parse(parse, body, body_bytes=size, **options)
         self.check_model(parsed)
         return parsed
 

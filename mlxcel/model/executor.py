@@ -50,9 +50,15 @@ logger = logging.getLogger(__name__)
 PREFILL_RATE_MIN_TOKENS = 128
 
 
-# Token positions (rows x padded length) of one batched pass of cold starts: their logits are
-# rows x length x vocabulary (4,096 x 128k bf16 is 1 GiB), so larger waves take several passes.
+# Token positions (rows x padded length) of one batched pass of cold starts: a model outside
+# HEAD_AFTER_INNER_MODULES projects every one of them to the vocabulary (4,096 x 128k bf16 is 1 GiB),
+# so larger waves take several passes.
 COLD_GROUP_POSITIONS = 4096
+
+# mlx-lm model classes whose forward is their inner model, then the vocabulary head and nothing else: a start
+# projects only the positions whose logits it reads (a wave's shared pass of 64 rows x 64 positions otherwise
+# projects all 4,096 to the vocabulary; with the demo model's 151k-token vocabulary that was 90 % of the pass).
+HEAD_AFTER_INNER_MODULES = frozenset({"mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3"})
 
 
 @attrs.frozen(kw_only=True)
@@ -173,9 +179,10 @@ class StepExecutor:
             if changed := ragged_attention.install(model):
                 logger.info("decode attention of %s runs on the ragged kernel", ", ".join(changed))
         # How a direct start gets its last token's logits: on a GPU in the same
-        # forward pass as the rest (projecting every position to the vocabulary
-        # costs less than reading the weights again); on the CPU in a second
-        # one-token pass, as mlx-lm does (the projection costs more there).
+        # forward pass as the rest (projecting the last position alone, or for
+        # models outside HEAD_AFTER_INNER_MODULES every position, which costs less
+        # than reading the weights again); on the CPU in a second one-token pass,
+        # as mlx-lm does (the projection costs more there).
         one_pass = settings.one_pass_starts
         self._one_pass_starts = mx.default_device() != mx.cpu if one_pass is None else one_pass
         bucket = settings.bucket_starts
@@ -583,6 +590,11 @@ class StepExecutor:
                 # All but the last token only fill the cache: their logits are never computed.
                 forward(tokens[:, :-1], cache=caches)
                 logits = forward(tokens[:, -1:], cache=caches, offset=len(run) - 1)[:, -1, :]
+            elif start.vision is None:
+                logits = self._logits_at(tokens, caches, mx.array([len(run) - 1]))
+                if padding:
+                    for cache in caches:
+                        cache.trim(padding)  # the padding's keys and values are dropped
             else:
                 logits = forward(tokens, cache=caches)[:, len(run) - 1, :]
                 if padding:
@@ -652,7 +664,6 @@ class StepExecutor:
         padded_count = 1 << (count - 1).bit_length() if self.bucket_starts else count
         matrix = [run + run[-1:] * (width - len(run)) for run in runs]
         matrix += matrix[:1] * (padded_count - count)
-        lengths = mx.array([len(run) for run in runs])
         if kept:
             handles = [start.adopted for start in starts if isinstance(start.adopted, DetachedKV)]
             assert len(handles) == count, "_shares_a_pass: a hit's prefix is a DetachedKV"
@@ -663,8 +674,9 @@ class StepExecutor:
         self._generator.apply(configs + configs[:1] * (padded_count - count))
         begun = []
         with mx.stream(self._generator.stream):
-            logits = self._model(mx.array(matrix), cache=group_caches)
-            last = logits[mx.arange(count), lengths - 1]  # each row's logits at its own last token
+            # Each row's logits at its own last token (filler rows at the first row's).
+            ends = [len(run) - 1 for run in runs] + [len(runs[0]) - 1] * (padded_count - count)
+            last = self._logits_at(mx.array(matrix), group_caches, mx.array(ends))
             for row, (start, tokens) in enumerate(zip(starts, every, strict=True)):
                 sampler, processors = make_sampling(start.sampling, self._grammars, start.sequence_id)
                 row_logits = last[row:row + 1]
@@ -695,6 +707,22 @@ class StepExecutor:
 
     def _text_forward(self, tokens: Any, *, cache: list[Any], offset: int = 0) -> Any:
         return self._model(tokens, cache=cache)
+
+    def _logits_at(self, tokens: Any, caches: list[Any], positions: Any) -> Any:
+        """The forward pass of ``tokens`` (rows x length) and the logits at one position per row (rows x vocab).
+
+        For the model classes of HEAD_AFTER_INNER_MODULES the head projects those positions alone; any other
+        model projects every position and the rows are picked after.
+        """
+        import mlx.core as mx
+
+        model = self._model
+        rows = mx.arange(tokens.shape[0])
+        if type(model).__module__ not in HEAD_AFTER_INNER_MODULES:
+            return model(tokens, cache=caches)[rows, positions]
+        hidden = model.model(tokens, caches)[rows, positions][:, None]
+        head = model.model.embed_tokens.as_linear if model.args.tie_word_embeddings else model.lm_head
+        return head(hidden)[:, 0]
 
     def _embedded_forward(self, run: list[int], padding: int, start: StartDirect) -> Callable[..., Any]:
         """The text model over the prompt's input embeddings, image features in place (a cold start only)."""

@@ -514,6 +514,27 @@ async def test_cancel_during_cache_lookup_is_honoured(start_scheduler: StartSche
     assert drain(harness.store) == []  # no donation
 
 
+async def test_a_request_submitted_during_the_lookups_of_an_idle_device_starts_in_the_same_step(
+        start_scheduler: StartScheduler) -> None:
+    """With the device idle, a request that arrives while the step's lookups are answered is looked up and
+    started in that step: 20 of a wave of 64 arrived during the first step's lookups and waited it out."""
+    harness = await start_scheduler(with_store=True)
+    assert harness.store is not None
+    await harness.submit("r1", context=CONTEXT)
+    with trio.fail_after(2):
+        first = await harness.store.receive()  # the scheduler now awaits the reply
+    assert isinstance(first, LookupPrefix)
+    await harness.submit("r2", prompt=(4, 5, 6), context=CONTEXT)
+    first.reply_to.send_nowait(PrefixMissing())
+    with trio.fail_after(2):
+        second = await harness.store.receive()
+    assert isinstance(second, LookupPrefix)
+    assert second.tokens == (4, 5, 6)
+    second.reply_to.send_nowait(PrefixMissing())
+    step = await harness.step()
+    assert [admission.sequence_id for admission in step.plan.starts] == [0, 1]
+
+
 # --- stop strings ------------------------------------------------------------------
 
 
