@@ -16,6 +16,7 @@ import itertools
 import logging
 import os
 from collections.abc import Generator, Sequence
+from pathlib import Path
 from typing import Any
 
 from mlxcel.disk import index as disk_index
@@ -42,6 +43,10 @@ class DiskReader:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+
+    def path(self, filename: str) -> Path:
+        """Where a file of the directory is (the device reads a verified piece's tensors by it)."""
+        return self._directory.path / filename
 
     def read(self, spec: PieceSpec, num_layers: int | None) -> PieceRead:
         """A piece's verified tensors, views of the mapped file. Raises PieceRefused (bad file) or
