@@ -175,6 +175,9 @@ def main() -> None:
                         help="speculative modes run against off: ngram, draft, and either with -open (the gate held "
                              "open: every step with proposals verifies, as before the gate)")
     parser.add_argument("--draft-model", type=Path, help="--speculative draft's model (same tokenizer)")
+    parser.add_argument("--warmup-tokens", type=int, default=0,
+                        help="before each workload's timed runs, run every mode once with this many reply tokens, "
+                             "untimed (on CUDA: kernel compiles and GEMM plans are built once per process)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     modes = args.modes.split(",")
@@ -199,6 +202,9 @@ def main() -> None:
         for streams in (int(text) for text in args.streams.split(",")):
             prompts = workload_prompts(workload, loaded.tokenizer, streams, args.file_lines)
             runs = {}
+            for mode in ("off", *modes) if args.warmup_tokens else ():
+                run(loaded, args.model_path, prompts, speculative=mode, tokens=args.tokens,
+                    reply_tokens=args.warmup_tokens, step_size=args.prefill_step_size, draft=draft)
             for mode in ("off", *modes):
                 runs[mode] = run(loaded, args.model_path, prompts, speculative=mode, tokens=args.tokens,
                                  reply_tokens=args.reply_tokens, step_size=args.prefill_step_size, draft=draft)
