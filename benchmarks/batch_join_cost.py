@@ -3,9 +3,11 @@
     python benchmarks/batch_join_cost.py [--rows 8,16,32] [--context 8192] [--layers 32]
 
 mlx-lm's ``BatchKVCache.extend`` (new rows join) concatenates every layer's keys and values, so a join copies
-the whole batch's KV; ``filter`` (rows leave) gathers the kept rows, a copy as well. With the 8B KV shape (8 KV
+the whole batch's KV; ``filter`` (rows leave) gathers the kept rows, a copy as well, at a gather's speed
+(mlxcel's ``filter_by_slices`` keeps them by slices and one concatenation: timed beside it). With the 8B KV shape (8 KV
 heads of 128, bf16: 128 KiB a token over 32 layers) and 64 conversations of 8k tokens the batch holds ~70 GB.
-This times, per batch size: 4 rows of the same context joining, one row leaving, and one decode-sized write
+This times, per batch size: 4 rows of the same context joining, the middle row leaving (mlx-lm's gather and
+mlxcel's slices), the last row leaving (slices: no copy), and one decode-sized write
 (a token per row, the in-place update a step makes, after the write that grew the buffer) for comparison. Milliseconds, best of ``--repeats``.
 """
 
@@ -19,6 +21,8 @@ import time
 def main() -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
+
+    from mlxcel.model.batch_rows import filter_by_slices
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="8,16,32")
@@ -55,11 +59,14 @@ def main() -> None:
             mx.eval([(cache.keys, cache.values) for cache in caches])
             return 1000 * (time.perf_counter() - started)
 
-        def leave() -> float:
+        def leave(keep: list[int], by_slices: bool) -> float:
             caches = batch(rows)
             started = time.perf_counter()
             for cache in caches:
-                cache.filter(list(range(1, rows)))
+                if by_slices:
+                    filter_by_slices(cache, keep)
+                else:
+                    BatchKVCache.filter(cache, keep)
             mx.eval([(cache.keys, cache.values) for cache in caches])
             return 1000 * (time.perf_counter() - started)
 
@@ -75,9 +82,13 @@ def main() -> None:
             mx.eval([(cache.keys, cache.values) for cache in caches])
             return 1000 * (time.perf_counter() - started)
 
+        middle = [row for row in range(rows) if row != rows // 2]
         gigabytes = rows * args.context * args.layers * args.kv_heads * args.head_dim * 2 * dtype.size / 1e9
         print(json.dumps({"rows": rows, "context": args.context, "batch_kv_gb": round(gigabytes, 2),
-                          "join_4_rows_ms": best(join), "one_row_leaves_ms": best(leave),
+                          "join_4_rows_ms": best(join),
+                          "middle_row_leaves_gather_ms": best(lambda: leave(middle, False)),
+                          "middle_row_leaves_slices_ms": best(lambda: leave(middle, True)),
+                          "last_row_leaves_slices_ms": best(lambda: leave(list(range(rows - 1)), True)),
                           "decode_write_ms": best(write)}), flush=True)
         mx.clear_cache()
 

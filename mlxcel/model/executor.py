@@ -85,6 +85,8 @@ class DeviceSettings:
     kv_group_size: int = 64
     # Masked one-token attention on mlxcel's kernel (mlxcel/model/ragged_attention.py); CUDA only.
     ragged_attention: bool = True
+    # Rows leave the decode batch by slices, not MLX's gather (mlxcel/model/batch_rows.py).
+    slice_row_filter: bool = True
     # --grammar-mask-timeout-ms: a constrained row whose mask is later than this in a step ends (None: by backend).
     grammar_mask_timeout_s: float | None = None
     # --speculative ("ngram", "draft" or "off") and --speculative-tokens: see mlxcel/model/speculation.py.
@@ -173,6 +175,10 @@ class StepExecutor:
         from mlx_lm.models.cache import KVCache, make_prompt_cache
 
         self._model = model
+        if settings.slice_row_filter:
+            from mlxcel.model import batch_rows
+
+            batch_rows.install()
         if settings.ragged_attention:
             from mlxcel.model import ragged_attention
 
