@@ -107,9 +107,6 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     from mlxcel.http.serve import bind_socket, raise_open_file_limit
 
     raise_open_file_limit()
-    if interval := os.environ.get("MLXCEL_SWITCH_INTERVAL_S"):
-        # How long the device thread may wait for the GIL behind the event loop (Python's default 5 ms).
-        sys.setswitchinterval(float(interval))
     try:
         # Bound before the model loads, so a busy port fails in a second, not after loading.
         sock = bind_socket(server_config.host, server_config.port)
