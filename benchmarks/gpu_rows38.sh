@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# After the mlx-cuda install: rows leaving the batch by gather vs by slices, then the 64-conversation round
-# (8B, 8k shared system prompt, 3 turns) on this tree. usage: bash benchmarks/gpu_rows38.sh OUT
+# After the mlx-cuda install: rows leaving the batch by mlx-lm's gather against mlxcel's slices (8B KV shape,
+# 8k tokens a row). With more device time, the 64-conversation round after it (--conversations).
+# usage: bash benchmarks/gpu_rows38.sh OUT [--conversations]
 set -uo pipefail
 out=${1:-$OUT}
 export HF_HUB_OFFLINE=1 PYTHONPATH=$PWD
-m=/root/models/llama-3.1-8b
-python3 benchmarks/make_bf16_model.py $m llama-3.1-8b >/dev/null 2>&1
-timeout 70 python3 benchmarks/batch_join_cost.py --rows 16,32 --repeats 2 2>&1 | tail -2
-timeout 200 python3 -m benchmarks.decode_speed --model-path $m --skip-floor --skip-streams --skip-wave \
-  --out $out/conversations-8b-after.json 2>&1 | grep "^|\|mlxcel:"
+timeout 80 python3 benchmarks/batch_join_cost.py --rows 16,32 --repeats 2 2>&1 | tail -2
+if [ "${2:-}" = --conversations ]; then
+  m=/root/models/llama-3.1-8b
+  python3 benchmarks/make_bf16_model.py $m llama-3.1-8b >/dev/null 2>&1
+  timeout 200 python3 -m benchmarks.decode_speed --model-path $m --skip-floor --skip-streams --skip-wave \
+    --out $out/conversations-8b-after.json 2>&1 | grep "^|\|mlxcel:"
+fi
