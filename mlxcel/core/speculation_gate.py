@@ -6,7 +6,8 @@ one row on a CPU) a few accepted tokens pay for it; where it costs about its
 width (a batch of rows on a CPU, compute-bound) it can lose: on the 2-core
 CPU at 8 rows n-gram speculation ran at 0.54-0.56x of plain decoding. So the
 batch measures both kinds of step, per batch size (rounded up to a power of
-two), as tokens emitted per second of wall time between steps, and verifies
+two), as tokens per second of wall time (``SpeculativeBatch._measure`` in
+mlxcel/model/speculation.py times each kind of pass), and verifies
 only while that rate beats the plain one. While it does not, one step in
 ``EXPLORE_EVERY`` still verifies, so a change of workload (a row starts
 copying its prompt) is noticed; the loss that costs is bounded by that share.

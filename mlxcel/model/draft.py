@@ -13,8 +13,8 @@ has proposed for, as one ``BatchKVCache`` whose rows are kept by uid:
   ``filter``.
 - Each proposal step runs every member row: one pass feeds each row the
   tokens it has not seen (those accepted since, plus the token in flight;
-  shorter rows right-padded, the padding then rolled into left padding, as
-  the target's verify step does), then ``k - 1`` one-token passes. The
+  shorter rows right-padded, the padding then left as the rows' gaps, as
+  the target's verify step does: ``gapped_cache.py``), then ``k - 1`` one-token passes. The
   passes are built lazily and evaluated once: no host round trip between
   them. Greedy rows take the draft's argmax; sampled rows sample the
   draft's distribution as the row's sampler forms it (``sampling_probs``),
@@ -150,6 +150,7 @@ class DraftRows:
         """
         import mlx.core as mx
 
+        from mlxcel.model.gapped_cache import keep_written
         from mlxcel.model.sampling import sampling_probs
 
         index = {uid: e for e, uid in enumerate(uids)}
@@ -167,11 +168,8 @@ class DraftRows:
         logits = self.draft.model(mx.array(matrix, dtype=mx.uint32), cache=self.cache)
         last = mx.array([len(feed) - 1 for feed in feeds])
         logits = mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0, :]
-        padding = [width - len(feed) for feed in feeds]
-        if any(padding):
-            for cache in self.cache:
-                cache.prepare(right_padding=padding)
-                cache.finalize()
+        # The padding's positions become the rows' gaps (nothing moves).
+        keep_written(self.cache, width, [len(feed) for feed in feeds])
         num_tokens = max(request.room for request in requests)
         sampled_rows = [(m, by_uid[uid]) for m, uid in enumerate(self.members)
                         if uid in by_uid and by_uid[uid].sampling.temperature != 0]
@@ -214,6 +212,8 @@ class DraftRows:
 
     def settle(self, accepted: dict[int, int]) -> None:
         """After verification: each member's draft KV keeps its row's accepted draft tokens (absent: none)."""
+        from mlxcel.model.gapped_cache import keep_written
+
         if self.cache is None or not self._extra_fed:
             return
         fed = self._extra_fed
@@ -245,20 +245,3 @@ class DraftRows:
                 cache.extend(other)
         self.members.append(uid)
         self.held[uid] = len(tokens)
-
-
-def keep_written(caches: Any, width: int, kept: list[int]) -> None:
-    """Each row of these batch caches keeps its first ``kept`` of the ``width`` positions just written.
-
-    The rows' common rejected count is trimmed; the rest is rolled into each
-    row's left padding (mlx-lm's ``BatchKVCache.prepare(right_padding=...)``).
-    """
-    rejected = [width - count for count in kept]
-    common = min(rejected)
-    extra = [count - common for count in rejected]
-    for cache in caches:
-        if common:
-            cache.trim(common)
-        if any(extra):
-            cache.prepare(right_padding=extra)
-            cache.finalize()

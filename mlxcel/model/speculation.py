@@ -14,9 +14,8 @@ min(1, p/q), else sample max(p - q, 0); an n-gram proposal is a
 deterministic draft, q one-hot), on the row's sampling distribution as
 mlxcel's sampler forms it (top-p, min-p, top-k, temperature), so outputs
 are distributed as without speculation. Each row's KV then holds exactly its kept tokens: the rows'
-common rejected count is trimmed, the rest rolled into the row's left
-padding (``BatchKVCache.prepare(right_padding=...)``), so ``tokens`` always
-equals what the KV holds.
+common rejected count is trimmed, the rest left where it lies as the row's gaps, masked out
+(``gapped_cache.py``: no keys move), so ``tokens`` always equals what the KV holds.
 
 Rows with logits processors (grammars, penalties, logit_bias, reasoning
 budgets, min_tokens) never propose: they take the verify step's first
@@ -40,7 +39,8 @@ from mlx_lm.models.cache import BatchKVCache
 
 from mlxcel.core.ngram import NgramIndex
 from mlxcel.core.speculation_gate import SpeculationGate
-from mlxcel.model.draft import DraftModel, DraftRequest, DraftRows, keep_written
+from mlxcel.model.draft import DraftModel, DraftRequest, DraftRows
+from mlxcel.model.gapped_cache import GappedBatchKVCache, keep_written
 from mlxcel.model.sampling import sampling_probs
 from mlxcel.types import SamplingParams
 
@@ -49,6 +49,8 @@ __all__ = ["SpeculationStats", "SpeculativeBatch", "accept_drafts", "install", "
 # After a proposal with nothing accepted a row waits 1, 2, 4 .. up to this many steps before
 # proposing again: a row whose text does not repeat stops paying for verify positions.
 MAX_BACKOFF_STEPS = 16
+# mlx-lm's batch cache, and the same with the gaps a verify step leaves (gapped_cache.py).
+_PLAIN_BATCH_CACHES = (BatchKVCache, GappedBatchKVCache)
 
 
 @attrs.define
@@ -111,8 +113,23 @@ class _Plan:
 
     pending: list[int]
     proposals: list[list[int]]
+    # When the tokens in flight were on the host (the plain pass in flight, if any, done).
+    ready: float
     # Sampled rows of a draft model: the draft's distribution at each proposed token (row index: q).
     draft_probs: dict[int, Any] = attrs.Factory(dict)
+
+
+@attrs.frozen(kw_only=True)
+class _Step:
+    """A decode step, as the gate measures it (``SpeculativeBatch._measure``)."""
+
+    rows: int
+    verified: bool
+    tokens: int
+    # When its wall time starts: the step's start (plain), or when its inputs were ready (verify).
+    began: float
+    # A plain step right after a verify step (it returns the verify's last token, waiting for no pass).
+    after_verify: bool = False
 
 
 @attrs.define
@@ -139,8 +156,8 @@ class SpeculativeBatch(GenerationBatch):
         self._draft = DraftRows(draft, stats) if draft is not None else None
         self._plan: _Plan | None = None
         self.gate = SpeculationGate()
-        # The step before this one: (rows, verified, tokens emitted, when it began).
-        self._previous_step: tuple[int, bool, int, float] | None = None
+        # The step before this one, for the gate's measurement.
+        self._previous_step: _Step | None = None
 
     # --- mlx-lm's entry points -----------------------------------------------------------------
 
@@ -149,20 +166,37 @@ class SpeculativeBatch(GenerationBatch):
             self._previous_step = None
             return []
         began = time.perf_counter()
-        previous = self._previous_step
-        if previous is not None and previous[0] == len(self.uids):
-            # Wall time until this step: the step itself, and the host's work around it (a plain step
-            # is pipelined, so its time shows here). Steps where rows joined or left are not counted.
-            self.gate.record(previous[0], verified=previous[1], tokens=previous[2], seconds=began - previous[3])
+        self._measure(began)
+        after_verify = self._previous_step is not None and self._previous_step.verified
         self._plan = self._proposals()
         if self._plan is None:
             responses = super().next()  # calls _step: mlx-lm's own, pipelined
-            self._previous_step = (len(self.uids), False, len(responses), began)
+            self._previous_step = _Step(rows=len(self.uids), verified=False, tokens=len(responses), began=began,
+                                        after_verify=after_verify)
             return responses
         emitted, logprobs = self._verify(self._plan)
+        self._previous_step = _Step(rows=len(self.uids), verified=True,
+                                    tokens=sum(len(tokens) for tokens in emitted), began=self._plan.ready)
         self._plan = None
-        self._previous_step = (len(self.uids), True, sum(len(tokens) for tokens in emitted), began)
         return self._respond(emitted, logprobs)
+
+    def _measure(self, now: float) -> None:
+        """Give the gate the step before this one (``_Step``): its tokens over its pass's wall time.
+
+        A plain step is pipelined: it returns the token the pass before it made, and its wall time (until
+        this step) is about one pass. A verify step's pass makes ``1 + accepted`` tokens per row (the
+        accepted ones, then the correction or bonus, which the next step returns); it is timed from when
+        its inputs were ready (after waiting for the plain pass in flight, a plain step's cost) until this
+        step. The plain step right after a verify step returns the verify's correction without waiting for
+        a pass: it is not counted. Steps where rows joined or left are not counted.
+        """
+        previous = self._previous_step
+        if previous is None or previous.rows != len(self.uids):
+            return
+        if not previous.verified and previous.after_verify:
+            return
+        self.gate.record(previous.rows, verified=previous.verified, tokens=previous.tokens,
+                         seconds=now - previous.began)
 
     def filter(self, keep: list[int]) -> None:
         super().filter(keep)
@@ -185,7 +219,7 @@ class SpeculativeBatch(GenerationBatch):
 
     def _proposals(self) -> _Plan | None:
         """The token in flight of every row and each row's proposal, or None: no row proposes."""
-        if self.num_speculative <= 0 or not all(type(cache) is BatchKVCache for cache in self.prompt_cache):
+        if self.num_speculative <= 0 or not all(type(cache) in _PLAIN_BATCH_CACHES for cache in self.prompt_cache):
             return None
         candidates: list[tuple[int, _Row, int, SamplingParams]] = []
         for e, uid in enumerate(self.uids):
@@ -215,6 +249,7 @@ class SpeculativeBatch(GenerationBatch):
         if not seeded and not self.gate.should_verify(len(self.uids)):
             return None
         pending: list[int] = self._next_tokens.tolist()  # type: ignore[union-attr, assignment]
+        ready = time.perf_counter()
         proposals: list[list[int]] = [[] for _ in self.uids]
         draft_probs: dict[int, Any] = {}
         if self._draft is not None:
@@ -225,12 +260,12 @@ class SpeculativeBatch(GenerationBatch):
                 proposals[e], q = drafted[self.uids[e]]
                 if q is not None:
                     draft_probs[e] = q
-            return _Plan(pending=pending, proposals=proposals, draft_probs=draft_probs)
+            return _Plan(pending=pending, proposals=proposals, ready=ready, draft_probs=draft_probs)
         for e, row, room, _sampling in candidates:
             proposals[e] = row.index.propose(room, pending[e])
         if not any(proposals):
             return None
-        return _Plan(pending=pending, proposals=proposals)
+        return _Plan(pending=pending, proposals=proposals, ready=ready)
 
     # --- the verify step -----------------------------------------------------------------------
 
@@ -246,43 +281,49 @@ class SpeculativeBatch(GenerationBatch):
         matrix = [[pending[e], *proposal] + [pending[e]] * (width - 1 - len(proposal))
                   for e, proposal in enumerate(proposals)]
         logits = self.model(mx.array(matrix, dtype=mx.uint32), cache=self.prompt_cache)
-        all_logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
         # The first position of rows that did not propose: exactly mlx-lm's step.
-        first = logits[:, 0, :]
-        token_context = []
-        if any(row_processors):
-            processed = []
-            for e in range(len(self.uids)):
-                row_logits = first[e:e + 1]
-                processors = row_processors[e] or ()
-                if processors:
-                    context = self._token_context[e].update_and_fetch(inputs[e:e + 1])  # type: ignore[no-untyped-call]
-                    token_context.append(context)
-                    for processor in processors:
-                        row_logits = processor(context, row_logits)
-                processed.append(row_logits)
-            first = mx.concatenate(processed, axis=0)
-        first_logprobs = first - mx.logsumexp(first, axis=-1, keepdims=True)
         plain = [e for e, proposal in enumerate(proposals) if not proposal]
+        token_context = []
+        first_logprobs: Any = None
         sampled_first: dict[int, Any] = {}
-        for e in plain:
-            sampler = (self.samplers[e] if self.samplers else None) or self.fallback_sampler
-            sampled_first[e] = sampler(first_logprobs[e:e + 1])
+        if plain:
+            first = logits[:, 0, :]
+            if any(row_processors):
+                processed = []
+                for e in range(len(self.uids)):
+                    row_logits = first[e:e + 1]
+                    processors = row_processors[e] or ()
+                    if processors:
+                        context = self._token_context[e].update_and_fetch(inputs[e:e + 1])  # type: ignore[no-untyped-call]
+                        token_context.append(context)
+                        for processor in processors:
+                            row_logits = processor(context, row_logits)
+                    processed.append(row_logits)
+                first = mx.concatenate(processed, axis=0)
+            first_logprobs = first - mx.logsumexp(first, axis=-1, keepdims=True)
+            for e in plain:
+                sampler = (self.samplers[e] if self.samplers else None) or self.fallback_sampler
+                sampled_first[e] = sampler(first_logprobs[e:e + 1])
 
+        # Greedy rows need only the argmax of each position (the logprobs of the tokens kept are formed
+        # after, lazily); sampled rows their sampling distributions over the positions they proposed.
         greedy: dict[int, Any] = {}
         distributions: dict[int, Any] = {}
+        row_logprobs: dict[int, Any] = {}
         for e, proposal in enumerate(proposals):
             if not proposal:
                 continue
             sampling = self.policy(self.uids[e])
             assert sampling is not None, "a proposing row has a policy"
             if sampling.temperature == 0:
-                greedy[e] = mx.argmax(all_logprobs[e, :len(proposal) + 1], axis=-1)
+                greedy[e] = mx.argmax(logits[e, :len(proposal) + 1], axis=-1)
             else:
-                distributions[e] = sampling_probs(all_logprobs[e, :len(proposal) + 1], sampling)
-        mx.eval(inputs, self._current_logprobs, all_logprobs, first_logprobs, list(sampled_first.values()),
-                list(greedy.values()), list(distributions.values()), token_context)
+                positions = logits[e, :len(proposal) + 1]
+                row_logprobs[e] = positions - mx.logsumexp(positions, axis=-1, keepdims=True)
+                distributions[e] = sampling_probs(row_logprobs[e], sampling)
+        mx.eval(inputs, self._current_logprobs, first_logprobs, list(sampled_first.values()),
+                list(greedy.values()), list(distributions.values()), list(row_logprobs.values()), token_context)
         accepted_by_uid: dict[int, int] = {}
 
         emitted: list[list[int]] = []
@@ -295,6 +336,7 @@ class SpeculativeBatch(GenerationBatch):
             if not proposal:
                 next_tokens.append(int(sampled_first[e].item()))
                 next_logprobs.append(first_logprobs[e])
+                emitted_logprobs.append([self._current_logprobs[e]])
             else:
                 if e in greedy:
                     targets = greedy[e].tolist()
@@ -308,11 +350,15 @@ class SpeculativeBatch(GenerationBatch):
                     accepted, token = accept_drafts(np.asarray(distributions[e]), proposal, row.rng,
                                                     None if q is None else np.asarray(q))
                 next_tokens.append(token)
-                next_logprobs.append(all_logprobs[e, accepted])
+                kept_logprobs = row_logprobs.get(e)
+                if kept_logprobs is None:
+                    positions = logits[e, :accepted + 1]
+                    kept_logprobs = positions - mx.logsumexp(positions, axis=-1, keepdims=True)
+                next_logprobs.append(kept_logprobs[accepted])
+                emitted_logprobs.append([self._current_logprobs[e], *(kept_logprobs[j] for j in range(accepted))])
                 self._account(self.uids[e], len(proposal), accepted)
                 accepted_by_uid[self.uids[e]] = accepted
             emitted.append([pending[e], *proposal[:accepted]])
-            emitted_logprobs.append([self._current_logprobs[e], *(all_logprobs[e, j] for j in range(accepted))])
             kept.append(1 + accepted)
         self.stats.verify_steps += 1
         self._keep(width, kept)
@@ -322,6 +368,8 @@ class SpeculativeBatch(GenerationBatch):
             tokens.extend(new)
         self._next_tokens = mx.array(next_tokens, dtype=mx.uint32)
         self._next_logprobs = next_logprobs
+        # Ahead of the next step's pass on the stream: a plain step waits for these, not for its own pass.
+        mx.async_eval(next_logprobs)
         return emitted, emitted_logprobs
 
     def _account(self, uid: int, proposed: int, accepted: int) -> None:

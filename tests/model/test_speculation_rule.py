@@ -137,11 +137,10 @@ def assert_kv_holds_the_tokens(batch: Any) -> None:
     if not batch.uids:
         return
     (cache,) = batch.prompt_cache
-    padding = cache.left_padding.tolist()
-    keys = np.asarray(cache.keys[:, 0, :cache._idx, 0]).astype(int)
     for row, tokens in enumerate(batch.tokens):
-        assert keys[row, padding[row]:].tolist() == tokens[-(cache._idx - padding[row]):]
-        assert int(cache.offset[row].item()) == cache._idx - padding[row]
+        held = np.asarray(cache.extract(row).keys[0, 0, :, 0]).astype(int).tolist()
+        assert held == tokens[-len(held):]
+        assert int(cache.offset[row].item()) == len(held)
 
 
 def assert_draft_kv_holds_a_prefix(batch: Any) -> None:
@@ -150,14 +149,13 @@ def assert_draft_kv_holds_a_prefix(batch: Any) -> None:
     if draft is None or draft.cache is None:
         return
     (cache,) = draft.cache
-    padding = cache.left_padding.tolist()
-    keys = np.asarray(cache.keys[:, 0, :cache._idx, 0]).astype(int)
     rows = dict(zip(batch.uids, batch.tokens, strict=True))
     assert set(draft.members) <= set(rows)
     for m, uid in enumerate(draft.members):
         held = draft.held[uid]
-        assert cache._idx - padding[m] == held
-        assert keys[m, padding[m]:].tolist() == rows[uid][:held]
+        keys = np.asarray(cache.extract(m).keys[0, 0, :, 0]).astype(int).tolist()
+        assert len(keys) == held == int(cache.offset[m].item())
+        assert keys == rows[uid][:held]
 
 
 def chain_probabilities(sampling: SamplingParams, table: np.ndarray = TABLE) -> np.ndarray:
@@ -373,3 +371,55 @@ def test_a_draft_never_proposes_ids_past_the_tokenizer() -> None:
     generator.close()
     assert proposed
     assert all(token < 4 for proposal in proposed for token in proposal)
+
+
+# --- what the gate is given -------------------------------------------------------------------
+
+
+def test_the_gate_times_a_verify_pass_from_its_inputs_and_skips_the_plain_step_after_it() -> None:
+    """A plain step right after a verify step returns the verify's correction without a pass of its own: were
+    it counted (a token per row in a few milliseconds) plain decoding would look faster than it is."""
+    from mlxcel.model.speculation import SpeculativeBatch, _Step
+
+    records: list[tuple[int, bool, int, float]] = []
+
+    class Recording:
+        def record(self, rows: int, *, verified: bool, tokens: int, seconds: float) -> None:
+            records.append((rows, verified, tokens, seconds))
+
+    batch = SpeculativeBatch.__new__(SpeculativeBatch)
+    batch.uids = [1, 2]
+    batch.gate = Recording()  # type: ignore[assignment]
+    steps = [
+        (_Step(rows=2, verified=True, tokens=7, began=10.0), 10.5),  # began: when its inputs were ready
+        (_Step(rows=2, verified=False, tokens=2, began=10.5, after_verify=True), 10.51),
+        (_Step(rows=2, verified=False, tokens=2, began=10.51), 10.81),
+        (_Step(rows=3, verified=False, tokens=3, began=10.81), 11.0),  # a row left since: not comparable
+    ]
+    for previous, now in steps:
+        batch._previous_step = previous
+        batch._measure(now)
+    assert records == [(2, True, 7, 0.5), (2, False, 2, pytest.approx(0.3))]
+
+
+def test_the_plain_step_after_a_verify_step_is_the_one_marked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlxcel.core.speculation_gate import SpeculationGate
+    from mlxcel.model.speculation import SpeculativeBatch
+
+    seen = []
+    measure = SpeculativeBatch._measure
+
+    def spy(self: Any, now: float) -> None:
+        seen.append(self._previous_step)
+        measure(self, now)
+
+    monkeypatch.setattr(SpeculativeBatch, "_measure", spy)
+    # Verify every other step that has proposals.
+    choices = itertools.cycle([True, False])
+    monkeypatch.setattr(SpeculationGate, "should_verify", lambda gate, batch_size: next(choices))
+    run_chain(SamplingParams(temperature=0.0), rows=2, length=24, speculate=True, stats=SpeculationStats())
+    pairs = list(itertools.pairwise(step for step in seen if step is not None))
+    assert any(before.verified and not after.verified for before, after in pairs)
+    for before, after in pairs:
+        if not after.verified:
+            assert after.after_verify == before.verified

@@ -1,0 +1,211 @@
+"""A batch KV cache whose rows may have gaps: rejected verify positions are masked out where they lie, not moved.
+
+A speculative verify step (``speculation.py``) writes ``width`` positions
+into every row of mlx-lm's ``BatchKVCache``; each row keeps only its first
+``kept``. mlx-lm's cache holds each row as one run ending at the batch's
+write index, so the rows' common rejected count is trimmed and the rest had
+to be rolled into the row's left padding (``prepare(right_padding=...)``):
+a gather of every row's whole KV, every layer, every verify step. On the
+2-core CPU at 8 rows of ~2k tokens (SmolLM2-135M) that roll cost ~0.65 s,
+more than the verify pass's own width (docs/benchmarks.md).
+
+``GappedBatchKVCache`` instead records, per row, the buffer intervals that
+hold no token of the row (its gaps) and adds them to the attention mask.
+Attention does not depend on where a key lies (the position is in the
+rotated key itself and in ``offset``, the row's token count, which RoPE
+reads), so nothing moves: keeping costs a host list append and a boolean
+mask row per step. The gaps take buffer room that mlx-lm's roll would have
+given to left padding, so the batch attends over as many positions as
+before. Whatever reads the rows in order sees them without gaps:
+``extract`` gathers the row's tokens, ``filter`` and ``extend`` move the
+gaps with the rows, ``trim`` counts them; ``finalize`` (a right-padding
+roll) and ``compact`` gather every row's tokens to the right once and turn
+the cache back into mlx-lm's own class. A cache becomes gapped only when a
+step's rows keep different counts (``keep_written``); until then it is
+mlx-lm's unchanged. Only the device thread uses it, and only for plain KV
+caches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+__all__ = ["GappedBatchKVCache", "keep_written"]
+
+# A row's gaps are gathered away (``compact``) once every row has this many gap or left-padding positions
+# (and a quarter of the buffer): the buffer then shrinks by at least that much. Below it, gaps cost only
+# the attention over them, as the left padding mlx-lm's roll made did.
+COMPACT_AT_POSITIONS = 256
+# ... or once a row has this many separate gaps (its mask row is rebuilt from them each step).
+COMPACT_AT_GAPS = 256
+
+
+class GappedBatchKVCache(BatchKVCache):
+    """mlx-lm's ``BatchKVCache`` with per-row gaps masked out (see the module's docstring)."""
+
+    # Per row, the buffer intervals [start, end) below ``_idx`` that hold none of the row's tokens.
+    gaps: list[list[tuple[int, int]]]
+
+    @classmethod
+    def adopt(cls, cache: BatchKVCache) -> GappedBatchKVCache:
+        """The same cache object, able to hold gaps (no copy)."""
+        if not isinstance(cache, GappedBatchKVCache):
+            cache.__class__ = cls
+            assert isinstance(cache, GappedBatchKVCache)
+            cache.gaps = [[] for _ in range(cache.left_padding.shape[0])]
+        return cache
+
+    def has_gaps(self) -> bool:
+        return any(self.gaps)
+
+    def drop_tail(self, counts: list[int], as_array: Any = None) -> None:
+        """Row ``e`` loses its last ``counts[e]`` positions (all below ``_idx``, written by the last step).
+
+        ``as_array``: ``counts`` as an MLX array (one for all layers' caches).
+        """
+        for row, count in zip(self.gaps, counts, strict=True):
+            if count <= 0:
+                continue
+            start = self._idx - count
+            if row and row[-1][1] == start:
+                row[-1] = (row[-1][0], self._idx)
+            else:
+                row.append((start, self._idx))
+        self.offset = self.offset - (mx.array(counts) if as_array is None else as_array)
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:  # noqa: N803 (mlx-lm's name)
+        mask = super().make_mask(N, return_array=return_array, **kwargs)
+        if not self.has_gaps():
+            return mask
+        valid = np.ones((len(self.gaps), self._idx + N), dtype=np.bool_)
+        for e, row in enumerate(self.gaps):
+            for start, end in row:
+                valid[e, start:end] = False
+        return mx.logical_and(mask, mx.array(valid)[:, None, None, :])
+
+    def trim(self, n: int) -> int:
+        before = self._idx
+        n = super().trim(n)
+        if n and self.has_gaps():
+            # Gap positions cut off were no row's tokens: those rows lost fewer tokens than n.
+            restored = []
+            for row in self.gaps:
+                cut = sum(min(end, before) - max(start, self._idx) for start, end in row if end > self._idx)
+                row[:] = [(start, min(end, self._idx)) for start, end in row if start < self._idx]
+                restored.append(cut)
+            if any(restored):
+                self.offset = self.offset + mx.array(restored)
+        return n
+
+    def filter(self, batch_indices: Any) -> None:
+        indices = _ints(batch_indices)
+        self.gaps = [self.gaps[index] for index in indices]
+        before = self._idx
+        super().filter(batch_indices)
+        self._shift(self.gaps, self._idx - before)
+
+    def extend(self, other: Any) -> None:
+        length = max(self._idx, other._idx)
+        mine = self._shift(self.gaps, length - self._idx)
+        rows = other.left_padding.shape[0]
+        theirs = self._shift(other.gaps, length - other._idx) if isinstance(other, GappedBatchKVCache) \
+            else [[] for _ in range(rows)]
+        super().extend(other)
+        self.gaps = mine + theirs
+
+    def extract(self, idx: int) -> KVCache:
+        if not self.gaps[idx]:
+            return super().extract(idx)
+        padding = _ints(self.left_padding)[idx]
+        positions = mx.array(self._positions(idx, padding))
+        keys: Any = self.keys
+        values: Any = self.values
+        cache = KVCache()
+        cache.keys = mx.contiguous(mx.take(keys[idx:idx + 1, :, :self._idx], positions, axis=2))
+        cache.values = mx.contiguous(mx.take(values[idx:idx + 1, :, :self._idx], positions, axis=2))
+        cache.offset = cache.keys.shape[2]
+        return cache
+
+    def finalize(self) -> None:
+        if self._right_padding is not None and self.has_gaps():
+            self.compact()  # mlx-lm's class from here
+        BatchKVCache.finalize(self)
+
+    def compact(self) -> None:
+        """Gather every row's tokens to the right end, drop the left padding all rows share: no gaps left."""
+        if not self.has_gaps():
+            return
+        padding = _ints(self.left_padding)
+        rows = [self._positions(e, start) for e, start in enumerate(padding)]
+        new_padding = [self._idx - len(row) for row in rows]
+        shared = min(new_padding)
+        length = self._idx - shared
+        indices = np.zeros((len(rows), length), dtype=np.int32)
+        for e, row in enumerate(rows):
+            indices[e, new_padding[e] - shared:] = row
+        gather = mx.array(indices)[:, None, :, None]
+        keys: Any = self.keys
+        values: Any = self.values
+        self.keys = mx.take_along_axis(keys[..., :self._idx, :], gather, axis=2)  # type: ignore[assignment]
+        self.values = mx.take_along_axis(values[..., :self._idx, :], gather, axis=2)  # type: ignore[assignment]
+        self._idx = length
+        self.left_padding = mx.array([value - shared for value in new_padding])
+        self.gaps = [[] for _ in rows]
+        self.__class__ = BatchKVCache  # type: ignore[assignment]
+
+    def wants_compacting(self) -> bool:
+        if any(len(row) > COMPACT_AT_GAPS for row in self.gaps):
+            return True
+        padding = _ints(self.left_padding)
+        spare = min(start + sum(end - begin for begin, end in row)
+                    for start, row in zip(padding, self.gaps, strict=True))
+        return spare >= max(COMPACT_AT_POSITIONS, self._idx // 4)
+
+    def _positions(self, e: int, start: int) -> list[int]:
+        """Row ``e``'s token positions from ``start`` (its left padding) to ``_idx``, in order."""
+        positions: list[int] = []
+        cursor = start
+        for begin, end in self.gaps[e]:
+            positions.extend(range(cursor, begin))
+            cursor = end
+        positions.extend(range(cursor, self._idx))
+        return positions
+
+    @staticmethod
+    def _shift(gaps: list[list[tuple[int, int]]], by: int) -> list[list[tuple[int, int]]]:
+        if by:
+            for row in gaps:
+                row[:] = [(start + by, end + by) for start, end in row]
+        return gaps
+
+
+def _ints(values: Any) -> list[int]:
+    """An MLX array's (or a sequence's) values as host ints."""
+    return [int(value) for value in np.asarray(values).reshape(-1).tolist()]
+
+
+def keep_written(caches: Any, width: int, kept: list[int]) -> None:
+    """Each row of these batch caches keeps its first ``kept`` of the ``width`` positions just written.
+
+    The rows' common rejected count is trimmed; the rest become the row's
+    gaps (``GappedBatchKVCache``): no keys or values move.
+    """
+    rejected = [width - count for count in kept]
+    common = min(rejected)
+    extra = [count - common for count in rejected]
+    dropped = mx.array(extra) if any(extra) else None
+    compact = False
+    for layer, cache in enumerate(caches):
+        if common:
+            cache.trim(common)
+        if dropped is not None:
+            gapped = GappedBatchKVCache.adopt(cache)
+            gapped.drop_tail(extra, dropped)
+            # Every layer's cache has the same rows, padding and gaps: the first decides for all.
+            compact = compact or (layer == 0 and gapped.wants_compacting())
+            if compact:
+                gapped.compact()
