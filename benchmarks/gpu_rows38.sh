@@ -5,6 +5,9 @@
 set -uo pipefail
 out=${1:-$OUT}
 export HF_HUB_OFFLINE=1 PYTHONPATH=$PWD
+# pytest-trio is not on the device: the config's trio_mode warning is ignored for these plain tests.
+timeout 90 python3 -m pytest tests/model/test_ragged_attention.py tests/model/test_gapped_cache.py tests/model/test_batch_rows.py \
+  -q -p no:cacheprovider -o filterwarnings=ignore 2>&1 | tail -3
 timeout 80 python3 benchmarks/batch_join_cost.py --rows 16,32 --repeats 2 2>&1 | tail -2
 if [ "${2:-}" = --conversations ]; then
   m=/root/models/llama-3.1-8b
