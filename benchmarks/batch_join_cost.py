@@ -7,8 +7,9 @@ the whole batch's KV; ``filter`` (rows leave) gathers the kept rows, a copy as w
 (mlxcel's ``filter_by_slices`` keeps them by slices and one concatenation: timed beside it). With the 8B KV shape (8 KV
 heads of 128, bf16: 128 KiB a token over 32 layers) and 64 conversations of 8k tokens the batch holds ~70 GB.
 This times, per batch size: 4 rows of the same context joining, the middle row leaving (mlx-lm's gather and
-mlxcel's slices), the last row leaving (slices: no copy), and one decode-sized write
-(a token per row, the in-place update a step makes, after the write that grew the buffer) for comparison. Milliseconds, best of ``--repeats``.
+mlxcel's slices), the last row leaving (slices: the result is a slice, which the next write copies once),
+each leave with the next step's write, and one decode-sized write alone (a token per row, the in-place update
+a step makes) for comparison. Milliseconds, best of ``--repeats``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def main() -> None:
             cache = BatchKVCache([0] * rows)
             shape = (rows, args.kv_heads, args.context, args.head_dim)
             cache.update_and_fetch(mx.zeros(shape, dtype=dtype), mx.zeros(shape, dtype=dtype))
+            token = mx.zeros((rows, args.kv_heads, 1, args.head_dim), dtype=dtype)
+            cache.update_and_fetch(token, token)  # grows the buffer by 256 positions (a copy), so later writes fit
             caches.append(cache)
         mx.eval([(cache.keys, cache.values) for cache in caches])
         return caches
@@ -61,21 +64,23 @@ def main() -> None:
 
         def leave(keep: list[int], by_slices: bool) -> float:
             caches = batch(rows)
+            token = mx.zeros((len(keep), args.kv_heads, 1, args.head_dim), dtype=dtype)
+            mx.eval(token)
             started = time.perf_counter()
             for cache in caches:
                 if by_slices:
                     filter_by_slices(cache, keep)
                 else:
                     BatchKVCache.filter(cache, keep)
+                # The next step's write: a slice left by the filter is copied here.
+                cache.update_and_fetch(token, token)
             mx.eval([(cache.keys, cache.values) for cache in caches])
             return 1000 * (time.perf_counter() - started)
 
         def write() -> float:
             caches = batch(rows)
             token = mx.zeros((rows, args.kv_heads, 1, args.head_dim), dtype=dtype)
-            for cache in caches:  # the first write grows the buffer by 256 positions (a copy too)
-                cache.update_and_fetch(token, token)
-            mx.eval([(cache.keys, cache.values) for cache in caches])
+            mx.eval(token)
             started = time.perf_counter()
             for cache in caches:
                 cache.update_and_fetch(token, token)

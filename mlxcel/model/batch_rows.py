@@ -7,8 +7,10 @@ long contexts the batch's KV is large (the 8B KV shape holds 128 KiB a token:
 32 rows of 8k tokens are 34 GB), and every finished sequence's removal copied
 all of it: 161 ms at 32 rows, where 4 rows joining took 20 ms
 (``benchmarks/batch_join_cost.py``). ``filter_by_slices`` keeps the same rows
-in the same order as runs of consecutive rows, sliced and joined once (one run,
-as when the last rows leave, is a slice and copies nothing).
+in the same order as runs of consecutive rows, sliced and joined once. When
+one run stays (the last rows leave), the result is a slice, which the next
+step's write into the cache copies once (a slice is not donated): a copy at
+copy speed either way, not a gather.
 
 ``install()`` points ``BatchKVCache.filter`` at it; only the device thread
 filters batches. The result is the same arrays, so nothing else changes.
