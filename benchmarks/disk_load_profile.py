@@ -38,6 +38,11 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--kv-bits", type=int, default=0, help="store the pieces quantized (0: exact)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--read-ahead", default="3", help="comma list: reader threads / pieces verified ahead")
+    parser.add_argument("--hash-threads", default="auto", help="comma list: threads per checksum (auto or N)")
+    parser.add_argument("--load-window", default="1", help="comma list: pieces MLX reads at once")
+    parser.add_argument("--no-verify-ceiling", action="store_true",
+                        help="also run once without checksums (a ceiling, not a way the tier reads)")
     parser.add_argument("--via", choices=("mx-load", "mapped-copy"), default="mx-load",
                         help="how the tier brings a verified piece into MLX: MLX's reader (now), or a copy per "
                              "tensor out of the mapped file (before 2026-12-03)")
@@ -183,35 +188,62 @@ def end_to_end(args: argparse.Namespace) -> None:
         writer.close(600)
         del stored, layers
         request = (*tokens, 1)
-        runs = []
-        for _ in range(args.repeats):
-            tier = tier_at(directory)  # a restart: a new tier indexes the directory
-            plan = tier.probe(context, request, len(request) - 1, 0)
-            assert plan is not None
-            cpu_before = resource.getrusage(resource.RUSAGE_SELF)
-            started = time.perf_counter()
-            loaded = DeviceDisk(tier, args.layers).load(plan, None)
-            assert loaded is not None
-            mx.eval(loaded.arrays())
-            seconds = time.perf_counter() - started
-            # The device's first read of every byte: on CUDA a copy made on the host moves to the GPU here.
-            read_started = time.perf_counter()
-            mx.eval([mx.sum(array) for array in loaded.arrays()])
-            device_read = time.perf_counter() - read_started
-            cpu_after = resource.getrusage(resource.RUSAGE_SELF)
-            cpu = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
-            runs.append((seconds, tier.statistics(rescan=False).bytes_read, loaded.length, cpu, device_read))
-            del loaded
-    seconds, nbytes, length, _cpu, device_read = min(runs, key=lambda run: run[0] + run[4])
-    print(json.dumps({"device": str(mx.default_device()), "mode": "end_to_end", "tokens": length,
-                      "tokens_per_s": round(length / seconds),
-                      "kv_bits": args.kv_bits, "bytes_read": nbytes, "seconds": round(seconds, 4),
-                      "gb_per_s": round(nbytes / seconds / 1e9, 3), "via": args.via,
-                      "device_read_seconds": round(device_read, 4),
-                      "gb_per_s_with_device_read": round(nbytes / (seconds + device_read) / 1e9, 3),
-                      "seconds_all": [round(run[0], 4) for run in runs],
-                      # CPU seconds of every thread: the work, whatever the machine's load.
-                      "cpu_seconds_best": round(min(run[3] for run in runs), 4)}), flush=True)
+        variants = [(int(ahead), hash_threads, int(window)) for ahead in args.read_ahead.split(",")
+                    for hash_threads in args.hash_threads.split(",") for window in args.load_window.split(",")]
+        if args.no_verify_ceiling:
+            variants.append((int(args.read_ahead.split(",")[0]), "none", int(args.load_window.split(",")[0])))
+        for ahead, hash_threads, window in variants:
+            _configure(ahead, hash_threads, window)
+            runs = []
+            for _ in range(args.repeats):
+                tier = tier_at(directory)  # a restart: a new tier indexes the directory
+                plan = tier.probe(context, request, len(request) - 1, 0)
+                assert plan is not None
+                cpu_before = resource.getrusage(resource.RUSAGE_SELF)
+                started = time.perf_counter()
+                loaded = DeviceDisk(tier, args.layers).load(plan, None)
+                assert loaded is not None
+                mx.eval(loaded.arrays())
+                seconds = time.perf_counter() - started
+                # The device's first read of every byte: on CUDA a copy made on the host moves to the GPU here.
+                read_started = time.perf_counter()
+                mx.eval([mx.sum(array) for array in loaded.arrays()])
+                device_read = time.perf_counter() - read_started
+                cpu_after = resource.getrusage(resource.RUSAGE_SELF)
+                cpu = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
+                stats = tier.statistics(rescan=False)
+                runs.append((seconds, stats.bytes_read, loaded.length, cpu, device_read, stats.verify_wait_seconds))
+                tier.close()
+                del loaded
+            seconds, nbytes, length, _cpu, device_read, verify_wait = min(runs, key=lambda run: run[0] + run[4])
+            print(json.dumps({"device": str(mx.default_device()), "mode": "end_to_end", "tokens": length,
+                              "read_ahead": ahead, "hash_threads": hash_threads, "load_window": window,
+                              "tokens_per_s": round(length / seconds),
+                              "kv_bits": args.kv_bits, "bytes_read": nbytes, "seconds": round(seconds, 4),
+                              "verify_wait_seconds": round(verify_wait, 4),
+                              "gb_per_s": round(nbytes / seconds / 1e9, 3), "via": args.via,
+                              "device_read_seconds": round(device_read, 4),
+                              "gb_per_s_with_device_read": round(nbytes / (seconds + device_read) / 1e9, 3),
+                              "seconds_all": [round(run[0], 4) for run in runs],
+                              # CPU seconds of every thread: the work, whatever the machine's load.
+                              "cpu_seconds_best": round(min(run[3] for run in runs), 4)}), flush=True)
+
+
+def _configure(read_ahead: int, hash_threads: str, load_window: int) -> None:
+    """One variant of the read path, set through the modules' constants (checksums off: a ceiling only)."""
+    import blake3
+
+    import mlxcel.disk.device
+    import mlxcel.disk.directory
+    import mlxcel.disk.reader
+
+    mlxcel.disk.reader.READ_AHEAD = read_ahead
+    mlxcel.disk.device.LOAD_WINDOW = load_window
+    if hash_threads == "none":
+        mlxcel.disk.reader.check_sum = lambda *_: None  # type: ignore[assignment]
+        return
+    mlxcel.disk.reader.check_sum = mlxcel.disk.directory.check_sum  # type: ignore[assignment]
+    mlxcel.disk.directory.HASH_THREADS = blake3.blake3.AUTO if hash_threads == "auto" else int(hash_threads)
 
 
 if __name__ == "__main__":

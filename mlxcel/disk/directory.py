@@ -112,6 +112,8 @@ class DiskStats:
     vanished: int
     # Disk hits that stopped reading early because prefilling the rest was projected to be faster.
     loads_cut_short: int = 0
+    # Of load_seconds, the time the device waited for the reader threads' checksums.
+    verify_wait_seconds: float = 0.0
 
     @property
     def load_ms_per_mib(self) -> float:
@@ -121,6 +123,7 @@ class DiskStats:
         body = attrs.asdict(self)
         body["refusals_total"] = sum(self.refusals.values())
         body["load_ms_per_mib"] = round(self.load_ms_per_mib, 3)
+        body["verify_wait_seconds"] = round(self.verify_wait_seconds, 6)
         return body
 
 
@@ -156,7 +159,7 @@ class Directory:
         self._counts = dict.fromkeys(
             ("hits", "misses", "tokens_loaded", "writes", "bytes_written", "write_errors", "writes_dropped",
              "duplicates", "evictions", "bytes_read", "vanished", "loads_cut_short"), 0)
-        self._load_seconds = 0.0
+        self._load_seconds = self._verify_wait_seconds = 0.0
         self._refusals = dict.fromkeys(REFUSAL_REASONS, 0)
         self._warned: set[str] = set()
 
@@ -168,12 +171,13 @@ class Directory:
         with self.lock:
             self._refusals[reason] += 1
 
-    def record_load(self, *, nbytes: int, seconds: float, tokens: int) -> None:
+    def record_load(self, *, nbytes: int, seconds: float, tokens: int, verify_wait_seconds: float = 0.0) -> None:
         with self.lock:
             self._counts["hits"] += 1
             self._counts["bytes_read"] += nbytes
             self._counts["tokens_loaded"] += tokens
             self._load_seconds += seconds
+            self._verify_wait_seconds += verify_wait_seconds
 
     def set_size(self, files: list[IndexedFile], *, evicted: int = 0) -> None:
         with self.lock:
@@ -186,7 +190,7 @@ class Directory:
             return DiskStats(
                 directory=str(self.path), writable=self.writable, bytes=self.bytes, entries=self.entries,
                 budget_bytes=self.settings.budget_bytes, refusals=dict(self._refusals),
-                load_seconds=self._load_seconds, **self._counts,
+                load_seconds=self._load_seconds, verify_wait_seconds=self._verify_wait_seconds, **self._counts,
             )
 
     def warn_once(self, key: str, message: str, *args: Any) -> None:
@@ -298,8 +302,12 @@ class Directory:
         return view, metadata, tensors, data_start
 
 
+# Threads one checksum may use (blake3.AUTO: as many as the machine has); the reader threads run several.
+HASH_THREADS: int = blake3.blake3.AUTO
+
+
 def check_sum(metadata: dict[str, str], view: memoryview, data_start: int) -> None:
     # BLAKE3 hashes a large buffer on several cores, without the GIL, touching the mapped pages.
-    checksum = blake3.blake3(view[data_start:], max_threads=blake3.blake3.AUTO).hexdigest()
+    checksum = blake3.blake3(view[data_start:], max_threads=HASH_THREADS).hexdigest()
     if checksum != metadata.get("checksum"):
         raise PieceRefused("checksum", f"data digest {checksum[:16]}... is not the recorded one")

@@ -124,8 +124,9 @@ class DiskReader:
         logger.debug("prompt-cache disk tier: %s vanished (evicted by another process)", spec.filename)
         self._directory.count("vanished")
 
-    def record_load(self, *, nbytes: int, seconds: float, tokens: int) -> None:
-        self._directory.record_load(nbytes=nbytes, seconds=seconds, tokens=tokens)
+    def record_load(self, *, nbytes: int, seconds: float, tokens: int, verify_wait_seconds: float = 0.0) -> None:
+        self._directory.record_load(nbytes=nbytes, seconds=seconds, tokens=tokens,
+                                    verify_wait_seconds=verify_wait_seconds)
 
     def record_miss(self) -> None:
         self._directory.count("misses")
