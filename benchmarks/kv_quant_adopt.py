@@ -32,11 +32,14 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
     parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--pieces", type=int, default=1,
+                        help="store the prefix as this many pieces (a disk hit's 256-token files: tokens / 256)")
     args = parser.parse_args()
 
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
+    from mlxcel.model import kv_dequant
     from mlxcel.model.kv import EXACT, StoreFormat, adopt, detach, use_store_format
 
     gpu = mx.default_device() != mx.cpu
@@ -64,20 +67,32 @@ def main() -> None:
         use_store_format(store_format)
         stored = detach(caches, args.tokens)
         assert stored is not None
+        if args.pieces > 1:  # the same rows as consecutive pieces, each grown from the one before
+            edges = [round(args.tokens * index / args.pieces) for index in range(args.pieces + 1)]
+            stored = None
+            for end in edges[1:]:
+                stored = detach(caches, end, base=stored)
+            assert stored is not None and len(stored.segments) == args.pieces
 
         def adopt_all(stored=stored) -> None:
             adopted = adopt(stored, args.tokens)
             mx.eval([cache.keys for cache in adopted] + [cache.values for cache in adopted])
 
         detach_ms = timed(lambda: detach(caches, args.tokens))
-        adopt_ms = timed(adopt_all)
-        print(json.dumps({
-            "bits": store_format.bits, "group_size": store_format.group_size,
-            "layout": "exact" if not store_format.quantized else ("rotated" if store_format.rotated else "plain"),
-            "tokens": args.tokens, "stored_gib": round(stored.nbytes / 2**30, 4),
-            "detach_ms": round(detach_ms, 2), "adopt_ms": round(adopt_ms, 2),
-            "device": str(mx.default_device()), "dtype": str(dtype),
-        }), flush=True)
+        # Rotated groups on CUDA: MLX's operations, then the fused kernel (mlxcel/model/kv_dequant.py).
+        for fused in (False, True) if store_format.rotated and mx.cuda.is_available() else (None,):
+            if fused is not None:
+                kv_dequant.ENABLED = fused
+            adopt_ms = timed(adopt_all)
+            print(json.dumps({
+                "bits": store_format.bits, "group_size": store_format.group_size,
+                "layout": "exact" if not store_format.quantized else ("rotated" if store_format.rotated else "plain"),
+                "fused_kernel": fused,
+                "tokens": args.tokens, "pieces": args.pieces, "stored_gib": round(stored.nbytes / 2**30, 4),
+                "detach_ms": round(detach_ms, 2), "adopt_ms": round(adopt_ms, 2),
+                "device": str(mx.default_device()), "dtype": str(dtype),
+            }), flush=True)
+        kv_dequant.ENABLED = True
     use_store_format(EXACT)
 
 

@@ -38,6 +38,8 @@ import attrs
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from mlxcel.model import kv_dequant
+
 
 @attrs.frozen
 class StoreFormat:
@@ -102,6 +104,8 @@ def _quantize(array: mx.array, store_format: StoreFormat) -> Stored:
 def _dequantize(stored: tuple[mx.array, mx.array, mx.array], store_format: StoreFormat) -> mx.array:
     packed, scales, biases = stored
     group_size, bits = store_format.group_size, store_format.bits
+    if store_format.rotated and kv_dequant.supported(packed, scales, biases, group_size=group_size, bits=bits):
+        return kv_dequant.dequantize_rotated(packed, scales, biases, group_size=group_size, bits=bits)
     if not store_format.rotated:
         return mx.dequantize(packed, scales, biases, group_size=group_size, bits=bits)
     # In float32 and rotated back there, then one rounding to the KV dtype (the scales' dtype).
