@@ -8,8 +8,8 @@ set -uo pipefail
 out=${1:-$OUT}
 export HF_HUB_OFFLINE=1 PYTHONPATH=$PWD
 m=/root/models/llama-3.1-8b
-# pytest-trio is not on the device: the config's trio_mode warning is ignored for these plain tests.
-timeout 120 python3 -m pytest tests/model/test_kv_dequant.py tests/model/test_kv_quantized.py -q -p no:cacheprovider \
+# The device has neither pytest-trio nor the SDKs tests/conftest.py imports: these plain tests run without it.
+timeout 120 python3 -m pytest tests/model/test_kv_dequant.py tests/model/test_kv_quantized.py -q -p no:cacheprovider --noconftest \
   -o filterwarnings=ignore 2>&1 | tail -15 | tee $out/tests.txt
 grep -q "failed\|error" $out/tests.txt && exit 1
 for shape in "8192 3" "24576 96"; do
