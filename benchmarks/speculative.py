@@ -131,8 +131,8 @@ def _run(loaded: Any, model_path: Path, prompts: list[tuple[int, ...]], *, specu
     for index, prompt in enumerate(prompts):
         core.add(NewRequest(request_id=f"r{index}", prompt_tokens=prompt, max_tokens=reply_tokens,
                             sampling=SamplingParams(temperature=0.0), cache_context=None), clients)
-    decode_seconds = 0.0
-    decode_tokens = steps = 0
+    decode_seconds = full_seconds = 0.0
+    decode_tokens = full_tokens = steps = 0
     while core.has_work():
         assert core.next_lookup(0.0) is None
         plan = core.schedule()
@@ -144,11 +144,18 @@ def _run(loaded: Any, model_path: Path, prompts: list[tuple[int, ...]], *, specu
             decode_seconds += elapsed
             decode_tokens += len(result.sampled)
             steps += 1
+            if len({token.sequence_id for token in result.sampled}) == len(prompts):
+                full_seconds += elapsed  # every stream still decoding: the batch not yet draining
+                full_tokens += len(result.sampled)
     stats = executor.speculation_stats
     return {
         "speculative": speculative, "decode_tokens": decode_tokens, "decode_steps": steps,
         "decode_seconds": round(decode_seconds, 3),
         "tokens_per_second": round(decode_tokens / decode_seconds, 2) if decode_seconds else None,
+        # Steps in which every stream emitted: rows that speculation moved ahead finish first, and the batch's
+        # last steps run few rows (a closed batch's drain, which arrivals would fill in a server).
+        "full_batch_tokens_per_second": round(full_tokens / full_seconds, 2) if full_seconds else None,
+        "full_batch_share_of_tokens": round(full_tokens / decode_tokens, 3) if decode_tokens else None,
         "verify_steps": stats.verify_steps, "proposed_tokens": stats.proposed_tokens,
         "accepted_tokens": stats.accepted_tokens,
         "acceptance_rate": round(stats.accepted_tokens / stats.proposed_tokens, 3) if stats.proposed_tokens else None,
@@ -223,6 +230,11 @@ def main() -> None:
                 line += (f" | {mode} {on['tokens_per_second']} tok/s x{row[mode]['speedup']} accepted "
                          f"{on['accepted_tokens']}/{on['proposed_tokens']} ({on['acceptance_rate']}) in "
                          f"{on['verify_steps']} verify steps identical={identical}")
+                if streams > 1 and on["full_batch_tokens_per_second"] and off["full_batch_tokens_per_second"]:
+                    full = on["full_batch_tokens_per_second"] / off["full_batch_tokens_per_second"]
+                    row[mode]["full_batch_speedup"] = round(full, 3)
+                    line += (f" [all {streams} decoding: x{round(full, 3)} over "
+                             f"{round(100 * on['full_batch_share_of_tokens'])}% of its tokens]")
                 if on["draft_prefill_seconds"]:
                     past = on["tokens_per_second_past_draft_prefill"]
                     line += (f" (draft prefill {on['draft_prefill_seconds']} s; without it {past} tok/s "
