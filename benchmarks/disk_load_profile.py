@@ -40,7 +40,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--read-ahead", default="3", help="comma list: reader threads / pieces verified ahead")
     parser.add_argument("--hash-threads", default="auto", help="comma list: threads per checksum (auto or N)")
-    parser.add_argument("--load-window", default="1", help="comma list: pieces MLX reads at once")
     parser.add_argument("--no-verify-ceiling", action="store_true",
                         help="also run once without checksums (a ceiling, not a way the tier reads)")
     parser.add_argument("--via", choices=("mx-load", "mapped-copy"), default="mx-load",
@@ -188,12 +187,12 @@ def end_to_end(args: argparse.Namespace) -> None:
         writer.close(600)
         del stored, layers
         request = (*tokens, 1)
-        variants = [(int(ahead), hash_threads, int(window)) for ahead in args.read_ahead.split(",")
-                    for hash_threads in args.hash_threads.split(",") for window in args.load_window.split(",")]
+        variants = [(int(ahead), hash_threads) for ahead in args.read_ahead.split(",")
+                    for hash_threads in args.hash_threads.split(",")]
         if args.no_verify_ceiling:
-            variants.append((int(args.read_ahead.split(",")[0]), "none", int(args.load_window.split(",")[0])))
-        for ahead, hash_threads, window in variants:
-            _configure(ahead, hash_threads, window)
+            variants.append((int(args.read_ahead.split(",")[0]), "none"))
+        for ahead, hash_threads in variants:
+            _configure(ahead, hash_threads)
             runs = []
             for _ in range(args.repeats):
                 tier = tier_at(directory)  # a restart: a new tier indexes the directory
@@ -217,7 +216,7 @@ def end_to_end(args: argparse.Namespace) -> None:
                 del loaded
             seconds, nbytes, length, _cpu, device_read, verify_wait = min(runs, key=lambda run: run[0] + run[4])
             print(json.dumps({"device": str(mx.default_device()), "mode": "end_to_end", "tokens": length,
-                              "read_ahead": ahead, "hash_threads": hash_threads, "load_window": window,
+                              "read_ahead": ahead, "hash_threads": hash_threads,
                               "tokens_per_s": round(length / seconds),
                               "kv_bits": args.kv_bits, "bytes_read": nbytes, "seconds": round(seconds, 4),
                               "verify_wait_seconds": round(verify_wait, 4),
@@ -229,16 +228,14 @@ def end_to_end(args: argparse.Namespace) -> None:
                               "cpu_seconds_best": round(min(run[3] for run in runs), 4)}), flush=True)
 
 
-def _configure(read_ahead: int, hash_threads: str, load_window: int) -> None:
+def _configure(read_ahead: int, hash_threads: str) -> None:
     """One variant of the read path, set through the modules' constants (checksums off: a ceiling only)."""
     import blake3
 
-    import mlxcel.disk.device
     import mlxcel.disk.directory
     import mlxcel.disk.reader
 
     mlxcel.disk.reader.READ_AHEAD = read_ahead
-    mlxcel.disk.device.LOAD_WINDOW = load_window
     if hash_threads == "none":
         mlxcel.disk.reader.check_sum = lambda *_: None  # type: ignore[assignment]
         return

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # H200, 2026-12-03 second session, after the mlx-cuda install, in two calls.
-#   read: the disk read path's variants (pieces verified ahead, threads per checksum, reads at once, and
-#         a no-checksum ceiling), exact and 8-bit pieces; then the 8B restart hit with 8-bit pieces, the
+#   read: the disk read path's variants (pieces verified ahead, threads per checksum, a no-checksum ceiling;
+#         the run of 2026-12-03 also had --load-window, MLX reading several pieces at once, taken out after
+#         it), exact and 8-bit pieces; then the 8B restart hit with 8-bit pieces, the
 #         new server warmed by one unrelated prompt first; then n-gram speculation after the gate fix.
 #   http: warm TTFT through HTTP, exact against --prompt-cache-kv-bits 8; the exact restart hit warmed first.
 # usage: bash benchmarks/gpu_session39b.sh OUT read|http
@@ -19,9 +20,9 @@ restart() {  # $1: label, then serve flags
 }
 if [ "$part" = read ]; then
   timeout 100 python3 -m benchmarks.disk_load_profile --end-to-end --tokens 16384 --repeats 2 \
-    --read-ahead 3,6 --hash-threads auto,1 --load-window 1,4 --no-verify-ceiling 2>&1 | grep '^{'
+    --read-ahead 3,6 --hash-threads auto,1 --no-verify-ceiling 2>&1 | grep '^{'
   timeout 60 python3 -m benchmarks.disk_load_profile --end-to-end --tokens 16384 --repeats 2 --kv-bits 8 \
-    --read-ahead 3 --hash-threads auto --load-window 1,4 2>&1 | grep '^{'
+    --read-ahead 3 --hash-threads auto 2>&1 | grep '^{'
   restart kv8 --prompt-cache-kv-bits=8
   timeout 150 python3 benchmarks/speculative.py --model-path $m --workloads repeat,fresh --streams 1,16 \
     --reply-tokens 128 --warmup-tokens 24 --modes ngram --out $out/spec8b-gate.json 2>&1 | grep -v "Warning\|tokenizer"

@@ -53,8 +53,6 @@ logger = logging.getLogger(__name__)
 SLICE_BYTES = 4 << 20
 # Jobs (stored prefixes) waiting for conversion; past this the oldest is dropped.
 MAX_JOBS = 64
-# Pieces of a disk hit MLX reads at once (queued, then waited for oldest first).
-LOAD_WINDOW = 1
 
 _TO_SAFETENSORS = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32"}
 
@@ -311,9 +309,6 @@ class DeviceDisk:
         The memory part keeps the memory entry's pieces (shared, not copied); each file read is a
         piece of its own. A refused or vanished piece ends the run there: what came before it is used.
 
-        Up to LOAD_WINDOW pieces are being read by MLX at once (queued with ``async_eval``) while the
-        device thread checks the next verified one; a piece counts once its read is done.
-
         With the device's prefill rate known, reading stops where the rest would take longer to read,
         at the rate measured so far, than to prefill: on an H200 an 8B model prefills 32k tokens in
         about 1.3 s, while reading their 4 GiB back from the page cache took 7 s.
@@ -322,28 +317,6 @@ class DeviceDisk:
         segments: list[tuple[KvPiece, int]] = list(memory.cut(plan.kept).segments) if plan.kept else []
         reference = dtype_of(memory) if plan.kept else None
         length, nbytes, verify_wait = plan.kept, 0, 0.0
-        reading: collections.deque[tuple[PieceSpec, dict[str, mx.array], list[tuple[Any, Any]], StoreFormat]] = (
-            collections.deque())
-
-        def finish_oldest(check: bool = True) -> bool:
-            """Wait for the oldest queued piece's read and add it; False: the rest would be slower than prefill."""
-            nonlocal length, nbytes
-            spec, arrays, piece_layers, piece_format = reading.popleft()
-            mx.eval(list(arrays.values()))
-            piece = KvPiece(piece_layers, spec.name.end_token - length, piece_format)
-            segments.append((piece, spec.name.end_token - length))
-            nbytes += sum(array.nbytes for array in arrays.values())
-            length = spec.name.end_token
-            read_seconds_per_token = (time.perf_counter() - started) / (length - plan.kept)
-            if (check and prefill_seconds_per_token is not None and spec is not plan.pieces[-1]
-                    and read_seconds_per_token > prefill_seconds_per_token):
-                self.tier.reader.record_cut_short()
-                logger.info("prompt-cache disk hit cut short after %d tokens: reading took %.3f ms a token, "
-                            "prefilling takes %.3f", length, 1000 * read_seconds_per_token,
-                            1000 * prefill_seconds_per_token)
-                return False
-            return True
-
         reads = self.tier.reader.read_ahead(plan.pieces, self._num_layers)
         try:
             for spec, future in zip(plan.pieces, reads, strict=True):
@@ -368,14 +341,21 @@ class DeviceDisk:
                     logger.warning("prompt-cache disk tier: cannot read %s (%s)", spec.filename,
                                    error.strerror or error)
                     break
-                # Read by MLX while the readers verify the next pieces.
-                mx.async_eval(list(arrays.values()))
-                reading.append((spec, arrays, piece_layers, piece_format))
-                if len(reading) >= LOAD_WINDOW and not finish_oldest():
+                # Read now, while the readers verify the next pieces. (Queuing several reads at once was
+                # measured: MLX reads them one after another, docs/benchmarks.md.)
+                mx.eval(list(arrays.values()))
+                piece = KvPiece(piece_layers, spec.name.end_token - length, piece_format)
+                segments.append((piece, spec.name.end_token - length))
+                nbytes += sum(array.nbytes for array in arrays.values())
+                length = spec.name.end_token
+                read_seconds_per_token = (time.perf_counter() - started) / (length - plan.kept)
+                if (prefill_seconds_per_token is not None and spec is not plan.pieces[-1]
+                        and read_seconds_per_token > prefill_seconds_per_token):
+                    self.tier.reader.record_cut_short()
+                    logger.info("prompt-cache disk hit cut short after %d tokens: reading took %.3f ms a token, "
+                                "prefilling takes %.3f", length, 1000 * read_seconds_per_token,
+                                1000 * prefill_seconds_per_token)
                     break
-            # Pieces already queued are contiguous with what was added: they are kept, cut short or not.
-            while reading:
-                finish_oldest(check=False)
         finally:
             reads.close()
         if length <= plan.memory_len:

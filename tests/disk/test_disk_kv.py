@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mlxcel.cache.key import CacheContext
-from mlxcel.disk import device as disk_device, index as disk_index, writer as disk_writer_module
+from mlxcel.disk import index as disk_index, writer as disk_writer_module
 from mlxcel.disk.device import DeviceDisk, rows
 from mlxcel.disk.directory import DiskSettings
 from mlxcel.disk.tier import DiskTier
@@ -23,13 +23,6 @@ pytestmark = pytest.mark.slow
 CONTEXT = CacheContext(model_id="m", template_sig="t")
 TOKENS = tuple(range(100, 700))  # 600 tokens: pieces of blocks [0, 16), [16, 32), [32, 37)
 LAYERS = 2
-
-
-@pytest.fixture(params=[1, 2], ids=["one-read-at-a-time", "two-reads-at-once"])
-def load_window(request, monkeypatch) -> int:
-    """Pieces MLX reads at once: each loading test runs with the reads one by one and overlapped."""
-    monkeypatch.setattr(disk_device, "LOAD_WINDOW", request.param)
-    return request.param
 
 
 def payload(length: int = len(TOKENS), dtype=mx.float32, seed: int = 0) -> DetachedKV:
@@ -78,7 +71,7 @@ def assert_rows_equal(loaded: DetachedKV, stored: DetachedKV, length: int) -> No
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_pieces_round_trip_and_a_new_process_finds_them(tmp_path: Path, dtype, load_window) -> None:
+def test_pieces_round_trip_and_a_new_process_finds_them(tmp_path: Path, dtype) -> None:
     stored = payload(dtype=dtype)
     write(open_tier(tmp_path), stored)
     assert [disk_index.parse_name(path.name).end_block for path in pieces(tmp_path)] == [16, 32, 37]
@@ -102,7 +95,7 @@ def test_pieces_round_trip_and_a_new_process_finds_them(tmp_path: Path, dtype, l
     assert tier.plan_write(CONTEXT, TOKENS) == ()
 
 
-def test_reading_stops_where_prefilling_the_rest_is_faster(tmp_path: Path, load_window) -> None:
+def test_reading_stops_where_prefilling_the_rest_is_faster(tmp_path: Path) -> None:
     stored = payload()
     write(open_tier(tmp_path), stored)
     tier = open_tier(tmp_path)
@@ -110,11 +103,10 @@ def test_reading_stops_where_prefilling_the_rest_is_faster(tmp_path: Path, load_
     plan = tier.probe(CONTEXT, request, len(request) - 1, 0)
     assert plan is not None
     assert len(plan.pieces) == 3
-    # Prefilling costs next to nothing: the first piece is read (it measures the disk), then no more than
-    # the reads already queued beside it.
+    # Prefilling costs next to nothing: the first piece is read (it measures the disk), then no more.
     cut = DeviceDisk(tier, LAYERS).load(plan, None, prefill_seconds_per_token=1e-12)
     assert cut is not None
-    assert_rows_equal(cut, stored, 256 * load_window)
+    assert_rows_equal(cut, stored, 256)
     assert tier.statistics().loads_cut_short == 1
     # Prefilling is slow (a Mac prefilling a long agent prompt): every piece is read.
     whole = DeviceDisk(tier, LAYERS).load(plan, None, prefill_seconds_per_token=10.0)
@@ -150,8 +142,7 @@ def _damage_second_piece(directory: Path, how: str) -> Path:
 
 
 @pytest.mark.parametrize("how", ["truncated", "checksum"])
-def test_a_damaged_piece_is_refused_deleted_and_the_run_stops_before_it(tmp_path: Path, how, caplog,
-                                                                       load_window) -> None:
+def test_a_damaged_piece_is_refused_deleted_and_the_run_stops_before_it(tmp_path: Path, how, caplog) -> None:
     stored = payload()
     write(open_tier(tmp_path), stored)
     target = _damage_second_piece(tmp_path, how)
