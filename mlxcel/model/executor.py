@@ -87,6 +87,8 @@ class DeviceSettings:
     ragged_attention: bool = True
     # Rows leave the decode batch by slices, not MLX's gather (mlxcel/model/batch_rows.py).
     slice_row_filter: bool = True
+    # Decode steps normalize the logits only when a row reads them (mlxcel/model/batch_step.py).
+    normalize_on_demand: bool = True
     # --grammar-mask-timeout-ms: a constrained row whose mask is later than this in a step ends (None: by backend).
     grammar_mask_timeout_s: float | None = None
     # --speculative ("ngram", "draft" or "off") and --speculative-tokens: see mlxcel/model/speculation.py.
@@ -175,6 +177,10 @@ class StepExecutor:
         from mlx_lm.models.cache import KVCache, make_prompt_cache
 
         self._model = model
+        if settings.normalize_on_demand:
+            from mlxcel.model import batch_step
+
+            batch_step.install()
         if settings.slice_row_filter:
             from mlxcel.model import batch_rows
 

@@ -349,6 +349,8 @@ class GrammarSequence:
             logprobs = mx.where(allowed, logprobs, mx.array(-mx.inf, dtype=logprobs.dtype))
             return mx.argmax(logprobs, axis=-1) if sample is None else sample(logprobs)
 
+        # The mask moves no allowed token's logit: what the wrapped sampler needs, this one does.
+        masked.reads_logprobs = sample is not None and getattr(sample, "reads_logprobs", True)  # type: ignore[attr-defined]
         return masked
 
 

@@ -67,7 +67,20 @@ def make_sampler(sampling: SamplingParams) -> Callable[[Any], Any] | None:
         key_state[0], subkey = mx.random.split(key_state[0])
         return mx.random.categorical(logits, key=subkey)
 
+    # Top-p keeps a share of the probability mass: it needs normalized logprobs (model/batch_step.py); min-p,
+    # top-k and the draw give the same token for logits that all moved by one amount.
+    sample.reads_logprobs = 0 < top_p < 1.0  # type: ignore[attr-defined]
     return sample
+
+
+def greedy_reporting_logprobs(logprobs: Any) -> Any:
+    """The greedy token of a row whose request reports logprobs (so its step normalizes them)."""
+    import mlx.core as mx
+
+    return mx.argmax(logprobs, axis=-1)
+
+
+greedy_reporting_logprobs.reads_logprobs = True  # type: ignore[attr-defined]
 
 
 def sampling_probs(logprobs: Any, sampling: SamplingParams) -> Any:
@@ -94,6 +107,11 @@ def make_sampling(
     ``sequence_id`` names the sequence when its grammar gives up.
     """
     sampler = make_sampler(sampling)
+    if sampling.logprobs:  # the reported logprobs are read from the step's normalized values
+        if sampler is None:
+            sampler = greedy_reporting_logprobs
+        else:
+            sampler.reads_logprobs = True  # type: ignore[attr-defined]
     processors = make_logits_processors(sampling, grammars.eos_token_ids if grammars is not None else ())
     if sampling.reasoning_budget is not None:
         from mlxcel.model.reasoning_budget import ReasoningBudgetProcessor

@@ -1,0 +1,96 @@
+"""The batched decode step: mlx-lm's ``GenerationBatch._step``, normalizing the logits only when a row reads them.
+
+mlx-lm normalizes every row's logits over the whole vocabulary each step
+(``logits - logsumexp(logits)``) for the logprobs it hands back and for the
+samplers. Most rows read neither: the executor reports logprobs only for a
+request that asked (``model/sampling.py``), and argmax, min-p, top-k, a
+grammar's mask and the categorical draw give the same token for logits that
+all moved by one amount. On the CPU that normalization was most of a batch's
+step beyond the model: 16 rows of a 151,646-token vocabulary, 40.5 ms against
+2.8 ms for the argmax alone (docs/benchmarks.md). So a step normalizes only
+when some row's sampler says it reads normalized values (``reads_logprobs``:
+a request for logprobs, or top-p), or is one this module does not know;
+otherwise the samplers get the logits as they are.
+
+Everything else is mlx-lm 0.32.2's step as it is (the pin in pyproject.toml).
+``install`` points ``GenerationBatch._step`` at ``step``; only the device
+thread runs it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_original_step: Any = None
+
+
+def reads_logprobs(sampler: Any, fallback: Any) -> bool:
+    """Whether ``sampler`` needs normalized logprobs: its own word for it, else yes unless it is the greedy fallback."""
+    return bool(getattr(sampler, "reads_logprobs", sampler is not fallback))
+
+
+def step(self: Any) -> tuple[list[int], list[Any]]:
+    """``GenerationBatch._step`` of mlx-lm 0.32.2, the normalization skipped when no row reads it."""
+    import mlx.core as mx
+
+    self._current_tokens = self._next_tokens
+    self._current_logprobs = self._next_logprobs
+    inputs = self._current_tokens
+
+    logits = self.model(inputs[:, None], cache=self.prompt_cache)
+    logits = logits[:, -1, :]
+
+    token_context = []
+    if any(self.logits_processors):
+        processed_logits = []
+        for e in range(len(self.uids)):
+            sample_logits = logits[e : e + 1]
+            processors = self.logits_processors[e] or ()
+            if processors:
+                context = self._token_context[e].update_and_fetch(inputs[e : e + 1])
+                token_context.append(context)
+                for processor in processors:
+                    sample_logits = processor(context, sample_logits)
+            processed_logits.append(sample_logits)
+        logits = mx.concatenate(processed_logits, axis=0)
+
+    samplers = [self.fallback_sampler if s is None else s for s in (self.samplers or [None] * len(self.uids))]
+    if any(reads_logprobs(sampler, self.fallback_sampler) for sampler in samplers):
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    else:
+        logprobs = logits  # no row reads them normalized; each row's token is the same either way
+
+    if not samplers or all(s is samplers[0] for s in samplers):
+        sampled = (samplers[0] if samplers else self.fallback_sampler)(logprobs)
+    else:
+        sampled = mx.concatenate([s(logprobs[e : e + 1]) for e, s in enumerate(samplers)], axis=0)
+
+    self._next_tokens = sampled
+    self._next_logprobs = list(logprobs)
+    mx.async_eval(self._next_tokens, self._next_logprobs, token_context)
+
+    mx.eval(inputs, self._current_logprobs)
+    inputs = inputs.tolist()
+    for sti, ti in zip(self.tokens, inputs, strict=False):
+        sti.append(ti)
+    return inputs, self._current_logprobs
+
+
+def install() -> bool:
+    """Point ``GenerationBatch._step`` at ``step``; whether it changed."""
+    global _original_step
+    from mlx_lm.generate import GenerationBatch
+
+    if GenerationBatch._step is step:
+        return False
+    _original_step = GenerationBatch._step
+    GenerationBatch._step = step  # type: ignore[method-assign]
+    return True
+
+
+def uninstall() -> None:
+    """Undo ``install`` (tests and benchmarks compare both)."""
+    from mlx_lm.generate import GenerationBatch
+
+    if _original_step is not None and GenerationBatch._step is step:
+        GenerationBatch._step = _original_step  # type: ignore[method-assign]
