@@ -21,9 +21,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from mlxcel.model import patches
+
 __all__ = ["filter_by_slices", "install", "runs", "take_rows", "uninstall"]
 
-_original_filter: Any = None
 
 
 def runs(rows: Sequence[int]) -> list[tuple[int, int]]:
@@ -68,19 +69,13 @@ def filter_by_slices(self: Any, batch_indices: Sequence[int]) -> None:
 
 def install() -> bool:
     """Point ``BatchKVCache.filter`` at ``filter_by_slices``; whether it changed."""
-    global _original_filter
     from mlx_lm.models.cache import BatchKVCache
 
-    if BatchKVCache.filter is filter_by_slices:
-        return False
-    _original_filter = BatchKVCache.filter
-    BatchKVCache.filter = filter_by_slices  # type: ignore[method-assign]
-    return True
+    return patches.point(BatchKVCache, "filter", filter_by_slices)
 
 
 def uninstall() -> None:
     """Undo ``install`` (tests and benchmarks compare both)."""
     from mlx_lm.models.cache import BatchKVCache
 
-    if _original_filter is not None and BatchKVCache.filter is filter_by_slices:
-        BatchKVCache.filter = _original_filter  # type: ignore[method-assign]
+    patches.restore(BatchKVCache, "filter", filter_by_slices)

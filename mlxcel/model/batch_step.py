@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-_original_step: Any = None
+from mlxcel.model import patches
 
 
 def reads_logprobs(sampler: Any, fallback: Any) -> bool:
@@ -78,19 +78,13 @@ def step(self: Any) -> tuple[list[int], list[Any]]:
 
 def install() -> bool:
     """Point ``GenerationBatch._step`` at ``step``; whether it changed."""
-    global _original_step
     from mlx_lm.generate import GenerationBatch
 
-    if GenerationBatch._step is step:
-        return False
-    _original_step = GenerationBatch._step
-    GenerationBatch._step = step  # type: ignore[method-assign]
-    return True
+    return patches.point(GenerationBatch, "_step", step)
 
 
 def uninstall() -> None:
     """Undo ``install`` (tests and benchmarks compare both)."""
     from mlx_lm.generate import GenerationBatch
 
-    if _original_step is not None and GenerationBatch._step is step:
-        GenerationBatch._step = _original_step  # type: ignore[method-assign]
+    patches.restore(GenerationBatch, "_step", step)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import GenerationBatch
 
-from mlxcel.model import batch_step
+from mlxcel.model import batch_step, patches
 from mlxcel.model.sampling import greedy_reporting_logprobs, make_sampler, make_sampling
 from mlxcel.types import SamplingParams
 
@@ -39,8 +39,7 @@ def run(step, samplers) -> tuple[list[int], np.ndarray]:
 
 def test_greedy_rows_get_their_tokens_without_the_normalization() -> None:
     tokens, values = run(batch_step.step, [None] * ROWS)
-    theirs, normalized = run(GenerationBatch._step if GenerationBatch._step is not batch_step.step
-                             else batch_step._original_step, [None] * ROWS)
+    theirs, normalized = run(patches.original(GenerationBatch, "_step"), [None] * ROWS)
     assert tokens == theirs
     assert not np.allclose(np.log(np.exp(values).sum(axis=-1)), 0.0)  # the logits as they came
     assert np.allclose(np.log(np.exp(normalized).sum(axis=-1)), 0.0, atol=1e-5)
@@ -51,7 +50,7 @@ def test_a_row_that_reads_logprobs_makes_the_step_mlx_lms_own(reading) -> None:
     samplers = [None, reading, None]
     mx.random.seed(3)
     tokens, values = run(batch_step.step, samplers)
-    original = batch_step._original_step or GenerationBatch._step
+    original = patches.original(GenerationBatch, "_step")
     mx.random.seed(3)
     theirs, normalized = run(original, samplers)
     assert tokens == theirs
