@@ -26,7 +26,6 @@ from mlxcel.model import patches
 __all__ = ["filter_by_slices", "install", "runs", "take_rows", "uninstall"]
 
 
-
 def runs(rows: Sequence[int]) -> list[tuple[int, int]]:
     """``rows`` as [start, end) runs of consecutive indices, in order."""
     spans: list[tuple[int, int]] = []

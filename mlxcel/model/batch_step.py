@@ -13,8 +13,8 @@ a request for logprobs, or top-p), or is one this module does not know;
 otherwise the samplers get the logits as they are.
 
 Everything else is mlx-lm 0.32.2's step as it is (the pin in pyproject.toml).
-``install`` points ``GenerationBatch._step`` at ``step``; only the device
-thread runs it.
+``install`` points ``GenerationBatch._step`` at ``step`` (``patches.original``
+gives mlx-lm's back, for comparing); only the device thread runs it.
 """
 
 from __future__ import annotations
@@ -82,9 +82,3 @@ def install() -> bool:
 
     return patches.point(GenerationBatch, "_step", step)
 
-
-def uninstall() -> None:
-    """Undo ``install`` (tests and benchmarks compare both)."""
-    from mlx_lm.generate import GenerationBatch
-
-    patches.restore(GenerationBatch, "_step", step)

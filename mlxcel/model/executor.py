@@ -85,10 +85,6 @@ class DeviceSettings:
     kv_group_size: int = 64
     # Masked one-token attention on mlxcel's kernel (mlxcel/model/ragged_attention.py); CUDA only.
     ragged_attention: bool = True
-    # Rows leave the decode batch by slices, not MLX's gather (mlxcel/model/batch_rows.py).
-    slice_row_filter: bool = True
-    # Decode steps normalize the logits only when a row reads them (mlxcel/model/batch_step.py).
-    normalize_on_demand: bool = True
     # --grammar-mask-timeout-ms: a constrained row whose mask is later than this in a step ends (None: by backend).
     grammar_mask_timeout_s: float | None = None
     # --speculative ("ngram", "draft" or "off") and --speculative-tokens: see mlxcel/model/speculation.py.
@@ -177,14 +173,12 @@ class StepExecutor:
         from mlx_lm.models.cache import KVCache, make_prompt_cache
 
         self._model = model
-        if settings.normalize_on_demand:
-            from mlxcel.model import batch_step
+        # Process-wide patches of mlx-lm (only device threads run them): decode steps normalize the logits only
+        # when a row reads them, and rows leave the batch by slices, not MLX's gather.
+        from mlxcel.model import batch_rows, batch_step
 
-            batch_step.install()
-        if settings.slice_row_filter:
-            from mlxcel.model import batch_rows
-
-            batch_rows.install()
+        batch_step.install()
+        batch_rows.install()
         if settings.ragged_attention:
             from mlxcel.model import ragged_attention
 
