@@ -50,9 +50,8 @@ class WarmUps:
         model, adapters, tenant, session key) on the same path: a warm-up
         under another adapter configuration is another session's and stays.
         """
-        session = session_id(job.context)
         for number, pending in list(self._pending.items()):
-            if session_id(pending.context) == session and job.tokens[: len(pending.tokens)] == pending.tokens:
+            if self._extends(job, pending):
                 del self._pending[number]
         self.num_queued += 1
         self._pending[self.num_queued] = job
@@ -103,11 +102,29 @@ class WarmUps:
             self.num_completed += 1
 
     def preempt(self) -> tuple[int, ...]:
-        """Give way to foreground work: every running job stops, storing nothing; their sequence ids."""
+        """Give way to foreground work: every running job stops, storing nothing; their sequence ids.
+
+        Each goes back to the front of the queue, to run again at the next idle
+        moment, unless a newer job of its conversation (whose tokens extend it)
+        waits already: a dropped warm-up otherwise leaves its conversation's
+        next turn to prefill the reply again.
+        """
         preempted = tuple(self._running)
         self.num_preempted += len(preempted)
+        for job in reversed(tuple(self._running.values())):
+            if not any(self._extends(pending, job) for pending in self._pending.values()):
+                self.num_queued += 1
+                self._pending[self.num_queued] = job
+                self._pending.move_to_end(self.num_queued, last=False)
+        while len(self._pending) > MAX_PENDING_WARMUPS:
+            self._pending.popitem(last=False)
         self._running.clear()
         return preempted
+
+    @staticmethod
+    def _extends(newer: WarmSession, older: WarmSession) -> bool:
+        return (session_id(newer.context) == session_id(older.context)
+                and newer.tokens[: len(older.tokens)] == older.tokens)
 
     def lost(self, sequence_id: int) -> None:
         """The device dropped the job's sequence (a failed step)."""

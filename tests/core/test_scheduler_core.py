@@ -338,6 +338,13 @@ def test_warm_ups_run_only_while_idle_and_give_way_to_requests() -> None:
     assert started(plan) == [1]
     stats = harness.core.statistics()
     assert (stats.num_warm_started, stats.num_warm_preempted, stats.num_warm_steps_with_foreground) == (1, 1, 0)
+    # Once the device is idle again, the dropped warm-up runs from the start and completes.
+    harness.run_until_idle()
+    rerun = [start for plan in harness.plans for start in plan.starts if getattr(start, "warm", False)]
+    assert [start.sequence_id for start in rerun] == [0, 2]
+    assert rerun[1].prompt_tokens == tuple(range(30))
+    stats = harness.core.statistics()
+    assert (stats.num_warm_started, stats.num_warm_preempted, stats.num_warm_completed) == (2, 1, 1)
 
 
 def test_a_warm_up_whose_tokens_are_stored_already_ends_counted_without_running() -> None:

@@ -36,3 +36,24 @@ def test_the_queue_keeps_the_newest_jobs_and_hands_out_one_lookup_at_a_time() ->
     assert queue.running(7) is first
     assert queue.preempt() == (7,)
     assert (queue.is_running(), queue.num_started, queue.num_preempted) == (False, 1, 1)
+
+
+def test_a_preempted_job_waits_again_at_the_front_unless_a_newer_turn_replaced_it() -> None:
+    queue = WarmUps()
+    other = WarmSession(context=attrs.evolve(CONTEXT, session_key="o"), tokens=(9,))
+    job = WarmSession(context=CONTEXT, tokens=(1, 2))
+    queue.queue(job)
+    assert queue.next_lookup() is job
+    queue.looked_up()
+    queue.start(3, job)
+    queue.queue(other)
+    queue.preempt()
+    assert queue.pending() == (job, other)
+    # A newer turn of the same conversation waits already: the dropped job is not queued again.
+    queue.start(4, queue.next_lookup())
+    queue.looked_up()
+    newer = WarmSession(context=CONTEXT, tokens=(1, 2, 3, 4))
+    queue.queue(newer)
+    queue.preempt()
+    assert queue.pending() == (other, newer)
+    assert queue.num_preempted == 2
