@@ -68,9 +68,9 @@ def source_file(lines: int, seed: int) -> str:
     return "\n".join(out)
 
 
-def chat(tokenizer: Any, text: str) -> tuple[int, ...]:
+def chat(tokenizer: Any, text: str, reply_start: str = "") -> tuple[int, ...]:
     # SmolLM2's (ChatML) turn markers; on random weights any tokens do.
-    prompt = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+    prompt = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n{reply_start}"
     return tuple(tokenizer.encode(prompt, add_special_tokens=False))
 
 
@@ -82,6 +82,14 @@ def workload_prompts(name: str, tokenizer: Any, streams: int, file_lines: int = 
             text = ("Here is a Python file.\n\n```python\n" + code + "\n```\n\nRewrite the whole file, unchanged "
                     "except that the variable `total` is renamed to `amount`. Reply with the file only.")
             prompts.append(chat(tokenizer, text))
+        elif name == "copy":
+            # SmolLM2-135M asked for an edit writes a file of its own (the edit workload's replies share
+            # little with the prompt); asked to repeat the file, with the reply's first line given, it
+            # copies it with small slips (numbers, names): the copy-with-changes an edit is.
+            code = source_file(file_lines, seed=index)
+            text = ("Here is a Python file.\n\n```python\n" + code + "\n```\n\nRepeat the file exactly, "
+                    "from its first line.")
+            prompts.append(chat(tokenizer, text, reply_start="```python\n"))
         elif name == "repeat":
             pattern = [5 + index, 17, 99, 230, 41, 7, 300, 12]
             prompts.append(tuple(pattern * 40))

@@ -1,37 +1,40 @@
 """Prompt-lookup (n-gram) proposals for speculative decoding: pure, no MLX.
 
 A row's tokens (prompt and reply so far) are indexed as they grow: for each
-n in ``min_n..max_n`` the end of the most recent occurrence of every n-gram.
-A proposal continues the longest suffix (the row's last tokens, plus the
+n of ``sizes`` the end of the most recent occurrence of every n-gram. A
+proposal continues the longest suffix (the row's last tokens, plus the
 token the step is about to feed) that occurred earlier: the tokens that
 followed that occurrence, up to ``k``. Longest first, as vLLM's and
 llama.cpp's lookup do: a longer match is likelier to continue the same way.
-``min_n`` is 2 by default: a single-token match proposes too often to pay
-for its verify positions in a batch (docs/architecture.md, "Speculation").
+The smallest size is 2 by default: a single-token match proposes too often
+to pay for its verify positions in a batch (docs/architecture.md,
+"Speculation"). The largest, 8, finds the place a copy has reached: in a
+file being rewritten, a 3-token suffix (``return x\n``) most recently
+occurred in the reply itself, so its continuation repeats the last function
+instead of the next one.
 
-Each appended token costs ``max_n - min_n + 1`` dictionary writes; a lookup
-as many reads. Nothing rescans the row.
+Each appended token costs one dictionary write per size; a lookup as many
+reads. Nothing rescans the row.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-DEFAULT_MAX_N = 3
-DEFAULT_MIN_N = 2
+DEFAULT_SIZES = (2, 3, 8)
 
 
 class NgramIndex:
     """The n-gram index of one growing token row."""
 
-    def __init__(self, *, max_n: int = DEFAULT_MAX_N, min_n: int = DEFAULT_MIN_N) -> None:
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
-        self.max_n = max_n
-        self.min_n = min_n
+    def __init__(self, *, sizes: Sequence[int] = DEFAULT_SIZES) -> None:
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"need n-gram sizes of at least 1, got {tuple(sizes)}")
+        # Longest first: the order lookups try them in.
+        self.sizes = tuple(sorted(set(sizes), reverse=True))
         self.tokens: list[int] = []
         # n -> n-gram -> the index just past its most recent occurrence.
-        self._last_end: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self._last_end: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
         # n -> the end of the previous occurrence of the row's last n tokens (None: none).
         self._previous: dict[int, int | None] = {}
 
@@ -64,7 +67,7 @@ class NgramIndex:
         if k <= 0:
             return []
         tokens = self.tokens
-        for n in range(self.max_n, self.min_n - 1, -1):
+        for n in self.sizes:
             if next_token is None:
                 end = self._previous.get(n)
             elif len(tokens) >= n - 1:
