@@ -4,8 +4,10 @@ The device's StepExecutor driven by a scheduling core on this thread (as benchma
 does: no Trio, no HTTP), each workload run with speculation off and in each mode of ``--modes``, one
 after the other, greedy:
 
-  edit       a ~2k-token source file in the prompt, asked back with one name changed (a real model copies
-             most of it: the case prompt lookup is for)
+  edit       a ~2k-token source file in the prompt, asked back with one name changed (a capable model
+             copies most of it; SmolLM2-135M writes a file of its own instead)
+  copy       the same file asked back unchanged, the reply's first line given: SmolLM2 copies it with
+             slips, the case prompt lookup is for
   repeat     random weights' own repetition: a prompt of a repeated pattern (random weights soon repeat
              a token; proposals come from the reply itself)
   fresh      a short prompt asking for new text (a story): little to look up; what speculation costs
@@ -19,7 +21,7 @@ mechanism's full cost: a draft as expensive as the target).
 
 usage:
   python benchmarks/speculative.py --model-path ~/.cache/mlxcel/models/smollm2-f32-gguf-v1 \
-      [--workloads edit,fresh] [--streams 1,8] [--reply-tokens 256] [--tokens K] \
+      [--workloads edit,copy,fresh] [--streams 1,8] [--reply-tokens 256] [--tokens K] \
       [--modes ngram,draft --draft-model PATH] [--out FILE.json]
 """
 
@@ -180,7 +182,7 @@ def _run(loaded: Any, model_path: Path, prompts: list[tuple[int, ...]], *, specu
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", type=Path, required=True)
-    parser.add_argument("--workloads", default="edit,repeat,fresh")
+    parser.add_argument("--workloads", default="edit,copy,repeat,fresh")
     parser.add_argument("--streams", default="1,8")
     parser.add_argument("--reply-tokens", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=4, help="--speculative-tokens")
