@@ -55,8 +55,7 @@ class WarmUps:
                 del self._pending[number]
         self.num_queued += 1
         self._pending[self.num_queued] = job
-        while len(self._pending) > MAX_PENDING_WARMUPS:
-            self._pending.popitem(last=False)
+        self._drop_oldest()
 
     def pending(self) -> tuple[WarmSession, ...]:
         """The jobs waiting, oldest first."""
@@ -116,10 +115,13 @@ class WarmUps:
                 self.num_queued += 1
                 self._pending[self.num_queued] = job
                 self._pending.move_to_end(self.num_queued, last=False)
-        while len(self._pending) > MAX_PENDING_WARMUPS:
-            self._pending.popitem(last=False)
+        self._drop_oldest()
         self._running.clear()
         return preempted
+
+    def _drop_oldest(self) -> None:
+        while len(self._pending) > MAX_PENDING_WARMUPS:
+            self._pending.popitem(last=False)
 
     @staticmethod
     def _extends(newer: WarmSession, older: WarmSession) -> bool:

@@ -142,14 +142,19 @@ async def test_a_preempted_warmup_runs_again_once_idle_and_the_next_turn_resumes
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "tell me a long story"}]
     reply = await engine.chat(ChatRequest(messages=tuple(messages), cache=CacheOptions(session_key="dave"),
                                           sampling=SamplingParams(temperature=0.0, max_tokens=60)))
+    inserts_after_turn = (await engine.cache_stats())["snapshots"]["inserts"]
     with trio.fail_after(30):
         while (await engine.scheduler_stats()).num_warm_started < 1:
             await trio.lowlevel.checkpoint()
     # Foreground work arrives while the warm-up is still prefilling (~70 tokens, 8 per step).
     await engine.chat(ChatRequest(messages=({"role": "user", "content": "quick"},),
                                   sampling=SamplingParams(temperature=0.0, max_tokens=2)))
-    assert (await engine.scheduler_stats()).num_warm_preempted == 1
-    # Dropped, it stored nothing and waits again; the idle device runs it to the end.
+    stats = await engine.scheduler_stats()
+    assert stats.num_warm_preempted == 1
+    # Dropped, it stored nothing (no partial snapshot) and waits again; the idle device runs it to the end.
+    assert stats.num_warm_completed == 0
+    assert (await engine.cache_stats())["snapshots"]["inserts"] == inserts_after_turn
+
     async def dave_warmed() -> bool:
         return (await engine.scheduler_stats()).num_warm_completed >= 1
     await wait_until(dave_warmed, seconds=60)
