@@ -513,11 +513,15 @@ def measure_server(name: str, base_url: str, model: str, args: argparse.Namespac
             for level in args.streams:
                 if _out_of_time(args, figures, f"{level} streams"):
                     continue
+                opened = time.time()
                 row = streams_round(client, model, level, args)
+                row["wall_window"] = [opened, time.time()]  # for serve_under_timers.py --summarize
                 figures["streams"][str(level)] = row
                 _progress(name, f"{level} streams", row)
         if not args.skip_wave and not _out_of_time(args, figures, "wave"):
+            opened = time.time()
             figures["wave"] = wave_rounds(client, model, args)
+            figures["wave"]["wall_window"] = [opened, time.time()]
             _progress(name, f"wave of {args.wave}", {key: value for key, value in figures["wave"].items()
                                                      if key not in ("rounds", "ttfts_s", "sent")})
         if not args.skip_conversations and not _out_of_time(args, figures, "conversations"):
@@ -552,7 +556,8 @@ def run_mlxcel(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     flags = ["--max-batch-size", str(concurrency_needed(args)), *args.mlxcel_args.split()]
     log = log_dir / "server-mlxcel.log"
     print(f"starting mlxcel {' '.join(flags)} (log {log})", file=sys.stderr, flush=True)
-    process, base_url = start_mlxcel(args.model_path, flags, log=log, log_level="warning", stacks=args.server_stacks)
+    process, base_url = start_mlxcel(args.model_path, flags, log=log, log_level="warning", stacks=args.server_stacks,
+                                     timers=args.server_timers)
     started = time.monotonic()
     try:
         wait_healthy(process, base_url, seconds=args.start_timeout)
@@ -729,6 +734,8 @@ def build_parser() -> argparse.ArgumentParser:
         parser.add_argument(f"--skip-{section}", action="store_true")
     parser.add_argument("--out", type=Path, help="write the figures, the table and the settings here as JSON")
     parser.add_argument("--server-stacks", type=Path, help="run mlxcel under the sampling profiler; its report here")
+    parser.add_argument("--server-timers", type=Path,
+                        help="run mlxcel under benchmarks/serve_under_timers.py; its counters appended here")
     parser.add_argument("--log-dir", type=Path, help="the servers' logs (default: beside --out, else /tmp)")
     parser.add_argument("--floor-json", action="store_true", help=argparse.SUPPRESS)
     return parser

@@ -30,7 +30,8 @@ WORDS = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "paper", 
 
 
 def start_mlxcel(model: Path | str, flags: list[str], *, log: Path | None = None,
-                 log_level: str = "info", stacks: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
+                 log_level: str = "info", stacks: Path | None = None,
+                 timers: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """`mlxcel serve -m MODEL FLAGS...` on a free loopback port (not waited for); its log appended to ``log``."""
     port = free_port()
     command = [sys.executable, "-m", "mlxcel", "serve", "-m", str(model), "--host", "127.0.0.1",
@@ -38,6 +39,9 @@ def start_mlxcel(model: Path | str, flags: list[str], *, log: Path | None = None
     if stacks is not None:
         # The server under the sampling profiler: its report rewritten every 2 s.
         command[1:3] = [str(REPO / "benchmarks" / "serve_under_stacks.py"), str(stacks), "--"]
+    elif timers is not None:
+        # Phase timers on the device thread and the loop, one line of counters a second.
+        command[1:3] = [str(REPO / "benchmarks" / "serve_under_timers.py"), str(timers), "--"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     output: IO[bytes] | int = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=output)

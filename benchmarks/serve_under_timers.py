@@ -1,0 +1,188 @@
+"""Run ``mlxcel ARGS...`` (a server) with timers on the device thread and the Trio loop, for a profile on the GPU.
+
+Usage: python benchmarks/serve_under_timers.py REPORT -- ARGS...
+       python benchmarks/serve_under_timers.py --summarize REPORT DECODE_SPEED_JSON [NVIDIA_SMI_CSV]
+
+Where a decode step's wall time goes, without a sampler taking the GIL: the
+device thread's time waiting for its next message, in the executor's step,
+in the batch's decode step (``model/batch_step.step``) building its graph and
+waiting in ``mx.eval`` for the step before it; and the loop's time outside
+its I/O wait (a Trio instrument). Every second one JSON line of cumulative
+counters is appended to REPORT (``mlxcel serve`` ends with ``os._exit``, so
+nothing runs at exit); differences between lines give each phase's share of
+a window, to set beside ``nvidia-smi``'s utilization samples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+_counters: dict[str, float] = {"receive_s": 0.0, "receives": 0, "receive_decoding_s": 0.0, "run_step_s": 0.0, "steps": 0,
+                               "batch_step_s": 0.0, "batch_steps": 0, "batch_rows": 0, "step_eval_wait_s": 0.0,
+                               "loop_io_wait_s": 0.0, "loop_io_waits": 0}
+_in_step = threading.local()
+_last_rows = [0]  # the last batch step's rows: a wait for a plan after it is a hand-over
+IDLE_GAP_S = 0.5
+_decoding_waits: list[float] = []  # since the last line written
+
+
+def _timed(owner: Any, name: str, total: str, count: str) -> None:
+    original = getattr(owner, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _counters[total] += time.perf_counter() - started
+            _counters[count] += 1
+
+    setattr(owner, name, timed)
+
+
+def install() -> None:
+    import mlx.core as mx
+    import trio
+
+    from mlxcel.actors.device import DeviceActor
+    from mlxcel.model import batch_step
+
+    original_receive = DeviceActor._receive
+
+    def receive(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return original_receive(*args, **kwargs)
+        finally:
+            waited = time.perf_counter() - started
+            _counters["receive_s"] += waited
+            _counters["receives"] += 1
+            if _last_rows[0] and waited < IDLE_GAP_S:  # waits between rounds are idle, not hand-over
+                _counters["receive_decoding_s"] += waited
+                _decoding_waits.append(waited)
+
+    DeviceActor._receive = receive
+    _timed(DeviceActor, "_run_step", "run_step_s", "steps")
+    original_step, original_eval = batch_step.step, mx.eval
+
+    def step(self: Any) -> Any:
+        started = time.perf_counter()
+        _in_step.active = True
+        try:
+            return original_step(self)
+        finally:
+            _in_step.active = False
+            _counters["batch_step_s"] += time.perf_counter() - started
+            _counters["batch_steps"] += 1
+            _counters["batch_rows"] += len(self.uids)
+            _last_rows[0] = len(self.uids)
+
+    def timed_eval(*args: Any) -> Any:
+        if not getattr(_in_step, "active", False):
+            return original_eval(*args)
+        started = time.perf_counter()
+        try:
+            return original_eval(*args)
+        finally:
+            _counters["step_eval_wait_s"] += time.perf_counter() - started
+
+    batch_step.step = step  # install() reads the module's global when the executor starts
+    mx.eval = timed_eval
+
+    class LoopIdle(trio.abc.Instrument):
+        def before_io_wait(self, timeout: float) -> None:
+            self._started = time.perf_counter()
+
+        def after_io_wait(self, timeout: float) -> None:
+            _counters["loop_io_wait_s"] += time.perf_counter() - self._started
+            _counters["loop_io_waits"] += 1
+
+    original_run = trio.run
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        kwargs["instruments"] = [*kwargs.get("instruments", ()), LoopIdle()]
+        return original_run(*args, **kwargs)
+
+    trio.run = run
+
+
+def _at(lines: list[dict[str, float]], moment: float) -> dict[str, float]:
+    """The last counters written at or before ``moment`` (the first line if none)."""
+    before = [line for line in lines if line["t"] <= moment]
+    return before[-1] if before else lines[0]
+
+
+def summarize(report: Path, decode_json: Path, gpu_csv: Path | None) -> None:
+    """Each round's window of decode_speed.py: the phases' shares of its wall time, and the GPU's utilization."""
+    lines = [json.loads(line) for line in report.read_text().splitlines() if line.strip()]
+    figures = json.loads(decode_json.read_text())["servers"]["mlxcel"]
+    windows = [(f"{level} streams", row["wall_window"]) for level, row in figures.get("streams", {}).items()
+               if "wall_window" in row]
+    if "wall_window" in figures.get("wave", {}):
+        windows.append(("wave", figures["wave"]["wall_window"]))
+    samples: list[tuple[float, float]] = []
+    if gpu_csv is not None and gpu_csv.exists():
+        from datetime import datetime
+
+        for row in gpu_csv.read_text().splitlines():
+            stamp, _, utilization = row.partition(",")
+            with contextlib.suppress(ValueError):
+                moment = datetime.strptime(stamp.strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                samples.append((moment, float(utilization.strip().rstrip(" %"))))
+    for name, (opened, closed) in windows:
+        first, last = _at(lines, opened), _at(lines, closed)
+        wall = last["t"] - first["t"]
+        if wall <= 0:
+            print(f"{name}: no counters inside its window")
+            continue
+        delta = {key: last[key] - first[key] for key in last if key not in ("t", "waits")}
+        waits = sorted(wait for line in lines if first["t"] < line["t"] <= last["t"] for wait in line["waits"])
+        median_wait = 1000 * waits[len(waits) // 2] if waits else 0.0
+        p90_wait = 1000 * waits[int(0.9 * len(waits))] if waits else 0.0
+        steps = max(1, delta["batch_steps"])
+        shares = {key: f"{100 * delta[key] / wall:.0f}%" for key in
+                  ("receive_s", "receive_decoding_s", "run_step_s", "batch_step_s", "step_eval_wait_s", "loop_io_wait_s")}
+        inside = [value for moment, value in samples if opened <= moment <= closed]
+        gpu = f"{sum(inside) / len(inside):.0f}% over {len(inside)} samples" if inside else "-"
+        print(f"{name}: {wall:.1f} s, {delta['steps']:.0f} device steps, {delta['batch_steps']:.0f} batch steps "
+              f"of {delta['batch_rows'] / steps:.1f} rows; per batch step {1000 * wall / steps:.2f} ms wall, "
+              f"{1000 * (delta['batch_step_s'] - delta['step_eval_wait_s']) / steps:.2f} ms building, "
+              f"{1000 * delta['step_eval_wait_s'] / steps:.2f} ms waiting in eval, "
+              f"{1000 * delta['receive_decoding_s'] / steps:.2f} ms waiting for a plan while decoding "
+              f"(median {median_wait:.2f}, p90 {p90_wait:.2f} ms); "
+              f"shares of the wall {shares}; loop busy {100 * (1 - delta['loop_io_wait_s'] / wall):.0f}%; "
+              f"GPU utilization {gpu}")
+
+
+def main() -> None:
+    from mlxcel.cli import main as mlxcel_main
+
+    if sys.argv[1:2] == ["--summarize"]:
+        report, decode_json, *gpu = sys.argv[2:]
+        summarize(Path(report), Path(decode_json), Path(gpu[0]) if gpu else None)
+        return
+    report, separator, *arguments = sys.argv[1:]
+    if separator != "--":
+        raise SystemExit("usage: python benchmarks/serve_under_timers.py REPORT -- ARGS...")
+    install()
+
+    def write() -> None:
+        with Path(report).open("a") as out:
+            while not threading.Event().wait(1.0):
+                waits = _decoding_waits[:]
+                del _decoding_waits[:len(waits)]
+                out.write(json.dumps({"t": time.time(), **_counters, "waits": waits}) + "\n")
+                out.flush()
+
+    threading.Thread(target=write, daemon=True, name="timer-report").start()
+    raise SystemExit(mlxcel_main(arguments))
+
+
+if __name__ == "__main__":
+    main()
