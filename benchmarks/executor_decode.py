@@ -1,11 +1,13 @@
 """The executor's decode step on one thread, without actors: is the gap to the floor in the step or around it?
 
-Usage: python benchmarks/executor_decode.py --model-path DIR [--batches 1,16,64] [--steps 64]
+Usage: python benchmarks/executor_decode.py --model-path DIR [--batches 1,16,64] [--steps 64] [--ragged on,off]
 
 A scheduling core of the real capabilities plans for mlxcel's StepExecutor on this thread, as the
 device warm-up does (no Trio, no HTTP, no steps ahead beyond mlx-lm's own): B short requests start,
 then ms per step while all B decode (the core's update included), against the floor (plain KV cache,
-B equal rows, decode_step_pieces.pipelined_step_ms) measured in the same process.
+B equal rows, decode_step_pieces.pipelined_step_ms) measured in the same process. Beside each, the time a
+step's host spends inside ``mx.async_eval`` (queueing the step's kernels; where a launch waits for the GPU,
+this is where the host stops building the next step's graph).
 """
 
 from __future__ import annotations
@@ -62,6 +64,25 @@ def executor_step_ms(executor: Any, info: Any, batch: int, steps: int) -> tuple[
     return 1000 * timed / (count - 8), 1000 * inside / (count - 8)
 
 
+_async_eval_seconds = [0.0]
+
+
+def _time_async_eval() -> None:
+    """Count the seconds spent inside ``mx.async_eval`` (every caller reads it from the module)."""
+    import mlx.core as mx
+
+    original = mx.async_eval
+
+    def timed(*args: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return original(*args)
+        finally:
+            _async_eval_seconds[0] += time.perf_counter() - started
+
+    mx.async_eval = timed
+
+
 def main() -> None:
     import mlx.core as mx
     from decode_step_pieces import pipelined_step_ms
@@ -74,26 +95,41 @@ def main() -> None:
     parser.add_argument("--model-path", type=Path, required=True)
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--ragged", default="on", help="the ragged decode kernel: on, off, or on,off (CUDA)")
     args = parser.parse_args()
+    _time_async_eval()
     loaded = load_model(args.model_path)
     batches = [int(value) for value in args.batches.split(",")]
-    settings = DeviceSettings(model_path=args.model_path, context_size=4096, max_batch_size=max(batches),
-                              prefill_step_size=default_prefill_step_size())
-    executor = StepExecutor(loaded.model, loaded.eos_token_ids, settings, loaded.family.model_type,
-                            tokenizer=loaded.tokenizer)
-    print("| B | floor ms | executor step ms | inside run_step ms | ratio |")
-    print("|---|---|---|---|---|")
-    for batch in batches:
-        executor_step_ms(executor, loaded, batch, 24)  # build the shapes
-        step, inside = executor_step_ms(executor, loaded, batch, args.steps)
-        cache = make_prompt_cache(loaded.model)
-        first = mx.argmax(loaded.model(mx.array([[10 + i for i in range(40)]] * batch), cache=cache)[:, -1], axis=-1)
+    print("| ragged kernel | B | floor ms | its async_eval ms | executor step ms | inside run_step ms "
+          "| its async_eval ms | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for ragged in args.ragged.split(","):
+        from mlxcel.model import ragged_attention
 
-        def floor_step(tokens: Any, cache: list[Any] = cache) -> Any:
-            return mx.argmax(loaded.model(tokens[:, None], cache=cache)[:, -1, :], axis=-1)
+        ragged_attention.uninstall(loaded.model)
+        settings = DeviceSettings(model_path=args.model_path, context_size=4096, max_batch_size=max(batches),
+                                  prefill_step_size=default_prefill_step_size(), ragged_attention=ragged == "on")
+        executor = StepExecutor(loaded.model, loaded.eos_token_ids, settings, loaded.family.model_type,
+                                tokenizer=loaded.tokenizer)
+        for batch in batches:
+            executor_step_ms(executor, loaded, batch, 24)  # build the shapes
+            _async_eval_seconds[0] = 0.0
+            step, inside = executor_step_ms(executor, loaded, batch, args.steps)
+            executor_async = 1000 * _async_eval_seconds[0] / args.steps
+            cache = make_prompt_cache(loaded.model)
+            first = mx.argmax(loaded.model(mx.array([[10 + i for i in range(40)]] * batch), cache=cache)[:, -1],
+                              axis=-1)
+            mx.eval(first)
 
-        floor = pipelined_step_ms(floor_step, first, args.steps)
-        print(f"| {batch} | {floor:.2f} | {step:.2f} | {inside:.2f} | {step / floor:.2f}x |", flush=True)
+            def floor_step(tokens: Any, cache: list[Any] = cache) -> Any:
+                return mx.argmax(loaded.model(tokens[:, None], cache=cache)[:, -1, :], axis=-1)
+
+            _async_eval_seconds[0] = 0.0
+            floor = pipelined_step_ms(floor_step, first, args.steps)
+            floor_async = 1000 * _async_eval_seconds[0] / (args.steps + 9)  # its 8 warm-up steps and the first
+            print(f"| {ragged} | {batch} | {floor:.2f} | {floor_async:.2f} | {step:.2f} | {inside:.2f} "
+                  f"| {executor_async:.2f} | {step / floor:.2f}x |", flush=True)
+
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 """The device actor: the only code that runs MLX, on one thread of its own.
 
 Every MLX call happens on one dedicated thread (MLX ties streams to the
-thread that made them). The thread loads the model, then loops on
-``trio.from_thread.run(inbox.receive)``; the Trio side never blocks on it.
+thread that made them). The thread loads the model, then takes its messages
+from a thread-safe mailbox that the actor's Trio task fills as they arrive,
+so a plan sent while a step runs is taken the moment the step ends, without
+waiting for the event loop (busy writing the last step's tokens to many
+streams); the Trio side never blocks on the thread.
 Each ``RunStep`` carries a ``StepPlan`` decided by the scheduling core
 (``mlxcel/core/scheduler.py``); the executor (``mlxcel/model/executor.py``)
 carries it out and the thread queues its ``StepResult`` back to the Trio
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
 from typing import Any
 
@@ -35,6 +39,10 @@ class DeviceStats:
     num_steps: int
 
 
+# In the mailbox after the last message: the inbox has ended.
+_INBOX_ENDED = object()
+# How long the thread waits for a message while disk writes are behind their budget.
+DISK_WRITER_POLL_SECONDS = 0.05
 
 
 class DeviceActor:
@@ -43,6 +51,8 @@ class DeviceActor:
         self.inbox = inbox
         self._num_steps = 0
         self._trio_token: trio.lowlevel.TrioToken | None = None
+        # Filled by the actor's task, emptied by the device thread (the only state they share, and thread-safe).
+        self._mailbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
     async def run(self, *, task_status: trio.TaskStatus[ModelInfo] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the device thread until its inbox ends; cancellation waits for the thread to finish.
@@ -69,11 +79,23 @@ class DeviceActor:
         thread = threading.Thread(target=main, name="mlxcel-device", daemon=True)
         with self.inbox:
             thread.start()
+            # Shielded: the thread ends when the inbox does, so the forwarding goes on until then.
             with trio.CancelScope(shield=True):
-                await finished.wait()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._forward)
+                    await finished.wait()
+                    nursery.cancel_scope.cancel()  # the thread failed before the inbox ended
             thread.join()
         if failure:
             raise failure[0]
+
+    async def _forward(self) -> None:
+        """Move each message to the mailbox as it arrives, then mark the inbox's end."""
+        try:
+            async for message in self.inbox:
+                self._mailbox.put(message)
+        finally:
+            self._mailbox.put(_INBOX_ENDED)
 
     def statistics(self) -> DeviceStats:
         return DeviceStats(num_steps=self._num_steps)
@@ -137,9 +159,8 @@ class DeviceActor:
         assert trio_token is not None, "set by run() before the thread starts"
         try:
             while True:
-                try:
-                    message = self._receive(disk)
-                except (trio.EndOfChannel, trio.ClosedResourceError):
+                message = self._receive(disk)
+                if message is _INBOX_ENDED:
                     return
                 match message:
                     case None:
@@ -179,25 +200,23 @@ class DeviceActor:
         self._num_steps = done.step_number
         return attrs.evolve(done, disk_reads=reads) if reads else done
 
-    def _receive(self, disk: Any) -> DeviceMsg | None:
-        """The next message; with disk writes queued, None after converting a slice of them when none waits."""
+    def _receive(self, disk: Any) -> Any:
+        """The next message (or ``_INBOX_ENDED``); with disk writes queued, None after converting a slice of them
+        when none waits."""
         if disk is None or not disk.has_work():
-            return trio.from_thread.run(self.inbox.receive, trio_token=self._trio_token)
+            return self._mailbox.get()
         try:
-            return trio.from_thread.run_sync(self.inbox.receive_nowait, trio_token=self._trio_token)
-        except trio.WouldBlock:
+            return self._mailbox.get_nowait()
+        except queue.Empty:
             pass
         if disk.can_work():
             disk.work()
             return None
         # The writer is behind (its write budget): wait for a message a little, then look again.
-        return trio.from_thread.run(_receive_within, self.inbox, 0.05, trio_token=self._trio_token)
-
-
-async def _receive_within(inbox: trio.MemoryReceiveChannel[DeviceMsg], seconds: float) -> DeviceMsg | None:
-    with trio.move_on_after(seconds):
-        return await inbox.receive()
-    return None
+        try:
+            return self._mailbox.get(timeout=DISK_WRITER_POLL_SECONDS)
+        except queue.Empty:
+            return None
 
 
 def _reply(reply_to: trio.MemorySendChannel[Any], done: Any) -> None:

@@ -84,8 +84,8 @@ class Driver:
 
 
 @contextlib.asynccontextmanager
-async def running_device(**settings: Any) -> AsyncIterator[tuple[Driver, ModelInfo, DeviceActor]]:
-    to_device, inbox = trio.open_memory_channel[RunStep](0)
+async def running_device(inbox_size: int = 0, **settings: Any) -> AsyncIterator[tuple[Driver, ModelInfo, DeviceActor]]:
+    to_device, inbox = trio.open_memory_channel[RunStep](inbox_size)
     actor = DeviceActor(DeviceSettings(model_path=fixture_path("llama"), **settings), inbox)
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
@@ -487,3 +487,38 @@ async def test_a_plan_of_disk_writes_alone_is_not_a_step() -> None:
         done = await driver.step(starts=(direct(0, tuple(range(1000, 1008)), 1),), disk_writes=writes)
         assert done.step_number == 1
         assert [token.sequence_id for token in done.sampled] == [0]
+
+
+async def test_a_plan_sent_during_a_step_runs_when_the_step_ends_while_the_event_loop_is_busy(monkeypatch) -> None:
+    """The device takes a plan already sent without a turn of the loop (busy writing many streams' tokens)."""
+    import time
+
+    from mlxcel.model.executor import StepExecutor
+
+    started: list[float] = []
+    original = StepExecutor.run_step
+
+    def slow_first(self: Any, plan: StepPlan) -> StepResult:
+        started.append(time.monotonic())
+        if len(started) == 1:
+            time.sleep(0.3)
+        return original(self, plan)
+
+    monkeypatch.setattr(StepExecutor, "run_step", slow_first)
+    async with running_device(inbox_size=64) as (driver, _info, _actor):  # the engine's inbox is buffered too
+        first_to, first_replies = trio.open_memory_channel[StepResult](1)
+        second_to, second_replies = trio.open_memory_channel[StepResult](1)
+        await driver.to_device.send(RunStep(plan=StepPlan(), reply_to=first_to))
+        while not started:
+            await trio.sleep(0.01)
+        await driver.to_device.send(RunStep(plan=StepPlan(starts=(direct(0, tuple(range(1000, 1008)), 2),)),
+                                            reply_to=second_to))
+        await trio.testing.wait_all_tasks_blocked()  # the plan has reached the device's mailbox
+        busy_from = time.monotonic()
+        time.sleep(0.8)  # the loop does not run for 0.8 s
+        assert len(started) == 2
+        assert started[1] < busy_from + 0.5  # it ran when the first step ended, during the busy loop
+        assert (await first_replies.receive()).error is None
+        second = await second_replies.receive()
+        assert second.error is None
+        assert [token.sequence_id for token in second.sampled] == [0]
