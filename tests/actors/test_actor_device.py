@@ -515,7 +515,7 @@ async def test_a_plan_sent_during_a_step_runs_when_the_step_ends_while_the_event
                                             reply_to=second_to))
         await trio.testing.wait_all_tasks_blocked()  # the plan has reached the device's mailbox
         busy_from = time.monotonic()
-        time.sleep(0.8)  # the loop does not run for 0.8 s
+        time.sleep(0.8)  # noqa: ASYNC251 - the loop does not run for 0.8 s, on purpose
         assert len(started) == 2
         assert started[1] < busy_from + 0.5  # it ran when the first step ended, during the busy loop
         assert (await first_replies.receive()).error is None
