@@ -94,6 +94,8 @@ class DeviceActor:
         try:
             async for message in self.inbox:
                 self._mailbox.put(message)
+                # The device thread holds the last reference, so MLX frees a step's released payloads there.
+                del message
         finally:
             self._mailbox.put(_INBOX_ENDED)
 

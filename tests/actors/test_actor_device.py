@@ -522,3 +522,21 @@ async def test_a_plan_sent_during_a_step_runs_when_the_step_ends_while_the_event
         second = await second_replies.receive()
         assert second.error is None
         assert [token.sequence_id for token in second.sampled] == [0]
+
+
+async def test_a_steps_released_payloads_are_freed_on_the_device_thread() -> None:
+    """MLX frees an array where its last reference dies: the mailbox's forwarding must not keep one on the loop."""
+    import threading
+
+    freed_on: list[str] = []
+
+    class Payload:
+        def __del__(self) -> None:
+            freed_on.append(threading.current_thread().name)
+
+    async with running_device(inbox_size=64) as (driver, _info, _actor):
+        reply_to, replies = trio.open_memory_channel[StepResult](1)
+        await driver.to_device.send(RunStep(plan=StepPlan(), release=(Payload(),), reply_to=reply_to))
+        assert (await replies.receive()).error is None
+        await trio.testing.wait_all_tasks_blocked()
+        assert freed_on == ["mlxcel-device"]
