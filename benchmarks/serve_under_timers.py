@@ -7,7 +7,7 @@ Where a decode step's wall time goes, without a sampler taking the GIL: the
 device thread's time waiting for its next message, in the executor's step,
 in the batch's decode step (``model/batch_step.step``) building its graph and
 waiting in ``mx.eval`` for the step before it; and the loop's time outside
-its I/O wait (a Trio instrument). Every second one JSON line of cumulative
+its I/O wait (a Trio instrument). Every 0.2 s one JSON line of cumulative
 counters is appended to REPORT (``mlxcel serve`` ends with ``os._exit``, so
 nothing runs at exit); differences between lines give each phase's share of
 a window, to set beside ``nvidia-smi``'s utilization samples.
@@ -29,6 +29,8 @@ _counters: dict[str, float] = {"receive_s": 0.0, "receives": 0, "receive_decodin
 _in_step = threading.local()
 _last_rows = [0]  # the last batch step's rows: a wait for a plan after it is a hand-over
 IDLE_GAP_S = 0.5
+# Short next to decode_speed's rounds (a few seconds), which a summary's window is cut to.
+REPORT_INTERVAL_S = 0.2
 _decoding_waits: list[float] = []  # since the last line written
 
 
@@ -152,7 +154,7 @@ def summarize(report: Path, decode_json: Path, gpu_csv: Path | None) -> None:
         gpu = f"{sum(inside) / len(inside):.0f}% over {len(inside)} samples" if inside else "-"
         print(f"{name}: {wall:.1f} s, {delta['steps']:.0f} device steps, {delta['batch_steps']:.0f} batch steps "
               f"of {delta['batch_rows'] / steps:.1f} rows; per batch step {1000 * wall / steps:.2f} ms wall, "
-              f"{1000 * (delta['batch_step_s'] - delta['step_eval_wait_s']) / steps:.2f} ms building, "
+              f"{1000 * (delta['batch_step_s'] - delta['step_eval_wait_s']) / steps:.2f} ms in the step outside mx.eval (building, queueing), "
               f"{1000 * delta['step_eval_wait_s'] / steps:.2f} ms waiting in eval, "
               f"{1000 * delta['receive_decoding_s'] / steps:.2f} ms waiting for a plan while decoding "
               f"(median {median_wait:.2f}, p90 {p90_wait:.2f} ms); "
@@ -174,7 +176,7 @@ def main() -> None:
 
     def write() -> None:
         with Path(report).open("a") as out:
-            while not threading.Event().wait(1.0):
+            while not threading.Event().wait(REPORT_INTERVAL_S):
                 waits = _decoding_waits[:]
                 del _decoding_waits[:len(waits)]
                 out.write(json.dumps({"t": time.time(), **_counters, "waits": waits}) + "\n")
