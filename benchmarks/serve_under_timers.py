@@ -25,7 +25,7 @@ from typing import Any
 
 _counters: dict[str, float] = {"receive_s": 0.0, "receives": 0, "receive_decoding_s": 0.0, "run_step_s": 0.0, "steps": 0,
                                "batch_step_s": 0.0, "batch_steps": 0, "batch_rows": 0, "step_eval_wait_s": 0.0,
-                               "loop_io_wait_s": 0.0, "loop_io_waits": 0}
+                               "loop_io_wait_s": 0.0, "loop_io_waits": 0, "loop_cpu_s": 0.0}
 _in_step = threading.local()
 _last_rows = [0]  # the last batch step's rows: a wait for a plan after it is a hand-over
 IDLE_GAP_S = 0.5
@@ -98,12 +98,16 @@ def install() -> None:
     mx.eval = timed_eval
 
     class LoopIdle(trio.abc.Instrument):
+        _woke = time.thread_time()
+
         def before_io_wait(self, timeout: float) -> None:
             self._started = time.perf_counter()
+            _counters["loop_cpu_s"] += time.thread_time() - self._woke  # the loop thread's own CPU, GIL waits not
 
         def after_io_wait(self, timeout: float) -> None:
             _counters["loop_io_wait_s"] += time.perf_counter() - self._started
             _counters["loop_io_waits"] += 1
+            self._woke = time.thread_time()
 
     original_run = trio.run
 
@@ -158,7 +162,8 @@ def summarize(report: Path, decode_json: Path, gpu_csv: Path | None) -> None:
               f"{1000 * delta['step_eval_wait_s'] / steps:.2f} ms waiting in eval, "
               f"{1000 * delta['receive_decoding_s'] / steps:.2f} ms waiting for a plan while decoding "
               f"(median {median_wait:.2f}, p90 {p90_wait:.2f} ms); "
-              f"shares of the wall {shares}; loop busy {100 * (1 - delta['loop_io_wait_s'] / wall):.0f}%; "
+              f"shares of the wall {shares}; loop busy {100 * (1 - delta['loop_io_wait_s'] / wall):.0f}%, "
+              f"its CPU {1e6 * delta.get('loop_cpu_s', 0.0) / max(1, delta['batch_rows']):.0f} us a decoded token; "
               f"GPU utilization {gpu}")
 
 
