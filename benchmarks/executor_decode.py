@@ -131,6 +131,5 @@ def main() -> None:
                   f"| {executor_async:.2f} | {step / floor:.2f}x |", flush=True)
 
 
-
 if __name__ == "__main__":
     main()

@@ -40,7 +40,7 @@ def start_mlxcel(model: Path | str, flags: list[str], *, log: Path | None = None
         # The server under the sampling profiler: its report rewritten every 2 s.
         command[1:3] = [str(REPO / "benchmarks" / "serve_under_stacks.py"), str(stacks), "--"]
     elif timers is not None:
-        # Phase timers on the device thread and the loop, one line of counters a second.
+        # Phase timers on the device thread and the loop, a line of counters every 0.2 s.
         command[1:3] = [str(REPO / "benchmarks" / "serve_under_timers.py"), str(timers), "--"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     output: IO[bytes] | int = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115

@@ -206,6 +206,10 @@ def write_now(stream: Any, data: bytes) -> int:
         return 0
 
 
+def _cancelled() -> bool:
+    return trio.current_effective_deadline() == -math.inf
+
+
 class _Connection(TCPServer):
     """hypercorn's connection handler, with its close made uncancellable and race-safe."""
 
@@ -234,10 +238,13 @@ class _Connection(TCPServer):
             with _shielded():
                 await super().protocol_send(event)
             return
-        if isinstance(event, RawData) and not self.send_lock.locked():
-            # Most writes fit the socket's buffer at once: hypercorn's path (a lock, a shielded cancel scope and
-            # a trip through Trio's scheduler per write) cost 60-75 us of an event loop's time per streamed
-            # event, which at 64 streams is the loop's largest share of the GIL. What does not fit goes that way.
+        if isinstance(event, RawData) and not self.send_lock.locked() and not _cancelled():
+            # Most writes fit the socket's buffer at once. hypercorn's path (a lock, a shielded cancel scope and
+            # a trip through Trio's scheduler per write) cost the loop 53-67 us of CPU per streamed token at 64
+            # streams (docs/benchmarks.md), on the thread that shares the GIL with the device. What does not
+            # fit goes that way, and so does a write from a cancelled task (an app cut off at shutdown): there
+            # hypercorn's lock raises Cancelled before any byte, so the client sees the connection drop rather
+            # than the bare 500 hypercorn sends for an app that ended without a reply.
             written = write_now(self.stream, event.data)
             if written == len(event.data):
                 return
