@@ -168,15 +168,18 @@ class DeviceActor:
                     case None:
                         continue
                     case RunStep():
+                        reply_to, disk_writes = message.reply_to, message.plan.disk_writes
                         done = self._run_step(worker, disk, message.plan)
+                        # The released payloads die here, so MLX frees them on this thread; before the
+                        # reply, so that nothing the scheduler does on it can find them still held.
+                        del message
                         # Queued, not awaited: the device goes on to the next step at once (the reply
                         # channel is the step's own, and Trio runs queued callbacks in order).
                         with contextlib.suppress(trio.RunFinishedError):
-                            trio_token.run_sync_soon(_reply, message.reply_to, done)
+                            trio_token.run_sync_soon(_reply, reply_to, done)
                         if disk is not None:
-                            disk.queue(message.plan.disk_writes)  # behind the step, converted when idle
-                        # Drops the released payloads here, so MLX frees them on this thread.
-                        del message, done
+                            disk.queue(disk_writes)  # behind the step, converted when idle
+                        del reply_to, disk_writes, done
                     case UseDiskTier():
                         from mlxcel.disk.device import DeviceDisk
 
