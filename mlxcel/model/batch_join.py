@@ -7,7 +7,9 @@ the prompt batch's caches, a forward pass of its own for the joining rows (at
 most ``prefill_batch_size`` of them per step), then the join. Here the rows go
 straight into the generation batch with their first token as the next input,
 so the batch's next decode step computes their second token with everyone
-else's: however many start in a step, they cost one cache merge.
+else's: however many start in a step, they cost one cache merge. Rows of
+one batched start pass skip even that: they join as they lie in the pass's
+buffer, the filler after each row masked as its gap (``gapped_cache``).
 
 mlx-lm's generation batch returns each row's input as that step's token, so a
 joined row's first reported token is the one its start already reported: the
@@ -24,6 +26,15 @@ from typing import Any
 import attrs
 
 
+@attrs.frozen(kw_only=True, eq=False)
+class SharedPass:
+    """The per-layer caches of one batched start pass: each row's tokens from position 0, filler after them
+    up to ``end``."""
+
+    caches: list[Any]
+    end: int
+
+
 @attrs.frozen(kw_only=True)
 class Joiner:
     """One sequence joining the batch: its first token (an MLX array of shape (1,)) and its prefilled caches."""
@@ -36,6 +47,9 @@ class Joiner:
     max_tokens: int
     sampler: Callable[[Any], Any] | None
     processors: Sequence[Callable[[Any, Any], Any]] | None
+    # The batched start pass whose row ``shared_row`` ``caches`` are views of (None: a start of its own).
+    shared: SharedPass | None = None
+    shared_row: int = 0
 
 
 def joinable(caches: Sequence[Any]) -> bool:
@@ -49,7 +63,9 @@ def join_decoding(generator: Any, joiners: Sequence[Joiner]) -> list[int]:
     """Add ``joiners`` to ``generator``'s decode batch; returns their uids there, in order."""
     import mlx.core as mx
     from mlx_lm.generate import GenerationBatch, _merge_caches
-    from mlx_lm.models.cache import TokenBuffer
+    from mlx_lm.models.cache import BatchKVCache, TokenBuffer
+
+    from mlxcel.model.gapped_cache import GappedBatchKVCache, from_shared_pass
 
     count = len(joiners)
     uids = list(range(generator._uid_count, generator._uid_count + count))
@@ -57,7 +73,15 @@ def join_decoding(generator: Any, joiners: Sequence[Joiner]) -> list[int]:
     stop = generator._default_stop_sequences
     batch = GenerationBatch.empty(generator.model, generator.sampler)
     batch.uids = uids
-    batch.prompt_cache = _merge_caches([joiner.caches for joiner in joiners])
+    shared = joiners[0].shared
+    gapped = shared is not None and all(joiner.shared is shared for joiner in joiners)
+    if gapped:
+        assert shared is not None
+        # Rows of one pass join as they lie in its buffer, their filler masked (gapped_cache.from_shared_pass).
+        batch.prompt_cache = from_shared_pass(shared.caches, [joiner.shared_row for joiner in joiners],
+                                              [len(joiner.all_tokens) for joiner in joiners], shared.end)
+    else:
+        batch.prompt_cache = _merge_caches([joiner.caches for joiner in joiners])
     batch.tokens = [list(joiner.all_tokens) for joiner in joiners]
     batch.samplers = [joiner.sampler or generator.sampler for joiner in joiners]
     batch.logits_processors = [tuple(joiner.processors or ()) for joiner in joiners]
@@ -76,5 +100,9 @@ def join_decoding(generator: Any, joiners: Sequence[Joiner]) -> list[int]:
         main.samplers, main.logits_processors, main.max_tokens, main.stop_sequences = [], [], [], []
         main._next_tokens, main._next_logprobs = None, []
         main._token_context, main._num_tokens, main._matchers = [], [], []
+    elif gapped:
+        # mlx-lm's extend would drop the joining rows' gaps: the batch's caches keep gaps from here.
+        main.prompt_cache = [GappedBatchKVCache.adopt(cache) if isinstance(cache, BatchKVCache) else cache
+                             for cache in main.prompt_cache]
     main.extend(batch)
     return uids

@@ -108,6 +108,9 @@ class _DirectStart:
     donation: DetachedSequence | None = None
     # The stored prefix its caches began from (see _Sequence.base).
     base: Any = None
+    # The batched pass it started in, and its row there (its caches are views of that row).
+    shared: Any = None
+    shared_row: int = 0
 
 
 @attrs.define
@@ -661,6 +664,7 @@ class StepExecutor:
         import mlx.core as mx
         from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+        from mlxcel.model.batch_join import SharedPass
         from mlxcel.model.kv import DetachedKV, adopt_rows
 
         every = [list(start.cached_tokens) + list(start.prompt_tokens) for start in starts]
@@ -683,6 +687,7 @@ class StepExecutor:
             # Each row's logits at its own last token (filler rows at the first row's).
             ends = [len(run) - 1 for run in runs] + [len(runs[0]) - 1] * (padded_count - count)
             last = self._logits_at(mx.array(matrix), group_caches, mx.array(ends))
+            shared = SharedPass(caches=group_caches, end=kept + width)
             for row, (start, tokens) in enumerate(zip(starts, every, strict=True)):
                 sampler, processors = make_sampling(start.sampling, self._grammars, start.sequence_id)
                 row_logits = last[row:row + 1]
@@ -708,7 +713,7 @@ class StepExecutor:
                         base = donation.payload
                 begun.append(_DirectStart(start=start, caches=caches, all_tokens=tokens, sampler=sampler,
                                           processors=processors, token=token, logprobs=logprobs[0],
-                                          donation=donation, base=base))
+                                          donation=donation, base=base, shared=shared, shared_row=row))
         return begun
 
     def _text_forward(self, tokens: Any, *, cache: list[Any], offset: int = 0) -> Any:
@@ -793,7 +798,7 @@ class StepExecutor:
                 joining.setdefault(start.sampling.adapter_scales, []).append((sequence, Joiner(
                     first_token=begun.token, first_logprobs=begun.logprobs, caches=begun.caches,
                     all_tokens=begun.all_tokens, max_tokens=start.max_tokens, sampler=begun.sampler,
-                    processors=begun.processors)))
+                    processors=begun.processors, shared=begun.shared, shared_row=begun.shared_row)))
                 continue
             # Other cache kinds go through mlx-lm's prompt stage: the first token as the prompt's last.
             (uid,) = self._generator.insert(
