@@ -7,7 +7,9 @@ Where a decode step's wall time goes, without a sampler taking the GIL: the
 device thread's time waiting for its next message, in the executor's step,
 in the batch's decode step (``model/batch_step.step``) building its graph and
 waiting in ``mx.eval`` for the step before it; and the loop's time outside
-its I/O wait (a Trio instrument). Every 0.2 s one JSON line of cumulative
+its I/O wait (a Trio instrument). Each device step is also recorded (when it
+began, its seconds, its starts and their prompt tokens): the summary lists a
+wave's steps with starts, its admission timeline. Every 0.2 s one JSON line of cumulative
 counters is appended to REPORT (``mlxcel serve`` ends with ``os._exit``, so
 nothing runs at exit); differences between lines give each phase's share of
 a window, to set beside ``nvidia-smi``'s utilization samples.
@@ -32,20 +34,8 @@ IDLE_GAP_S = 0.5
 # Short next to decode_speed's rounds (a few seconds), which a summary's window is cut to.
 REPORT_INTERVAL_S = 0.2
 _decoding_waits: list[float] = []  # since the last line written
-
-
-def _timed(owner: Any, name: str, total: str, count: str) -> None:
-    original = getattr(owner, name)
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            _counters[total] += time.perf_counter() - started
-            _counters[count] += 1
-
-    setattr(owner, name, timed)
+# Each device step since the last line written: (wall clock at its start, seconds, starts, their prompt tokens).
+_step_records: list[tuple[float, float, int, int]] = []
 
 
 def install() -> None:
@@ -70,7 +60,21 @@ def install() -> None:
                 _decoding_waits.append(waited)
 
     DeviceActor._receive = receive
-    _timed(DeviceActor, "_run_step", "run_step_s", "steps")
+    original_run_step = DeviceActor._run_step
+
+    def run_step(self: Any, worker: Any, disk: Any, plan: Any) -> Any:
+        opened, started = time.time(), time.perf_counter()
+        try:
+            return original_run_step(self, worker, disk, plan)
+        finally:
+            seconds = time.perf_counter() - started
+            _counters["run_step_s"] += seconds
+            _counters["steps"] += 1
+            starts = getattr(plan, "starts", ())
+            _step_records.append((opened, seconds, len(starts),
+                                  sum(len(getattr(start, "prompt_tokens", ())) for start in starts)))
+
+    DeviceActor._run_step = run_step
     original_step, original_eval = batch_step.step, mx.eval
 
     def step(self: Any) -> Any:
@@ -147,7 +151,7 @@ def summarize(report: Path, decode_json: Path, gpu_csv: Path | None) -> None:
         if wall <= 0:
             print(f"{name}: no counters inside its window")
             continue
-        delta = {key: last[key] - first[key] for key in last if key not in ("t", "waits")}
+        delta = {key: last[key] - first[key] for key in last if key not in ("t", "waits", "step_records")}
         waits = sorted(wait for line in lines if first["t"] < line["t"] <= last["t"] for wait in line["waits"])
         median_wait = 1000 * waits[len(waits) // 2] if waits else 0.0
         p90_wait = 1000 * waits[int(0.9 * len(waits))] if waits else 0.0
@@ -165,6 +169,13 @@ def summarize(report: Path, decode_json: Path, gpu_csv: Path | None) -> None:
               f"shares of the wall {shares}; loop busy {100 * (1 - delta['loop_io_wait_s'] / wall):.0f}%, "
               f"its CPU {1e6 * delta.get('loop_cpu_s', 0.0) / max(1, delta['batch_rows']):.0f} us a decoded token; "
               f"GPU utilization {gpu}")
+        if name == "wave":
+            # The admission timeline: each device step that started requests, from the window's opening.
+            records = [record for line in lines for record in line.get("step_records", ())
+                       if opened <= record[0] <= closed and record[2]]
+            print("wave: steps with starts (ms into the window, starts, their prompt tokens, the step's ms): "
+                  + "; ".join(f"{1000 * (at - opened):.0f}: {count}, {tokens}, {1000 * seconds:.1f}"
+                              for at, seconds, count, tokens in records))
 
 
 def main() -> None:
@@ -184,7 +195,9 @@ def main() -> None:
             while not threading.Event().wait(REPORT_INTERVAL_S):
                 waits = _decoding_waits[:]
                 del _decoding_waits[:len(waits)]
-                out.write(json.dumps({"t": time.time(), **_counters, "waits": waits}) + "\n")
+                steps = _step_records[:]
+                del _step_records[:len(steps)]
+                out.write(json.dumps({"t": time.time(), **_counters, "waits": waits, "step_records": steps}) + "\n")
                 out.flush()
 
     threading.Thread(target=write, daemon=True, name="timer-report").start()
