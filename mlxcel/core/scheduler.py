@@ -333,8 +333,13 @@ class SchedulerCore:
         return not self._waiting or len(self._running) >= self.capabilities.max_batch_size
 
     def starting_from_idle(self) -> bool:
-        """Nothing runs and more requests are right behind the newest: worth gathering them."""
-        return not self._running and bool(self._waiting) and self._waiting[-1].more_pending
+        """Nothing runs, more requests are right behind the newest, and the first step has room for them (rows,
+        and prompt tokens within one step's budget): worth gathering them."""
+        if self._running or not self._waiting or not self._waiting[-1].more_pending:
+            return False
+        capabilities = self.capabilities
+        return (len(self._waiting) < capabilities.max_batch_size
+                and sum(len(request.prompt_tokens) for request in self._waiting) < capabilities.prefill_step_size)
 
     def take_effects(self) -> list[Effect]:
         effects, self._effects = self._effects, []

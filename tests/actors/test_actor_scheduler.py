@@ -844,6 +844,18 @@ async def test_the_arrival_window_is_bounded(
     assert trio.current_time() - submitted_at == pytest.approx(ARRIVAL_WINDOW_SECONDS)
 
 
+async def test_the_arrival_window_closes_once_the_arrivals_fill_the_first_step(
+    start_scheduler: StartScheduler, autojump_clock: trio.testing.MockClock,
+) -> None:
+    harness = await start_scheduler(prefill_step_size=64)
+    submitted_at = trio.current_time()
+    await harness.submit("r1", tuple(range(30)), more_pending=True)
+    await harness.submit("r2", tuple(range(100, 134)), more_pending=True)  # more behind, but the step is full
+    step = await harness.step()
+    assert [admission.sequence_id for admission in step.plan.starts] == [0, 1]
+    assert trio.current_time() - submitted_at < ARRIVAL_WINDOW_SECONDS / 10
+
+
 async def test_a_one_chunk_prompt_donates_its_prompt_kv_only_to_requests_parked_on_it(
     start_scheduler: StartScheduler,
 ) -> None:

@@ -596,3 +596,29 @@ def test_a_row_whose_grammar_gave_up_fails_its_request_with_a_400_naming_the_fie
     assert "r1" not in harness.clients.failed
     assert not any(isinstance(effect, DonateSequence) for effect in harness.core.take_effects())
     assert any(removal.sequence_id == sequence_id for removal in harness.core.schedule().removals)
+
+
+def test_an_idle_core_gathers_arrivals_only_while_the_first_step_has_room_for_them() -> None:
+    def core(**capabilities: Any) -> SchedulerCore:
+        return SchedulerCore(Capabilities(context_size=4096, **capabilities), tokenizer=LetterTokenizer(),
+                             eos_token_ids=frozenset({999}))
+
+    def arrive(into: SchedulerCore, request_id: str, length: int, *, more_pending: bool = True) -> None:
+        into.add(NewRequest(request_id=request_id, prompt_tokens=tuple(range(length)), sampling=GREEDY,
+                            max_tokens=4, cache_context=None, more_pending=more_pending), Clients())
+
+    tokens = core(prefill_step_size=64, max_batch_size=8)
+    assert not tokens.starting_from_idle()
+    arrive(tokens, "a", 20)
+    arrive(tokens, "b", 20)
+    assert tokens.starting_from_idle()  # 40 of the step's 64 tokens
+    arrive(tokens, "c", 30)
+    assert not tokens.starting_from_idle()  # 70: the step is full, a later arrival would wait for the next
+    rows = core(prefill_step_size=4096, max_batch_size=2)
+    arrive(rows, "a", 5)
+    assert rows.starting_from_idle()
+    arrive(rows, "b", 5)
+    assert not rows.starting_from_idle()  # the batch is full
+    alone = core(prefill_step_size=64, max_batch_size=8)
+    arrive(alone, "a", 5, more_pending=False)
+    assert not alone.starting_from_idle()  # nothing is behind it: no wait
