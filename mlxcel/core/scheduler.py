@@ -125,6 +125,15 @@ class Lookup:
         return self.kind in ("prefix", "snapshot")
 
 
+def _likely_prefilled(request: NewRequest) -> int:
+    """The prompt tokens a start of ``request`` will likely prefill, before its lookup says: those past its history
+    and shared prefix when it may hit the cache (a conversation's next turn keeps only its new message to run)."""
+    stored = 0
+    if request.cache_context is not None:
+        stored = min(len(request.prompt_tokens), max(request.history_boundary or 0, request.shared_prefix or 0))
+    return len(request.prompt_tokens) - stored
+
+
 @attrs.frozen(kw_only=True)
 class Hit:
     length: int
@@ -339,7 +348,7 @@ class SchedulerCore:
             return False
         capabilities = self.capabilities
         return (len(self._waiting) < capabilities.max_batch_size
-                and sum(len(request.prompt_tokens) for request in self._waiting) < capabilities.prefill_step_size)
+                and sum(map(_likely_prefilled, self._waiting)) < capabilities.prefill_step_size)
 
     def take_effects(self) -> list[Effect]:
         effects, self._effects = self._effects, []

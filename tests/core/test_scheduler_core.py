@@ -603,9 +603,11 @@ def test_an_idle_core_gathers_arrivals_only_while_the_first_step_has_room_for_th
         return SchedulerCore(Capabilities(context_size=4096, **capabilities), tokenizer=LetterTokenizer(),
                              eos_token_ids=frozenset({999}))
 
-    def arrive(into: SchedulerCore, request_id: str, length: int, *, more_pending: bool = True) -> None:
+    def arrive(into: SchedulerCore, request_id: str, length: int, *, more_pending: bool = True,
+               history: int | None = None) -> None:
         into.add(NewRequest(request_id=request_id, prompt_tokens=tuple(range(length)), sampling=GREEDY,
-                            max_tokens=4, cache_context=None, more_pending=more_pending), Clients())
+                            max_tokens=4, cache_context=None if history is None else CONTEXT,
+                            history_boundary=history, more_pending=more_pending), Clients())
 
     tokens = core(prefill_step_size=64, max_batch_size=8)
     assert not tokens.starting_from_idle()
@@ -622,3 +624,13 @@ def test_an_idle_core_gathers_arrivals_only_while_the_first_step_has_room_for_th
     alone = core(prefill_step_size=64, max_batch_size=8)
     arrive(alone, "a", 5, more_pending=False)
     assert not alone.starting_from_idle()  # nothing is behind it: no wait
+    # Next turns of long conversations count their new messages, not the history their hits will keep.
+    turns = core(prefill_step_size=64, max_batch_size=8)
+    arrive(turns, "a", 500, history=480)
+    arrive(turns, "b", 700, history=680)
+    assert turns.starting_from_idle()  # 40 tokens likely to run
+    arrive(turns, "c", 100, history=70)
+    assert not turns.starting_from_idle()
+    cold = core(prefill_step_size=64, max_batch_size=8)
+    arrive(cold, "a", 500)  # without a cache context nothing is kept: the step is full already
+    assert not cold.starting_from_idle()
