@@ -125,15 +125,6 @@ class Lookup:
         return self.kind in ("prefix", "snapshot")
 
 
-def _likely_prefilled(request: NewRequest) -> int:
-    """The prompt tokens a start of ``request`` will likely prefill, before its lookup says: those past its history
-    and shared prefix when it may hit the cache (a conversation's next turn keeps only its new message to run)."""
-    stored = 0
-    if request.cache_context is not None:
-        stored = min(len(request.prompt_tokens), max(request.history_boundary or 0, request.shared_prefix or 0))
-    return len(request.prompt_tokens) - stored
-
-
 @attrs.frozen(kw_only=True)
 class Hit:
     length: int
@@ -342,13 +333,11 @@ class SchedulerCore:
         return not self._waiting or len(self._running) >= self.capabilities.max_batch_size
 
     def starting_from_idle(self) -> bool:
-        """Nothing runs, more requests are right behind the newest, and the first step has room for them (rows,
-        and prompt tokens within one step's budget): worth gathering them."""
-        if self._running or not self._waiting or not self._waiting[-1].more_pending:
-            return False
-        capabilities = self.capabilities
-        return (len(self._waiting) < capabilities.max_batch_size
-                and sum(map(_likely_prefilled, self._waiting)) < capabilities.prefill_step_size)
+        """Nothing runs, more requests are right behind the newest, and the batch has rows for them: worth gathering
+        them. (Not bounded by the step's token budget: what a request will prefill is known only after its lookup,
+        and a conversation's next turn keeps most of its prompt.)"""
+        return (not self._running and bool(self._waiting) and self._waiting[-1].more_pending
+                and len(self._waiting) < self.capabilities.max_batch_size)
 
     def take_effects(self) -> list[Effect]:
         effects, self._effects = self._effects, []

@@ -844,13 +844,13 @@ async def test_the_arrival_window_is_bounded(
     assert trio.current_time() - submitted_at == pytest.approx(ARRIVAL_WINDOW_SECONDS)
 
 
-async def test_the_arrival_window_closes_once_the_arrivals_fill_the_first_step(
+async def test_the_arrival_window_closes_once_the_arrivals_fill_the_batch(
     start_scheduler: StartScheduler, autojump_clock: trio.testing.MockClock,
 ) -> None:
-    harness = await start_scheduler(prefill_step_size=64)
+    harness = await start_scheduler(max_batch_size=2)
     submitted_at = trio.current_time()
-    await harness.submit("r1", tuple(range(30)), more_pending=True)
-    await harness.submit("r2", tuple(range(100, 134)), more_pending=True)  # more behind, but the step is full
+    await harness.submit("r1", more_pending=True)
+    await harness.submit("r2", more_pending=True)  # more behind, but no row for them in this step
     step = await harness.step()
     assert [admission.sequence_id for admission in step.plan.starts] == [0, 1]
     assert trio.current_time() - submitted_at < ARRIVAL_WINDOW_SECONDS / 10

@@ -598,39 +598,21 @@ def test_a_row_whose_grammar_gave_up_fails_its_request_with_a_400_naming_the_fie
     assert any(removal.sequence_id == sequence_id for removal in harness.core.schedule().removals)
 
 
-def test_an_idle_core_gathers_arrivals_only_while_the_first_step_has_room_for_them() -> None:
+def test_an_idle_core_gathers_arrivals_while_the_batch_has_rows_for_them() -> None:
     def core(**capabilities: Any) -> SchedulerCore:
         return SchedulerCore(Capabilities(context_size=4096, **capabilities), tokenizer=LetterTokenizer(),
                              eos_token_ids=frozenset({999}))
 
-    def arrive(into: SchedulerCore, request_id: str, length: int, *, more_pending: bool = True,
-               history: int | None = None) -> None:
+    def arrive(into: SchedulerCore, request_id: str, length: int, *, more_pending: bool = True) -> None:
         into.add(NewRequest(request_id=request_id, prompt_tokens=tuple(range(length)), sampling=GREEDY,
-                            max_tokens=4, cache_context=None if history is None else CONTEXT,
-                            history_boundary=history, more_pending=more_pending), Clients())
+                            max_tokens=4, cache_context=CONTEXT, more_pending=more_pending), Clients())
 
-    tokens = core(prefill_step_size=64, max_batch_size=8)
-    assert not tokens.starting_from_idle()
-    arrive(tokens, "a", 20)
-    arrive(tokens, "b", 20)
-    assert tokens.starting_from_idle()  # 40 of the step's 64 tokens
-    arrive(tokens, "c", 30)
-    assert not tokens.starting_from_idle()  # 70: the step is full, a later arrival would wait for the next
-    rows = core(prefill_step_size=4096, max_batch_size=2)
-    arrive(rows, "a", 5)
+    rows = core(prefill_step_size=64, max_batch_size=2)
+    assert not rows.starting_from_idle()
+    arrive(rows, "a", 500)  # past the step's budget, but it may hit: what it will prefill is not known yet
     assert rows.starting_from_idle()
     arrive(rows, "b", 5)
-    assert not rows.starting_from_idle()  # the batch is full
+    assert not rows.starting_from_idle()  # the batch is full: a later arrival would wait for the next step
     alone = core(prefill_step_size=64, max_batch_size=8)
     arrive(alone, "a", 5, more_pending=False)
     assert not alone.starting_from_idle()  # nothing is behind it: no wait
-    # Next turns of long conversations count their new messages, not the history their hits will keep.
-    turns = core(prefill_step_size=64, max_batch_size=8)
-    arrive(turns, "a", 500, history=480)
-    arrive(turns, "b", 700, history=680)
-    assert turns.starting_from_idle()  # 40 tokens likely to run
-    arrive(turns, "c", 100, history=70)
-    assert not turns.starting_from_idle()
-    cold = core(prefill_step_size=64, max_batch_size=8)
-    arrive(cold, "a", 500)  # without a cache context nothing is kept: the step is full already
-    assert not cold.starting_from_idle()
