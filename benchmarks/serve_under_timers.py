@@ -70,9 +70,9 @@ def install() -> None:
             seconds = time.perf_counter() - started
             _counters["run_step_s"] += seconds
             _counters["steps"] += 1
-            starts = getattr(plan, "starts", ())
-            _step_records.append((opened, seconds, len(starts),
-                                  sum(len(getattr(start, "prompt_tokens", ())) for start in starts)))
+            # A StartAlone carries no prompt tokens of its own (its chunks do): counted as none.
+            _step_records.append((opened, seconds, len(plan.starts),
+                                  sum(len(getattr(start, "prompt_tokens", ())) for start in plan.starts)))
 
     DeviceActor._run_step = run_step
     original_step, original_eval = batch_step.step, mx.eval

@@ -69,9 +69,10 @@ SchedulerMsg = SubmitRequest | CancelRequest | GetSchedulerStats | WarmSession |
 # How long an idle device waits for requests the router says are right behind
 # the first one, so clients that arrive together are prefilled together; it
 # stops sooner once they fill the batch's rows (core's `starting_from_idle`). A
-# wave of 64 reaches the scheduler about one a millisecond (on the 2-core box,
-# and 20-24 in 20 ms on the H200's host): 20 ms took 17-24 of them, and the rest
-# waited out that whole pass, where a GPU's 2,048-token step holds about 50.
+# wave of 64 reached the scheduler about one a millisecond on the 2-core box, so
+# 20 ms took 17-24 of them (the H200's wave split 20-24 / 40-44 the same way),
+# and the rest waited out that whole pass, where a GPU's 2,048-token step holds
+# about 50.
 ARRIVAL_WINDOW_SECONDS = 0.05
 # With the device idle, rounds of lookups for requests submitted while the last round was answered, before
 # the step is planned (each round needs new submissions; the bound only guards against an endless stream).

@@ -74,9 +74,9 @@ def join_decoding(generator: Any, joiners: Sequence[Joiner]) -> list[int]:
     batch = GenerationBatch.empty(generator.model, generator.sampler)
     batch.uids = uids
     shared = joiners[0].shared
-    gapped = shared is not None and all(joiner.shared is shared for joiner in joiners)
-    if gapped:
-        assert shared is not None
+    if any(joiner.shared is not shared for joiner in joiners):
+        shared = None  # rows of several passes, or starts of their own: merged
+    if shared is not None:
         # Rows of one pass join as they lie in its buffer, their filler masked (gapped_cache.from_shared_pass).
         batch.prompt_cache = from_shared_pass(shared.caches, [joiner.shared_row for joiner in joiners],
                                               [len(joiner.all_tokens) for joiner in joiners], shared.end)
@@ -100,7 +100,7 @@ def join_decoding(generator: Any, joiners: Sequence[Joiner]) -> list[int]:
         main.samplers, main.logits_processors, main.max_tokens, main.stop_sequences = [], [], [], []
         main._next_tokens, main._next_logprobs = None, []
         main._token_context, main._num_tokens, main._matchers = [], [], []
-    elif gapped:
+    elif shared is not None:
         # mlx-lm's extend would drop the joining rows' gaps: the batch's caches keep gaps from here.
         main.prompt_cache = [GappedBatchKVCache.adopt(cache) if isinstance(cache, BatchKVCache) else cache
                              for cache in main.prompt_cache]
