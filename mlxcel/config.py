@@ -22,6 +22,7 @@ import attrs
 
 from mlxcel.cache.apc import ALGORITHMS, HashAlgorithm
 from mlxcel.core.grammar_bounds import DEFAULT_GRAMMAR_BOUNDS
+from mlxcel.core.plan import SHARED_HIT_KEPT_TOKENS
 from mlxcel.model.adapters import AdapterSpec, parse_adapter_spec
 from mlxcel.model.parser_names import parse_reasoning_parser, parse_tool_call_parser
 
@@ -94,6 +95,9 @@ class SchedulerConfig:
     # Cache-hit starts in bucketed shapes and long prompts prefilled alone, so cuDNN
     # attention plans repeat and run unmasked (None, auto: with CUDA only).
     start_buckets: bool | None = None
+    # Stored prefix tokens one step's cache hits may adopt in all: each is copied into the step's pass and
+    # held there beside the store's copy, so this bounds a step's extra memory (8B: 128 KiB a token).
+    max_step_hit_tokens: int = SHARED_HIT_KEPT_TOKENS
 
 
 KV_EVENT_FORMATS = ("positional", "map")
@@ -679,6 +683,9 @@ SCHEDULER_SETTINGS = (
     Setting("start_buckets", "--start-buckets", ("MLXCEL_START_BUCKETS",), parse_auto_bool,
             "start cache hits in bucketed lengths and prefill long prompts alone, so CUDA attention "
             "plans are reused and unmasked: auto (with CUDA only), true or false (default auto)"),
+    Setting("max_step_hit_tokens", "--max-step-hit-tokens", ("MLXCEL_MAX_STEP_HIT_TOKENS",),
+            parse_positive_int, "stored prefix tokens the cache hits started in one step may adopt in all; "
+            "bounds the step's copies of them (default 32768)"),
 )
 
 ENGINE_SETTINGS = (

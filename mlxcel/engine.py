@@ -484,6 +484,7 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
             capabilities=Capabilities(
                 prefill_step_size=model.prefill_step_size, context_size=model.context_size,
                 max_batch_size=config.scheduler.max_batch_size, bucket_starts=model.bucket_starts,
+                hit_kept_tokens=config.scheduler.max_step_hit_tokens,
             ),
             inbox=scheduler_inbox,
             to_device=to_device,

@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from mlxcel.core.plan import Admission, Capabilities, InsertBatch, SnapshotPoint, StartDirect
+from mlxcel.core.plan import SHARED_HIT_KEPT_TOKENS, Admission, Capabilities, InsertBatch, SnapshotPoint, StartDirect
 
 # Shape buckets of starts with ``bucket_starts`` (CUDA): the adopted prefix is
 # cut to a multiple of START_PREFIX_ALIGN tokens and the tokens run are padded
@@ -32,11 +32,6 @@ COLD_QUERY_BUCKETS = (32, 64)
 # 154 new tokens on an 8k prefix into one 0.49 s step on the H200 (8B), so the first
 # tokens of all twelve waited for the slowest; at 256, four go per step.
 DIRECT_START_TOKENS = 256
-# What one step's shared pass of hits may keep in all (tokens of stored prefix adopted): the device copies
-# each hit's prefix into the pass's buffer and then into the batch, so a step's hits briefly hold about three
-# times their KV. At 16 hits of 8k tokens (8B) that ran the H200 out of memory beside 64 decoding 8k rows;
-# 32k tokens is the four such hits a step held before hits shared a pass.
-SHARED_HIT_KEPT_TOKENS = 32768
 
 
 @attrs.frozen(kw_only=True)
@@ -170,7 +165,8 @@ class Placement:
     def budget(self) -> DirectBudget:
         """One step's token budget of direct starts."""
         return DirectBudget(step=self.capabilities.prefill_step_size,
-                            charge=DIRECT_START_TOKENS if self.capabilities.bucket_starts else 0)
+                            charge=DIRECT_START_TOKENS if self.capabilities.bucket_starts else 0,
+                            kept_limit=self.capabilities.hit_kept_tokens)
 
 
 @attrs.define(kw_only=True)
@@ -188,6 +184,8 @@ class DirectBudget:
     # The kept prefix lengths whose shared pass is charged already (0: the cold starts' pass).
     charged: set[int] = attrs.Factory(set)
     kept_tokens: int = 0
+    # Stored prefix tokens the step's hits may adopt in all (the first start always goes).
+    kept_limit: int = SHARED_HIT_KEPT_TOKENS
 
     def take(self, start: StartDirect) -> bool:
         """Count ``start``; False: over the budget, it waits (its cost still counts against the step)."""
@@ -196,7 +194,7 @@ class DirectBudget:
         # Starts that keep the same prefix length share one forward pass on the device: charged once.
         self.num_tokens += cost + (0 if shared and start.kept in self.charged else self.charge)
         self.kept_tokens += start.kept
-        if self.has_direct and (self.num_tokens > self.step or self.kept_tokens > SHARED_HIT_KEPT_TOKENS):
+        if self.has_direct and (self.num_tokens > self.step or self.kept_tokens > self.kept_limit):
             return False
         self.has_direct = True
         if shared:

@@ -26,6 +26,14 @@ class KVHandle(Protocol):
     def can_adopt(self, num_tokens: int) -> bool: ...
 
 
+# The default of what one step's shared pass of hits may keep in all (tokens of stored prefix adopted;
+# Capabilities.hit_kept_tokens, --max-step-hit-tokens): the device copies each hit's prefix into the pass's
+# buffer and then into the batch, so a step's hits briefly hold two to three times their KV. At 16 hits of
+# 8k tokens (8B) that ran the H200 out of memory beside 64 decoding 8k rows (when rows still joined through
+# mlx-lm's merge, a third copy); 32k tokens is the four such hits a step held before hits shared a pass.
+SHARED_HIT_KEPT_TOKENS = 32768
+
+
 @attrs.frozen(kw_only=True)
 class Capabilities:
     """What the core must know of the device and the model's shape, given once at start-up.
@@ -38,6 +46,8 @@ class Capabilities:
     max_batch_size: int = 64
     # Starts run in bucketed shapes and long prompts are prefilled alone (CUDA, plain KV caches).
     bucket_starts: bool = False
+    # Stored prefix tokens one step's cache hits may adopt in all (--max-step-hit-tokens).
+    hit_kept_tokens: int = SHARED_HIT_KEPT_TOKENS
 
 
 # --- the disk tier's part of a step (vLLM's KV-connector metadata rides its scheduler output the same way) ---

@@ -653,7 +653,7 @@ class StepExecutor:
         at its own last token, and its cache keeps only its own rows.
         """
         width = max(len(start.cached_tokens) - kept + len(start.prompt_tokens) + start.padding for start in starts)
-        # What hits keep in all is bounded by the core (placement.SHARED_HIT_KEPT_TOKENS).
+        # What hits keep in all is bounded by the core (Capabilities.hit_kept_tokens).
         rows = max(1, COLD_GROUP_POSITIONS // max(width, 1))
         begun: list[_DirectStart] = []
         for first in range(0, len(starts), rows):

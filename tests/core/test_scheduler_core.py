@@ -275,11 +275,10 @@ def test_bucketed_direct_starts_are_charged_for_their_own_forward_pass() -> None
     assert per_step(True, lambda index: 256 + 128 * (index % 2)) == [[0, 1, 2, 3, 4], [5], []]
 
 
-def test_a_steps_hits_keep_at_most_the_shared_kept_bound_of_stored_prefix(monkeypatch) -> None:
+def test_a_steps_hits_keep_at_most_the_devices_kept_bound_of_stored_prefix() -> None:
     """Each hit's stored prefix is copied twice on its way into the batch: a step's hits keep at most
-    SHARED_HIT_KEPT_TOKENS of it in all (the first always goes)."""
-    monkeypatch.setattr(placement, "SHARED_HIT_KEPT_TOKENS", 600)
-    harness = Harness(bucket_starts=True, prefill_step_size=4096)
+    Capabilities.hit_kept_tokens of it in all (the first always goes)."""
+    harness = Harness(bucket_starts=True, prefill_step_size=4096, hit_kept_tokens=600)
     for index in range(5):
         prompt = tuple(range(1000 * index, 1000 * index + 356))
         harness.found[repr(prompt)] = Hit(length=256, payload=_Payload(length=356))
