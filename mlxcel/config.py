@@ -22,7 +22,6 @@ import attrs
 
 from mlxcel.cache.apc import ALGORITHMS, HashAlgorithm
 from mlxcel.core.grammar_bounds import DEFAULT_GRAMMAR_BOUNDS
-from mlxcel.core.plan import SHARED_HIT_KEPT_TOKENS
 from mlxcel.model.adapters import AdapterSpec, parse_adapter_spec
 from mlxcel.model.parser_names import parse_reasoning_parser, parse_tool_call_parser
 
@@ -97,7 +96,7 @@ class SchedulerConfig:
     start_buckets: bool | None = None
     # Stored prefix tokens one step's cache hits may adopt in all: each is copied into the step's pass and
     # held there beside the store's copy, so this bounds a step's extra memory (8B: 128 KiB a token).
-    max_step_hit_tokens: int = SHARED_HIT_KEPT_TOKENS
+    max_step_hit_tokens: int = 32768  # core.plan.SHARED_HIT_KEPT_TOKENS (the config sits below the core)
 
 
 KV_EVENT_FORMATS = ("positional", "map")
