@@ -161,6 +161,18 @@ def test_start_buckets_is_auto_true_or_false(argv, environ, buckets) -> None:
     assert engine.scheduler.start_buckets is buckets
 
 
+def test_step_hit_bound_defaults_to_the_cores_and_takes_flag_or_environment() -> None:
+    from mlxcel.core.plan import SHARED_HIT_KEPT_TOKENS, Capabilities
+
+    default = configs([])[0].scheduler.max_step_hit_tokens
+    assert default == SHARED_HIT_KEPT_TOKENS == Capabilities(prefill_step_size=1, context_size=1).hit_kept_tokens
+    assert configs([], {"MLXCEL_MAX_STEP_HIT_TOKENS": "65536"})[0].scheduler.max_step_hit_tokens == 65536
+    assert configs(["--max-step-hit-tokens", "1024"], {"MLXCEL_MAX_STEP_HIT_TOKENS": "65536"})[0] \
+        .scheduler.max_step_hit_tokens == 1024
+    with pytest.raises(ConfigError, match="MLXCEL_MAX_STEP_HIT_TOKENS"):
+        configs([], {"MLXCEL_MAX_STEP_HIT_TOKENS": "0"})
+
+
 def test_pinned_share_flag_environment_and_bounds() -> None:
     assert configs([])[0].prompt_cache.pinned_share == 0.5
     engine, _ = configs(["--prompt-cache-pinned-share", "0.25"], {"MLXCEL_PROMPT_CACHE_PINNED_SHARE": "0.9"})
