@@ -21,7 +21,7 @@ decode)
       --out $out/decode-$shape.json "${timers[@]}" 2>&1 | show
   done
   python3 benchmarks/serve_under_timers.py --summarize $out/timers-8b.jsonl $out/decode-llama-3.1-8b.json \
-    2>&1 | cut -c1-600 | tail -40 ;;
+    2>&1 | cut -c1-2000 | tail -40 ;;
 conversations)
   m=/root/models/llama-3.1-8b; model llama-3.1-8b
   for bound in 32768 65536; do
