@@ -4,6 +4,7 @@
 #   eight: 8B floor and mlxcel at 1/16/64 streams (128 tokens), three wave rounds, with the phase timers;
 #          then 64 conversations x 3 turns with --max-step-hit-tokens doubled (65536)
 #   rest:  1B floor and mlxcel as above; 8B conversations at the default bound; mlx_lm.server's 8B streams
+#   wave:  after the finer start buckets, 8B (with the timers) and 1B: three wave rounds each, and 8B's 64 streams
 set -uo pipefail
 out=${1:-$OUT}; part=${2:-eight}
 export HF_HUB_OFFLINE=1 PYTHONPATH=$PWD
@@ -36,4 +37,13 @@ rest)
   timeout 150 python3 -m benchmarks.decode_speed --model-path /root/models/llama-3.1-8b --skip-floor --skip-mlxcel \
     --skip-conversations --peer mlx_lm --streams 1,16,64 --reply-tokens 128 --deadline-s 120 \
     --out $out/peer-8b.json 2>&1 | show ;;
+wave)
+  for shape in llama-3.1-8b llama-3.2-1b; do
+    model $shape; echo "== $shape"
+    timeout 150 python3 -m benchmarks.decode_speed --model-path /root/models/$shape --skip-floor --streams 64 \
+      --reply-tokens 128 --skip-conversations --wave-rounds 3 --deadline-s 120 --out $out/wave-$shape.json \
+      --server-timers $out/timers-wave-$shape.jsonl 2>&1 | show
+    python3 benchmarks/serve_under_timers.py --summarize $out/timers-wave-$shape.jsonl $out/wave-$shape.json \
+      2>&1 | grep "^wave: steps" | cut -c1-400
+  done ;;
 esac
