@@ -24,24 +24,8 @@ from mlxcel.core.plan import SHARED_HIT_KEPT_TOKENS, Admission, Capabilities, In
 START_PREFIX_ALIGN = 128
 START_QUERY_BUCKET = 128
 # A cold start's rows (nothing kept before them) pad to the first of these that holds them, then to
-# multiples of START_QUERY_BUCKET: a wave of 40-token prompts ran 128-position rows, 3x its tokens, and
-# with (32, 64) still 64-position rows (a pass's time on the H200 follows its padded positions, 33 us each).
-COLD_QUERY_BUCKETS = (32, 48, 64, 96)
-# A batched pass's row count pads to a power of two up to this, then to a multiple of it (cuDNN builds a plan
-# per query shape, rows included): powers of two ran 42 rows as 64 on the H200 (134 ms for 1,631 tokens).
-START_ROW_BUCKET = 8
-
-
-def row_bucket(count: int) -> int:
-    """The rows a bucketed pass of ``count`` rows runs: 1, 2, 4, 8, then multiples of START_ROW_BUCKET."""
-    if count <= START_ROW_BUCKET:
-        return 1 << max(0, count - 1).bit_length()
-    return -(-count // START_ROW_BUCKET) * START_ROW_BUCKET
-
-
-def row_buckets(up_to: int) -> list[int]:
-    """The bucketed row counts from 2 to ``up_to`` (a pass's most rows, and the shapes the warm-up builds)."""
-    return sorted({row_bucket(count) for count in range(2, up_to + 1)} & set(range(up_to + 1)))
+# multiples of START_QUERY_BUCKET: a wave of 40-token prompts ran 128-position rows, 3x its tokens.
+COLD_QUERY_BUCKETS = (32, 64)
 # With bucket_starts (CUDA), what a direct start costs beyond its own tokens, in tokens of
 # the per-step budget: each is a forward pass of its own (the weights are read again,
 # attention runs over its whole adopted prefix). Counting only its tokens put 12 hits of

@@ -22,7 +22,6 @@ from typing import Any
 
 import attrs
 
-from mlxcel.core.placement import row_bucket, row_buckets
 from mlxcel.core.plan import (
     AloneChunk,
     DetachedSequence,
@@ -655,9 +654,7 @@ class StepExecutor:
         """
         width = max(len(start.cached_tokens) - kept + len(start.prompt_tokens) + start.padding for start in starts)
         # What hits keep in all is bounded by the core (Capabilities.hit_kept_tokens).
-        most = max(1, COLD_GROUP_POSITIONS // max(width, 1))
-        # With bucketed shapes a pass's rows pad to a row bucket: the largest that fits the bound, so none overflows.
-        rows = max([1, *row_buckets(most)]) if self.bucket_starts else most
+        rows = max(1, COLD_GROUP_POSITIONS // max(width, 1))
         begun: list[_DirectStart] = []
         for first in range(0, len(starts), rows):
             begun.extend(self._start_shared_rows(starts[first:first + rows], kept, width))
@@ -673,8 +670,8 @@ class StepExecutor:
         every = [list(start.cached_tokens) + list(start.prompt_tokens) for start in starts]
         runs = [tokens[kept:] for tokens in every]
         count = len(runs)
-        # With bucketed shapes the row count is bucketed too (placement.row_bucket): filler rows repeat the first.
-        padded_count = row_bucket(count) if self.bucket_starts else count
+        # With bucketed shapes the row count is bucketed too (powers of two): filler rows repeat the first.
+        padded_count = 1 << (count - 1).bit_length() if self.bucket_starts else count
         matrix = [run + run[-1:] * (width - len(run)) for run in runs]
         matrix += matrix[:1] * (padded_count - count)
         if kept:

@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from mlxcel.core.placement import COLD_QUERY_BUCKETS, START_QUERY_BUCKET, row_buckets
+from mlxcel.core.placement import COLD_QUERY_BUCKETS, START_QUERY_BUCKET
 from mlxcel.core.plan import Capabilities
 from mlxcel.core.scheduler import NewRequest, SchedulerCore
 from mlxcel.model.executor import COLD_GROUP_POSITIONS, StepExecutor
@@ -59,8 +59,10 @@ def warm_up(executor: StepExecutor, info: ModelInfo) -> float:
         for width in (*COLD_QUERY_BUCKETS, START_QUERY_BUCKET):
             if width - 4 > settings.prefill_step_size:
                 break  # longer prompts are prefilled alone, not in a batched pass
-            for count in row_buckets(min(settings.max_batch_size, COLD_GROUP_POSITIONS // width)):
+            count = 2
+            while count <= min(settings.max_batch_size, COLD_GROUP_POSITIONS // width):
                 rounds.append([width - 4] * count)
+                count *= 2
     number = 0
     for lengths in rounds:
         for length in lengths:

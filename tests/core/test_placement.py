@@ -28,21 +28,10 @@ def test_bucketed_starts_cut_to_the_alignment_pad_to_the_bucket_and_stay_inside_
     assert where.padding(256, 5) == placement.START_QUERY_BUCKET - 5
     assert where.padding(4090, 5) == 0  # would run past the context
     # A cold start (nothing kept) pads short rows to the finer buckets first.
-    assert [length + where.padding(0, length) for length in (5, 32, 33, 48, 49, 64, 65, 96, 97, 129)] == \
-        [32, 32, 48, 48, 64, 64, 96, 96, 128, 256]
+    assert [length + where.padding(0, length) for length in (5, 32, 33, 64, 65, 129)] == [32, 32, 64, 64, 128, 256]
     # Image rows are never cut back into: the whole prefix is kept.
     assert where.kept(_pending(10, image_end=290), 300) == 300
     assert where.budget().charge == placement.DIRECT_START_TOKENS
-
-
-def test_a_passes_rows_pad_to_powers_of_two_then_multiples_of_eight_never_past_its_bound() -> None:
-    assert [placement.row_bucket(count) for count in (1, 2, 3, 5, 8, 9, 16, 17, 42, 64)] == \
-        [1, 2, 4, 8, 8, 16, 16, 24, 48, 64]
-    # A 42-row wave ran as 64 rows with powers of two; now 48.
-    assert placement.row_buckets(64) == [2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
-    # The bound of a pass's rows (4096 positions of 96) is itself no bucket: the largest under it is the pass.
-    assert max(placement.row_buckets(4096 // 96)) == 40
-    assert placement.row_buckets(1) == []
 
 
 def test_a_long_prompt_alone_ends_its_chunks_on_step_multiples_and_its_last_on_an_alignment() -> None:
