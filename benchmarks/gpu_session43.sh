@@ -4,6 +4,8 @@
 #   eight: 8B floor and mlxcel at 1/16/64 streams (128 tokens), three wave rounds, with the phase timers;
 #          then 64 conversations x 3 turns with --max-step-hit-tokens doubled (65536)
 #   rest:  1B floor and mlxcel as above; 8B conversations at the default bound; mlx_lm.server's 8B streams
+#   grammar: structured_output at 16 streams on 1B, the tree before the per-row mask threads (before/, an
+#          export of dc84101^1) and this one, to tell a regression from a different machine
 #   wave:  after the finer start buckets, 8B (with the timers) and 1B: three wave rounds each, and 8B's 64 streams
 set -uo pipefail
 out=${1:-$OUT}; part=${2:-eight}
@@ -37,6 +39,13 @@ rest)
   timeout 150 python3 -m benchmarks.decode_speed --model-path /root/models/llama-3.1-8b --skip-floor --skip-mlxcel \
     --skip-conversations --peer mlx_lm --streams 1,16,64 --reply-tokens 128 --deadline-s 120 \
     --out $out/peer-8b.json 2>&1 | show ;;
+grammar)
+  model llama-3.2-1b
+  for tree in before .; do
+    echo "== $tree"
+    (cd $tree && PYTHONPATH=$PWD timeout 140 python3 -m benchmarks.structured_output --model-path /root/models/llama-3.2-1b \
+      --streams 16 --repeats 2 2>&1 | grep -A2 "^streams")
+  done ;;
 wave)
   for shape in llama-3.1-8b llama-3.2-1b; do
     model $shape; echo "== $shape"
