@@ -256,6 +256,7 @@ def test_user_errors_exit_2_with_one_line(user_error_runs, case: int, needle: st
     assert needle in lines[0], result.stderr
 
 
+@pytest.mark.slow
 def test_a_busy_port_fails_at_once_with_one_line() -> None:
     import socket
     import time
@@ -418,6 +419,7 @@ def other_vocabulary_folder(source, folder):
     return folder
 
 
+@pytest.mark.slow
 def test_a_draft_of_another_vocabulary_is_refused_at_start_up(tmp_path) -> None:
     from mlxcel.fixtures import fixture_path
     from mlxcel.model.draft import check_draft_vocabulary

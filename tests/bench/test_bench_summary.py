@@ -127,6 +127,7 @@ def test_floor_step_follows_the_server_default(monkeypatch: pytest.MonkeyPatch) 
     assert commands[1][-2:] == ["--prefill-step-size", "512"]
 
 
+@pytest.mark.slow
 def test_plot_is_a_png(tmp_path: Path) -> None:
     summary = summarize(synthetic() + [unseen("mlxcel", 0, 1.0, 0)], floor={"warm_floor_s": 0.1})
     path = write_plot(summary, tmp_path / "ttft.png", title="synthetic")

@@ -86,6 +86,7 @@ def test_unseen_probes_share_no_prefix_with_the_workload_or_each_other() -> None
     assert not any(system.startswith(workload.system_prompt[:40]) for system in systems[1:])
 
 
+@pytest.mark.slow
 def test_unseen_lengths_measured_with_the_model_tokenizer() -> None:
     workload = build_workload(SHAPE, model_path=fixture_path("llama"))
     loaded = load_word_counter(fixture_path("llama"))

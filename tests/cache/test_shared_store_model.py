@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import Counter
 
 import attrs
+import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -211,4 +212,5 @@ class SharedStoreMachine(RuleBasedStateMachine):
 
 
 SharedStoreMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
-TestSharedStoreAgainstReference = SharedStoreMachine.TestCase
+# A few seconds of examples: in the full suite, not the fast lane.
+TestSharedStoreAgainstReference = pytest.mark.slow(SharedStoreMachine.TestCase)

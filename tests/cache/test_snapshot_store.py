@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -211,5 +212,6 @@ class SnapshotMachine(RuleBasedStateMachine):
         assert got == want
 
 
-TestSnapshotMachine = SnapshotMachine.TestCase
+# A few seconds of examples: in the full suite, not the fast lane.
+TestSnapshotMachine = pytest.mark.slow(SnapshotMachine.TestCase)
 TestSnapshotMachine.settings = settings(max_examples=80, deadline=None, stateful_step_count=40)

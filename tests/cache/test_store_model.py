@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import attrs
+import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -408,4 +409,5 @@ class StoreMachine(RuleBasedStateMachine):
 StoreMachine.TestCase.settings = settings(
     max_examples=100, stateful_step_count=50, deadline=None
 )
-TestStoreAgainstReference = StoreMachine.TestCase
+# A few seconds of examples: in the full suite, not the fast lane.
+TestStoreAgainstReference = pytest.mark.slow(StoreMachine.TestCase)

@@ -81,6 +81,7 @@ def calls(deltas: list[Delta]) -> list[ToolCall]:
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
+@pytest.mark.slow
 def test_a_tool_call_is_held_then_sent_parsed_and_the_reply_finishes_with_tool_calls() -> None:
     deltas, final = run("Let me check.\n" + CALL, tools=TOOLS)
     assert content(deltas) == "Let me check."
@@ -256,6 +257,7 @@ def test_a_stop_string_ends_the_reply_and_flushes_what_was_held() -> None:
     assert (final.finish_reason, final.stop_string) == ("stop", "\n<tool_ca")
 
 
+@pytest.mark.slow
 def test_reply_format_of_a_tokenizer_with_a_tool_template(tmp_path: Any) -> None:
     # mlx-lm picks json_tools from a template that writes `<tool_call>` and `tool_call.name`.
     from mlx_lm.utils import load_tokenizer

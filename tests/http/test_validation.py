@@ -1058,6 +1058,7 @@ def test_any_known_fields_parse_or_are_refused(body: dict[str, Any]) -> None:
     _parse_or_refuse(body)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(plausible_chat)
 def test_plausible_bodies_parse_or_are_refused(body: dict[str, Any]) -> None:

@@ -254,6 +254,7 @@ def test_greedy_replies_and_kv_with_speculation_equal_plain_decoding() -> None:
 # --- a draft model ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafts", [[0], [2, 1], [3, 3, 0]])
 def test_the_rule_with_a_stochastic_draft_keeps_the_target_distribution(drafts: list[int]) -> None:
     rng = np.random.default_rng(2)

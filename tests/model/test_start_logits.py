@@ -25,6 +25,7 @@ class _Wrapped:
         return self.model(tokens, cache=cache)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrapped", [False, True])
 def test_the_logits_at_each_rows_own_position_are_the_whole_passes(
         loaded_model: Callable[[str], LoadedModel], wrapped: bool) -> None:
