@@ -28,9 +28,9 @@ class KVHandle(Protocol):
 
 # The default of what one step's shared pass of hits may keep in all (tokens of stored prefix adopted;
 # Capabilities.hit_kept_tokens, --max-step-hit-tokens): the device copies each hit's prefix into the pass's
-# buffer and then into the batch, so a step's hits briefly hold two to three times their KV. At 16 hits of
-# 8k tokens (8B) that ran the H200 out of memory beside 64 decoding 8k rows (when rows still joined through
-# mlx-lm's merge, a third copy); 32k tokens is the four such hits a step held before hits shared a pass.
+# buffer, and joining a running batch gathers them once more, so a step's hits briefly hold two to three
+# times their KV. At 16 hits of 8k tokens (8B) that ran the H200 out of memory beside 64 decoding 8k rows;
+# 32k tokens is the four such hits a step held before hits shared a pass (65,536 ran there since).
 SHARED_HIT_KEPT_TOKENS = 32768
 
 
