@@ -36,14 +36,35 @@ REPORT_INTERVAL_S = 0.2
 _decoding_waits: list[float] = []  # since the last line written
 # Each device step since the last line written: (wall clock at its start, seconds, starts, their prompt tokens).
 _step_records: list[tuple[float, float, int, int]] = []
+# A wave's intake since the last line written, on time.monotonic() (the clock decode_speed's "sent" uses):
+# (stage, moment[, seconds, starts]) for each HTTP request handled, each request routed, each request the
+# scheduling core adds, and each device step that starts requests.
+_intake: list[tuple[Any, ...]] = []
 
 
 def install() -> None:
     import mlx.core as mx
     import trio
 
+    from quart_trio import QuartTrio
+
     from mlxcel.actors.device import DeviceActor
+    from mlxcel.actors.router import RouterActor
+    from mlxcel.core.scheduler import SchedulerCore
     from mlxcel.model import batch_step
+
+    def stamped(cls: Any, name: str, stage: str) -> None:
+        original = getattr(cls, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            _intake.append((stage, time.monotonic()))
+            return original(*args, **kwargs)
+
+        setattr(cls, name, wrapper)
+
+    stamped(QuartTrio, "handle_request", "http")
+    stamped(RouterActor, "_dispatch", "route")
+    stamped(SchedulerCore, "add", "add")
 
     original_receive = DeviceActor._receive
 
@@ -63,7 +84,7 @@ def install() -> None:
     original_run_step = DeviceActor._run_step
 
     def run_step(self: Any, worker: Any, disk: Any, plan: Any) -> Any:
-        opened, started = time.time(), time.perf_counter()
+        opened, started, moment = time.time(), time.perf_counter(), time.monotonic()
         try:
             return original_run_step(self, worker, disk, plan)
         finally:
@@ -73,6 +94,8 @@ def install() -> None:
             # A StartAlone carries no prompt tokens of its own (its chunks do): counted as none.
             _step_records.append((opened, seconds, len(plan.starts),
                                   sum(len(getattr(start, "prompt_tokens", ())) for start in plan.starts)))
+            if plan.starts:
+                _intake.append(("step", moment, seconds, len(plan.starts)))
 
     DeviceActor._run_step = run_step
     original_step, original_eval = batch_step.step, mx.eval
@@ -151,7 +174,7 @@ def summarize(report: Path, decode_json: Path, gpu_csv: Path | None) -> None:
         if wall <= 0:
             print(f"{name}: no counters inside its window")
             continue
-        delta = {key: last[key] - first[key] for key in last if key not in ("t", "waits", "step_records")}
+        delta = {key: last[key] - first[key] for key in last if key not in ("t", "waits", "step_records", "intake")}
         waits = sorted(wait for line in lines if first["t"] < line["t"] <= last["t"] for wait in line["waits"])
         median_wait = 1000 * waits[len(waits) // 2] if waits else 0.0
         p90_wait = 1000 * waits[int(0.9 * len(waits))] if waits else 0.0
@@ -176,6 +199,34 @@ def summarize(report: Path, decode_json: Path, gpu_csv: Path | None) -> None:
             print("wave: steps with starts (ms into the window, starts, their prompt tokens, the step's ms): "
                   + "; ".join(f"{1000 * (at - opened):.0f}: {count}, {tokens}, {1000 * seconds:.1f}"
                               for at, seconds, count, tokens in records))
+    wave_intake(lines, figures)
+
+
+def wave_intake(lines: list[dict[str, Any]], figures: dict[str, Any]) -> None:
+    """Each wave round's intake: when its requests reached each stage, ms after the round's first send."""
+    intake = [record for line in lines for record in line.get("intake", ())]
+    for number, round_ in enumerate(figures.get("wave", {}).get("rounds", ())):
+        sent = sorted(round_.get("sent", ()))
+        if not sent:
+            continue
+        opened = sent[0]
+        closed = max(sent) + max(round_.get("ttfts_s", ()) or [0.0]) + 0.05
+        first_tokens = sorted(moment + ttft for moment, ttft in zip(round_["sent"], round_["ttfts_s"], strict=False))
+        stages = {"sent": sent, **{stage: sorted(record[1] for record in intake
+                                                 if record[0] == stage and opened - 0.01 <= record[1] <= closed)
+                                   for stage in ("http", "route", "add")}, "first token": first_tokens}
+
+        def quartiles(moments: list[float]) -> str:
+            if not moments:
+                return "-"
+            picks = [moments[min(len(moments) - 1, int(share * len(moments)))] for share in (0.0, 0.25, 0.5, 0.75)]
+            return "/".join(f"{1000 * (moment - opened):.0f}" for moment in [*picks, moments[-1]])
+
+        steps = [record for record in intake if record[0] == "step" and opened <= record[1] <= closed]
+        print(f"wave round {number}: ms after the first send (first/25%/50%/75%/last): "
+              + "; ".join(f"{stage} {quartiles(moments)} (n={len(moments)})" for stage, moments in stages.items())
+              + "; steps with starts (at, ms, starts): "
+              + ", ".join(f"{1000 * (at - opened):.0f} {1000 * seconds:.0f} {count}" for _, at, seconds, count in steps))
 
 
 def main() -> None:
@@ -197,7 +248,10 @@ def main() -> None:
                 del _decoding_waits[:len(waits)]
                 steps = _step_records[:]
                 del _step_records[:len(steps)]
-                out.write(json.dumps({"t": time.time(), **_counters, "waits": waits, "step_records": steps}) + "\n")
+                intake = _intake[:]
+                del _intake[:len(intake)]
+                out.write(json.dumps({"t": time.time(), **_counters, "waits": waits, "step_records": steps,
+                                      "intake": intake}) + "\n")
                 out.flush()
 
     threading.Thread(target=write, daemon=True, name="timer-report").start()
