@@ -162,6 +162,19 @@ class Placement:
     def insert(self, pending: Pending) -> InsertBatch:
         return InsertBatch(**admission_fields(pending), snapshots=pending.snapshots, warm=pending.warm)
 
+    def rows_now(self, count: int) -> int:
+        """How many of ``count`` direct starts that would share one forward pass run in this step.
+
+        With bucket_starts the device pads a shared pass's rows to a power of
+        two, and a wave's pass is bound by compute: 40-44 cold starts ran as
+        64 rows in 134-157 ms on the H200 (8B), 20-26 as 32 rows in 59-75 ms.
+        The largest power of two that fits runs now and the rest waits a
+        step: no padded rows, and half the first tokens come in half the time.
+        """
+        if not self.capabilities.bucket_starts or count < 1:
+            return count
+        return 1 << (count.bit_length() - 1)
+
     def budget(self) -> DirectBudget:
         """One step's token budget of direct starts."""
         return DirectBudget(step=self.capabilities.prefill_step_size,

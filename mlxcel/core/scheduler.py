@@ -34,7 +34,7 @@ from typing import Any, Literal, Protocol
 
 import attrs
 
-from mlxcel.cache.key import CacheContext, session_id, trie_key
+from mlxcel.cache.key import CacheContext, SessionId, TrieKey, session_id, trie_key
 from mlxcel.cache.snapshots import common_prefix_length
 from mlxcel.core.cache_plan import CACHE_OFF, CachePlan
 from mlxcel.core.effects import (
@@ -49,7 +49,7 @@ from mlxcel.core.effects import (
     SnapshotRestoreFailed,
 )
 from mlxcel.core.output import ReplyFormat, RequestOutput
-from mlxcel.core.placement import AlonePrefill, Pending, Placement, snapshot_points
+from mlxcel.core.placement import AlonePrefill, Pending, Placement, shares_a_pass, snapshot_points
 from mlxcel.core.plan import (
     AloneChunk,
     Capabilities,
@@ -64,6 +64,7 @@ from mlxcel.core.plan import (
     SnapshotPoint,
     Start,
     StartAlone,
+    StartDirect,
     StepPlan,
     StepResult,
 )
@@ -169,6 +170,9 @@ class _Running:
     output: RequestOutput
     prompt_done: bool = False
     finished: bool = False
+    # Its cache context's trie and session keys, computed once: a wave's admissions compare every pair.
+    trie: TrieKey | None = None
+    session: SessionId | None = None
 
 
 @attrs.define(kw_only=True)
@@ -415,13 +419,13 @@ class SchedulerCore:
         if not self._cache.prompt_donation or context is None or len(request.prompt_tokens) < 2:
             return None, 0
         best_sequence, best_shared = None, 0
+        trie, session = trie_key(context), session_id(context)
         for running in self._running.values():
-            other = running.request.cache_context
-            if running.prompt_done or running.finished or other is None:
+            if running.prompt_done or running.finished or running.trie is None:
                 continue
-            if trie_key(other) != trie_key(context):
+            if running.trie != trie:
                 continue
-            if not self._cache.cross_session and session_id(other) != session_id(context):
+            if not self._cache.cross_session and running.session != session:
                 continue
             shared = common_prefix_length(running.request.prompt_tokens, request.prompt_tokens)
             if shared > best_shared:
@@ -438,7 +442,11 @@ class SchedulerCore:
                                eos_token_ids=self._eos_token_ids, prompt_tokens=len(request.prompt_tokens),
                                submitted_at=now, keep_text=self._keep_reply_text,
                                parsing=self._reply_format.parsing(request.chat, request.prompt_tokens))
-        running = self._running[sequence_id] = _Running(request=request, sequence_id=sequence_id, output=output)
+        context = request.cache_context
+        running = self._running[sequence_id] = _Running(
+            request=request, sequence_id=sequence_id, output=output,
+            trie=None if context is None else trie_key(context),
+            session=None if context is None else session_id(context))
         self._sequence_of[request.request_id] = sequence_id
         self._admitted.append(self._pending(running, found))
 
@@ -534,6 +542,7 @@ class SchedulerCore:
         candidates, self._admitted, self._deferred = [*self._deferred, *admitted], [], []
         starts: list[Start] = []
         budget = placement.budget()
+        directs: dict[int, Pending] = {}
         for pending in candidates:
             if pending.restore is not None or pending.disk_read is not None:
                 self._restoring[pending.sequence_id] = pending
@@ -543,6 +552,7 @@ class SchedulerCore:
                     self._deferred.append(pending)
                     continue
                 starts.append(start)
+                directs[start.sequence_id] = pending
             elif placement.prefills_alone(pending):
                 alone = placement.alone(pending)
                 self._alone.append(alone)
@@ -552,6 +562,7 @@ class SchedulerCore:
                                          disk_read=pending.disk_read))
             else:
                 starts.append(self._insert(pending))
+        starts = self._rows_of_shared_passes(starts, directs)
         alone_chunk, alone_rest = None, None
         if self._alone:
             prefill = self._alone[0]
@@ -579,6 +590,20 @@ class SchedulerCore:
         writes = self.take_disk_writes()
         return StepPlan(removals=removals, starts=tuple(starts), alone_chunk=alone_chunk, alone_rest=alone_rest,
                         run_batch=run_batch, disk_writes=writes)
+
+    def _rows_of_shared_passes(self, starts: list[Start], directs: dict[int, Pending]) -> list[Start]:
+        """``starts`` less the direct starts of each shared pass past ``Placement.rows_now``: those wait a step,
+        ahead of the starts that are over the budget (they came first)."""
+        passes: dict[int, list[int]] = {}
+        for start in starts:
+            if isinstance(start, StartDirect) and shares_a_pass(start):
+                passes.setdefault(start.kept, []).append(start.sequence_id)
+        later = {sequence_id for members in passes.values()
+                 for sequence_id in members[self._placement.rows_now(len(members)):]}
+        if not later:
+            return starts
+        self._deferred[:0] = [pending for sequence_id, pending in directs.items() if sequence_id in later]
+        return [start for start in starts if start.sequence_id not in later]
 
     def _insert(self, pending: Pending) -> InsertBatch:
         self._in_batch.add(pending.sequence_id)

@@ -269,10 +269,11 @@ def test_bucketed_direct_starts_are_charged_for_their_own_forward_pass() -> None
 
     assert placement.DIRECT_START_TOKENS == 256
     assert per_step(False, lambda index: 256) == [[0, 1, 2, 3, 4, 5], [], []]
-    # One pass of 256 plus 100 new tokens each.
-    assert per_step(True, lambda index: 256) == [[0, 1, 2, 3, 4, 5], [], []]
-    # Two passes (256 and 384 kept): 2 x 256 + 100 each, and the sixth is over the 1024-token step.
-    assert per_step(True, lambda index: 256 + 128 * (index % 2)) == [[0, 1, 2, 3, 4], [5], []]
+    # One pass of 256 plus 100 new tokens each: all six fit, and the pass runs four rows (a power of two).
+    assert per_step(True, lambda index: 256) == [[0, 1, 2, 3], [4, 5], []]
+    # Two passes (256 and 384 kept): 2 x 256 + 100 each, and the sixth is over the 1024-token step; the
+    # 256-kept pass (0, 2, 4) runs two rows.
+    assert per_step(True, lambda index: 256 + 128 * (index % 2)) == [[0, 1, 2, 3], [4, 5], []]
 
 
 def test_a_steps_hits_keep_at_most_the_devices_kept_bound_of_stored_prefix() -> None:
@@ -288,11 +289,33 @@ def test_a_steps_hits_keep_at_most_the_devices_kept_bound_of_stored_prefix() -> 
 
 def test_cold_direct_starts_share_one_charged_pass() -> None:
     """Starts from nothing stored run in one forward pass on the device: the pass is charged once."""
-    harness = Harness(bucket_starts=True, prefill_step_size=1024)
+    harness = Harness(bucket_starts=True, prefill_step_size=700)
     for index in range(8):
         harness.add(f"r{index}", 100, first=1000 * index)
-    # 256 for the pass, then 100 tokens each: seven fit the 1024-token step, the eighth waits.
-    assert [started(harness.step()) for _ in range(2)] == [[0, 1, 2, 3, 4, 5, 6], [7]]
+    # 256 for the pass, then 100 tokens each: four fit the 700-token step, the others wait.
+    assert [started(harness.step()) for _ in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_a_shared_pass_runs_a_power_of_two_rows_and_the_rest_next() -> None:
+    """The device pads a bucketed pass's rows to a power of two: the rest of a wave waits a step instead of
+    running as padding (placement.Placement.rows_now), the earliest arrivals first."""
+    def per_step(bucket: bool, count: int) -> list[list[int]]:
+        harness = Harness(bucket_starts=bucket, prefill_step_size=4096)
+        for index in range(count):
+            harness.add(f"r{index}", 40, first=1000 * index)
+        return [started(harness.step()) for _ in range(4)]
+
+    assert per_step(False, 7) == [[0, 1, 2, 3, 4, 5, 6], [], [], []]
+    assert per_step(True, 7) == [[0, 1, 2, 3], [4, 5], [6], []]
+    assert per_step(True, 8) == [[0, 1, 2, 3, 4, 5, 6, 7], [], [], []]
+    # Waiting rows go ahead of a later arrival that joins them in the next pass.
+    harness = Harness(bucket_starts=True, prefill_step_size=4096)
+    for index in range(6):
+        harness.add(f"r{index}", 40, first=1000 * index)
+    assert started(harness.step()) == [0, 1, 2, 3]
+    harness.add("late", 40, first=9000)
+    assert started(harness.step()) == [4, 5]
+    assert started(harness.step()) == [6]
 
 
 def test_a_start_removed_before_it_ran_never_reaches_the_device() -> None:

@@ -34,7 +34,12 @@ def loaded() -> LoadedModel:
 
 
 def replies(loaded: LoadedModel) -> dict[str, list[tuple[tuple[int, ...], tuple[float, ...]]]]:
-    """Each request's deltas as (token ids, logprobs), greedy."""
+    """Each request's deltas as (token ids, logprobs), greedy.
+
+    The core runs a power of two of a wave's rows at a time (Placement.rows_now); here every row of a
+    wave goes in one pass, so the device pads them with filler rows, as it does where a pass's width splits
+    a group into row counts of other sizes.
+    """
     settings = DeviceSettings(model_path=fixture_path("llama"), prefill_step_size=512, context_size=4096,
                               max_batch_size=16)
     executor = StepExecutor(loaded.model, loaded.eos_token_ids, settings, loaded.family.model_type,
@@ -43,6 +48,7 @@ def replies(loaded: LoadedModel) -> dict[str, list[tuple[tuple[int, ...], tuple[
     core = SchedulerCore(Capabilities(prefill_step_size=512, context_size=4096, max_batch_size=16,
                                       bucket_starts=True),
                          tokenizer=loaded.tokenizer, eos_token_ids=frozenset())
+    core._placement.rows_now = lambda count: count  # type: ignore[method-assign]
     clients = Recorder()
     sampling = SamplingParams(temperature=0.0, logprobs=True)
 
