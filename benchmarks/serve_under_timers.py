@@ -27,7 +27,8 @@ from typing import Any
 
 _counters: dict[str, float] = {"receive_s": 0.0, "receives": 0, "receive_decoding_s": 0.0, "run_step_s": 0.0, "steps": 0,
                                "batch_step_s": 0.0, "batch_steps": 0, "batch_rows": 0, "step_eval_wait_s": 0.0,
-                               "loop_io_wait_s": 0.0, "loop_io_waits": 0, "loop_cpu_s": 0.0}
+                               "loop_io_wait_s": 0.0, "loop_io_waits": 0, "loop_cpu_s": 0.0,
+                               "gc_s": 0.0, "gc_full_s": 0.0, "gc_runs": 0, "gc_full_runs": 0}
 _in_step = threading.local()
 _last_rows = [0]  # the last batch step's rows: a wait for a plan after it is a hand-over
 IDLE_GAP_S = 0.5
@@ -42,8 +43,30 @@ _step_records: list[tuple[float, float, int, int]] = []
 _intake: list[tuple[Any, ...]] = []
 
 
+def _time_collections() -> None:
+    """Python's cyclic collector: seconds in all its runs and in its full (oldest generation) runs."""
+    import gc
+
+    began = [0.0]
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+            return
+        seconds = time.perf_counter() - began[0]
+        _counters["gc_s"] += seconds
+        _counters["gc_runs"] += 1
+        if info.get("generation") == 2:
+            _counters["gc_full_s"] += seconds
+            _counters["gc_full_runs"] += 1
+
+    gc.callbacks.append(callback)
+
+
 def install() -> None:
     import mlx.core as mx
+
+    _time_collections()
     import trio
 
     from quart_trio import QuartTrio

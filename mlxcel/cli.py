@@ -225,6 +225,20 @@ async def run_server(
         engine = await nursery.start(run_engine, engine_config)
         pending.set(engine)
         logger.info("serving %s on %s", engine.model_id, ", ".join(binds))
+        _freeze_startup_objects()
+
+
+def _freeze_startup_objects() -> None:
+    """Keep what start-up built (the model's modules, the tokenizer's tables) out of Python's cyclic collector.
+
+    Its full collections walk every tracked object, and a loaded server holds millions that live as long
+    as the process: each full collection stopped every thread for tens of milliseconds, a wave's first
+    tokens included (docs/benchmarks.md). The garbage of loading is collected first, so none is kept.
+    """
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 async def _stop_on_signals(stop: trio.Event) -> None:
