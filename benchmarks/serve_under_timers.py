@@ -214,7 +214,9 @@ def summarize(report: Path, decode_json: Path, gpu_csv: Path | None) -> None:
               f"(median {median_wait:.2f}, p90 {p90_wait:.2f} ms); "
               f"shares of the wall {shares}; loop busy {100 * (1 - delta['loop_io_wait_s'] / wall):.0f}%, "
               f"its CPU {1e6 * delta.get('loop_cpu_s', 0.0) / max(1, delta['batch_rows']):.0f} us a decoded token; "
-              f"GPU utilization {gpu}")
+              f"GPU utilization {gpu}; Python's collector {1000 * delta.get('gc_s', 0.0):.0f} ms in "
+              f"{delta.get('gc_runs', 0):.0f} runs, {1000 * delta.get('gc_full_s', 0.0):.0f} ms in "
+              f"{delta.get('gc_full_runs', 0):.0f} full runs")
         if name == "wave":
             # The admission timeline: each device step that started requests, from the window's opening.
             records = [record for line in lines for record in line.get("step_records", ())
