@@ -9,11 +9,7 @@
 #   wave:  after the finer start buckets, 8B (with the timers) and 1B: three wave rounds each, and 8B's 64 streams
 set -uo pipefail
 out=${1:-$OUT}; part=${2:-eight}
-export HF_HUB_OFFLINE=1 PYTHONPATH=$PWD
-tok=/root/tokenizer; mkdir -p $tok
-[ -f $tok/tokenizer.json ] || { gunzip -c .tok/tokenizer.json.gz > $tok/tokenizer.json; cp .tok/tokenizer_config.json $tok/; }
-model() { [ -f /root/models/$1/model.safetensors ] || python3 benchmarks/make_bf16_model.py /root/models/$1 $1 $tok >/dev/null; }
-show() { grep "^|\|mlxcel:\|mlx_lm:\|every stream\|failed\|short"; }
+source benchmarks/gpu_common.sh
 decode() {  # SHAPE [timers]
   s=$SECONDS; model $1; echo "== $1 (model ready in $((SECONDS - s)) s)"
   timers=(); [ -n "${2:-}" ] && timers=(--server-timers $out/timers-$1.jsonl)

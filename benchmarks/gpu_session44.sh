@@ -9,11 +9,7 @@
 #   full:   8B and 1B floor and mlxcel at 1/16/64 streams (128 tokens) and three wave rounds; 8B conversations
 set -uo pipefail
 out=${1:-$OUT}; part=${2:-intake}
-export HF_HUB_OFFLINE=1 PYTHONPATH=$PWD
-tok=/root/tokenizer; mkdir -p $tok
-[ -f $tok/tokenizer.json ] || { gunzip -c .tok/tokenizer.json.gz > $tok/tokenizer.json; cp .tok/tokenizer_config.json $tok/; }
-model() { [ -f /root/models/$1/model.safetensors ] || python3 benchmarks/make_bf16_model.py /root/models/$1 $1 $tok >/dev/null; }
-show() { grep "^|\|mlxcel:\|mlx_lm:\|every stream\|failed\|short"; }
+source benchmarks/gpu_common.sh
 wave() {  # SHAPE TAG [more mlxcel args]
   model $1; echo "== $1 $2 ${3:-}"
   timeout 150 python3 -m benchmarks.decode_speed --model-path /root/models/$1 --skip-floor --skip-streams \
