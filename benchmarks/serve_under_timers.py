@@ -65,10 +65,7 @@ def _time_collections() -> None:
 
 def install() -> None:
     import mlx.core as mx
-
-    _time_collections()
     import trio
-
     from quart_trio import QuartTrio
 
     from mlxcel.actors.device import DeviceActor
@@ -85,6 +82,7 @@ def install() -> None:
 
         setattr(cls, name, wrapper)
 
+    _time_collections()
     stamped(QuartTrio, "handle_request", "http")
     stamped(RouterActor, "_dispatch", "route")
     stamped(SchedulerCore, "add", "add")
@@ -236,22 +234,28 @@ def wave_intake(lines: list[dict[str, Any]], figures: dict[str, Any]) -> None:
             continue
         opened = sent[0]
         closed = max(sent) + max(round_.get("ttfts_s", ()) or [0.0]) + 0.05
-        first_tokens = sorted(moment + ttft for moment, ttft in zip(round_["sent"], round_["ttfts_s"], strict=False))
+        # ttfts_s has only the served requests': first tokens are placed only when every request was served.
+        ttfts = round_.get("ttfts_s", ())
+        first_tokens = sorted(moment + ttft for moment, ttft in zip(round_["sent"], ttfts, strict=True)) \
+            if len(ttfts) == len(round_["sent"]) else []
         stages = {"sent": sent, **{stage: sorted(record[1] for record in intake
                                                  if record[0] == stage and opened - 0.01 <= record[1] <= closed)
                                    for stage in ("http", "route", "add")}, "first token": first_tokens}
-
-        def quartiles(moments: list[float]) -> str:
-            if not moments:
-                return "-"
-            picks = [moments[min(len(moments) - 1, int(share * len(moments)))] for share in (0.0, 0.25, 0.5, 0.75)]
-            return "/".join(f"{1000 * (moment - opened):.0f}" for moment in [*picks, moments[-1]])
-
         steps = [record for record in intake if record[0] == "step" and opened <= record[1] <= closed]
         print(f"wave round {number}: ms after the first send (first/25%/50%/75%/last): "
-              + "; ".join(f"{stage} {quartiles(moments)} (n={len(moments)})" for stage, moments in stages.items())
+              + "; ".join(f"{stage} {_quartiles(moments, opened)} (n={len(moments)})"
+                          for stage, moments in stages.items())
               + "; steps with starts (at, ms, starts): "
-              + ", ".join(f"{1000 * (at - opened):.0f} {1000 * seconds:.0f} {count}" for _, at, seconds, count in steps))
+              + ", ".join(f"{1000 * (at - opened):.0f} {1000 * seconds:.0f} {count}"
+                          for _, at, seconds, count in steps))
+
+
+def _quartiles(moments: list[float], opened: float) -> str:
+    """First, 25 %, 50 %, 75 % and last of sorted ``moments``, ms after ``opened``."""
+    if not moments:
+        return "-"
+    picks = [moments[min(len(moments) - 1, int(share * len(moments)))] for share in (0.0, 0.25, 0.5, 0.75)]
+    return "/".join(f"{1000 * (moment - opened):.0f}" for moment in [*picks, moments[-1]])
 
 
 def main() -> None:

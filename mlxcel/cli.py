@@ -223,17 +223,18 @@ async def run_server(
         binds = await nursery.start(serve_then_stop)
         logger.info("listening on %s; loading the model (/health answers 503 until it is ready)", ", ".join(binds))
         engine = await nursery.start(run_engine, engine_config)
+        # Before the first request is let in: the collection it starts with is not on any request's time.
+        _freeze_startup_objects()
         pending.set(engine)
         logger.info("serving %s on %s", engine.model_id, ", ".join(binds))
-        _freeze_startup_objects()
 
 
 def _freeze_startup_objects() -> None:
     """Keep what start-up built (the model's modules, the tokenizer's tables) out of Python's cyclic collector.
 
     Its full collections walk every tracked object, and a loaded server holds millions that live as long
-    as the process: each full collection stopped every thread for tens of milliseconds, a wave's first
-    tokens included (docs/benchmarks.md). The garbage of loading is collected first, so none is kept.
+    as the process: each full collection stopped every thread for 63-123 ms (llama fixture, CPU), a wave's
+    first tokens included (docs/benchmarks.md). The garbage of loading is collected first, so none is kept.
     """
     import gc
 
