@@ -668,8 +668,8 @@ SCHEDULER_SETTINGS = (
     Setting("max_batch_size", "--max-batch-size", ("MLXCEL_MAX_BATCH_SIZE",),
             parse_positive_int, "sequences decoded together (default 64)"),
     Setting("steps_ahead", "--decode-steps-ahead", ("MLXCEL_DECODE_STEPS_AHEAD",),
-            parse_positive_int, "decode steps planned ahead of the device; 1 runs host and device in "
-            "lockstep (default 2)"),
+            parse_positive_int, "steps planned ahead of the device (decode steps, and starts that "
+            "share a pass); 1 runs host and device in lockstep (default 2)"),
     Setting("prefill_batch_size", "--prefill-batch-size", ("MLXCEL_PREFILL_BATCH_SIZE",),
             parse_positive_int, "prompts prefilled together (default 8)"),
     Setting("prefill_step_size", "--prefill-step-size", ("MLXCEL_PREFILL_STEP_SIZE",),

@@ -197,15 +197,44 @@ class SchedulerActor:
                 in_flight.append(await self._send_step())
                 if len(in_flight) < self._steps_ahead and self.core.can_plan_ahead():
                     continue  # plan the next decode step while this one runs
-            plan, replies = in_flight.popleft()
-            with replies:
+            plan, replies = in_flight[0]
+            if len(in_flight) < self._steps_ahead:
+                # A step could go ahead: a request arriving meanwhile is looked up (and may be planned) now.
+                result = await self._result_or_message(replies)
+                if result is None:
+                    continue
+            else:
                 result = await replies.receive()
+            in_flight.popleft()
+            replies.close()
             self.core.update(plan, result, self._clients, trio.current_time())
             if result.grammar is not None:
                 self._send_nowait(self._to_metrics, result.grammar)
             if result.speculation is not None:
                 self._send_nowait(self._to_metrics, result.speculation)
             self._fan_out()
+
+    async def _result_or_message(self, replies: trio.MemoryReceiveChannel[StepResult]) -> StepResult | None:
+        """The step's result, or None once a message came first (handled; the step still runs)."""
+        result: StepResult | None = None
+
+        async def take_result(cancel_scope: trio.CancelScope) -> None:
+            nonlocal result
+            result = await replies.receive()
+            cancel_scope.cancel()
+
+        async def take_message(cancel_scope: trio.CancelScope) -> None:
+            try:
+                message = await self.inbox.receive()
+            except trio.EndOfChannel:
+                return  # the loop sees the inbox closed once the step reports
+            self._handle(message)
+            cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(take_result, nursery.cancel_scope)
+            nursery.start_soon(take_message, nursery.cancel_scope)
+        return result
 
     async def _send_step(self) -> tuple[StepPlan, trio.MemoryReceiveChannel[StepResult]]:
         plan = self.core.schedule()

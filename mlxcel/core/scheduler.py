@@ -320,17 +320,29 @@ class SchedulerCore:
         return self._warm_ups.has_pending() and self._idle()
 
     def can_plan_ahead(self) -> bool:
-        """The next plan only decodes (and removes): it may go to the device before the step in flight reports.
+        """The next plan may go to the device before the step in flight reports.
 
         vLLM's async scheduling: the device then never waits for the host
-        between decode steps. Starts are planned only once every step has
-        reported (their placement reads the device's state), so this is False
-        while any admission is decided or waiting. A sequence that the step
-        in flight finishes decodes one token more; ``update`` drops tokens of
+        between steps. A plan that only decodes (and removes) may go ahead,
+        and so may one whose starts all run in a shared pass (a text prompt
+        from nothing stored or from a prefix in memory): placing those reads
+        nothing the device reports, and a wave's passes then follow each other
+        without the host's round trip between them. Anything else (a chunked
+        prefill, a snapshot or a disk read, a request still being looked up)
+        is planned once every step has reported. A sequence that the step in
+        flight finishes decodes one token more; ``update`` drops tokens of
         finished sequences, and the removal follows in the next plan.
         """
-        return (bool(self._in_batch) and not self._admitted and not self._deferred and not self._alone
-                and self._candidate_waits_for_nothing())
+        if self._alone or self._restoring or not self._candidate_waits_for_nothing():
+            return False
+        starts = [*self._deferred, *self._admitted]
+        if not starts:
+            return bool(self._in_batch)
+        return all(self._runs_in_a_shared_pass(pending) for pending in starts)
+
+    def _runs_in_a_shared_pass(self, pending: Pending) -> bool:
+        placement = self._placement
+        return placement.starts_directly(pending) and shares_a_pass(placement.direct(pending))
 
     def _candidate_waits_for_nothing(self) -> bool:
         # A queued request not yet admitted (the batch is full) does not block decoding ahead.
@@ -360,6 +372,8 @@ class SchedulerCore:
             for sequence_id in self._warm_ups.preempt():
                 self._remove(sequence_id, donate=False)
         while self._waiting and len(self._running) < self.capabilities.max_batch_size:
+            if self._awaits_a_donation(self._waiting[0]):
+                break
             lookup = self._admit_head(now)
             if lookup is not None:
                 return lookup
@@ -368,6 +382,12 @@ class SchedulerCore:
             if job is not None:
                 return Lookup(kind="warm", context=job.context, tokens=job.tokens)
         return None
+
+    def _awaits_a_donation(self, request: NewRequest) -> bool:
+        """A reply of the request's context has ended and its KV is still on its way from the device: the
+        lookup waits for it (the next turn of a conversation must find its last reply), at most a step."""
+        context = request.cache_context
+        return context is not None and any(pending[0] == context for pending in self._pending_donations.values())
 
     def _extends_a_warm_up(self, request: NewRequest) -> bool:
         """``request`` is a running warm-up's conversation, its prompt going on from the warmed tokens."""
@@ -668,6 +688,10 @@ class SchedulerCore:
         for item in result.detached:
             if item.final or item.snapshot:
                 self._donate(item)
+        # A donation comes with the step that removes or ends its sequence, or not at all.
+        for sequence_id in (*(removal.sequence_id for removal in plan.removals),
+                            *(token.sequence_id for token in result.sampled if token.finish_reason is not None)):
+            self._pending_donations.pop(sequence_id, None)
         for sequence_id in result.warmed:
             self._warm_ups.finished(sequence_id)
         for done in result.disk_reads:

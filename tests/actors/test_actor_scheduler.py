@@ -29,7 +29,7 @@ from mlxcel.cache.key import CacheContext
 from mlxcel.config import SchedulerConfig
 from mlxcel.core.cache_plan import CACHE_OFF, CacheMode, CachePlan
 from mlxcel.core.output import StopMatcher
-from mlxcel.core.plan import Capabilities, DetachedSequence, Removal, SampledToken, StepResult
+from mlxcel.core.plan import Capabilities, DetachedSequence, Removal, SampledToken, StartDirect, StepResult
 from mlxcel.core.scheduler import NewRequest
 from mlxcel.types import Delta, SamplingParams, ServerBusy, Usage
 from tests.support import LetterTokenizer as FakeTokenizer
@@ -430,7 +430,7 @@ async def test_a_stop_string_found_a_step_late_is_never_sent(start_scheduler: St
     assert (await harness.stats()).num_completed == 1
 
 
-async def test_an_arrival_is_started_once_every_step_has_reported(start_scheduler: StartScheduler) -> None:
+async def test_an_arrival_that_starts_directly_is_planned_while_a_step_runs(start_scheduler: StartScheduler) -> None:
     harness = await start_scheduler(steps_ahead=2)
     await harness.submit("r1", max_tokens=8)
     start = await harness.step()
@@ -438,19 +438,62 @@ async def test_an_arrival_is_started_once_every_step_has_reported(start_schedule
     first, second = await harness.step(), await harness.step()
     late = await harness.submit("r2", (7, 8), max_tokens=2)
     await harness.reply(first, sampled=(token(0, 1),), decode_batch_size=1)
-    # r2's start waits for the step still in flight: its plan reads what the device holds.
+    # r2's start reads nothing the step in flight reports: it goes ahead of that step's result.
+    joined = await harness.step()
+    (admission,) = joined.plan.starts
+    assert admission.prompt_tokens == (7, 8)
+    assert joined.plan.run_batch
+    await harness.reply(second, sampled=(token(0, 2),), decode_batch_size=1)
+    ahead = await harness.step()
+    assert ahead.plan.starts == ()
+    await harness.reply(joined, sampled=(token(0, 3), token(1, 4)), decode_batch_size=1)
+    await harness.step()  # planned ahead once ``joined`` reported
+    await harness.reply(ahead, sampled=(token(0, 4), token(1, 5, "length")), decode_batch_size=2)
+    received, ended = available(late)
+    assert ended
+    assert text_of(received) == "ef"
+
+
+async def test_an_arrival_during_a_start_is_planned_before_the_start_reports(start_scheduler: StartScheduler) -> None:
+    harness = await start_scheduler(steps_ahead=2)
+    first_events = await harness.submit("r1", max_tokens=2)
+    start = await harness.step()
+    await harness.assert_idle()  # the only step in flight: nothing else to plan
+    late = await harness.submit("r2", (7, 8), max_tokens=1)
+    # r2 is looked up and placed while r1's start runs, not after it reports.
+    joined = await harness.step()
+    (admission,) = joined.plan.starts
+    assert admission.prompt_tokens == (7, 8)
+    assert not joined.plan.run_batch  # the core does not know yet that r1 is in the batch
+    await harness.assert_idle()  # two in flight
+    await harness.reply(start, sampled=(token(0, 0),), decode_batch_size=0)
+    decode = await harness.step()
+    assert decode.plan.run_batch
+    await harness.reply(joined, sampled=(token(1, 5, "length"),))
+    ahead = await harness.step()  # decoding goes ahead once r2's start reported
+    await harness.reply(decode, sampled=(token(0, 1, "length"),), decode_batch_size=1)
+    await harness.reply(ahead)
+    for events, text in ((first_events, "ab"), (late, "f")):
+        received, ended = available(events)
+        assert ended
+        assert text_of(received) == text
+
+
+async def test_a_chunked_arrival_is_started_once_every_step_has_reported(start_scheduler: StartScheduler) -> None:
+    harness = await start_scheduler(steps_ahead=2, prefill_step_size=4)
+    await harness.submit("r1", max_tokens=8)
+    start = await harness.step()
+    await harness.reply(start, sampled=(token(0, 0),), decode_batch_size=1)
+    first, second = await harness.step(), await harness.step()
+    await harness.submit("r2", (7, 8, 9, 10, 11, 12), max_tokens=2)
+    await harness.reply(first, sampled=(token(0, 1),), decode_batch_size=1)
+    # r2 is longer than a chunk: it prefills in the batch, whose state the step in flight changes.
     await harness.assert_idle()
     await harness.reply(second, sampled=(token(0, 2),), decode_batch_size=1)
     joined = await harness.step()
     (admission,) = joined.plan.starts
-    assert admission.prompt_tokens == (7, 8)
-    await harness.reply(joined, sampled=(token(0, 3), token(1, 4)), decode_batch_size=1)
-    after, ahead = await harness.step(), await harness.step()
-    assert after.plan.starts == ahead.plan.starts == ()
-    await harness.reply(after, sampled=(token(0, 4), token(1, 5, "length")), decode_batch_size=2)
-    received, ended = available(late)
-    assert ended
-    assert text_of(received) == "ef"
+    assert admission.prompt_tokens == (7, 8, 9, 10, 11, 12)
+    assert not isinstance(admission, StartDirect)
 
 
 async def test_departed_client_at_a_stop_string_is_only_cancelled(start_scheduler: StartScheduler) -> None:

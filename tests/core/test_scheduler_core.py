@@ -21,6 +21,7 @@ from mlxcel.core.plan import (
     Capabilities,
     DetachedSequence,
     InsertBatch,
+    Removal,
     SampledToken,
     SnapshotPoint,
     StartAlone,
@@ -318,6 +319,34 @@ def test_a_shared_pass_runs_a_power_of_two_rows_and_the_rest_next() -> None:
     assert started(harness.step()) == [6]
 
 
+def test_the_rest_of_a_shared_pass_is_planned_before_the_pass_in_flight_reports() -> None:
+    """Starts that share a pass read nothing the device reports: the next pass goes to the device while the
+    one before runs (no host round trip between a wave's passes). A start that needs the device's report
+    (here a prompt longer than a chunk, which prefills in the batch) waits for it."""
+    harness = Harness(bucket_starts=True, prefill_step_size=4096)
+    for index in range(7):
+        harness.add(f"r{index}", 40, first=1000 * index)
+    assert harness.core.next_lookup(0.0) is None
+    first = harness.core.schedule()
+    assert started(first) == [0, 1, 2, 3]
+    assert harness.core.can_plan_ahead()
+    assert harness.core.next_lookup(0.0) is None
+    second = harness.core.schedule()
+    assert started(second) == [4, 5]
+    assert not second.run_batch  # the first pass's rows wait for the rest (the batch hold)
+    for plan in (first, second):
+        harness.core.update(plan, harness.device.run(plan), harness.clients, 0.0)
+    assert started(harness.step()) == [6]
+
+    harness = Harness(bucket_starts=True, prefill_step_size=64)
+    harness.add("decoding", 8, max_tokens=60)
+    harness.step()
+    assert harness.core.can_plan_ahead()  # only decoding
+    harness.add("long", 100, first=500)
+    assert harness.core.next_lookup(0.0) is None
+    assert not harness.core.can_plan_ahead()
+
+
 def test_a_start_removed_before_it_ran_never_reaches_the_device() -> None:
     harness = Harness()
     harness.add("r0", 10)
@@ -450,15 +479,43 @@ def test_a_retaining_request_donates_its_prompt_at_the_end_of_prefill(length: in
     assert harness.core.schedule().removals[-1].donate is False
 
 
+def test_a_lookup_waits_for_the_kv_of_a_reply_ended_in_its_context() -> None:
+    """A stop string ends a reply while the device holds it: its KV comes back with the step that removes it.
+    A lookup in that context meanwhile would miss the conversation's last turn, so it waits for that step,
+    and only for it: a removal that gives no KV ends the wait too."""
+    for gives_kv in (True, False):
+        harness = Harness()
+        harness.core.add(NewRequest(request_id="r0", prompt_tokens=tuple(range(10)),
+                                    sampling=SamplingParams(temperature=0.0, stop=("b",)), max_tokens=8,
+                                    cache_context=CONTEXT), harness.clients)
+        harness.step()  # its first token, "a"
+        harness.step()  # "b": the stop string, found on the host
+        harness.add("next", 12, context=CONTEXT)
+        assert harness.core.next_lookup(0.0) is None  # waiting for r0's KV
+        plan = harness.core.schedule()
+        assert plan.removals == (Removal(sequence_id=0, donate=True),)
+        final = DetachedSequence(sequence_id=0, tokens=tuple(range(10)) + (0, 1), payload="kv", nbytes=64)
+        result = harness.device.run(plan)
+        harness.core.update(plan, attrs.evolve(result, detached=(final,) if gives_kv else ()), harness.clients, 0.0)
+        donations = [effect for effect in harness.core.take_effects() if isinstance(effect, DonateSequence)]
+        assert len(donations) == (1 if gives_kv else 0)
+        lookup = harness.core.next_lookup(0.0)
+        assert lookup is not None
+        assert lookup.tokens == tuple(range(12))
+
+
 def test_a_retaining_completion_donates_with_its_retention() -> None:
     harness = Harness()
     harness.add("kept", 10, max_tokens=1, context=CONTEXT, retain_seconds=86400)
-    plan = harness.step()
+    while (lookup := harness.core.next_lookup(0.0)) is not None:
+        harness.core.resolve(lookup, Miss())
+    plan = harness.core.schedule()
     (start,) = plan.starts
-    # The device finished it at its first token and detached the whole sequence.
-    harness.core.take_effects()
+    # The device finished it at its first token and detached the whole sequence, in the same step.
     final = DetachedSequence(sequence_id=start.sequence_id, tokens=tuple(range(10)), payload="kv", nbytes=64)
-    harness.core.update(StepPlan(), StepResult(step_number=2, detached=(final,)), harness.clients, 0.0)
+    result = attrs.evolve(harness.device.run(plan), detached=(final,))
+    assert [token.finish_reason for token in result.sampled] == ["length"]
+    harness.core.update(plan, result, harness.clients, 0.0)
     (donation,) = [e for e in harness.core.take_effects() if isinstance(e, DonateSequence)]
     assert (donation.retain_seconds, donation.prompt_len) == (86400, 10)
 
