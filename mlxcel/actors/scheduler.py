@@ -217,10 +217,14 @@ class SchedulerActor:
     async def _result_or_message(self, replies: trio.MemoryReceiveChannel[StepResult]) -> StepResult | None:
         """The step's result, or None once a message came first (handled; the step still runs)."""
         result: StepResult | None = None
+        ended = False
 
         async def take_result(cancel_scope: trio.CancelScope) -> None:
-            nonlocal result
-            result = await replies.receive()
+            nonlocal result, ended
+            try:
+                result = await replies.receive()
+            except trio.EndOfChannel:
+                ended = True
             cancel_scope.cancel()
 
         async def take_message(cancel_scope: trio.CancelScope) -> None:
@@ -234,6 +238,8 @@ class SchedulerActor:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(take_result, nursery.cancel_scope)
             nursery.start_soon(take_message, nursery.cancel_scope)
+        if ended:
+            raise trio.EndOfChannel  # as a plain wait on the reply would
         return result
 
     async def _send_step(self) -> tuple[StepPlan, trio.MemoryReceiveChannel[StepResult]]:

@@ -240,15 +240,16 @@ class Directory:
             self.snapshot_lengths, self.snapshots_listed = snapshots, time.monotonic()
         return files, temps_removed, foreign
 
-    def enforce_budget(self, incoming: IndexedFile | None = None) -> bool:
+    def enforce_budget(self, incoming: IndexedFile | None = None, keep: frozenset[str] = frozenset()) -> bool:
         """Re-list the directory (other processes write too) and delete least recently used pieces.
 
         With ``incoming`` (a piece about to be renamed into place), it competes
         too: False when it is the one that does not fit (nothing is deleted then).
+        The files in ``keep`` (the pieces ``incoming`` extends) are never deleted for it.
         """
         files, _removed, _foreign = self.scan(clean=True)
         candidates = files if incoming is None else [*files, incoming]
-        doomed = disk_index.over_budget(candidates, self.settings.budget_bytes)
+        doomed = disk_index.over_budget(candidates, self.settings.budget_bytes, keep)
         if incoming is not None and incoming in doomed:
             return False
         evicted = 0

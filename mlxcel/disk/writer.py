@@ -10,6 +10,7 @@ within its byte budget. Files are never modified after the rename.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import logging
@@ -32,6 +33,8 @@ logger = logging.getLogger(__name__)
 _MIN_BACKLOG_BYTES = 8 << 20
 # The writer's unit of work under the write budget.
 _WRITE_CHUNK = 1 << 20
+# File names of written pieces remembered with their parents (the budget keeps a new piece's ancestors).
+_REMEMBERED_PIECES = 4096
 
 
 @attrs.frozen
@@ -48,6 +51,8 @@ class DiskWriter:
         self._pending_bytes = 0
         self._next_write = 0.0
         self._thread: threading.Thread | None = None
+        # Pieces this writer renamed into place, by file name: their parent's (the writer thread's alone).
+        self._parents: collections.OrderedDict[str, str | None] = collections.OrderedDict()
 
     @property
     def running(self) -> bool:
@@ -107,6 +112,18 @@ class DiskWriter:
                 with self._directory.lock:
                     self._pending_bytes -= nbytes
 
+    def _ancestors(self, parent: str | None) -> frozenset[str]:
+        """The pieces a new piece extends: its parent, and the parents before it that this writer wrote.
+
+        The budget orders pieces by the second of their last use; a prefix whose pieces were written across
+        a second's turn would otherwise make room for its new piece by deleting its own first one.
+        """
+        chain: set[str] = set()
+        while parent is not None and parent not in chain:
+            chain.add(parent)
+            parent = self._parents.get(parent)
+        return frozenset(chain)
+
     def _throttle(self, nbytes: int) -> None:
         """The write budget: at most write_bytes_per_second, a chunk at a time (so I/O comes in an even flow)."""
         now = time.monotonic()
@@ -165,9 +182,13 @@ class DiskWriter:
             incoming = IndexedFile(filename=filename, nbytes=len(header) + nbytes, last_used=time.time(),
                                    depth=spec.name.end_block if isinstance(spec, PieceSpec) else 0)
             with directory.locked():
-                fits = directory.enforce_budget(incoming)
+                fits = directory.enforce_budget(incoming, keep=self._ancestors(parent))
                 if fits:
                     os.replace(temp, final)
+            if fits and isinstance(spec, PieceSpec):
+                self._parents[filename] = parent
+                while len(self._parents) > _REMEMBERED_PIECES:
+                    self._parents.popitem(last=False)
             if not fits:
                 temp.unlink()
                 directory.count("writes_dropped")

@@ -169,6 +169,19 @@ def test_a_file_of_another_model_under_this_name_is_refused(tmp_path: Path) -> N
     assert not ours.exists()
 
 
+def test_a_new_piece_never_makes_room_by_deleting_a_piece_it_extends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The budget orders pieces by the second of their last use. A prefix whose pieces are written across a
+    second's turn (forced here: the writer's clock runs 5 s ahead of the files' times) must not delete its own
+    earlier pieces for its next one: the tail, which needs them, is the piece that does not fit."""
+    real_time = disk_writer_module.time.time
+    monkeypatch.setattr(disk_writer_module.time, "time", lambda: real_time() + 5.0)
+    piece_bytes = LAYERS * 2 * (2 * 256 * 4 * 4)
+    write(open_tier(tmp_path, budget_bytes=int(2.2 * piece_bytes)), payload())
+    assert [disk_index.parse_name(path.name).end_block for path in pieces(tmp_path)] == [16, 32]
+
+
 def test_a_piece_that_vanishes_is_a_miss_not_an_error(tmp_path: Path) -> None:
     write(open_tier(tmp_path), payload())
     tier = open_tier(tmp_path)
