@@ -18,6 +18,7 @@ import ctypes
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 
 __all__ = [
@@ -117,13 +118,20 @@ def load_optimized_blas_in_process(
     environ: Mapping[str, str] | None = None,
     *,
     platform: str | None = None,
+    maps: str | None = None,
 ) -> str | None:
     """Open the optimized BLAS globally so MLX, imported later, binds to it.
 
     For processes that cannot re-exec (a test run). Returns the library
-    opened, or None when there is none or MLX is already loaded (too late).
+    opened, or None when there is none or MLX is already loaded (too late:
+    then a warning, where a library was there to load, since every CPU
+    figure the process measures is the reference BLAS's).
     """
     if "mlx.core" in sys.modules:
+        if (find_optimized_blas(environ, platform=platform) is not None
+                and describe_blas(environ, maps=maps, platform=platform).startswith("BLAS: reference")):
+            warnings.warn("mlx.core was imported before the optimized BLAS could be loaded: MLX's CPU backend "
+                          "runs on the bundled reference BLAS in this process", RuntimeWarning, stacklevel=2)
         return None
     library = find_optimized_blas(environ, platform=platform)
     if library is None:

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
+from typing import Any
 
 import pytest
 
@@ -152,7 +154,24 @@ def test_describe_macos() -> None:
 
 def test_in_process_load_refuses_after_mlx_is_imported(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "mlx.core", object())
-    assert blas.load_optimized_blas_in_process({}, platform="linux") is None
+    assert blas.load_optimized_blas_in_process({}, platform="linux", maps=OPENBLAS_MAPS) is None
+
+
+def test_a_load_too_late_warns_when_mlx_runs_on_the_reference_blas(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Any) -> None:
+    """A benchmark that imported MLX first measured every CPU pass on the reference BLAS, silently
+    (a width-5 verify pass 4.9x a width-1 one instead of 1.9x: docs/benchmarks.md)."""
+    library = tmp_path / "libopenblas.so.0"
+    library.write_bytes(b"")
+    monkeypatch.setitem(sys.modules, "mlx.core", object())
+    environ = {blas.BLAS_ENV: str(library)}
+    with pytest.warns(RuntimeWarning, match="reference BLAS"):
+        assert blas.load_optimized_blas_in_process(environ, platform="linux", maps=REFERENCE_MAPS) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert blas.load_optimized_blas_in_process(environ, platform="linux", maps=OPENBLAS_MAPS) is None
+        assert blas.load_optimized_blas_in_process({blas.BLAS_ENV: "reference"}, platform="linux",
+                                                   maps=REFERENCE_MAPS) is None
 
 
 def test_importing_the_package_and_its_blas_module_loads_no_mlx() -> None:
