@@ -1,4 +1,5 @@
-"""The batched decode step: mlx-lm's ``GenerationBatch._step``, normalizing the logits only when a row reads them.
+"""The batched decode step: mlx-lm's ``GenerationBatch._step``, normalizing the logits only when a row reads them,
+and evaluating a row's logprobs only when it is read.
 
 mlx-lm normalizes every row's logits over the whole vocabulary each step
 (``logits - logsumexp(logits)``) for the logprobs it hands back and for the
@@ -11,6 +12,14 @@ step beyond the model: 16 rows of a 151,646-token vocabulary, 40.5 ms against
 when some row's sampler says it reads normalized values (``reads_logprobs``:
 a request for logprobs, or top-p), or is one this module does not know;
 otherwise the samplers get the logits as they are.
+
+mlx-lm also evaluates every row's logprobs as an array of its own each
+step (``list(logprobs)`` queued with the tokens). Here the step queues the
+whole matrix, and the rows stay lazy views of it: a row read for a
+request's logprobs is one small slice then; the others never reach the
+graph. At 64 rows that took 128 nodes off each step (a slice and a reshape
+a row), whose evaluation is host work on every backend (about 5 us a node
+on the CPU) at the point where the host queues the next step.
 
 Everything else is mlx-lm 0.32.2's step as it is (the pin in pyproject.toml).
 ``install`` points ``GenerationBatch._step`` at ``step`` (``patches.original``
@@ -66,10 +75,12 @@ def step(self: Any) -> tuple[list[int], list[Any]]:
         sampled = mx.concatenate([s(logprobs[e : e + 1]) for e, s in enumerate(samplers)], axis=0)
 
     self._next_tokens = sampled
+    # Each row's logprobs stay a lazy view of the step's matrix, evaluated where a request reads them: queued
+    # as rows, they were a slice and a reshape per row in every step's graph (128 more nodes at 64 rows).
     self._next_logprobs = list(logprobs)
-    mx.async_eval(self._next_tokens, self._next_logprobs, token_context)
+    mx.async_eval(self._next_tokens, logprobs, token_context)
 
-    mx.eval(inputs, self._current_logprobs)
+    mx.eval(inputs)
     inputs = inputs.tolist()
     for sti, ti in zip(self.tokens, inputs, strict=False):
         sti.append(ti)

@@ -68,3 +68,25 @@ def test_which_samplers_read_normalized_logprobs() -> None:
     assert reads(SamplingParams(temperature=0.8, top_p=0.95))
     assert reads(SamplingParams(temperature=0.8, logprobs=True))
     assert batch_step.reads_logprobs(lambda logprobs: logprobs, greedy)  # a sampler it does not know: yes
+
+
+def test_the_step_queues_the_logprobs_matrix_not_an_array_per_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mlx-lm queues each row's logprobs as an array of its own (a slice and a reshape a row in every step's
+    graph); here the rows are lazy views of the one matrix, and read back the same."""
+    queued = []
+    real = mx.async_eval
+
+    def recording(*arrays):
+        queued.append(arrays)
+        return real(*arrays)
+
+    monkeypatch.setattr(mx, "async_eval", recording)
+    state = batch([None] * ROWS)
+    batch_step.step(state)
+    ((tokens, matrix, context),) = queued
+    assert isinstance(matrix, mx.array) and matrix.shape == (ROWS, VOCAB)
+    assert context == []
+    assert len(state._next_logprobs) == ROWS
+    for e, row in enumerate(state._next_logprobs):
+        assert np.array_equal(np.array(row), np.array(matrix[e]))
+    assert tokens.tolist() == np.argmax(np.array(matrix), axis=-1).tolist()
