@@ -84,7 +84,8 @@ def test_the_step_queues_the_logprobs_matrix_not_an_array_per_row(monkeypatch: p
     state = batch([None] * ROWS)
     batch_step.step(state)
     ((tokens, matrix, context),) = queued
-    assert isinstance(matrix, mx.array) and matrix.shape == (ROWS, VOCAB)
+    assert isinstance(matrix, mx.array)
+    assert matrix.shape == (ROWS, VOCAB)
     assert context == []
     assert len(state._next_logprobs) == ROWS
     for e, row in enumerate(state._next_logprobs):
