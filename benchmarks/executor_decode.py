@@ -86,7 +86,7 @@ def _time_async_eval() -> None:
 def main() -> None:
     from mlxcel.blas import load_optimized_blas_in_process
 
-    load_optimized_blas_in_process()  # before MLX loads: on the CPU, the reference BLAS made a 64-row step 12x slower
+    load_optimized_blas_in_process()  # before MLX loads: on the CPU, the reference BLAS made a 64-row step 13x slower
     import mlx.core as mx
     from decode_step_pieces import pipelined_step_ms
     from mlx_lm.models.cache import make_prompt_cache

@@ -3,7 +3,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from typing import Any
+from pathlib import Path
 
 import pytest
 
@@ -158,7 +158,7 @@ def test_in_process_load_refuses_after_mlx_is_imported(monkeypatch: pytest.Monke
 
 
 def test_a_load_too_late_warns_when_mlx_runs_on_the_reference_blas(monkeypatch: pytest.MonkeyPatch,
-                                                                     tmp_path: Any) -> None:
+                                                                     tmp_path: Path) -> None:
     """A benchmark that imported MLX first measured every CPU pass on the reference BLAS, silently
     (a width-5 verify pass 4.9x a width-1 one instead of 1.9x: docs/benchmarks.md)."""
     library = tmp_path / "libopenblas.so.0"
