@@ -21,6 +21,14 @@ graph. At 64 rows that took 128 nodes off each step (a slice and a reshape
 a row), whose evaluation is host work at the point where the host queues
 the next step (about 6 us a row on the CPU; not measured on a GPU).
 
+Grammar rows (``model/grammar_masks.py``) are masked together: the step
+reads the rows' input tokens back first (queued before its forward pass, so
+that waits for them alone), starts each row's mask on its thread, queues the
+forward pass while they compute, and applies all the masks in one operation
+before the rows' own samplers. mlx-lm's way, each row's processor and masked
+sampler on its own slice, cost a few operations a row, and had the masks
+start only once the forward pass was queued.
+
 Everything else is mlx-lm 0.32.2's step as it is (the pin in pyproject.toml).
 ``install`` points ``GenerationBatch._step`` at ``step`` (``patches.original``
 gives mlx-lm's back, for comparing); only the device thread runs it.
@@ -31,6 +39,7 @@ from __future__ import annotations
 from typing import Any
 
 from mlxcel.model import patches
+from mlxcel.model.grammar_masks import GrammarSequence, apply_masks, unpack_masks
 
 
 def reads_logprobs(sampler: Any, fallback: Any) -> bool:
@@ -39,8 +48,10 @@ def reads_logprobs(sampler: Any, fallback: Any) -> bool:
 
 
 def step(self: Any) -> tuple[list[int], list[Any]]:
-    """``GenerationBatch._step`` of mlx-lm 0.32.2, the normalization skipped when no row reads it."""
+    """``GenerationBatch._step`` of mlx-lm 0.32.2, the normalization skipped when no row reads it, and grammar
+    rows masked together."""
     import mlx.core as mx
+    import numpy as np
 
     self._current_tokens = self._next_tokens
     self._current_logprobs = self._next_logprobs
@@ -49,12 +60,30 @@ def step(self: Any) -> tuple[list[int], list[Any]]:
     logits = self.model(inputs[:, None], cache=self.prompt_cache)
     logits = logits[:, -1, :]
 
+    samplers = [self.fallback_sampler if s is None else s for s in (self.samplers or [None] * len(self.uids))]
+    grammar_rows = [e for e, sampler in enumerate(samplers) if getattr(sampler, "grammar", None) is not None]
+    masks = None
+    if grammar_rows:
+        # The rows' input tokens were queued before this step's forward pass, so this waits for them alone;
+        # the masks they lead to compute on their threads while the forward pass is queued.
+        mx.eval(inputs)
+        host_inputs = inputs.tolist()
+        sequences = [samplers[e].grammar for e in grammar_rows]
+        grammars = sequences[0].grammars
+        masks = grammars.start_masks(sequences, [sequence.next_token(host_inputs[e])
+                                                 for e, sequence in zip(grammar_rows, sequences, strict=True)],
+                                     logits.shape[-1])
+        samplers = [getattr(s, "wrapped", s) or self.fallback_sampler for s in samplers]
+
     token_context = []
-    if any(self.logits_processors):
+    # A grammar's feed is the masks above: it needs neither the row's token context nor a slice of its logits.
+    row_processors = ([[p for p in processors or () if not isinstance(getattr(p, "__self__", None), GrammarSequence)]
+                       for processors in self.logits_processors] if any(self.logits_processors) else [])
+    if any(row_processors):
         processed_logits = []
         for e in range(len(self.uids)):
             sample_logits = logits[e : e + 1]
-            processors = self.logits_processors[e] or ()
+            processors = row_processors[e]
             if processors:
                 context = self._token_context[e].update_and_fetch(inputs[e : e + 1])
                 token_context.append(context)
@@ -63,20 +92,30 @@ def step(self: Any) -> tuple[list[int], list[Any]]:
             processed_logits.append(sample_logits)
         logits = mx.concatenate(processed_logits, axis=0)
 
-    samplers = [self.fallback_sampler if s is None else s for s in (self.samplers or [None] * len(self.uids))]
     if any(reads_logprobs(sampler, self.fallback_sampler) for sampler in samplers):
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     else:
         logprobs = logits  # no row reads them normalized; each row's token is the same either way
 
+    sampled_from = logprobs
+    if masks is not None:
+        mx.async_eval(logprobs, token_context)  # the forward pass runs while the host waits for the masks
+        packed = masks.sequences[0].grammars.finish_masks(masks, logprobs)
+        if len(grammar_rows) < len(samplers):
+            # One mask a row: a free row's allows every token, so its values stay as they are.
+            rows, packed = packed, np.full((len(samplers), packed.shape[1]), 0xFFFFFFFF, dtype=np.uint32)
+            packed[grammar_rows] = rows
+        sampled_from = apply_masks(logprobs, unpack_masks(packed, logprobs.shape[-1]))
+
     if not samplers or all(s is samplers[0] for s in samplers):
-        sampled = (samplers[0] if samplers else self.fallback_sampler)(logprobs)
+        sampled = (samplers[0] if samplers else self.fallback_sampler)(sampled_from)
     else:
-        sampled = mx.concatenate([s(logprobs[e : e + 1]) for e, s in enumerate(samplers)], axis=0)
+        sampled = mx.concatenate([s(sampled_from[e : e + 1]) for e, s in enumerate(samplers)], axis=0)
 
     self._next_tokens = sampled
-    # Each row's logprobs stay a lazy view of the step's matrix, evaluated where a request reads them: queued
-    # as rows, they were a slice and a reshape per row in every step's graph (128 more nodes at 64 rows).
+    # Each row's logprobs (the model's, before a grammar's mask) stay a lazy view of the step's matrix,
+    # evaluated where a request reads them: queued as rows, they were a slice and a reshape per row in every
+    # step's graph (128 more nodes at 64 rows).
     self._next_logprobs = list(logprobs)
     mx.async_eval(self._next_tokens, logprobs, token_context)
 

@@ -141,10 +141,25 @@ def _mask_threads() -> int:
     return max(2, min(32, (os.cpu_count() or 2) * 4 // 5)) + _SPARE_THREADS
 
 
+@attrs.frozen
+class StartedMasks:
+    """A step's masks under way: each sequence's job (none for a sequence given up), from ``start_masks``."""
+
+    sequences: list[GrammarSequence]
+    jobs: dict[int, concurrent.futures.Future[Any]]
+    width: int
+    vocab: int
+    started: float
+
+
 class Grammars:
     """The grammar-constrained sequences' matchers, and their masks computed a step at a time.
 
-    mlx-lm's step runs every sequence's logits processors, then every
+    A decode step (``model/batch_step.py``) reads its rows' tokens back,
+    starts their masks (``start_masks``) before it queues the forward pass,
+    and masks its rows together (``finish_masks``, ``unpack_masks``,
+    ``apply_masks``). Elsewhere (a start pass, a speculative verify step)
+    mlx-lm's way holds: every sequence's logits processors, then every
     sequence's sampler. Each constrained sequence's processor only hands over
     the token sampled last, still lazy; the first of their samplers to run
     queues the step's forward pass behind those tokens (so the device goes
@@ -210,32 +225,45 @@ class Grammars:
         self._pending.append(sequence)
 
     def allowed(self, sequence: GrammarSequence, logprobs: Any) -> Any:
-        """The step's mask of ``sequence``: True where its grammar allows the token."""
+        """The step's mask of ``sequence``, as ``apply_masks`` takes it."""
         if self._pending:
             self._compute(logprobs)
         return self._allowed[self._rows[id(sequence)]]
 
     def _compute(self, logprobs: Any) -> None:
         import mlx.core as mx
-        import numpy as np
 
         pending, self._pending = self._pending, []
-        vocab = logprobs.shape[-1]
-        tokens = [sequence.last_token for sequence in pending if sequence.last_token is not None]
+        lazy = [sequence.last_token for sequence in pending if sequence.last_token is not None]
         # The tokens' read-back first in the queue, then the forward pass behind them: the device runs
         # on from the last step while the host waits for its tokens (queued the other way round, the
         # read-back would wait for the forward pass).
-        mx.async_eval(tokens)
+        mx.async_eval(lazy)
         mx.async_eval(logprobs)
-        mx.eval(tokens)
+        mx.eval(lazy)
+        tokens = [None if sequence.last_token is None else int(sequence.last_token.item()) for sequence in pending]
+        for sequence in pending:
+            sequence.last_token = None
+        started = self.start_masks(pending, tokens, logprobs.shape[-1])
+        self._allowed = unpack_masks(self.finish_masks(started, logprobs), logprobs.shape[-1])
+        self._rows = {id(sequence): row for row, sequence in enumerate(pending)}
+
+    def start_masks(self, sequences: list[GrammarSequence], tokens: list[int | None], vocab: int) -> StartedMasks:
+        """Feed each sequence its token sampled last (None: none yet) and start its next mask on a thread."""
         started = time.perf_counter()
         width = max((self._ll_tokenizer.vocab_size + 31) // 32, (vocab + 31) // 32)
-        jobs: dict[int, concurrent.futures.Future[np.ndarray]] = {}
-        for row, sequence in enumerate(pending):
-            token = None if sequence.last_token is None else int(sequence.last_token.item())
-            sequence.last_token = None
+        jobs: dict[int, concurrent.futures.Future[Any]] = {}
+        for row, (sequence, token) in enumerate(zip(sequences, tokens, strict=True)):
             if sequence.failed is None:
                 jobs[row] = self._mask_pool().submit(_consume_and_mask, sequence.matcher, token, width)
+        return StartedMasks(sequences=sequences, jobs=jobs, width=width, vocab=vocab, started=started)
+
+    def finish_masks(self, masks: StartedMasks, logprobs: Any) -> Any:
+        """The started masks, packed (a row of 32-bit words a sequence), once ready or given up (``mask_timeout_s``)."""
+        import mlx.core as mx
+        import numpy as np
+
+        jobs, vocab = masks.jobs, masks.vocab
         if jobs:
             _done, late = concurrent.futures.wait(jobs.values(), timeout=self.mask_timeout_s)
             if late:
@@ -245,9 +273,9 @@ class Grammars:
                 mx.eval(logprobs)
                 if time.perf_counter() - waited > _FORWARD_STILL_RUNNING_S:
                     concurrent.futures.wait(late, timeout=self.mask_timeout_s)
-        packed = np.zeros((len(pending), width), dtype=np.uint32)
+        packed = np.zeros((len(masks.sequences), masks.width), dtype=np.uint32)
         failures: list[GrammarFailure] = []
-        for row, sequence in enumerate(pending):
+        for row, sequence in enumerate(masks.sequences):
             job = jobs.get(row)
             if job is not None:
                 failure = self._collect(sequence, job, packed[row])
@@ -261,14 +289,12 @@ class Grammars:
                 if eos < vocab:
                     bit = np.uint32(1 << (eos % 32))
                     packed[row, eos // 32] = packed[row, eos // 32] | bit if may_end else packed[row, eos // 32] & ~bit
-        word_index, bit_index = _bit_positions(vocab)
-        self._allowed = ((mx.array(packed)[:, word_index] >> bit_index) & 1).astype(mx.bool_)
-        self._rows = {id(sequence): row for row, sequence in enumerate(pending)}
-        seconds = time.perf_counter() - started
-        logger.debug("grammar masks of %d sequences in %.2f ms", len(pending), 1000 * seconds)
+        seconds = time.perf_counter() - masks.started
+        logger.debug("grammar masks of %d sequences in %.2f ms", len(masks.sequences), 1000 * seconds)
         self._work = attrs.evolve(self._work, masks=self._work.masks + len(jobs),
                                   mask_seconds=self._work.mask_seconds + seconds,
                                   failures=self._work.failures + tuple(failures))
+        return packed
 
     def _collect(self, sequence: GrammarSequence, job: concurrent.futures.Future[Any],
                  row: Any) -> GrammarFailure | None:
@@ -325,7 +351,7 @@ class GrammarSequence:
     """One sequence's matcher, its processor (``feed``) and its sampler's mask."""
 
     def __init__(self, grammars: Grammars, matcher: Any, sequence_id: int | None = None) -> None:
-        self._grammars = grammars
+        self.grammars = grammars
         self.matcher = matcher
         self.sequence_id = sequence_id
         self._started = False
@@ -338,20 +364,63 @@ class GrammarSequence:
         """A logits processor that changes nothing: it hands over the token sampled last, still lazy."""
         self.last_token = tokens[-1] if self._started else None
         self._started = True
-        self._grammars.fed(self)
+        self.grammars.fed(self)
         return logits
 
     def sampler(self, sample: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
         def masked(logprobs: Any) -> Any:
             import mlx.core as mx
 
-            allowed = self._grammars.allowed(self, logprobs)
-            logprobs = mx.where(allowed, logprobs, mx.array(-mx.inf, dtype=logprobs.dtype))
+            logprobs = apply_masks(logprobs, self.grammars.allowed(self, logprobs))
             return mx.argmax(logprobs, axis=-1) if sample is None else sample(logprobs)
 
         # The mask moves no allowed token's logit: what the wrapped sampler needs, this one does.
         masked.reads_logprobs = sample is not None and getattr(sample, "reads_logprobs", True)  # type: ignore[attr-defined]
+        # A decode step masks its constrained rows together and samples with the wrapped one (model/batch_step.py).
+        masked.grammar = self  # type: ignore[attr-defined]
+        masked.wrapped = sample  # type: ignore[attr-defined]
         return masked
+
+    def next_token(self, token: int) -> int | None:
+        """What this step's mask follows, ``token`` being the row's input token: none on the sequence's first."""
+        started, self._started = self._started, True
+        self.last_token = None
+        return token if started else None
+
+
+def unpack_masks(packed: Any, vocab: int) -> Any:
+    """Packed masks (``finish_masks``; a row of all ones allows every token) in the form ``apply_masks`` takes.
+
+    On a GPU, a boolean array unpacked on the device from the packed words (a small upload). On the CPU,
+    MLX's gather and ``where`` over a vocabulary a row are slow (16 rows of 151,646 tokens: 86 and 16 ms,
+    against 5 ms for the host's unpacking and 3 ms for an addition), so there it is an additive mask,
+    0 or -inf a token, unpacked on the host.
+    """
+    import mlx.core as mx
+
+    if mx.default_device() == mx.cpu:
+        bias = _byte_bias()[packed.view("uint8")].reshape(packed.shape[0], -1)[:, :vocab]
+        return mx.array(bias)
+    word_index, bit_index = _bit_positions(vocab)
+    return ((mx.array(packed)[:, word_index] >> bit_index) & 1).astype(mx.bool_)
+
+
+def apply_masks(logits: Any, masks: Any) -> Any:
+    """``logits`` where the masks allow, -inf elsewhere (an allowed token's value unchanged)."""
+    import mlx.core as mx
+
+    if masks.dtype == mx.bool_:
+        return mx.where(masks, logits, mx.array(-mx.inf, dtype=logits.dtype))
+    return logits + masks.astype(logits.dtype)
+
+
+@functools.cache
+def _byte_bias() -> Any:
+    """For each byte of a packed mask: its 8 tokens' additive mask (bit set: 0, else -inf), little-endian."""
+    import numpy as np
+
+    bits = (np.arange(256, dtype=np.uint32)[:, None] >> np.arange(8, dtype=np.uint32)) & 1
+    return np.where(bits == 1, np.float32(0), np.float32(-np.inf))
 
 
 @functools.lru_cache(maxsize=4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -91,3 +92,105 @@ def test_the_step_queues_the_logprobs_matrix_not_an_array_per_row(monkeypatch: p
     for e, row in enumerate(state._next_logprobs):
         assert np.array_equal(np.array(row), np.array(matrix[e]))
     assert tokens.tolist() == np.argmax(np.array(matrix), axis=-1).tolist()
+
+
+GRAMMAR_VOCAB = 151646
+
+
+def grammar_batch(sampling: list[SamplingParams]) -> SimpleNamespace:
+    """A batch of the fixture tokenizer's vocabulary whose rows' grammars (a JSON object) have started: each
+    grammar row's first token sampled under its first mask, as a start pass does."""
+    from mlx_lm.models.cache import TokenBuffer
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxcel.fixtures.text import fixture_path
+    from mlxcel.model.grammar_masks import Grammars
+
+    tokenizer = load_tokenizer(fixture_path("llama"))
+    grammars = Grammars(tokenizer, frozenset({tokenizer.eos_token_id}))
+    table = mx.array(np.random.default_rng(1).standard_normal((64, GRAMMAR_VOCAB)).astype(np.float32) * 3)
+    samplers, processors, first = [], [], []
+    for row, params in enumerate(sampling):
+        sampler, row_processors = make_sampling(params, grammars, sequence_id=row)
+        logits = table[row : row + 1]
+        for processor in row_processors or ():
+            logits = processor(mx.array([1, 2, 3]), logits)
+        first.append(int((sampler or greedy)(logits).item()))
+        samplers.append(sampler)
+        processors.append(row_processors)
+    rows = len(sampling)
+    return SimpleNamespace(
+        _next_tokens=mx.array(first), _next_logprobs=[mx.zeros((GRAMMAR_VOCAB,))] * rows,
+        model=lambda inputs, cache: table[inputs % 64], prompt_cache=None, logits_processors=processors,
+        uids=list(range(rows)), samplers=samplers, fallback_sampler=greedy,
+        _token_context=[TokenBuffer([1, 2, 3]) for _ in range(rows)], tokens=[[] for _ in range(rows)])
+
+
+def grammar_replies(step, sampling: list[SamplingParams], steps: int) -> list[list[int]]:
+    mx.random.seed(5)
+    state = grammar_batch(sampling)
+    for _ in range(steps):
+        step(state)
+    mx.eval(state._next_tokens)
+    return [row + [token] for row, token in zip(state.tokens, state._next_tokens.tolist(), strict=True)]
+
+
+@functools.cache
+def json_object_grammar() -> str:
+    from mlxcel.http.validation import parse_chat_request
+
+    grammar = parse_chat_request({"messages": [{"role": "user", "content": "x"}],
+                                  "response_format": {"type": "json_object"}}).sampling.grammar
+    assert grammar is not None
+    return grammar
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mix", ["all constrained", "mixed"])
+def test_grammar_rows_masked_together_sample_what_mlx_lms_step_samples_row_by_row(mix: str) -> None:
+    """The step masks its grammar rows in one operation and samples them with their own samplers; mlx-lm's
+    step runs each row's processor and masked sampler alone. Same tokens, step after step."""
+    grammar = json_object_grammar()
+    if mix == "all constrained":
+        sampling = [SamplingParams(temperature=0.0, grammar=grammar)] * 3
+    else:
+        sampling = [SamplingParams(temperature=0.0, grammar=grammar), SamplingParams(temperature=0.0),
+                    SamplingParams(temperature=0.9, seed=4, grammar=grammar),
+                    SamplingParams(temperature=0.0, grammar=grammar, repetition_penalty=1.3),
+                    SamplingParams(temperature=0.0, logprobs=True)]
+    ours = grammar_replies(batch_step.step, sampling, 12)
+    theirs = grammar_replies(patches.original(GenerationBatch, "_step"), sampling, 12)
+    assert ours == theirs
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxcel.fixtures.text import fixture_path
+
+    tokenizer = load_tokenizer(fixture_path("llama"))
+    for row, params in enumerate(sampling):
+        if params.grammar is not None:
+            assert tokenizer.decode(ours[row]).lstrip().startswith("{")
+
+
+@pytest.mark.slow
+def test_a_steps_masks_start_before_its_forward_pass_is_queued(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The masks follow the tokens read back at the step's start, so they compute on their threads while the
+    host queues the forward pass (on a GPU most of a step's host time), not after it."""
+    from mlxcel.model.grammar_masks import Grammars
+
+    state = grammar_batch([SamplingParams(temperature=0.0, grammar=json_object_grammar())] * 2)
+    events: list[str] = []
+    real_start, real_queue = Grammars.start_masks, mx.async_eval
+
+    def start_masks(self, *args):
+        events.append("masks")
+        return real_start(self, *args)
+
+    def queue(*arrays):
+        events.append("queue")
+        return real_queue(*arrays)
+
+    monkeypatch.setattr(Grammars, "start_masks", start_masks)
+    monkeypatch.setattr(mx, "async_eval", queue)
+    batch_step.step(state)
+    assert events[0] == "masks"
+    assert "queue" in events[1:]
