@@ -146,10 +146,15 @@ def json_object_grammar() -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("form", ["additive", "boolean"])
 @pytest.mark.parametrize("mix", ["all constrained", "mixed"])
-def test_grammar_rows_masked_together_sample_what_mlx_lms_step_samples_row_by_row(mix: str) -> None:
+def test_grammar_rows_masked_together_sample_what_mlx_lms_step_samples_row_by_row(
+        mix: str, form: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The step masks its grammar rows in one operation and samples them with their own samplers; mlx-lm's
-    step runs each row's processor and masked sampler alone. Same tokens, step after step."""
+    step runs each row's processor and masked sampler alone. Same tokens, step after step, with the masks in
+    either form (additive on the CPU; boolean, unpacked on the device, on a GPU)."""
+    if form == "boolean":
+        monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
     grammar = json_object_grammar()
     if mix == "all constrained":
         sampling = [SamplingParams(temperature=0.0, grammar=grammar)] * 3
