@@ -7,7 +7,11 @@ baseline in the same engine, so the field is tested with it.
 
 from __future__ import annotations
 
+import json
+from functools import partial
+
 import httpx
+import jsonschema
 import pytest
 import trio
 
@@ -206,3 +210,35 @@ async def test_a_closed_gate_decodes_plainly_but_a_seeded_sampled_row_still_veri
         second = await complete(client, **body)
         assert first["choices"][0]["text"] == second["choices"][0]["text"]
         assert (await stats(client))["verify_steps"] > before
+
+
+LIST_OF_WORDS = {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]}, "minItems": 16, "maxItems": 16}
+
+
+async def test_grammar_rows_beside_speculating_rows_stay_valid(speculative_server) -> None:
+    """A constrained row takes a verify step's first position through its own processor and masked sampler,
+    and a plain step's through the step's shared masks (model/batch_step.py): its matcher is fed each token
+    once either way, so the reply follows the schema."""
+    engine, base_url = speculative_server
+    response_format = {"type": "json_schema", "json_schema": {"name": "words", "schema": LIST_OF_WORDS}}
+    async with httpx.AsyncClient(base_url=base_url) as client:
+        before = await stats(client)
+        replies: dict[str, dict] = {}
+
+        async def constrained(name: str, **sampling) -> None:
+            body = {"model": "llama-v1-seed0", "max_tokens": 120, "response_format": response_format,
+                    "messages": [{"role": "user", "content": f"{name}: list sixteen words"}], **sampling}
+            response = await client.post("/v1/chat/completions", json=body, timeout=300)
+            assert response.status_code == 200, response.text
+            replies[name] = response.json()
+
+        async with trio.open_nursery() as nursery:
+            for index in range(3):
+                nursery.start_soon(lambda i=index: complete(client, prompt=PATTERN * (10 + i), max_tokens=60))
+            nursery.start_soon(partial(constrained, "greedy", temperature=0))
+            nursery.start_soon(partial(constrained, "sampled", temperature=1.0, seed=7))
+        assert (await stats(client))["verify_steps"] > before["verify_steps"]
+    for name, reply in replies.items():
+        choice = reply["choices"][0]
+        assert choice["finish_reason"] == "stop", name
+        jsonschema.validate(json.loads(choice["message"]["content"]), LIST_OF_WORDS)
