@@ -14,7 +14,7 @@ out=${1:-$OUT}; part=${2:-gram}
 source benchmarks/gpu_common.sh
 grammar() {  # TREE SHAPE
   cp benchmarks/structured_output.py $1/benchmarks/structured_output.py
-  echo "== $2 $1 ($(cat $1/.commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null))"
+  echo "== $2 $1 ($(cat $1/.commit 2>/dev/null || echo this tree))"
   (cd $1 && PYTHONPATH=$PWD timeout 150 python3 -m benchmarks.structured_output --model-path /root/models/$2 \
     --streams 16 --repeats 2 --tools 5 2>&1 | grep -A2 "^streams")
 }

@@ -62,7 +62,7 @@ def step(self: Any) -> tuple[list[int], list[Any]]:
 
     samplers = [self.fallback_sampler if s is None else s for s in (self.samplers or [None] * len(self.uids))]
     grammar_rows = [e for e, sampler in enumerate(samplers) if getattr(sampler, "grammar", None) is not None]
-    masks = None
+    masks = host_inputs = None
     if grammar_rows:
         # The rows' input tokens were queued before this step's forward pass, so this waits for them alone;
         # the masks they lead to compute on their threads while the forward pass is queued.
@@ -100,7 +100,7 @@ def step(self: Any) -> tuple[list[int], list[Any]]:
     sampled_from = logprobs
     if masks is not None:
         mx.async_eval(logprobs, token_context)  # the forward pass runs while the host waits for the masks
-        packed = masks.sequences[0].grammars.finish_masks(masks, logprobs)
+        packed = grammars.finish_masks(masks, logprobs)
         if len(grammar_rows) < len(samplers):
             # One mask a row: a free row's allows every token, so its values stay as they are.
             rows, packed = packed, np.full((len(samplers), packed.shape[1]), 0xFFFFFFFF, dtype=np.uint32)
@@ -119,8 +119,10 @@ def step(self: Any) -> tuple[list[int], list[Any]]:
     self._next_logprobs = list(logprobs)
     mx.async_eval(self._next_tokens, logprobs, token_context)
 
-    mx.eval(inputs)
-    inputs = inputs.tolist()
+    if host_inputs is None:
+        mx.eval(inputs)
+        host_inputs = inputs.tolist()
+    inputs = host_inputs
     for sti, ti in zip(self.tokens, inputs, strict=False):
         sti.append(ti)
     return inputs, self._current_logprobs
