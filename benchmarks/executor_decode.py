@@ -1,6 +1,11 @@
 """The executor's decode step on one thread, without actors: is the gap to the floor in the step or around it?
 
 Usage: python benchmarks/executor_decode.py --model-path DIR [--batches 1,16,64] [--steps 64] [--ragged on,off]
+       [--profile N]
+
+--profile N: after the table, cProfile N timed steps of the executor and of the floor at each batch size and
+print the functions with the most time of their own (MLX's calls count in their Python callers): where the
+executor's host time per step goes beyond the floor's.
 
 A scheduling core of the real capabilities plans for mlxcel's StepExecutor on this thread, as the
 device warm-up does (no Trio, no HTTP, no steps ahead beyond mlx-lm's own): B short requests start,
@@ -29,8 +34,9 @@ class _Clients:
         pass
 
 
-def executor_step_ms(executor: Any, info: Any, batch: int, steps: int) -> tuple[float, float]:
-    """(ms per step of plan + run_step + update, ms inside run_step) once all ``batch`` requests decode."""
+def executor_step_ms(executor: Any, info: Any, batch: int, steps: int, profile: Any = None) -> tuple[float, float]:
+    """(ms per step of plan + run_step + update, ms inside run_step) once all ``batch`` requests decode;
+    ``profile`` (a cProfile.Profile) runs over the timed steps only."""
     from mlxcel.core.plan import Capabilities
     from mlxcel.core.scheduler import NewRequest, SchedulerCore
     from mlxcel.types import SamplingParams
@@ -60,6 +66,10 @@ def executor_step_ms(executor: Any, info: Any, batch: int, steps: int) -> tuple[
             if count > 8:  # shapes built
                 timed += time.perf_counter() - started
                 inside += ran - started
+            if count == 8 and profile is not None:
+                profile.enable()
+    if profile is not None:
+        profile.disable()
     executor.reset()
     return 1000 * timed / (count - 8), 1000 * inside / (count - 8)
 
@@ -83,6 +93,19 @@ def _time_async_eval() -> None:
     mx.async_eval = timed
 
 
+def _profiled(title: str, profile: Any, steps: int) -> None:
+    """The functions with the most time of their own in ``profile``, in us per step."""
+    import pstats
+
+    stats = pstats.Stats(profile)
+    rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])  # type: ignore[attr-defined]
+    total = sum(row[1][2] for row in rows)
+    print(f"\n{title}: {1e6 * total / steps:.0f} us a step in Python and the MLX calls it makes; most of their own:")
+    for (filename, line, name), (_, calls, own, cumulative, _) in rows[:22]:
+        print(f"  {1e6 * own / steps:8.1f} us own {1e6 * cumulative / steps:9.1f} us cum {calls / steps:7.1f} calls "
+              f"{Path(filename).name}:{line}({name})")
+
+
 def main() -> None:
     from mlxcel.blas import load_optimized_blas_in_process
 
@@ -99,6 +122,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--ragged", default="on", help="the ragged decode kernel: on, off, or on,off (CUDA)")
+    parser.add_argument("--profile", type=int, default=0, help="cProfile this many steps of each (0: none)")
     args = parser.parse_args()
     _time_async_eval()
     loaded = load_model(args.model_path)
@@ -129,9 +153,21 @@ def main() -> None:
 
             _async_eval_seconds[0] = 0.0
             floor = pipelined_step_ms(floor_step, first, args.steps)
+            following = floor_step(first)
             floor_async = 1000 * _async_eval_seconds[0] / (args.steps + 9)  # its 8 warm-up steps and the first
             print(f"| {ragged} | {batch} | {floor:.2f} | {floor_async:.2f} | {step:.2f} | {inside:.2f} "
                   f"| {executor_async:.2f} | {step / floor:.2f}x |", flush=True)
+            if args.profile:
+                import cProfile
+
+                profile = cProfile.Profile()
+                executor_step_ms(executor, loaded, batch, args.profile + 8, profile)
+                _profiled(f"executor, ragged {ragged}, B={batch}", profile, args.profile)
+                profile = cProfile.Profile()
+                profile.enable()
+                pipelined_step_ms(floor_step, following, args.profile)
+                profile.disable()
+                _profiled(f"floor, B={batch}", profile, args.profile + 8)
 
 
 if __name__ == "__main__":

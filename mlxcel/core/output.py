@@ -376,6 +376,15 @@ class TokenOut:
     stopped_by_text: bool = False
 
 
+# OpenAI's stand-in for a token with no chance (a grammar or a logit bias masked it): JSON has no -inf.
+UNLIKELY_LOGPROB = -9999.0
+
+
+def _reportable(logprob: float) -> float:
+    """``logprob`` as a JSON number: -inf (and NaN) become UNLIKELY_LOGPROB."""
+    return logprob if logprob > UNLIKELY_LOGPROB else UNLIKELY_LOGPROB
+
+
 class RequestOutput:
     """Detokenizing, stop strings, logprobs and usage of one reply."""
 
@@ -500,8 +509,8 @@ class RequestOutput:
         return (
             TokenLogprob(
                 token=decode([token]),
-                logprob=logprob,
-                top=tuple((decode([tid]), value) for tid, value in top),
+                logprob=_reportable(logprob),
+                top=tuple((decode([tid]), _reportable(value)) for tid, value in top),
                 token_id=token,
                 top_ids=tuple(tid for tid, _ in top),
             ),

@@ -16,7 +16,6 @@ Only the device thread uses it.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -95,10 +94,10 @@ class AdapterBatches:
         found: dict[int, Any] = self._generator.extract_cache(uids)
         return found
 
-    def stats(self) -> contextlib.AbstractContextManager[Any]:
-        """The generator's own ``stats()`` window."""
-        window: contextlib.AbstractContextManager[Any] = self._generator.stats()
-        return window
+    def prompt_tokens(self) -> int:
+        """Prompt tokens the generator has prefilled so far. Read from its counters: its ``stats()`` window
+        copies every counter with ``dataclasses.asdict`` (a deep copy) on entry and exit, twice a step."""
+        return int(self._generator._counters.prompt_tokens)
 
     def next(self) -> tuple[list[Any], list[Any]]:
         """One step of the whole batch, whatever configurations its rows run under."""

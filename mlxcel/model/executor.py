@@ -354,9 +354,9 @@ class StepExecutor:
                     [start.donation.payload.arrays() for start in direct if start.donation is not None])
         if not (plan.run_batch and self._by_uid):
             return [], []
-        with self._generator.stats() as stats:
-            prompt_responses, generation_responses = self._generator.next()
-        report.prefill_tokens += stats.prompt_tokens
+        prompt_tokens = self._generator.prompt_tokens()
+        prompt_responses, generation_responses = self._generator.next()
+        report.prefill_tokens += self._generator.prompt_tokens() - prompt_tokens
         return prompt_responses, generation_responses
 
     def _failed(self, plan: StepPlan, report: _Report, error: Exception) -> StepResult:

@@ -270,3 +270,17 @@ def test_reply_format_of_a_tokenizer_with_a_tool_template(tmp_path: Any) -> None
     assert output_format.tool_parser is json_tools.parse_tool_call
     assert (output_format.tool_call_start, output_format.tool_call_end) == ("<tool_call>", "</tool_call>")
     assert output_format.parsing(ChatRequest(messages=USER, tools=TOOLS), ()) is not None
+
+
+def test_masked_logprobs_are_reported_as_openais_unlikely_value() -> None:
+    # A grammar or a logit bias leaves -inf in the top logprobs; JSON has no -inf, so the reply says -9999.0
+    # as OpenAI does, and the token's own logprob stays as it was.
+    chat = ChatRequest(messages=USER, sampling=SamplingParams(logprobs=True, top_logprobs=3))
+    output = RequestOutput(tokenizer=tokenizer(), sampling=chat.sampling, eos_token_ids=frozenset({EOS}),
+                           prompt_tokens=3, submitted_at=0.0, parsing=None)
+    hello, nan = tokenizer().encode("Hello")[0], float("nan")
+    out = output.add(hello, -0.25, ((hello, -0.25), (11, float("-inf")), (12, nan)), None, 1.0)
+    final = output.final("length", 2.0)
+    (item,) = [logprob for delta in (out.delta, final) if delta is not None for logprob in delta.logprobs]
+    assert item.logprob == -0.25
+    assert [value for _, value in item.top] == [-0.25, -9999.0, -9999.0]

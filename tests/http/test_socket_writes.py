@@ -84,3 +84,44 @@ async def test_a_reply_larger_than_the_socket_buffer_reaches_a_late_reader_whole
                            if event["type"] == "content_block_delta")
     assert streamed == "".join(pieces)
     assert short  # some writes did not fit and went hypercorn's awaited way
+
+
+async def test_streamed_chunks_skip_h11_and_an_http10_reply_keeps_its_framing(start_server, monkeypatch) -> None:
+    # Each streamed token is one chunk: on HTTP/1.1 it is framed and written without h11 (h11 sends the head
+    # and the end); an HTTP/1.0 client gets a close-delimited body that h11 writes, unframed.
+    import h11
+
+    sent: list[str] = []
+    original = h11.Connection.send
+
+    def counting(self: h11.Connection, event: object) -> bytes | None:
+        if self.our_role is h11.SERVER:  # httpx, in this process, sends with h11 too
+            sent.append(type(event).__name__)
+        return original(self, event)
+
+    monkeypatch.setattr(h11.Connection, "send", counting)
+    pieces = [f"piece {index}" for index in range(40)]
+    engine = FakeEngine([Delta(text=piece, token_ids=(1,)) for piece in pieces] + [finish("stop")])
+    base_url = await start_server(engine)
+    body = {"model": FAKE_MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+        response = await client.post("/v1/chat/completions", json=body)
+    payloads = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+    assert "".join(event["choices"][0]["delta"].get("content") or "" for event in payloads) == "".join(pieces)
+    assert response.text.endswith("data: [DONE]\n\n")
+    assert sorted(sent) == ["EndOfMessage", "Response"]
+
+    host, port = base_url.removeprefix("http://").rsplit(":", 1)
+    payload = json.dumps(body).encode()
+    stream = await trio.open_tcp_stream(host, int(port))
+    await stream.send_all(b"POST /v1/chat/completions HTTP/1.0\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                          + f"content-length: {len(payload)}\r\n\r\n".encode() + payload)
+    raw = b""
+    while chunk := await stream.receive_some(65536):
+        raw += chunk
+    await stream.aclose()
+    head, _, reply = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    assert b"transfer-encoding" not in head.lower()
+    events = [json.loads(line[6:]) for line in reply.decode().splitlines() if line.startswith("data: {")]
+    assert "".join(event["choices"][0]["delta"].get("content") or "" for event in events) == "".join(pieces)
