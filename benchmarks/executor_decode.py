@@ -93,6 +93,19 @@ def _time_async_eval() -> None:
     mx.async_eval = timed
 
 
+def _unmask_decode(ragged_attention: Any) -> None:
+    import mlx.core as mx
+
+    masked = ragged_attention.attention
+
+    def attention(queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Any, sinks: Any = None) -> Any:
+        if queries.shape[2] == 1 and sinks is None:
+            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=None)
+        return masked(queries, keys, values, cache, scale, mask, sinks)
+
+    ragged_attention.attention = attention
+
+
 def _profiled(title: str, profile: Any, steps: int) -> None:
     """The functions with the most time of their own in ``profile``, in us per step."""
     import pstats
@@ -123,6 +136,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--ragged", default="on", help="the ragged decode kernel: on, off, or on,off (CUDA)")
     parser.add_argument("--profile", type=int, default=0, help="cProfile this many steps of each (0: none)")
+    parser.add_argument("--unmasked-decode", action="store_true",
+                        help="an experiment, not a correct step: one-token queries attend with no mask (MLX's "
+                             "own kernel), as if no row had padding; what the mask and the ragged kernel cost")
     args = parser.parse_args()
     _time_async_eval()
     loaded = load_model(args.model_path)
@@ -134,6 +150,8 @@ def main() -> None:
         from mlxcel.model import ragged_attention
 
         ragged_attention.uninstall(loaded.model)
+        if args.unmasked_decode:
+            _unmask_decode(ragged_attention)
         settings = DeviceSettings(model_path=args.model_path, context_size=4096, max_batch_size=max(batches),
                                   prefill_step_size=default_prefill_step_size(), ragged_attention=ragged == "on")
         executor = StepExecutor(loaded.model, loaded.eos_token_ids, settings, loaded.family.model_type,

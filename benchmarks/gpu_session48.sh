@@ -33,5 +33,26 @@ eight) both llama-3.1-8b ;;
 one) both llama-3.2-1b ;;
 prof) model llama-3.1-8b
   timeout 300 python3 benchmarks/executor_decode.py --model-path /root/models/llama-3.1-8b --batches 1,64 --steps 48 --profile 32 ;;
+ab|mask) ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
+# ab:  8B at 16 and 64 streams, this tree and before4/ alternating, each against its own floor; then prof
+if [ "$part" = ab ]; then
+  for tree in . before4 . before4; do
+    echo "== 16,64 streams $tree ($(cat $tree/.commit 2>/dev/null || echo this tree))"
+    (cd $tree && PYTHONPATH=$PWD timeout 110 python3 -m benchmarks.decode_speed --model-path /root/models/llama-3.1-8b \
+      --streams 16,64 --reply-tokens 128 --skip-wave --skip-conversations --floor-runs 1 --deadline-s 90 2>&1 \
+      | grep "^| 16 streams: per\|^| 64 streams: per\|^| 64 streams: agg")
+  done
+  timeout 200 python3 benchmarks/executor_decode.py --model-path /root/models/llama-3.1-8b --batches 1,64 --steps 48 --profile 32
+fi
+# mask: 8B executor alone at 16 and 64 rows, the ragged kernel against MLX's kernel with no mask (an experiment:
+#       the rows there have no padding); then the 1B executor alone at 1 and 64 rows, profiled
+if [ "$part" = mask ]; then
+  for variant in "" --unmasked-decode "" --unmasked-decode; do
+    echo "== 8B executor $variant"
+    timeout 120 python3 benchmarks/executor_decode.py --model-path /root/models/llama-3.1-8b --batches 16,64 --steps 48 $variant 2>&1 | grep "^| on"
+  done
+  model llama-3.2-1b
+  timeout 150 python3 benchmarks/executor_decode.py --model-path /root/models/llama-3.2-1b --batches 1,64 --steps 48 --profile 32 2>&1 | grep -v transformers
+fi
