@@ -391,8 +391,12 @@ class RequestOutput:
     def __init__(
         self, *, tokenizer: Any, sampling: SamplingParams, eos_token_ids: frozenset[int],
         prompt_tokens: int, submitted_at: float, keep_text: bool = False, parsing: ReplyParsing | None = None,
+        report_progress: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
+        # Counts and times on every delta (llama.cpp's `timings_per_token`); only when asked, since a Usage a token
+        # is work on the event loop for every stream.
+        self._report_progress = report_progress
         # Reasoning and tool calls split out of the text; None: the text goes out as it is.
         self._splitter = ReplySplitter(parsing) if parsing is not None else None
         self._detokenizer = tokenizer.detokenizer
@@ -458,7 +462,7 @@ class RequestOutput:
         if emit or reasoning or calls or parts or logprobs:
             token_ids, self._pending_ids = tuple(self._pending_ids), []
             delta = Delta(text=emit, logprobs=logprobs, token_ids=token_ids, reasoning=reasoning, tool_calls=calls,
-                          tool_call_parts=parts, progress=self.usage(now))
+                          tool_call_parts=parts, progress=self.usage(now) if self._report_progress else None)
         if hit_stop:
             # The ids still pending spell the stop string, which is not part of the reply.
             self._pending_ids = []

@@ -461,7 +461,8 @@ class SchedulerCore:
         output = RequestOutput(tokenizer=self._tokenizer, sampling=request.sampling,
                                eos_token_ids=self._eos_token_ids, prompt_tokens=len(request.prompt_tokens),
                                submitted_at=now, keep_text=self._keep_reply_text,
-                               parsing=self._reply_format.parsing(request.chat, request.prompt_tokens))
+                               parsing=self._reply_format.parsing(request.chat, request.prompt_tokens),
+                               report_progress=request.chat is not None and request.chat.timings_per_token)
         context = request.cache_context
         running = self._running[sequence_id] = _Running(
             request=request, sequence_id=sequence_id, output=output,

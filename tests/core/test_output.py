@@ -284,3 +284,19 @@ def test_masked_logprobs_are_reported_as_openais_unlikely_value() -> None:
     (item,) = [logprob for delta in (out.delta, final) if delta is not None for logprob in delta.logprobs]
     assert item.logprob == -0.25
     assert [value for _, value in item.top] == [-0.25, -9999.0, -9999.0]
+
+
+@pytest.mark.parametrize("asked", [False, True])
+def test_deltas_carry_progress_only_when_the_request_asks_for_timings(asked: bool) -> None:
+    # llama.cpp's timings_per_token puts counts and times on every chunk; without it no delta pays for them.
+    chat = ChatRequest(messages=USER, timings_per_token=asked)
+    output = RequestOutput(tokenizer=tokenizer(), sampling=chat.sampling, eos_token_ids=frozenset({EOS}),
+                           prompt_tokens=3, submitted_at=0.0, report_progress=chat.timings_per_token)
+    deltas = [out.delta for token in tokenizer().encode("Hello there")
+              if (out := output.add(token, -0.5, (), None, 2.0)).delta is not None]
+    assert deltas
+    if asked:
+        assert all(delta.progress is not None and delta.progress.completion_tokens > 0 for delta in deltas)
+        assert deltas[-1].progress.decode_seconds == 0.0
+    else:
+        assert all(delta.progress is None for delta in deltas)

@@ -243,3 +243,20 @@ async def test_reasoning_effort_sets_the_template_thinking_switch(nursery: trio.
     assert none.endswith("<|im_start|>assistant<think>\n\n</think>")
     reply = await create(client_for(base_url), model=engine.model_id, reasoning_effort="high", max_tokens=2)
     assert reply.usage.prompt_tokens > 0
+
+
+async def test_timings_per_token_counts_each_chunk_of_a_real_reply(start_engine, start_server) -> None:
+    # The core puts counts on a delta only for a request that asked (llama.cpp's timings_per_token).
+    engine = await start_engine("llama")
+    client = client_for(await start_server(engine))
+
+    def chunk_timings(**extra: Any) -> list[Any]:
+        stream = client.chat.completions.create(model=engine.model_id, messages=MESSAGES, temperature=0, max_tokens=6,
+                                                stream=True, extra_body={"ignore_eos": True, **extra})
+        return [(chunk.model_extra or {}).get("timings") for chunk in stream]
+
+    timed = await trio.to_thread.run_sync(partial(chunk_timings, timings_per_token=True))
+    assert [timings["predicted_n"] for timings in timed if timings is not None][:6] == [1, 2, 3, 4, 5, 6]
+    plain = await trio.to_thread.run_sync(chunk_timings)
+    assert plain
+    assert all(timings is None for timings in plain)
