@@ -376,7 +376,7 @@ class TokenOut:
     stopped_by_text: bool = False
 
 
-# OpenAI's stand-in for a token with no chance (a grammar or a logit bias masked it): JSON has no -inf.
+# OpenAI's stand-in for a token with no chance (a logit bias forbids it): JSON has no -inf.
 UNLIKELY_LOGPROB = -9999.0
 
 

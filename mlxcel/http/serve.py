@@ -35,7 +35,7 @@ from typing import Any
 
 import h11
 import trio
-from h11._writers import ChunkedWriter
+from h11._writers import ChunkedWriter  # private, but what tells a chunked reply apart; h11 is pinned for it
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, Event as ConnectionEvent, RawData, Updated
 from hypercorn.trio.lifespan import Lifespan
@@ -238,6 +238,10 @@ class _Connection(TCPServer):
             self.connections.remove(self)
 
     async def protocol_send(self, event: ConnectionEvent) -> None:
+        # hypercorn's events are ABCs, whose isinstance checks cost a microsecond each: the common event first.
+        if type(event) is RawData:
+            await self._send_raw(event.data)
+            return
         if isinstance(event, Updated):
             self.connections.mark(self, event.idle)
         if isinstance(event, Closed):
@@ -245,7 +249,10 @@ class _Connection(TCPServer):
             with _shielded():
                 await super().protocol_send(event)
             return
-        if isinstance(event, RawData) and not self.send_lock.locked() and not self.connections.cut_off():
+        await self._send_by_hypercorn(event)
+
+    async def _send_raw(self, data: bytes) -> None:
+        if not self.send_lock.locked() and not self.connections.cut_off():
             # Most writes fit the socket's buffer at once. hypercorn's path (a lock, a shielded cancel scope and
             # a trip through Trio's scheduler per write) cost the loop 53-67 us of CPU per streamed token at 64
             # streams (docs/benchmarks.md), on the thread that shares the GIL with the device. What does not
@@ -253,10 +260,13 @@ class _Connection(TCPServer):
             # lock raises Cancelled before any byte, so the client sees the connection drop rather than the
             # bare 500 hypercorn sends for an app that ended without a reply. (Asking trio whether this task
             # is cancelled walks its cancel scopes: 5 % of the loop's time at 64 streams.)
-            written = write_now(self.stream, event.data)
-            if written == len(event.data):
+            written = write_now(self.stream, data)
+            if written == len(data):
                 return
-            event = RawData(data=event.data[written:])
+            data = data[written:]
+        await self._send_by_hypercorn(RawData(data=data))
+
+    async def _send_by_hypercorn(self, event: ConnectionEvent) -> None:
         try:
             await super().protocol_send(event)
         except trio.BusyResourceError:
@@ -267,7 +277,7 @@ class _Connection(TCPServer):
         """Frame and write one body chunk of a chunked HTTP/1.1 reply here; False where hypercorn must send it.
 
         A streamed token is one chunk. hypercorn's path for it (the ASGI stream's checks, the HTTP/1.1 protocol's
-        event, h11's state machine and writer, a RawData event) cost the loop about a quarter of its CPU per
+        event, h11's state machine and writer, a RawData event) cost the loop about a third of its CPU per
         token at 64 streams (docs/benchmarks.md), on the thread that shares the GIL with the device. h11's
         chunked writer keeps no state between chunks, so writing the same framing here leaves it consistent;
         the reply's end still goes through h11.
@@ -276,7 +286,7 @@ class _Connection(TCPServer):
         if (not data or not isinstance(connection, h11.Connection) or connection.our_state is not h11.SEND_BODY
                 or not isinstance(getattr(connection, "_writer", None), ChunkedWriter)):
             return False
-        await self.protocol_send(RawData(data=b"%x\r\n%b\r\n" % (len(data), data)))
+        await self._send_raw(b"%x\r\n%b\r\n" % (len(data), data))
         return True
 
     async def _close(self) -> None:
