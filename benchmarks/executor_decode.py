@@ -171,7 +171,6 @@ def main() -> None:
 
             _async_eval_seconds[0] = 0.0
             floor = pipelined_step_ms(floor_step, first, args.steps)
-            following = floor_step(first)
             floor_async = 1000 * _async_eval_seconds[0] / (args.steps + 9)  # its 8 warm-up steps and the first
             print(f"| {ragged} | {batch} | {floor:.2f} | {floor_async:.2f} | {step:.2f} | {inside:.2f} "
                   f"| {executor_async:.2f} | {step / floor:.2f}x |", flush=True)
@@ -181,6 +180,7 @@ def main() -> None:
                 profile = cProfile.Profile()
                 executor_step_ms(executor, loaded, batch, args.profile + 8, profile)
                 _profiled(f"executor, ragged {ragged}, B={batch}", profile, args.profile)
+                following = floor_step(first)
                 profile = cProfile.Profile()
                 profile.enable()
                 pipelined_step_ms(floor_step, following, args.profile)

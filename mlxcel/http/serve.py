@@ -238,7 +238,7 @@ class _Connection(TCPServer):
             self.connections.remove(self)
 
     async def protocol_send(self, event: ConnectionEvent) -> None:
-        # hypercorn's events are ABCs, whose isinstance checks cost a microsecond each: the common event first.
+        # hypercorn's events are ABCs: an isinstance check that misses costs about 0.4 us here. The common event first.
         if type(event) is RawData:
             await self._send_raw(event.data)
             return
