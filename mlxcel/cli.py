@@ -220,7 +220,24 @@ async def run_server(
             await serve(pending, server_config, sock=sock, shutdown_trigger=stop.wait, task_status=task_status)
             nursery.cancel_scope.cancel()
 
-        binds = await nursery.start(serve_then_stop)
+        async def api_processes_then_stop(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            from mlxcel.http.processes import run_api_processes
+
+            assert sock is not None
+            await run_api_processes(pending, server_config, sock, shutdown_trigger=stop.wait, task_status=task_status)
+            nursery.cancel_scope.cancel()
+
+        if server_config.api_processes:
+            from hypercorn.utils import repr_socket_addr
+
+            from mlxcel.http.serve import bind_socket
+
+            sock = sock if sock is not None else bind_socket(server_config.host, server_config.port)
+            await nursery.start(api_processes_then_stop)
+            binds = [f"http://{repr_socket_addr(sock.family, sock.getsockname())}"]
+            logger.info("the HTTP edge runs in %d processes of its own", server_config.api_processes)
+        else:
+            binds = await nursery.start(serve_then_stop)
         logger.info("listening on %s; loading the model (/health answers 503 until it is ready)", ", ".join(binds))
         engine = await nursery.start(run_engine, engine_config)
         # Before the first request is let in: the collection it starts with is not on any request's time.

@@ -198,6 +198,8 @@ class ServerConfig:
     body_timeout: float = 60.0
     # One log line per request (method, path, status, time; never a prompt).
     access_log: bool = False
+    # Processes running the HTTP edge apart from the engine's (0: it runs in the engine's process).
+    api_processes: int = 0
     # "user": a gateway-set `user` scopes the session; "client": the client's key picks it.
     session_key_scope: str = "client"
     # /v1/messages: cut per-request lines (Claude Code's billing header) from the system prompt.
@@ -281,6 +283,16 @@ def parse_non_negative_int(text: str) -> int:
     value = _int(text)
     if value < 0:
         raise ValueError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+MAX_API_PROCESSES = 64
+
+
+def parse_api_processes(text: str) -> int:
+    value = parse_non_negative_int(text)
+    if value > MAX_API_PROCESSES:
+        raise ValueError(f"expected at most {MAX_API_PROCESSES} processes, got {text!r}")
     return value
 
 
@@ -623,6 +635,9 @@ SERVER_SETTINGS = (
             "seconds a connection may wait for its next complete request headers (default 5)"),
     Setting("body_timeout", "--body-timeout", ("MLXCEL_BODY_TIMEOUT",), parse_seconds,
             "seconds a request body may take to arrive before a 408 (default 60)"),
+    Setting("api_processes", "--api-processes", ("MLXCEL_API_PROCESSES",), parse_api_processes,
+            "run the HTTP edge (connections, parsing, replies) in N processes of its own, beside the "
+            "engine's; 0 keeps it in the engine's process (default 0, at most 64)"),
     Setting("access_log", "--access-log", ("MLXCEL_ACCESS_LOG",), parse_bool,
             "log one line per request: client, method, path, status, time (default false)",
             optional_value=True),

@@ -26,6 +26,7 @@ from mlxcel.actors.messages import (
     AdapterScales,
     CacheStoreStats,
     CancelRequest,
+    EventSink,
     GetCacheStats,
     GetSchedulerStats,
     RenderMetrics,
@@ -65,7 +66,8 @@ _INBOX_SIZE = 1024
 class DeltaStream:
     """The deltas of one request. Closing it early cancels the request."""
 
-    def __init__(self, engine: Engine, request_id: str, events: trio.MemoryReceiveChannel[StreamEvent]) -> None:
+    def __init__(self, engine: EngineHandle, request_id: str,
+                 events: trio.MemoryReceiveChannel[StreamEvent]) -> None:
         self._engine = engine
         self.request_id = request_id
         self._events = events
@@ -102,35 +104,15 @@ class DeltaStream:
         await self.aclose()
 
 
-class Engine:
-    """The handle an application (or the HTTP app) talks to. Safe to share between tasks."""
+class EngineHandle:
+    """What an application (or the HTTP app) talks to: an ``Engine`` in this process, or one across a socket
+    (``mlxcel.http.engine_link.RemoteEngine``). Safe to share between tasks."""
 
+    model: ModelInfo
+    config: EngineConfig
+    cache_plan: CachePlan
     # ``--served-model-name``: every id a request may name, the reported one first.
     served_model_names: tuple[str, ...] = ()
-
-    def __init__(
-        self,
-        *,
-        model: ModelInfo,
-        config: EngineConfig,
-        to_router: trio.MemorySendChannel[RouterMsg],
-        to_scheduler: trio.MemorySendChannel[Any],
-        to_cache_store: trio.MemorySendChannel[Any],
-        to_metrics: trio.MemorySendChannel[Any],
-        cache_plan: CachePlan,
-        disk: DiskTier | None = None,
-    ) -> None:
-        self.model = model
-        self._disk = disk
-        self.config = config
-        self.served_model_names = config.served_model_names
-        # How this engine caches, as run_engine decided it (core/cache_plan.py).
-        self.cache_plan = cache_plan
-        self._to_router = to_router
-        self._to_scheduler = to_scheduler
-        self._to_cache_store = to_cache_store
-        self._to_metrics = to_metrics
-        self._request_ids = itertools.count()
 
     @property
     def model_id(self) -> str:
@@ -144,44 +126,37 @@ class Engine:
 
     def stream(self, request: ChatRequest | CompletionRequest) -> DeltaStream:
         """Start a request; iterate the result for its deltas (the last has usage)."""
-        request_id = f"req-{next(self._request_ids)}"
-        send, receive = trio.open_memory_channel[StreamEvent](self.config.scheduler.client_buffer_events)
-        try:
-            self._to_router.send_nowait(RouteRequest(request=request, request_id=request_id, events=send))
-        except trio.WouldBlock:
-            send.close()
-            receive.close()
-            raise ServerBusy("the server is at capacity; retry shortly") from None
-        return DeltaStream(self, request_id, receive)
-
-    async def count_prompt_tokens(self, request: ChatRequest) -> int:
-        """The prompt's length in tokens, rendered and tokenized as ``stream`` would, without generating."""
-        return len(await self.render_prompt(request))
+        raise NotImplementedError
 
     async def render_prompt(self, request: ChatRequest | CompletionRequest) -> tuple[int, ...]:
         """The prompt's token ids as ``stream`` would prefill them (template, tools, tokenizer), without generating."""
-        answer: tuple[int, ...] = await self._ask_router(partial(RenderPrompt, request=request))
-        return answer
+        raise NotImplementedError
 
     async def lora_adapters(self, scales: tuple[tuple[int, float], ...] | None = None) -> list[dict[str, Any]]:
         """The LoRA adapters (id, path, server-wide scale); ``scales`` sets the server-wide scales first
         ((id, scale) pairs, every adapter not named at 0)."""
-        answer: list[dict[str, Any]] = await self._ask_router(partial(AdapterScales, scales=scales))
-        return answer
+        raise NotImplementedError
 
-    async def _ask_router(self, make: Callable[..., Any]) -> Any:
-        reply_to, replies = trio.open_memory_channel[Any](1)
-        try:
-            self._to_router.send_nowait(make(reply_to=reply_to))
-        except trio.WouldBlock:
-            reply_to.close()
-            replies.close()
-            raise ServerBusy("the server is at capacity; retry shortly") from None
-        with replies:
-            answer = await replies.receive()
-        if isinstance(answer, MlxcelError):
-            raise answer
-        return answer
+    async def cache_stats(self) -> dict[str, Any]:
+        """The cache store's statistics as the JSON body of ``/v1/cache/stats``."""
+        raise NotImplementedError
+
+    async def reset_cache(self, *, disk: bool = False) -> dict[str, int]:
+        """Empty the memory stores; with ``disk``, delete the disk tier's files too (every process's)."""
+        raise NotImplementedError
+
+    async def scheduler_stats(self) -> SchedulerStats:
+        raise NotImplementedError
+
+    async def metrics_text(self) -> bytes:
+        raise NotImplementedError
+
+    def _cancel(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    async def count_prompt_tokens(self, request: ChatRequest) -> int:
+        """The prompt's length in tokens, rendered and tokenized as ``stream`` would, without generating."""
+        return len(await self.render_prompt(request))
 
     async def chat(self, request: ChatRequest | CompletionRequest) -> Completion:
         """Run a request to the end and return the whole reply."""
@@ -208,8 +183,76 @@ class Engine:
                     )
         raise RuntimeError("the request ended without a finish reason")
 
+
+class Engine(EngineHandle):
+    """The handle of an engine running in this process's nursery (``run_engine``)."""
+
+    def __init__(
+        self,
+        *,
+        model: ModelInfo,
+        config: EngineConfig,
+        to_router: trio.MemorySendChannel[RouterMsg],
+        to_scheduler: trio.MemorySendChannel[Any],
+        to_cache_store: trio.MemorySendChannel[Any],
+        to_metrics: trio.MemorySendChannel[Any],
+        cache_plan: CachePlan,
+        disk: DiskTier | None = None,
+    ) -> None:
+        self.model = model
+        self._disk = disk
+        self.config = config
+        self.served_model_names = config.served_model_names
+        # How this engine caches, as run_engine decided it (core/cache_plan.py).
+        self.cache_plan = cache_plan
+        self._to_router = to_router
+        self._to_scheduler = to_scheduler
+        self._to_cache_store = to_cache_store
+        self._to_metrics = to_metrics
+        self._request_ids = itertools.count()
+
+    def stream(self, request: ChatRequest | CompletionRequest) -> DeltaStream:
+        request_id = f"req-{next(self._request_ids)}"
+        send, receive = trio.open_memory_channel[StreamEvent](self.config.scheduler.client_buffer_events)
+        try:
+            self.submit(request, request_id, send)
+        except ServerBusy:
+            send.close()
+            receive.close()
+            raise
+        return DeltaStream(self, request_id, receive)
+
+    def submit(self, request: ChatRequest | CompletionRequest, request_id: str, events: EventSink) -> None:
+        """Start a request whose events go to ``events`` (closed after the last); ServerBusy when the router's
+        inbox is full (``events`` untouched). ``request_id`` must be unique among the requests in flight."""
+        try:
+            self._to_router.send_nowait(RouteRequest(request=request, request_id=request_id, events=events))
+        except trio.WouldBlock:
+            raise ServerBusy("the server is at capacity; retry shortly") from None
+
+    async def render_prompt(self, request: ChatRequest | CompletionRequest) -> tuple[int, ...]:
+        answer: tuple[int, ...] = await self._ask_router(partial(RenderPrompt, request=request))
+        return answer
+
+    async def lora_adapters(self, scales: tuple[tuple[int, float], ...] | None = None) -> list[dict[str, Any]]:
+        answer: list[dict[str, Any]] = await self._ask_router(partial(AdapterScales, scales=scales))
+        return answer
+
+    async def _ask_router(self, make: Callable[..., Any]) -> Any:
+        reply_to, replies = trio.open_memory_channel[Any](1)
+        try:
+            self._to_router.send_nowait(make(reply_to=reply_to))
+        except trio.WouldBlock:
+            reply_to.close()
+            replies.close()
+            raise ServerBusy("the server is at capacity; retry shortly") from None
+        with replies:
+            answer = await replies.receive()
+        if isinstance(answer, MlxcelError):
+            raise answer
+        return answer
+
     async def cache_stats(self) -> dict[str, Any]:
-        """The cache store's statistics as the JSON body of ``/v1/cache/stats``."""
         stats: CacheStoreStats = await self._ask(self._to_cache_store, GetCacheStats)
         body = stats.to_json()
         body["apc_enabled"] = body["apc_enabled"] and self.cache_plan.apc
@@ -228,7 +271,6 @@ class Engine:
                 "acceptance_rate": round(accepted / proposed, 4) if proposed else None}
 
     async def reset_cache(self, *, disk: bool = False) -> dict[str, int]:
-        """Empty the memory stores; with ``disk``, delete the disk tier's files too (every process's)."""
         freed: dict[str, int] = await self._ask(self._to_cache_store, ResetCache)
         if disk and self._disk is not None:
             freed["disk_entries_freed"], freed["disk_bytes_freed"] = await trio.to_thread.run_sync(self._disk.clear)

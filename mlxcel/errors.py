@@ -33,6 +33,10 @@ class MlxcelError(Exception):
         self.status = status if status is not None else self.default_status
         self.error_type = error_type if error_type is not None else self.default_type
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled whole (the HTTP edge may run in another process): the keyword-only fields are not in args.
+        return _rebuild_error, (type(self), self.args, self.__dict__)
+
     def to_body(self) -> dict[str, Any]:
         return {
             "error": {
@@ -86,3 +90,10 @@ class GenerationFailed(InternalError):
     """The model failed while generating a request's reply."""
 
     default_code = "generation_failed"
+
+
+def _rebuild_error(kind: type[MlxcelError], args: tuple[Any, ...], state: dict[str, Any]) -> MlxcelError:
+    error = kind.__new__(kind)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error

@@ -8,7 +8,7 @@ actor opens.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -44,7 +44,7 @@ class RouteRequest:
 
     request: ChatRequest | CompletionRequest
     request_id: str
-    events: trio.MemorySendChannel[StreamEvent] = attrs.field(repr=False)
+    events: EventSink = attrs.field(repr=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -77,7 +77,7 @@ class SubmitRequest:
     """A routed request, and where its events go."""
 
     request: NewRequest
-    events: trio.MemorySendChannel[StreamEvent] = attrs.field(repr=False)
+    events: EventSink = attrs.field(repr=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -117,6 +117,20 @@ class RequestFailed:
 
 
 StreamEvent = Delta | RequestFailed
+
+
+class EventSink(Protocol):
+    """Where a request's events go: a Trio memory channel, or ``mlxcel.http.engine_link``'s sink for a client in another
+    process. ``send_nowait`` raises ``trio.WouldBlock`` (buffer full) or ``trio.BrokenResourceError`` /
+    ``trio.ClosedResourceError`` (the client is gone); the sender then cancels the request."""
+
+    def send_nowait(self, value: StreamEvent) -> None: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any, /) -> Any: ...
 
 
 # --- scheduler <-> device -----------------------------------------------------------

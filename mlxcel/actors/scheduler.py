@@ -33,6 +33,7 @@ from mlxcel.actors.messages import (
     CacheStoreMsg,
     CancelRequest,
     DeviceMsg,
+    EventSink,
     GetSchedulerStats,
     LookupPrefix,
     LookupSnapshot,
@@ -83,7 +84,7 @@ class _Channels:
     """The core's ``Clients``: each request's event channel, by request id."""
 
     def __init__(self) -> None:
-        self.events: dict[str, trio.MemorySendChannel[StreamEvent]] = {}
+        self.events: dict[str, EventSink] = {}
 
     def send(self, request_id: str, delta: Delta) -> bool:
         return self._send(request_id, delta)

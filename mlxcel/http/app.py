@@ -19,7 +19,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from mlxcel.config import ServerConfig
-from mlxcel.engine import Engine
+from mlxcel.engine import EngineHandle
 from mlxcel.errors import InternalError, InvalidRequest, MlxcelError
 from mlxcel.http import admin, anthropic, llamacpp, openai_chat, responses
 from mlxcel.http.errors import dialect_of_path, error_response
@@ -30,10 +30,14 @@ logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("mlxcel.access")
 
 
-def route_table(context: RouteContext) -> tuple[Route, ...]:
-    """Every route of the app: method, path, handler, and the shape of its errors."""
-    store = responses.ResponsesRoutes(responses.ResponseStore(
-        max_entries=context.config.responses_store_entries, max_bytes=context.config.responses_store_bytes))
+def route_table(context: RouteContext, kept_responses: responses.ResponseKeeper | None = None,
+                ) -> tuple[Route, ...]:
+    """Every route of the app: method, path, handler, and the shape of its errors.
+
+    ``kept_responses``: the store behind ``previous_response_id`` (None: one of this app's own).
+    """
+    store = responses.ResponsesRoutes(kept_responses or responses.LocalResponses(responses.ResponseStore(
+        max_entries=context.config.responses_store_entries, max_bytes=context.config.responses_store_bytes)))
     tokenizer = llamacpp.TokenizerRoutes(context.engine)
     table = (
         # OpenAI's; without /v1 too: llama.cpp's server answers there, and its clients call it so.
@@ -76,12 +80,13 @@ def route_table(context: RouteContext) -> tuple[Route, ...]:
 
 
 def create_app(
-    engine: Engine, config: ServerConfig | None = None, *, trusted_hosts: frozenset[str] | None = None,
+    engine: EngineHandle, config: ServerConfig | None = None, *, trusted_hosts: frozenset[str] | None = None,
+    kept_responses: responses.ResponseKeeper | None = None,
 ) -> QuartTrio:
     """The app serving ``engine`` as ``config`` says (None: the defaults).
 
     ``trusted_hosts``: the Host names a keyless server answers to (None: any); ``serve`` derives them
-    from the bind address.
+    from the bind address. ``kept_responses``: see ``route_table``.
     """
     config = ServerConfig() if config is None else config
     app = QuartTrio(__name__)
@@ -94,7 +99,7 @@ def create_app(
     context = RouteContext(engine, config)
     app.before_request(_authorizer(config, trusted_hosts))
     app.after_request(_access_logger(config))
-    add_routes(app, context, route_table(context))
+    add_routes(app, context, route_table(context, kept_responses))
     _add_error_handlers(app)
     return app
 

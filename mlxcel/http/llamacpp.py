@@ -15,7 +15,7 @@ from typing import Any
 import trio
 from quart import Response
 
-from mlxcel.engine import Engine
+from mlxcel.engine import EngineHandle
 from mlxcel.errors import InvalidRequest
 from mlxcel.http.route import RouteContext, json_response
 from mlxcel.http.validation import (
@@ -88,7 +88,7 @@ class TokenizerRoutes:
     the context is refused before it is tokenized: 15 MB took 25-59 s and +4 GB), the context size for
     ids, and threads of their own, so huge bodies never take the pool that rendering and parsing share."""
 
-    def __init__(self, engine: Engine, *, max_concurrent: int = TOKENIZER_ROUTE_THREADS) -> None:
+    def __init__(self, engine: EngineHandle, *, max_concurrent: int = TOKENIZER_ROUTE_THREADS) -> None:
         self._engine = engine
         self._limiter = trio.CapacityLimiter(max_concurrent)
 
@@ -159,7 +159,7 @@ def _optional_bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
 class NativeReply:
     """The body (or events) of one `/completion` reply."""
 
-    def __init__(self, request: CompletionRequest, engine: Engine) -> None:
+    def __init__(self, request: CompletionRequest, engine: EngineHandle) -> None:
         self._request = request
         self._model = engine.model_id
         self._tokenizer = engine.model.tokenizer
@@ -285,7 +285,7 @@ def select_fields(body: dict[str, Any], paths: tuple[str, ...]) -> dict[str, Any
 # --- the server's own routes: /props, /slots, /models -------------------------------------
 
 
-def generation_defaults(engine: Engine) -> dict[str, Any]:
+def generation_defaults(engine: EngineHandle) -> dict[str, Any]:
     """What a `/completion` with no options runs with (its `generation_settings`)."""
     return {
         "n_ctx": engine.model.context_size, "model": engine.model_id, "n_predict": -1, "temperature": 1.0,
@@ -296,7 +296,7 @@ def generation_defaults(engine: Engine) -> dict[str, Any]:
     }
 
 
-def props(engine: Engine, *, total_slots: int, chat_template: str) -> dict[str, Any]:
+def props(engine: EngineHandle, *, total_slots: int, chat_template: str) -> dict[str, Any]:
     """`GET /props`: the settings llama.cpp's web UI and tools read at start."""
     tokenizer = _backend(engine.model.tokenizer)
     defaults = generation_defaults(engine)
@@ -314,7 +314,7 @@ def props(engine: Engine, *, total_slots: int, chat_template: str) -> dict[str, 
     }
 
 
-def slots(engine: Engine, *, total_slots: int, num_running: int) -> list[dict[str, Any]]:
+def slots(engine: EngineHandle, *, total_slots: int, num_running: int) -> list[dict[str, Any]]:
     """`GET /slots`: one entry per batch place; the first `num_running` are busy (which request runs where
     is not tracked: a batch has no fixed slots)."""
     return [{"id": index, "id_task": -1, "n_ctx": engine.model.context_size, "speculative": False,
@@ -322,7 +322,7 @@ def slots(engine: Engine, *, total_slots: int, num_running: int) -> list[dict[st
             for index in range(total_slots)]
 
 
-def models(engine: Engine) -> dict[str, Any]:
+def models(engine: EngineHandle) -> dict[str, Any]:
     """`GET /models`: llama.cpp's list, the OpenAI `data` and its own `models`."""
     meta = {"n_vocab": vocabulary_size(engine.model.tokenizer), "n_ctx_train": engine.model.context_size}
     return {
@@ -411,7 +411,7 @@ def _root_object(value: object, path: str) -> Mapping[str, Any]:
     return value
 
 
-async def infill_prompt(engine: Engine, body: Mapping[str, Any]) -> tuple[int, ...]:
+async def infill_prompt(engine: EngineHandle, body: Mapping[str, Any]) -> tuple[int, ...]:
     return await trio.to_thread.run_sync(_infill_prompt_sync, engine.model.tokenizer, body)
 
 
@@ -420,7 +420,7 @@ async def infill_prompt(engine: Engine, body: Mapping[str, Any]) -> tuple[int, .
 # `/completion` and `/infill` reply as the completions routes do (mlxcel/http/openai_chat.py).
 
 
-def _total_slots(engine: Engine) -> int:
+def _total_slots(engine: EngineHandle) -> int:
     return int(getattr(getattr(engine.config, "scheduler", None), "max_batch_size", 1))
 
 

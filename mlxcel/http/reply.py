@@ -11,7 +11,7 @@ error event).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 from mlxcel.engine import DeltaStream
@@ -74,7 +74,8 @@ def encode(builder: ReplyBuilder, events: list[Event]) -> bytes:
 
 
 async def stream(
-    deltas: DeltaStream, first: Delta, builder: ReplyBuilder, on_finish: Callable[[], None] | None = None,
+    deltas: DeltaStream, first: Delta, builder: ReplyBuilder,
+    on_finish: Callable[[], Awaitable[None]] | None = None,
 ) -> AsyncIterator[bytes]:
     """The reply as server-sent events. ``on_finish`` runs before the last event is sent (so a follow-up
     sent on seeing it finds what the finish stored); the deltas close when the stream ends or the client
@@ -95,7 +96,7 @@ async def stream(
             events = builder.fail(error)
         else:
             if on_finish is not None:
-                on_finish()
+                await on_finish()
         yield encode(builder, events)
     if builder.done:
         yield builder.done

@@ -33,7 +33,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 from quart import Response
@@ -1259,18 +1259,47 @@ def _snapshot(value: dict[str, Any]) -> dict[str, Any]:
 # The response header naming the hosted tools a request sent that the model did not see.
 DROPPED_TOOLS_HEADER = "X-Mlxcel-Dropped-Tools"
 # Only these fields make a Responses body schema-bearing (its parse then takes the schema threads).
+class ResponseKeeper(Protocol):
+    """The store as the routes use it: ``LocalResponses`` in this process, or the engine process's one
+    (``mlxcel.http.engine_link.RemoteResponses``, when the HTTP edge runs in processes of its own)."""
+
+    async def put(self, owner: str, response_id: str, body: Mapping[str, Any],
+                  items: tuple[Mapping[str, Any], ...], input_items: tuple[Mapping[str, Any], ...]) -> bool: ...
+
+    async def get(self, owner: str, response_id: str) -> StoredResponse | None: ...
+
+    async def delete(self, owner: str, response_id: str) -> bool: ...
+
+
+class LocalResponses:
+    """A ``ResponseStore`` of this process behind the routes' awaitable interface."""
+
+    def __init__(self, store: ResponseStore) -> None:
+        self.store = store
+
+    async def put(self, owner: str, response_id: str, body: Mapping[str, Any],
+                  items: tuple[Mapping[str, Any], ...], input_items: tuple[Mapping[str, Any], ...]) -> bool:
+        return self.store.put(owner, response_id, body, items, input_items)
+
+    async def get(self, owner: str, response_id: str) -> StoredResponse | None:
+        return self.store.get(owner, response_id)
+
+    async def delete(self, owner: str, response_id: str) -> bool:
+        return self.store.delete(owner, response_id)
+
+
 SCHEMA_FIELDS = ("tools", "text")
 
 
 class ResponsesRoutes:
     """The `/v1/responses` routes of one app, and the store behind `previous_response_id`."""
 
-    def __init__(self, store: ResponseStore) -> None:
+    def __init__(self, store: ResponseKeeper) -> None:
         self.store = store
 
-    def _keep(self, owner: str, builder: OutputBuilder) -> None:
+    async def _keep(self, owner: str, builder: OutputBuilder) -> None:
         if builder.prepared.store:
-            self.store.put(owner, builder.response["id"], builder.response, builder.conversation(),
+            await self.store.put(owner, builder.response["id"], builder.response, builder.conversation(),
                            builder.prepared.input_items)
 
     def _owner(self, context: RouteContext, query: dict[str, list[str]] | None = None) -> str:
@@ -1278,9 +1307,9 @@ class ResponsesRoutes:
         query = context.query if query is None else query
         return owner_of(owner_query(query), context.header("Authorization"), context.limits)
 
-    def _stored(self, context: RouteContext, response_id: str, query: dict[str, list[str]] | None = None,
-                ) -> StoredResponse:
-        stored = self.store.get(self._owner(context, query), response_id)
+    async def _stored(self, context: RouteContext, response_id: str, query: dict[str, list[str]] | None = None,
+                      ) -> StoredResponse:
+        stored = await self.store.get(self._owner(context, query), response_id)
         if stored is None:
             raise not_found(response_id, param=None)
         return stored
@@ -1291,7 +1320,7 @@ class ResponsesRoutes:
         assert isinstance(body, dict)
         owner = owner_of(body, context.header("Authorization"), context.limits)
         previous_id = body.get("previous_response_id")
-        previous = self.store.get(owner, previous_id) if isinstance(previous_id, str) and previous_id else None
+        previous = await self.store.get(owner, previous_id) if isinstance(previous_id, str) and previous_id else None
         if previous_id and previous is None:
             raise not_found(str(previous_id))
         return body, owner, previous
@@ -1317,13 +1346,13 @@ class ResponsesRoutes:
 
     async def input_items(self, context: RouteContext, response_id: str) -> Response:
         page_query, owner_query_ = split_query(context.query)
-        stored = self._stored(context, response_id, owner_query_)
+        stored = await self._stored(context, response_id, owner_query_)
         return json_response(input_items_page(stored, response_id, page_query))
 
     async def get(self, context: RouteContext, response_id: str) -> Response:
-        return json_response(self._stored(context, response_id).body)
+        return json_response((await self._stored(context, response_id)).body)
 
     async def delete(self, context: RouteContext, response_id: str) -> Response:
-        if not self.store.delete(self._owner(context), response_id):
+        if not await self.store.delete(self._owner(context), response_id):
             raise not_found(response_id, param=None)
         return json_response({"id": response_id, "object": "response", "deleted": True})

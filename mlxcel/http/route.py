@@ -24,7 +24,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from mlxcel.config import ServerConfig
-from mlxcel.engine import DeltaStream, Engine
+from mlxcel.engine import DeltaStream, EngineHandle
 from mlxcel.errors import InvalidRequest, MlxcelError
 from mlxcel.http import reply, sse
 from mlxcel.http.errors import Dialect, error_response
@@ -83,7 +83,7 @@ def mlxcel_version() -> str:
         return "0"
 
 
-def system_fingerprint(engine: Engine) -> str:
+def system_fingerprint(engine: EngineHandle) -> str:
     """OpenAI's `system_fingerprint`: changes when what answers does (mlxcel's version, the model, its template)."""
     template = getattr(getattr(engine, "config", None), "chat_template", None) or engine.model.chat_template or ""
     digest = hashlib.sha256(json.dumps([mlxcel_version(), engine.model_id, str(engine.model.path),
@@ -94,7 +94,7 @@ def system_fingerprint(engine: Engine) -> str:
 class RouteContext:
     """The app's state and the steps of a request, as every route uses them (one per app)."""
 
-    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+    def __init__(self, engine: EngineHandle, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
         self.limits = request_limits(config)
@@ -194,12 +194,12 @@ class RouteContext:
 
     async def reply(self, deltas: DeltaStream, first: Delta, builder: reply.ReplyBuilder, *, stream: bool,
                     headers: Mapping[str, str] | None = None,
-                    on_finish: Callable[[], None] | None = None) -> Response:
+                    on_finish: Callable[[], Awaitable[None]] | None = None) -> Response:
         """The reply whole, or its stream; ``on_finish`` runs once it has finished healthy."""
         if not stream:
             body = await reply.collect(deltas, first, builder)
             if on_finish is not None:
-                on_finish()
+                await on_finish()
             return json_response(body, headers=headers)
         return Response(reply.stream(deltas, first, builder, on_finish), mimetype=sse.MIMETYPE,
                         headers={**sse.HEADERS, **(headers or {})})

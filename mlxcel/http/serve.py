@@ -46,7 +46,7 @@ from hypercorn.typing import ConnectionState
 from hypercorn.utils import repr_socket_addr, wrap_app
 
 from mlxcel.config import ServerConfig
-from mlxcel.engine import Engine
+from mlxcel.engine import EngineHandle
 from mlxcel.errors import InvalidRequest, ServerBusy
 from mlxcel.http.app import create_app
 from mlxcel.http.guards import trusted_hosts_for
@@ -66,14 +66,14 @@ class PendingEngine:
     """An engine still starting: ``serve`` answers 503 until ``set`` hands it the engine."""
 
     def __init__(self) -> None:
-        self.engine: Engine | None = None
+        self.engine: EngineHandle | None = None
         self._ready = trio.Event()
 
-    def set(self, engine: Engine) -> None:
+    def set(self, engine: EngineHandle) -> None:
         self.engine = engine
         self._ready.set()
 
-    async def wait(self) -> Engine:
+    async def wait(self) -> EngineHandle:
         await self._ready.wait()
         assert self.engine is not None
         return self.engine
@@ -457,11 +457,12 @@ async def _refuse(stream: trio.SocketStream) -> None:
 
 
 async def serve(
-    engine: Engine | PendingEngine,
+    engine: EngineHandle | PendingEngine,
     config: ServerConfig | None = None,
     *,
     sock: socket.socket | None = None,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    responses_for: Callable[[EngineHandle], Any] | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``engine`` as ``config`` says (None: the defaults) until ``shutdown_trigger`` returns or the
@@ -475,7 +476,8 @@ async def serve(
     ``config.host:config.port``.
 
     ``task_status.started`` receives the bound addresses, e.g. ``["http://127.0.0.1:8080"]``
-    (port 0 picks a free port).
+    (port 0 picks a free port). ``responses_for``: given the engine, the store behind
+    ``previous_response_id`` (``create_app``'s ``kept_responses``; None: the app's own).
     """
     config = ServerConfig() if config is None else config
     hypercorn_config = HypercornConfig()
@@ -499,8 +501,9 @@ async def serve(
 
     async def open_app(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         ready = await pending.wait() if pending is not None else engine
-        assert isinstance(ready, Engine)
-        app = wrap_app(create_app(ready, config, trusted_hosts=trusted_hosts_for(config.host)),
+        assert isinstance(ready, EngineHandle)
+        app = wrap_app(create_app(ready, config, trusted_hosts=trusted_hosts_for(config.host),
+                                  kept_responses=responses_for(ready) if responses_for else None),
                        hypercorn_config.wsgi_max_body_size, None)
         lifespan = Lifespan(app, hypercorn_config, {})
         async with trio.open_nursery() as lifespan_nursery:

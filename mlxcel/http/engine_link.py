@@ -1,0 +1,411 @@
+"""The engine across a socket, for an HTTP edge in processes of its own (``mlxcel serve --api-processes N``).
+
+The engine's process runs the actors; each API process runs hypercorn and
+the routes, and talks to it over a Unix socket pair. Why: the event loop
+beside the device thread shares its GIL, and the HTTP edge (hypercorn, h11,
+Quart, the JSON of every chunk) was most of that loop's work per request
+and a third of it per streamed token (docs/architecture.md, "The HTTP edge
+in its own processes").
+
+On the wire, each frame is a 4-byte big-endian length and a pickle of a
+list of messages: everything one side queued since its last write goes in
+one frame, so a decode step's deltas for one API process cross in one
+write. Pickle is safe here because both ends are this program, started by
+the engine's process over a socket pair no one else holds.
+
+API process -> engine:
+    ("submit", request_id, request)    a ChatRequest or CompletionRequest
+    ("cancel", request_id)             the client went away
+    ("call", call_id, name, args, kwargs)  one of ENGINE_CALLS or RESPONSE_CALLS, answered by "answer"
+engine -> API process:
+    ("ready", EngineFacts)             once, when the engine has loaded
+    ("event", request_id, event)       a Delta or RequestFailed
+    ("end", request_id)                no more events for it
+    ("answer", call_id, ok, value)     the call's result, or the MlxcelError it raised
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import pickle
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import trio
+
+from mlxcel.actors.messages import RequestFailed, SchedulerStats, StreamEvent
+from mlxcel.config import EngineConfig
+from mlxcel.core.cache_plan import CachePlan
+from mlxcel.engine import DeltaStream, EngineHandle
+from mlxcel.errors import InternalError, MlxcelError, ServerBusy
+from mlxcel.http.responses import StoredResponse
+from mlxcel.model.info import ModelInfo
+from mlxcel.types import ChatRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
+
+_LENGTH_BYTES = 4
+# A frame over this is a fault of the sender, not a message (a request body is bounded far below it).
+MAX_FRAME_BYTES = 1 << 30
+_READ_BYTES = 1 << 20
+
+# The calls an API process may make, each an EngineHandle coroutine, or the engine side's response store.
+ENGINE_CALLS = frozenset({"render_prompt", "lora_adapters", "cache_stats", "reset_cache", "scheduler_stats",
+                          "metrics_text"})
+RESPONSE_CALLS = frozenset({"responses_put", "responses_get", "responses_delete"})
+
+
+class LinkClosed(Exception):
+    """The other end went away (its process ended)."""
+
+
+# --- frames ------------------------------------------------------------------------------------------------
+
+
+class FrameReader:
+    """Reads the frames of a stream, one list of messages each."""
+
+    def __init__(self, stream: trio.abc.ReceiveStream) -> None:
+        self._stream = stream
+        self._buffer = bytearray()
+
+    async def receive(self) -> list[Any]:
+        """The next frame's messages; LinkClosed at the end of the stream."""
+        buffer = self._buffer
+        while True:
+            if len(buffer) >= _LENGTH_BYTES:
+                size = int.from_bytes(buffer[:_LENGTH_BYTES], "big")
+                if size > MAX_FRAME_BYTES:
+                    raise LinkClosed(f"a frame of {size} bytes")
+                end = _LENGTH_BYTES + size
+                if len(buffer) >= end:
+                    messages: list[Any] = pickle.loads(memoryview(buffer)[_LENGTH_BYTES:end])
+                    del buffer[:end]
+                    return messages
+            try:
+                data = await self._stream.receive_some(_READ_BYTES)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as error:
+                raise LinkClosed(str(error)) from error
+            if not data:
+                raise LinkClosed("end of stream")
+            buffer += data
+
+
+def frame(messages: list[Any]) -> bytes:
+    payload = pickle.dumps(messages, protocol=pickle.HIGHEST_PROTOCOL)
+    return len(payload).to_bytes(_LENGTH_BYTES, "big") + payload
+
+
+class Outbox:
+    """Messages for the other end, written by one task (``pump``), in one frame per write."""
+
+    def __init__(self) -> None:
+        self._messages: list[Any] = []
+        self._wake = trio.Event()
+        self.closed = False
+
+    def put(self, message: Any) -> None:
+        if self.closed:
+            raise trio.BrokenResourceError("the link is closed")
+        self._messages.append(message)
+        self._wake.set()
+
+    async def pump(self, stream: trio.abc.SendStream) -> None:
+        """Write what is queued until the stream breaks (then LinkClosed) or the task is cancelled."""
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake = trio.Event()
+                messages, self._messages = self._messages, []
+                await stream.send_all(frame(messages))
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as error:
+            raise LinkClosed(str(error)) from error
+        finally:
+            self.closed = True
+
+
+# --- the engine's side -------------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class EngineFacts:
+    """What an API process needs to know of the engine: the values an EngineHandle carries."""
+
+    model: ModelInfo
+    config: EngineConfig
+    cache_plan: CachePlan
+    served_model_names: tuple[str, ...]
+
+
+class LinkSink:
+    """A request's events, queued for the API process that sent it (an ``EventSink``)."""
+
+    __slots__ = ("_outbox", "_request_id", "_open", "cancelled")
+
+    def __init__(self, outbox: Outbox, request_id: str, open_sinks: dict[str, LinkSink]) -> None:
+        # The API process's id for the request (the engine knows it by the link's prefix and this).
+        self._outbox = outbox
+        self._request_id = request_id
+        self._open = open_sinks
+        self.cancelled = False
+
+    def send_nowait(self, value: StreamEvent) -> None:
+        if self.cancelled:
+            raise trio.BrokenResourceError("the client cancelled")
+        if self._open.get(self._request_id) is not self:
+            raise trio.ClosedResourceError("closed")
+        self._outbox.put(("event", self._request_id, value))
+
+    def close(self) -> None:
+        if self._open.get(self._request_id) is self:
+            del self._open[self._request_id]
+            if not self._outbox.closed:
+                self._outbox.put(("end", self._request_id))
+
+    def __enter__(self) -> LinkSink:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class EngineLink:
+    """Serves one API process's link from the engine's process.
+
+    ``responses``: the store behind ``previous_response_id``, one for all API
+    processes (so a follow-up finds its response whichever process takes it).
+    """
+
+    def __init__(self, prefix: str, responses: Any) -> None:
+        # The engine's ids for this link's requests: the prefix, then the API process's own id.
+        self._prefix = prefix
+        self._responses = responses
+        self._engine: Any = None
+        self._outbox = Outbox()
+        self._sinks: dict[str, LinkSink] = {}
+
+    async def run(self, stream: trio.abc.Stream, engine_ready: Any) -> None:
+        """Until the API process closes its end (or the task is cancelled); its requests are then cancelled.
+
+        ``engine_ready``: awaitable giving the engine handle once it has loaded (a PendingEngine's ``wait``).
+        """
+        reader = FrameReader(stream)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._pump, stream, nursery.cancel_scope)
+                engine = await engine_ready()
+                self._engine = engine
+                self._outbox.put(("ready", EngineFacts(
+                    model=engine.model, config=engine.config, cache_plan=engine.cache_plan,
+                    served_model_names=engine.served_model_names)))
+                while True:
+                    try:
+                        messages = await reader.receive()
+                    except LinkClosed:
+                        nursery.cancel_scope.cancel()
+                        return
+                    for message in messages:
+                        self._handle(message, nursery)
+        finally:
+            # The API process has gone: its requests end here.
+            self._outbox.closed = True
+            for request_id in list(self._sinks):
+                self._sinks.pop(request_id).cancelled = True
+                self._engine._cancel(self._prefix + request_id)
+
+    async def _pump(self, stream: trio.abc.SendStream, scope: trio.CancelScope) -> None:
+        try:
+            await self._outbox.pump(stream)
+        except LinkClosed:
+            scope.cancel()
+
+    def _handle(self, message: tuple[Any, ...], nursery: trio.Nursery) -> None:
+        kind = message[0]
+        if kind == "submit":
+            _, request_id, request = message
+            sink = self._sinks[request_id] = LinkSink(self._outbox, request_id, self._sinks)
+            try:
+                self._engine.submit(request, self._prefix + request_id, sink)
+            except ServerBusy as error:
+                sink.send_nowait(RequestFailed(error=error))
+                sink.close()
+        elif kind == "cancel":
+            cancelled = self._sinks.pop(message[1], None)
+            if cancelled is not None:
+                cancelled.cancelled = True
+                self._engine._cancel(self._prefix + message[1])
+        elif kind == "call":
+            nursery.start_soon(self._answer, *message[1:])
+        else:
+            logger.error("unexpected message on an API process's link: %r", kind)
+
+    async def _answer(self, call_id: int, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        try:
+            if name in ENGINE_CALLS:
+                value = await getattr(self._engine, name)(*args, **kwargs)
+            elif name in RESPONSE_CALLS:
+                value = getattr(self._responses, name.removeprefix("responses_"))(*args, **kwargs)
+            else:
+                raise InternalError(f"no call {name!r} on the engine's link")
+            answer = ("answer", call_id, True, value)
+        except MlxcelError as error:
+            answer = ("answer", call_id, False, error)
+        except Exception:
+            logger.exception("a call from an API process failed: %s", name)
+            answer = ("answer", call_id, False, InternalError("internal server error"))
+        if not self._outbox.closed:
+            self._outbox.put(answer)
+
+
+# --- the API process's side --------------------------------------------------------------------------------
+
+
+class RemoteEngine(EngineHandle):
+    """An engine in another process, as the HTTP app sees one. ``run`` carries its link."""
+
+    def __init__(self, facts: EngineFacts) -> None:
+        self.model = facts.model
+        self.config = facts.config
+        self.cache_plan = facts.cache_plan
+        self.served_model_names = facts.served_model_names
+        self._buffer_events = facts.config.scheduler.client_buffer_events
+        self._outbox = Outbox()
+        self._streams: dict[str, trio.MemorySendChannel[StreamEvent]] = {}
+        self._calls: dict[int, trio.MemorySendChannel[tuple[bool, Any]]] = {}
+        self._request_ids = itertools.count()
+        self._call_ids = itertools.count()
+
+    @staticmethod
+    async def handshake(reader: FrameReader) -> EngineFacts:
+        """The engine's facts, the first message on a new link (sent once the engine has loaded)."""
+        messages = await reader.receive()
+        kind, facts = messages[0]
+        if kind != "ready" or len(messages) != 1:
+            raise LinkClosed(f"expected the engine's facts, got {kind!r}")
+        assert isinstance(facts, EngineFacts)
+        return facts
+
+    async def run(self, stream: trio.abc.Stream, reader: FrameReader) -> None:
+        """Carry the link until the engine's end closes (LinkClosed) or the task is cancelled."""
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._outbox.pump, stream)
+                while True:
+                    for message in await reader.receive():
+                        self._handle(message)
+        finally:
+            self._outbox.closed = True
+            for events in self._streams.values():
+                events.close()
+            self._streams.clear()
+            for reply in self._calls.values():
+                reply.close()
+            self._calls.clear()
+
+    def _handle(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "event":
+            events = self._streams.get(message[1])
+            if events is None:
+                return
+            try:
+                events.send_nowait(message[2])
+            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                # The client reads too slowly or has gone: the request is cancelled, as in one process.
+                self._cancel(message[1])
+        elif kind == "end":
+            events = self._streams.pop(message[1], None)
+            if events is not None:
+                events.close()
+        elif kind == "answer":
+            reply = self._calls.pop(message[1], None)
+            if reply is not None:
+                with reply:
+                    reply.send_nowait((message[2], message[3]))
+        else:
+            logger.error("unexpected message from the engine: %r", kind)
+
+    def stream(self, request: ChatRequest | CompletionRequest) -> DeltaStream:
+        request_id = str(next(self._request_ids))
+        send, receive = trio.open_memory_channel[StreamEvent](self._buffer_events)
+        try:
+            self._outbox.put(("submit", request_id, request))
+        except trio.BrokenResourceError:
+            send.close()
+            receive.close()
+            raise ServerBusy("the engine is not reachable; retry shortly") from None
+        self._streams[request_id] = send
+        return DeltaStream(self, request_id, receive)
+
+    def _cancel(self, request_id: str) -> None:
+        events = self._streams.pop(request_id, None)
+        if events is not None:
+            events.close()
+        if not self._outbox.closed:
+            self._outbox.put(("cancel", request_id))
+
+    async def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``name`` (ENGINE_CALLS or RESPONSE_CALLS) in the engine's process; its MlxcelError is raised here."""
+        call_id = next(self._call_ids)
+        reply_to, replies = trio.open_memory_channel[tuple[bool, Any]](1)
+        try:
+            self._outbox.put(("call", call_id, name, args, kwargs))
+        except trio.BrokenResourceError:
+            raise ServerBusy("the engine is not reachable; retry shortly") from None
+        self._calls[call_id] = reply_to
+        with replies:
+            try:
+                ok, value = await replies.receive()
+            except trio.EndOfChannel:
+                raise ServerBusy("the engine went away; retry shortly") from None
+            finally:
+                self._calls.pop(call_id, None)
+        if not ok:
+            raise value
+        return value
+
+    async def render_prompt(self, request: ChatRequest | CompletionRequest) -> tuple[int, ...]:
+        answer: tuple[int, ...] = await self.call("render_prompt", request)
+        return answer
+
+    async def lora_adapters(self, scales: tuple[tuple[int, float], ...] | None = None) -> list[dict[str, Any]]:
+        answer: list[dict[str, Any]] = await self.call("lora_adapters", scales)
+        return answer
+
+    async def cache_stats(self) -> dict[str, Any]:
+        answer: dict[str, Any] = await self.call("cache_stats")
+        return answer
+
+    async def reset_cache(self, *, disk: bool = False) -> dict[str, int]:
+        answer: dict[str, int] = await self.call("reset_cache", disk=disk)
+        return answer
+
+    async def scheduler_stats(self) -> SchedulerStats:
+        answer: SchedulerStats = await self.call("scheduler_stats")
+        return answer
+
+    async def metrics_text(self) -> bytes:
+        answer: bytes = await self.call("metrics_text")
+        return answer
+
+
+class RemoteResponses:
+    """The engine process's response store (``previous_response_id``), shared by every API process."""
+
+    def __init__(self, engine: RemoteEngine) -> None:
+        self._engine = engine
+
+    async def put(self, owner: str, response_id: str, body: Mapping[str, Any],
+                  items: tuple[Mapping[str, Any], ...], input_items: tuple[Mapping[str, Any], ...]) -> bool:
+        kept: bool = await self._engine.call("responses_put", owner, response_id, body, items, input_items)
+        return kept
+
+    async def get(self, owner: str, response_id: str) -> StoredResponse | None:
+        stored: StoredResponse | None = await self._engine.call("responses_get", owner, response_id)
+        return stored
+
+    async def delete(self, owner: str, response_id: str) -> bool:
+        deleted: bool = await self._engine.call("responses_delete", owner, response_id)
+        return deleted
