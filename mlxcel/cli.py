@@ -112,10 +112,11 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         sock = bind_socket(server_config.host, server_config.port)
     except OSError as error:
         return _fail(f"cannot listen on {server_config.host}:{server_config.port}: {error.strerror or error}")
+    status = 0
     with contextlib.suppress(KeyboardInterrupt):
-        trio.run(run_server, engine_config, server_config, sock)
-    _exit_now(0)
-    return 0
+        status = trio.run(run_server, engine_config, server_config, sock)
+    _exit_now(status)
+    return status
 
 
 def _exit_now(status: int) -> None:
@@ -203,14 +204,18 @@ def startup_warnings(engine_config: EngineConfig, server_config: ServerConfig) -
 
 async def run_server(
     engine_config: EngineConfig, server_config: ServerConfig, sock: socket.socket | None = None
-) -> None:
-    """Listen at once (503 while loading), then engine plus HTTP until SIGINT/SIGTERM; drain and stop."""
+) -> int:
+    """Listen at once (503 while loading), then engine plus HTTP until SIGINT/SIGTERM; drain and stop.
+
+    The exit status: 0, or 1 when an API process (``--api-processes``) ended on its own.
+    """
     from mlxcel.engine import run_engine
     from mlxcel.http import serve
     from mlxcel.http.serve import PendingEngine
 
     stop = trio.Event()
     pending = PendingEngine()
+    api_process_ended: list[bool] = []
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_on_signals, stop)
         for warning in startup_warnings(engine_config, server_config):
@@ -224,7 +229,8 @@ async def run_server(
             from mlxcel.http.processes import run_api_processes
 
             assert sock is not None
-            await run_api_processes(pending, server_config, sock, shutdown_trigger=stop.wait, task_status=task_status)
+            api_process_ended.append(await run_api_processes(
+                pending, server_config, sock, shutdown_trigger=stop.wait, task_status=task_status))
             nursery.cancel_scope.cancel()
 
         if server_config.api_processes:
@@ -244,6 +250,7 @@ async def run_server(
         _freeze_startup_objects()
         pending.set(engine)
         logger.info("serving %s on %s", engine.model_id, ", ".join(binds))
+    return 1 if any(api_process_ended) else 0
 
 
 def _freeze_startup_objects() -> None:

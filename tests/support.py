@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import attrs
+import httpx
 import trio
 
 from mlxcel.config import EngineConfig, PromptCacheConfig, SchedulerConfig, ServerConfig
@@ -106,3 +114,45 @@ class Recorder:
 
     def close(self, request_id: str) -> None:
         pass
+
+
+REPO = Path(__file__).resolve().parents[1]
+STARTUP_SECONDS = 60
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextmanager
+def mlxcel_serve(*flags: str, family: str = "llama") -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A running `mlxcel serve` (the real CLI, on a fixture) on a free loopback port; killed on the way out if
+    still alive."""
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mlxcel", "serve", "-m", str(fixture_path(family)),
+         "--host", "127.0.0.1", "--port", str(port), *flags],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while True:
+            assert process.poll() is None, process.stderr.read().decode(errors="replace")[-2000:]  # type: ignore[union-attr]
+            try:
+                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        yield process, base_url
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=10)
+        process.stderr.close()  # type: ignore[union-attr]

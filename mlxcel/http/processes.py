@@ -45,12 +45,13 @@ async def run_api_processes(
     *,
     shutdown_trigger: Callable[[], Awaitable[None]],
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
+) -> bool:
     """Start ``config.api_processes`` API processes serving ``pending``'s engine on ``sock``; return once they
-    have exited, after ``shutdown_trigger`` returns or when one of them ends on its own."""
+    have exited, after ``shutdown_trigger`` returns (False) or when one of them ended on its own (True)."""
     # One store behind `previous_response_id` for all of them: a follow-up may reach any.
     kept = ResponseStore(max_entries=config.responses_store_entries, max_bytes=config.responses_store_bytes)
     processes: list[trio.Process] = []
+    ended: list[trio.Process] = []
     async with trio.open_nursery() as links:
         try:
             for index in range(config.api_processes):
@@ -66,18 +67,20 @@ async def run_api_processes(
             task_status.started()
             async with trio.open_nursery() as watch:
                 for process in processes:
-                    watch.start_soon(_end_if_exits, process, watch.cancel_scope)
+                    watch.start_soon(_end_if_exits, process, ended, watch.cancel_scope)
                 await shutdown_trigger()
                 watch.cancel_scope.cancel()
         finally:
             with trio.CancelScope(shield=True):
                 await _stop_all(processes, config.shutdown_grace_seconds + EXIT_SECONDS)
             links.cancel_scope.cancel()
+    return bool(ended)
 
 
-async def _end_if_exits(process: trio.Process, scope: trio.CancelScope) -> None:
+async def _end_if_exits(process: trio.Process, ended: list[trio.Process], scope: trio.CancelScope) -> None:
     status = await process.wait()
     logger.error("API process %d exited (status %s): stopping the server", process.pid, status)
+    ended.append(process)
     scope.cancel()
 
 

@@ -15,55 +15,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import pytest
 
 from mlxcel.fixtures import fixture_path
+from tests.support import REPO, STARTUP_SECONDS, free_port, mlxcel_serve
 
 pytestmark = pytest.mark.slow
-
-REPO = Path(__file__).resolve().parents[2]
-STARTUP_SECONDS = 60
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextmanager
-def mlxcel_serve(*flags: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """A running `mlxcel serve` on a free loopback port; killed on the way out if still alive."""
-    port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "mlxcel", "serve", "-m", str(fixture_path("llama")),
-         "--host", "127.0.0.1", "--port", str(port), *flags],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_SECONDS
-        while True:
-            assert process.poll() is None, process.stderr.read().decode(errors="replace")[-2000:]
-            try:
-                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
-        yield process, base_url
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait(timeout=10)
-        process.stderr.close()
 
 
 class StreamReader(threading.Thread):

@@ -1,0 +1,307 @@
+"""The engine across a socket (mlxcel/http/engine_link.py): both ends over an in-memory stream pair, with a
+scripted engine whose request sinks the tests drive by hand."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from mlxcel.actors.messages import RequestFailed
+from mlxcel.config import EngineConfig, SchedulerConfig
+from mlxcel.core.cache_plan import CACHE_OFF
+from mlxcel.errors import ContextExceeded, InvalidRequest, MlxcelError, ServerBusy
+from mlxcel.http.engine_link import (
+    EngineLink,
+    FrameReader,
+    LinkClosed,
+    LinkSink,
+    RemoteEngine,
+    RemoteResponses,
+    frame,
+)
+from mlxcel.http.responses import ResponseStore
+from mlxcel.model.family import detect_family
+from mlxcel.model.info import ModelInfo
+from mlxcel.types import ChatRequest, Delta, TokenLogprob, Usage
+from tests.fakes import FakeTokenizer
+
+BUFFER_EVENTS = 4
+
+
+class ScriptedEngine:
+    """The engine side's view: what was submitted (and its sink), what was cancelled, what was called."""
+
+    def __init__(self, *, busy: bool = False) -> None:
+        self.model = ModelInfo(
+            model_id="linked", path=Path("/nonexistent"), config={"model_type": "llama"},
+            family=detect_family({"model_type": "llama"}), tokenizer=FakeTokenizer(), chat_template="",
+            eos_token_ids=frozenset({0}), context_size=4096)
+        self.config = EngineConfig(scheduler=SchedulerConfig(client_buffer_events=BUFFER_EVENTS))
+        self.cache_plan = CACHE_OFF
+        self.served_model_names = ("linked", "alias")
+        self.busy = busy
+        self.sinks: dict[str, Any] = {}
+        self.cancelled: list[str] = []
+        self.submitted = trio.Event()
+
+    def submit(self, request: ChatRequest, request_id: str, events: Any) -> None:
+        if self.busy:
+            raise ServerBusy("full")
+        self.sinks[request_id] = events
+        self.submitted.set()
+
+    def _cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+
+    async def render_prompt(self, request: ChatRequest) -> tuple[int, ...]:
+        if request.messages[0]["content"] == "too long":
+            raise ContextExceeded("too long", param="messages", context_size=8, num_prompt_tokens=9)
+        return (1, 2, 3)
+
+    async def reset_cache(self, *, disk: bool = False) -> dict[str, int]:
+        return {"disk": int(disk)}
+
+    async def metrics_text(self) -> bytes:
+        raise RuntimeError("a bug")
+
+
+def chat(content: str = "hi") -> ChatRequest:
+    return ChatRequest(messages=({"role": "user", "content": content},))
+
+
+async def linked(nursery: trio.Nursery, engine: ScriptedEngine, store: ResponseStore | None = None,
+                 ) -> tuple[RemoteEngine, trio.CancelScope]:
+    """A RemoteEngine linked to ``engine``; cancelling the returned scope closes the engine's end."""
+    engine_end, api_end = trio.testing.memory_stream_pair()
+
+    async def ready() -> ScriptedEngine:
+        return engine
+
+    engine_scope = trio.CancelScope()
+
+    async def run_engine_end() -> None:
+        with engine_scope:
+            await EngineLink("api7-", store or ResponseStore(max_entries=8, max_bytes=1 << 20)).run(engine_end, ready)
+        await engine_end.aclose()
+
+    nursery.start_soon(run_engine_end)
+    reader = FrameReader(api_end)
+    remote = RemoteEngine(await RemoteEngine.handshake(reader))
+
+    async def run_api_end() -> None:
+        with pytest.raises(LinkClosed):
+            await remote.run(api_end, reader)
+
+    nursery.start_soon(run_api_end)
+    return remote, engine_scope
+
+
+async def test_frames_survive_any_split_of_the_bytes() -> None:
+    messages = [("text", "1", "é" * 1000, (1, 2), ""), ("end", "1")]
+    data = frame(messages) + frame([("end", "2")])
+    send, receive = trio.testing.memory_stream_one_way_pair()
+    reader = FrameReader(receive)
+    for start in range(0, len(data), 7):  # 7 bytes at a time: lengths and payloads cut anywhere
+        await send.send_all(data[start:start + 7])
+    assert await reader.receive() == messages
+    assert await reader.receive() == [("end", "2")]
+
+
+async def test_the_handshake_carries_the_engine_facts() -> None:
+    engine = ScriptedEngine()
+    async with trio.open_nursery() as nursery:
+        remote, _ = await linked(nursery, engine)
+        assert remote.model.model_id == "linked"
+        assert remote.model_names == ("linked", "alias")
+        assert remote.config.scheduler.client_buffer_events == BUFFER_EVENTS
+        nursery.cancel_scope.cancel()
+
+
+async def test_deltas_cross_in_order_plain_and_whole() -> None:
+    engine = ScriptedEngine()
+    usage = Usage(prompt_tokens=3, completion_tokens=2, cached_tokens=1)
+    last = Delta(text="!", token_ids=(9,), finish_reason="stop", usage=usage,
+                 logprobs=(TokenLogprob(token="!", logprob=-0.5, token_id=9),))
+    async with trio.open_nursery() as nursery:
+        remote, _ = await linked(nursery, engine)
+        async with remote.stream(chat()) as deltas:
+            await engine.submitted.wait()
+            (request_id, sink), = engine.sinks.items()
+            assert request_id.startswith("api7-")  # the engine's ids are unique across API processes
+            sink.send_nowait(Delta(text="He", token_ids=(1,)))
+            sink.send_nowait(Delta(reasoning="hm"))
+            sink.send_nowait(last)
+            sink.close()
+            received = [delta async for delta in deltas]
+        assert received == [Delta(text="He", token_ids=(1,)), Delta(reasoning="hm"), last]
+        assert received[-1].usage == usage
+        assert engine.cancelled == []  # a finished stream is not cancelled
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_failure_is_raised_with_its_status() -> None:
+    engine = ScriptedEngine()
+    async with trio.open_nursery() as nursery:
+        remote, _ = await linked(nursery, engine)
+        deltas = remote.stream(chat())
+        await engine.submitted.wait()
+        sink = next(iter(engine.sinks.values()))
+        sink.send_nowait(RequestFailed(error=ContextExceeded("long", param="messages", context_size=8,
+                                                             num_prompt_tokens=9)))
+        sink.close()
+        with pytest.raises(ContextExceeded) as raised:
+            await deltas.__anext__()
+        assert (raised.value.status, raised.value.code, raised.value.context_size) == (
+            400, "context_length_exceeded", 8)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_busy_engine_is_a_503_on_the_first_delta() -> None:
+    engine = ScriptedEngine(busy=True)
+    async with trio.open_nursery() as nursery:
+        remote, _ = await linked(nursery, engine)
+        with pytest.raises(ServerBusy) as raised:
+            await remote.stream(chat()).__anext__()
+        assert raised.value.status == 503
+        nursery.cancel_scope.cancel()
+
+
+async def test_closing_a_stream_early_cancels_the_request_and_the_sink() -> None:
+    engine = ScriptedEngine()
+    async with trio.open_nursery() as nursery:
+        remote, _ = await linked(nursery, engine)
+        deltas = remote.stream(chat())
+        await engine.submitted.wait()
+        (request_id, sink), = engine.sinks.items()
+        sink.send_nowait(Delta(text="a"))
+        assert (await deltas.__anext__()).text == "a"
+        await deltas.aclose()
+        with trio.fail_after(5):
+            while not engine.cancelled:
+                await trio.sleep(0.01)
+        assert engine.cancelled == [request_id]
+        with pytest.raises(trio.BrokenResourceError):  # the scheduler's send fails: it frees the sequence
+            sink.send_nowait(Delta(text="b"))
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_client_that_falls_behind_its_buffer_is_cancelled() -> None:
+    engine = ScriptedEngine()
+    async with trio.open_nursery() as nursery:
+        remote, _ = await linked(nursery, engine)
+        deltas = remote.stream(chat())
+        await engine.submitted.wait()
+        (request_id, sink), = engine.sinks.items()
+        for index in range(BUFFER_EVENTS + 1):  # one more than the client's buffer, none read
+            sink.send_nowait(Delta(text=str(index)))
+        with trio.fail_after(5):
+            while not engine.cancelled:
+                await trio.sleep(0.01)
+        assert engine.cancelled == [request_id]
+        received = [delta.text async for delta in deltas]
+        assert received == [str(index) for index in range(BUFFER_EVENTS)]  # what fit, then the end
+        nursery.cancel_scope.cancel()
+
+
+async def test_calls_answer_or_raise_the_engines_error() -> None:
+    engine = ScriptedEngine()
+    async with trio.open_nursery() as nursery:
+        remote, _ = await linked(nursery, engine)
+        assert await remote.render_prompt(chat()) == (1, 2, 3)
+        assert await remote.count_prompt_tokens(chat()) == 3
+        assert await remote.reset_cache(disk=True) == {"disk": 1}
+        with pytest.raises(ContextExceeded) as raised:
+            await remote.render_prompt(chat("too long"))
+        assert raised.value.num_prompt_tokens == 9
+        with pytest.raises(MlxcelError) as failed:  # an unforeseen error is a 500, not a dead link
+            await remote.metrics_text()
+        assert failed.value.status == 500
+        with pytest.raises(MlxcelError, match="no call"):
+            await remote.call("submit_everything")
+        nursery.cancel_scope.cancel()
+
+
+async def test_responses_are_kept_in_the_engines_store() -> None:
+    engine = ScriptedEngine()
+    store = ResponseStore(max_entries=8, max_bytes=1 << 20)
+    async with trio.open_nursery() as nursery:
+        remote, _ = await linked(nursery, engine, store)
+        other, _ = await linked(nursery, engine, store)  # a second API process on the same engine
+        kept = RemoteResponses(remote)
+        assert await kept.put("owner", "resp_1", {"id": "resp_1"}, ({"type": "message"},), ())
+        found = await RemoteResponses(other).get("owner", "resp_1")
+        assert found is not None
+        assert found.body == {"id": "resp_1"}
+        assert await RemoteResponses(other).get("someone else", "resp_1") is None
+        assert await kept.delete("owner", "resp_1")
+        assert store.get("owner", "resp_1") is None
+        nursery.cancel_scope.cancel()
+
+
+async def test_when_the_engine_goes_streams_end_and_calls_fail() -> None:
+    engine = ScriptedEngine()
+    async with trio.open_nursery() as nursery:
+        remote, engine_scope = await linked(nursery, engine)
+        deltas = remote.stream(chat())
+        await engine.submitted.wait()
+        engine_scope.cancel()
+        with trio.fail_after(5):
+            assert [delta async for delta in deltas] == []
+        with pytest.raises(ServerBusy):
+            await remote.render_prompt(chat())
+        with pytest.raises(ServerBusy):
+            await remote.stream(chat()).__anext__()
+
+
+async def test_when_an_api_process_goes_its_requests_are_cancelled() -> None:
+    engine = ScriptedEngine()
+    engine_end, api_end = trio.testing.memory_stream_pair()
+
+    async def ready() -> ScriptedEngine:
+        return engine
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(EngineLink("api0-", ResponseStore(max_entries=1, max_bytes=1)).run, engine_end, ready)
+        reader = FrameReader(api_end)
+        await reader.receive()  # the facts
+        await api_end.send_all(frame([("submit", "5", chat()), ("submit", "6", chat())]))
+        with trio.fail_after(5):
+            while len(engine.sinks) < 2:
+                await trio.sleep(0.01)
+        engine.sinks["api0-5"].close()  # one finished before the process went
+        await api_end.aclose()
+        with trio.fail_after(5):
+            while not engine.cancelled:
+                await trio.sleep(0.01)
+    assert engine.cancelled == ["api0-6"]
+    with pytest.raises(trio.BrokenResourceError):
+        engine.sinks["api0-6"].send_nowait(Delta(text="late"))
+
+
+def test_errors_cross_processes_whole() -> None:
+    for error in (ContextExceeded("long", param="messages", context_size=8, num_prompt_tokens=9),
+                  ServerBusy("busy", retry_after_seconds=3),
+                  InvalidRequest("bad", param="n", code="invalid_value", status=422)):
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is type(error)
+        assert copy.__dict__ == error.__dict__
+        assert str(copy) == str(error)
+        assert copy.to_body() == error.to_body()
+
+
+def test_a_sink_sends_nothing_after_its_close() -> None:
+    from mlxcel.http.engine_link import Outbox
+
+    outbox, open_sinks = Outbox(), {}
+    sink = open_sinks["1"] = LinkSink(outbox, "1", open_sinks)
+    with sink:
+        sink.send_nowait(Delta(text="x"))
+    with pytest.raises(trio.ClosedResourceError):
+        sink.send_nowait(Delta(text="y"))
+    sink.close()  # twice is once
+    assert outbox._messages == [("text", "1", "x", (), ""), ("end", "1")]
