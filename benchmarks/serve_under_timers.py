@@ -203,9 +203,16 @@ def summarize(report: Path, decode_json: Path, gpu_csv: Path | None) -> None:
         shares = {key: f"{100 * delta[key] / wall:.0f}%" for key in
                   ("receive_s", "receive_decoding_s", "run_step_s", "batch_step_s", "step_eval_wait_s", "loop_io_wait_s")}
         inside = [value for moment, value in samples if opened <= moment <= closed]
+        # The counters' lines come every REPORT_INTERVAL_S, so their window may hold idle time around a short
+        # round: the median gap between the steps' own records is the interval between device steps.
+        began = sorted(record[0] for line in lines for record in line.get("step_records", ())
+                       if opened <= record[0] <= closed)
+        gaps = sorted(later - earlier for earlier, later in zip(began, began[1:], strict=False))
+        between = (f"{1000 * gaps[len(gaps) // 2]:.2f} ms between device steps (median of {len(gaps)}); "
+                   if gaps else "")
         gpu = f"{sum(inside) / len(inside):.0f}% over {len(inside)} samples" if inside else "-"
         print(f"{name}: {wall:.1f} s, {delta['steps']:.0f} device steps, {delta['batch_steps']:.0f} batch steps "
-              f"of {delta['batch_rows'] / steps:.1f} rows; per batch step {1000 * wall / steps:.2f} ms wall, "
+              f"of {delta['batch_rows'] / steps:.1f} rows; {between}per batch step {1000 * wall / steps:.2f} ms wall, "
               f"{1000 * (delta['batch_step_s'] - delta['step_eval_wait_s']) / steps:.2f} ms in the step outside mx.eval (building, queueing), "
               f"{1000 * delta['step_eval_wait_s'] / steps:.2f} ms waiting in eval, "
               f"{1000 * delta['receive_decoding_s'] / steps:.2f} ms waiting for a plan while decoding "
