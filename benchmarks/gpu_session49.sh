@@ -17,7 +17,7 @@ run() {  # SHAPE STREAMS LABEL API_PROCESSES [more decode_speed flags]
     --mlxcel-args "--api-processes $processes" "$@" \
     --out $out/$label-$shape.json --server-timers $out/timers-$label-$shape.jsonl 2>&1 | show
   python3 benchmarks/serve_under_timers.py --summarize $out/timers-$label-$shape.jsonl $out/$label-$shape.json 2>&1 \
-    | grep "^64 streams\|^16 streams\|^1 streams" | grep -o "^[0-9]* streams\|[0-9.]* ms between device steps\|its CPU [0-9]* us a decoded token"
+    | grep "^64 streams\|^16 streams\|^1 streams" | grep -o "^[0-9]* streams\|[0-9.]* ms between device steps\|its CPU [0-9]* us a decoded token\|API processes. CPU [0-9]* us"
 }
 all() {  # SHAPE
   s=$SECONDS; model $1; echo "== $1 model ready in $((SECONDS - s)) s"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import threading
 import time
@@ -166,6 +167,21 @@ def install() -> None:
     trio.run = run
 
 
+def _children_cpu_seconds() -> float:
+    """The CPU time of this process's children (the API processes of ``--api-processes``), from /proc."""
+    me, total = os.getpid(), 0.0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me:
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    return total
+
+
 def _at(lines: list[dict[str, float]], moment: float) -> dict[str, float]:
     """The last counters written at or before ``moment`` (the first line if none)."""
     before = [line for line in lines if line["t"] <= moment]
@@ -219,6 +235,8 @@ def summarize(report: Path, decode_json: Path, gpu_csv: Path | None) -> None:
               f"(median {median_wait:.2f}, p90 {p90_wait:.2f} ms); "
               f"shares of the wall {shares}; loop busy {100 * (1 - delta['loop_io_wait_s'] / wall):.0f}%, "
               f"its CPU {1e6 * delta.get('loop_cpu_s', 0.0) / max(1, delta['batch_rows']):.0f} us a decoded token; "
+              f"the API processes' CPU {1e6 * delta.get('api_cpu_s', 0.0) / max(1, delta['batch_rows']):.0f} us "
+              f"a decoded token; "
               f"GPU utilization {gpu}; Python's collector {1000 * delta.get('gc_s', 0.0):.0f} ms in "
               f"{delta.get('gc_runs', 0):.0f} runs, {1000 * delta.get('gc_full_s', 0.0):.0f} ms in "
               f"{delta.get('gc_full_runs', 0):.0f} full runs")
@@ -280,6 +298,7 @@ def main() -> None:
     def write() -> None:
         with Path(report).open("a") as out:
             while not threading.Event().wait(REPORT_INTERVAL_S):
+                _counters["api_cpu_s"] = _children_cpu_seconds()
                 waits = _decoding_waits[:]
                 del _decoding_waits[:len(waits)]
                 steps = _step_records[:]
