@@ -34,6 +34,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--fast", action="store_true",
         help="only the tests not marked slow (-m 'not slow'): no model is loaded (./scripts/test --fast)",
     )
+    parser.addoption(
+        "--via-link", action="store_true",
+        help="start_server serves a real engine through the engine link (in memory), as an API process does",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -59,17 +63,23 @@ def start_engine(nursery: trio.Nursery) -> Callable[..., Any]:
 
 
 @pytest.fixture
-def start_server(nursery: trio.Nursery) -> Callable[..., Any]:
+def start_server(nursery: trio.Nursery, request: pytest.FixtureRequest) -> Callable[..., Any]:
     """``await start_server(engine, **settings)`` -> base URL of a real hypercorn on loopback.
 
-    ``settings`` are `ServerConfig` fields (host and port: loopback, a free port).
+    ``settings`` are `ServerConfig` fields (host and port: loopback, a free port). With ``--via-link``, a
+    real engine is served through the engine link (``tests.support.linked_engine``), as an API process
+    serves it.
     """
     from mlxcel.config import ServerConfig
     from mlxcel.http import serve
+    from tests.support import linked_engine
 
     async def start(engine: Engine, **settings: Any) -> str:
         config = ServerConfig(**{"host": "127.0.0.1", "port": 0, **settings})
-        binds = await nursery.start(partial(serve, engine, config))
+        responses_for = None
+        if request.config.getoption("via_link") and type(engine) is Engine:
+            engine, responses_for = await linked_engine(nursery, engine, config)
+        binds = await nursery.start(partial(serve, engine, config, responses_for=responses_for))
         return binds[0]
 
     return start

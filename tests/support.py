@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -156,3 +156,29 @@ def mlxcel_serve(*flags: str, family: str = "llama") -> Iterator[tuple[subproces
             process.kill()
         process.wait(timeout=10)
         process.stderr.close()  # type: ignore[union-attr]
+
+
+async def linked_engine(nursery: trio.Nursery, engine: Any, config: ServerConfig) -> tuple[Any, Any]:
+    """``engine`` behind the engine link over an in-memory stream pair: the RemoteEngine an API process would
+    hold, and the ``responses_for`` that reaches the engine side's response store."""
+    import trio.testing
+
+    from mlxcel.http.engine_link import EngineLink, FrameReader, LinkClosed, RemoteEngine, RemoteResponses
+    from mlxcel.http.responses import ResponseStore
+
+    engine_end, api_end = trio.testing.memory_stream_pair()
+
+    async def ready() -> Any:
+        return engine
+
+    kept = ResponseStore(max_entries=config.responses_store_entries, max_bytes=config.responses_store_bytes)
+    nursery.start_soon(EngineLink("linked-", kept).run, engine_end, ready)
+    reader = FrameReader(api_end)
+    remote = RemoteEngine(await RemoteEngine.handshake(reader))
+
+    async def carry() -> None:
+        with suppress(LinkClosed):
+            await remote.run(api_end, reader)
+
+    nursery.start_soon(carry)
+    return remote, lambda _engine: RemoteResponses(remote)
