@@ -54,7 +54,7 @@ from mlxcel.disk.directory import DiskSettings
 from mlxcel.disk.tier import DiskTier, open_disk_tier
 from mlxcel.errors import MlxcelError, ServerBusy
 from mlxcel.model.grammar_check import GrammarChecker
-from mlxcel.model.prompt import PromptRenderer
+from mlxcel.model.prompt import PromptRenderer, RenderedPrompt
 from mlxcel.model.reply_parsers import with_reply_parsers
 from mlxcel.types import ChatRequest, Completion, CompletionRequest, Delta, TokenLogprob, ToolCall
 
@@ -222,11 +222,14 @@ class Engine(EngineHandle):
             raise
         return DeltaStream(self, request_id, receive)
 
-    def submit(self, request: ChatRequest | CompletionRequest, request_id: str, events: EventSink) -> None:
+    def submit(self, request: ChatRequest | CompletionRequest, request_id: str, events: EventSink,
+               rendered: RenderedPrompt | None = None) -> None:
         """Start a request whose events go to ``events`` (closed after the last); ServerBusy when the router's
-        inbox is full (``events`` untouched). ``request_id`` must be unique among the requests in flight."""
+        inbox is full (``events`` untouched). ``request_id`` must be unique among the requests in flight.
+        ``rendered``: the request's prompt as ``prompt_renderer`` renders it, done already (by an API process)."""
         try:
-            self._to_router.send_nowait(RouteRequest(request=request, request_id=request_id, events=events))
+            self._to_router.send_nowait(RouteRequest(request=request, request_id=request_id, events=events,
+                                                     rendered=rendered))
         except trio.WouldBlock:
             raise ServerBusy("the server is at capacity; retry shortly") from None
 
@@ -297,6 +300,20 @@ class Engine(EngineHandle):
         # When it cannot be sent, the closed event channel still frees the sequence at its next token.
         with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
             self._to_scheduler.send_nowait(CancelRequest(request_id=request_id))
+
+
+def prompt_renderer(model: ModelInfo, config: EngineConfig, plan: CachePlan) -> PromptRenderer:
+    """The renderer of an engine serving ``model`` as ``config`` and ``plan`` say (an API process makes
+    the same one from the engine's facts, so its renders are the engine's)."""
+    return PromptRenderer(
+        model,
+        default_template_kwargs=config.chat_template_kwargs,
+        cache_enabled=plan.enabled,
+        history_boundaries=plan.snapshots,
+        allow_request_template=config.allow_request_chat_template,
+        memo_per_session=not plan.cross_session,
+        chat_template=config.chat_template,
+    )
 
 
 def _log_capacity(plan: CapacityDecision, store: str, flag: str) -> None:
@@ -483,15 +500,7 @@ async def run_engine(config: EngineConfig, *, task_status: trio.TaskStatus[Engin
         disk = await _open_disk(config, model, plan)
         if disk is not None:
             await to_device.send(UseDiskTier(tier=disk))
-        renderer = PromptRenderer(
-            model,
-            default_template_kwargs=config.chat_template_kwargs,
-            cache_enabled=plan.enabled,
-            history_boundaries=plan.snapshots,
-            allow_request_template=config.allow_request_chat_template,
-            memo_per_session=not plan.cross_session,
-            chat_template=config.chat_template,
-        )
+        renderer = prompt_renderer(model, config, plan)
         await nursery.start(MetricsActor(
             inbox=metrics_inbox,
             model_name=model.model_id,

@@ -176,9 +176,9 @@ async def linked_engine(nursery: trio.Nursery, engine: Any, config: ServerConfig
     reader = FrameReader(api_end)
     remote = RemoteEngine(await RemoteEngine.handshake(reader))
 
-    async def carry() -> None:
+    async def carry(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with suppress(LinkClosed):
-            await remote.run(api_end, reader)
+            await remote.run(api_end, reader, task_status=task_status)
 
-    nursery.start_soon(carry)
+    await nursery.start(carry)
     return remote, lambda _engine: RemoteResponses(remote)

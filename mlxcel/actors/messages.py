@@ -33,6 +33,7 @@ from mlxcel.core.plan import DiskWrite, GrammarWork, KVHandle, SpeculationWork, 
 from mlxcel.core.scheduler import NewRequest, WarmSession as WarmSession
 from mlxcel.disk.index import DiskPlan, SnapshotName
 from mlxcel.errors import MlxcelError
+from mlxcel.model.prompt import RenderedPrompt
 from mlxcel.types import ChatRequest, CompletionRequest, Delta
 
 # --- engine handle -> router ---------------------------------------------------
@@ -45,6 +46,8 @@ class RouteRequest:
     request: ChatRequest | CompletionRequest
     request_id: str
     events: EventSink = attrs.field(repr=False)
+    # The prompt rendered already (an API process renders its own requests); None: the router renders it.
+    rendered: RenderedPrompt | None = attrs.field(default=None, repr=False)
 
 
 @attrs.frozen(kw_only=True)

@@ -108,6 +108,7 @@ class RouterActor:
         """Start a received message; it holds a render slot, taken before it was received."""
         self._num_in_flight += 1
         if isinstance(message, RouteRequest | RenderPrompt) and (
+                not isinstance(message, RouteRequest) or message.rendered is None) and (
                 prompt_chars(message.request) > LARGE_PROMPT_CHARS):
             # Huge prompts render in a lane of their own, so they never take every slot.
             self._slots.release()
@@ -211,8 +212,11 @@ class RouterActor:
     async def _route(self, message: RouteRequest, slot: trio.Semaphore) -> None:
         holds_slot = True
         try:
-            request = await self._with_remote_images(message.request, slot)
-            rendered = await trio.to_thread.run_sync(self._renderer.render, request)
+            if message.rendered is not None:
+                request, rendered = message.request, message.rendered
+            else:
+                request = await self._with_remote_images(message.request, slot)
+                rendered = await trio.to_thread.run_sync(self._renderer.render, request)
             # A grammar compiles without a render slot, so it never holds a plain request up.
             self._slot_done(slot)
             holds_slot = False

@@ -440,7 +440,7 @@ class RequestOutput:
         if finish_reason is not None:
             self._detokenizer.finalize()
         segment = self._detokenizer.last_segment
-        if not is_eos:
+        if not is_eos and self._sampling.logprobs:
             self._pending_logprobs.extend((self._num_chars_seen, item) for item in self._logprobs(token, logprob, top))
         self._num_chars_seen += len(segment)
         emit, self._held_text, hit_stop = self._matcher.feed(self._held_text, segment)
@@ -448,7 +448,8 @@ class RequestOutput:
             # The device finished and dropped the sequence; flush what was held.
             emit, self._held_text = emit + self._held_text, ""
         self._num_chars_sent += len(emit)
-        logprobs = self._sent_logprobs(stopped=hit_stop, finished=finish_reason is not None)
+        logprobs = self._sent_logprobs(stopped=hit_stop, finished=finish_reason is not None) \
+            if self._pending_logprobs else ()
         if self._keep_text:
             self._parts.append(emit)
         reasoning = ""

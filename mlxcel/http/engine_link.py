@@ -14,7 +14,8 @@ write. Pickle is safe here because both ends are this program, started by
 the engine's process over a socket pair no one else holds.
 
 API process -> engine:
-    ("submit", request_id, request)    a ChatRequest or CompletionRequest
+    ("submit", request_id, request, rendered)  a ChatRequest or CompletionRequest, and its prompt
+                                       rendered (a RenderedPrompt; None: the engine's router renders it)
     ("cancel", request_id)             the client went away
     ("call", call_id, name, args, kwargs)  one of ENGINE_CALLS or RESPONSE_CALLS, answered by "answer"
 engine -> API process:
@@ -27,6 +28,7 @@ engine -> API process:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import pickle
@@ -37,12 +39,14 @@ import attrs
 import trio
 
 from mlxcel.actors.messages import RequestFailed, SchedulerStats, StreamEvent
+from mlxcel.actors.router import MAX_CONCURRENT_ROUTES
 from mlxcel.config import EngineConfig
 from mlxcel.core.cache_plan import CachePlan
-from mlxcel.engine import DeltaStream, EngineHandle
+from mlxcel.engine import DeltaStream, EngineHandle, prompt_renderer
 from mlxcel.errors import InternalError, MlxcelError, ServerBusy
 from mlxcel.http.responses import StoredResponse
 from mlxcel.model.info import ModelInfo
+from mlxcel.model.prompt import RenderedPrompt
 from mlxcel.types import ChatRequest, CompletionRequest, Delta
 
 logger = logging.getLogger(__name__)
@@ -235,10 +239,10 @@ class EngineLink:
     def _handle(self, message: tuple[Any, ...], nursery: trio.Nursery) -> None:
         kind = message[0]
         if kind == "submit":
-            _, request_id, request = message
+            _, request_id, request, rendered = message
             sink = self._sinks[request_id] = LinkSink(self._outbox, request_id, self._sinks)
             try:
-                self._engine.submit(request, self._prefix + request_id, sink)
+                self._engine.submit(request, self._prefix + request_id, sink, rendered)
             except ServerBusy as error:
                 sink.send_nowait(RequestFailed(error=error))
                 sink.close()
@@ -287,6 +291,11 @@ class RemoteEngine(EngineHandle):
         self._calls: dict[int, trio.MemorySendChannel[tuple[bool, Any]]] = {}
         self._request_ids = itertools.count()
         self._call_ids = itertools.count()
+        # Requests are rendered and tokenized here, off the engine's GIL, as its router would (the same
+        # renderer from the same facts); at most as many at once as the router renders.
+        self._renderer = prompt_renderer(facts.model, facts.config, facts.cache_plan)
+        self._renders = trio.CapacityLimiter(MAX_CONCURRENT_ROUTES)
+        self._nursery: trio.Nursery | None = None
 
     @staticmethod
     async def handshake(reader: FrameReader) -> EngineFacts:
@@ -298,8 +307,10 @@ class RemoteEngine(EngineHandle):
         assert isinstance(facts, EngineFacts)
         return facts
 
-    async def run(self, stream: trio.abc.Stream, reader: FrameReader) -> None:
-        """Carry the link until the engine's end closes (then LinkClosed) or the task is cancelled."""
+    async def run(self, stream: trio.abc.Stream, reader: FrameReader, *,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Carry the link until the engine's end closes (then LinkClosed) or the task is cancelled; ``stream``
+        works once it has started (``nursery.start``)."""
         closed: list[LinkClosed] = []
 
         async def pump(scope: trio.CancelScope) -> None:
@@ -312,6 +323,8 @@ class RemoteEngine(EngineHandle):
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(pump, nursery.cancel_scope)
+                self._nursery = nursery
+                task_status.started()
                 try:
                     while True:
                         for message in await reader.receive():
@@ -320,6 +333,7 @@ class RemoteEngine(EngineHandle):
                     closed.append(error)
                     nursery.cancel_scope.cancel()
         finally:
+            self._nursery = None
             self._outbox.closed = True
             for events in self._streams.values():
                 events.close()
@@ -356,15 +370,32 @@ class RemoteEngine(EngineHandle):
 
     def stream(self, request: ChatRequest | CompletionRequest) -> DeltaStream:
         request_id = str(next(self._request_ids))
+        if self._outbox.closed or self._nursery is None:
+            raise ServerBusy("the engine is not reachable; retry shortly")
         send, receive = trio.open_memory_channel[StreamEvent](self._buffer_events)
-        try:
-            self._outbox.put(("submit", request_id, request))
-        except trio.BrokenResourceError:
-            send.close()
-            receive.close()
-            raise ServerBusy("the engine is not reachable; retry shortly") from None
         self._streams[request_id] = send
+        if isinstance(request, ChatRequest) and request.images:
+            # Images may need fetching and placing: the engine's router does both, and renders them.
+            self._outbox.put(("submit", request_id, request, None))
+        else:
+            self._nursery.start_soon(self._render_then_submit, request_id, request)
         return DeltaStream(self, request_id, receive)
+
+    async def _render_then_submit(self, request_id: str, request: ChatRequest | CompletionRequest) -> None:
+        try:
+            rendered: RenderedPrompt | None = await trio.to_thread.run_sync(
+                self._renderer.render, request, limiter=self._renders)
+        except MlxcelError as error:
+            # A refusal of the request itself (as the router's): the client gets it, the engine never sees it.
+            events = self._streams.pop(request_id, None)
+            if events is not None:
+                with events, contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError):
+                    events.send_nowait(RequestFailed(error=error))
+            return
+        except Exception:  # noqa: BLE001 - the engine's router renders it again and reports the failure
+            rendered = None
+        if request_id in self._streams and not self._outbox.closed:  # not cancelled meanwhile
+            self._outbox.put(("submit", request_id, request, rendered))
 
     def _cancel(self, request_id: str) -> None:
         events = self._streams.pop(request_id, None)
@@ -394,8 +425,11 @@ class RemoteEngine(EngineHandle):
         return value
 
     async def render_prompt(self, request: ChatRequest | CompletionRequest) -> tuple[int, ...]:
-        answer: tuple[int, ...] = await self.call("render_prompt", request)
-        return answer
+        if isinstance(request, ChatRequest) and request.images:
+            answer: tuple[int, ...] = await self.call("render_prompt", request)
+            return answer
+        rendered = await trio.to_thread.run_sync(self._renderer.render, request, limiter=self._renders)
+        return rendered.tokens
 
     async def lora_adapters(self, scales: tuple[tuple[int, float], ...] | None = None) -> list[dict[str, Any]]:
         answer: list[dict[str, Any]] = await self.call("lora_adapters", scales)

@@ -27,7 +27,7 @@ from mlxcel.http.engine_link import (
 from mlxcel.http.responses import ResponseStore
 from mlxcel.model.family import detect_family
 from mlxcel.model.info import ModelInfo
-from mlxcel.types import ChatRequest, Delta, TokenLogprob, Usage
+from mlxcel.types import ChatRequest, CompletionRequest, Delta, ImageSource, TokenLogprob, Usage
 from tests.fakes import FakeTokenizer
 
 BUFFER_EVENTS = 4
@@ -46,13 +46,15 @@ class ScriptedEngine:
         self.served_model_names = ("linked", "alias")
         self.busy = busy
         self.sinks: dict[str, Any] = {}
+        self.rendered: dict[str, Any] = {}
         self.cancelled: list[str] = []
         self.submitted = trio.Event()
 
-    def submit(self, request: ChatRequest, request_id: str, events: Any) -> None:
+    def submit(self, request: ChatRequest, request_id: str, events: Any, rendered: Any = None) -> None:
         if self.busy:
             raise ServerBusy("full")
         self.sinks[request_id] = events
+        self.rendered[request_id] = rendered
         self.submitted.set()
 
     def _cancel(self, request_id: str) -> None:
@@ -70,8 +72,16 @@ class ScriptedEngine:
         raise RuntimeError("a bug")
 
 
-def chat(content: str = "hi") -> ChatRequest:
-    return ChatRequest(messages=({"role": "user", "content": content},))
+def chat(content: str = "hi", *, image: bool = False) -> ChatRequest:
+    """A chat request; the fake tokenizer has no chat template, so only the engine's side can take one
+    (with an image, which the API process leaves to the engine to render)."""
+    images = (ImageSource(param="messages[0].content[1]", data=b"png"),) if image else ()
+    return ChatRequest(messages=({"role": "user", "content": content},), images=images)
+
+
+def prompt(text: str = "hi") -> CompletionRequest:
+    """A text prompt: the API process renders it (the fake tokenizer's ids are the bytes)."""
+    return CompletionRequest(prompt=text)
 
 
 async def linked(nursery: trio.Nursery, engine: ScriptedEngine, store: ResponseStore | None = None,
@@ -93,11 +103,11 @@ async def linked(nursery: trio.Nursery, engine: ScriptedEngine, store: ResponseS
     reader = FrameReader(api_end)
     remote = RemoteEngine(await RemoteEngine.handshake(reader))
 
-    async def run_api_end() -> None:
+    async def run_api_end(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with pytest.raises(LinkClosed):
-            await remote.run(api_end, reader)
+            await remote.run(api_end, reader, task_status=task_status)
 
-    nursery.start_soon(run_api_end)
+    await nursery.start(run_api_end)
     return remote, engine_scope
 
 
@@ -129,7 +139,7 @@ async def test_deltas_cross_in_order_plain_and_whole() -> None:
                  logprobs=(TokenLogprob(token="!", logprob=-0.5, token_id=9),))
     async with trio.open_nursery() as nursery:
         remote, _ = await linked(nursery, engine)
-        async with remote.stream(chat()) as deltas:
+        async with remote.stream(prompt()) as deltas:
             await engine.submitted.wait()
             (request_id, sink), = engine.sinks.items()
             assert request_id.startswith("api7-")  # the engine's ids are unique across API processes
@@ -144,11 +154,36 @@ async def test_deltas_cross_in_order_plain_and_whole() -> None:
         nursery.cancel_scope.cancel()
 
 
+async def test_the_api_process_renders_and_the_engine_gets_the_prompt() -> None:
+    engine = ScriptedEngine()
+    async with trio.open_nursery() as nursery:
+        remote, _ = await linked(nursery, engine)
+        remote.stream(prompt("hey"))
+        remote.stream(chat("look", image=True))
+        with trio.fail_after(5):
+            while len(engine.rendered) < 2:
+                await trio.sleep(0.01)
+        assert engine.rendered["api7-0"].tokens == tuple(b"hey")
+        assert engine.rendered["api7-1"] is None  # images: the engine's router fetches, places and renders
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_request_the_template_refuses_never_reaches_the_engine() -> None:
+    engine = ScriptedEngine()
+    async with trio.open_nursery() as nursery:
+        remote, _ = await linked(nursery, engine)
+        with pytest.raises(InvalidRequest, match="chat template"):  # the fake tokenizer has none
+            await remote.stream(chat()).__anext__()
+        await trio.sleep(0.1)
+        assert engine.sinks == {}
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_failure_is_raised_with_its_status() -> None:
     engine = ScriptedEngine()
     async with trio.open_nursery() as nursery:
         remote, _ = await linked(nursery, engine)
-        deltas = remote.stream(chat())
+        deltas = remote.stream(prompt())
         await engine.submitted.wait()
         sink = next(iter(engine.sinks.values()))
         sink.send_nowait(RequestFailed(error=ContextExceeded("long", param="messages", context_size=8,
@@ -166,7 +201,7 @@ async def test_a_busy_engine_is_a_503_on_the_first_delta() -> None:
     async with trio.open_nursery() as nursery:
         remote, _ = await linked(nursery, engine)
         with pytest.raises(ServerBusy) as raised:
-            await remote.stream(chat()).__anext__()
+            await remote.stream(prompt()).__anext__()
         assert raised.value.status == 503
         nursery.cancel_scope.cancel()
 
@@ -175,7 +210,7 @@ async def test_closing_a_stream_early_cancels_the_request_and_the_sink() -> None
     engine = ScriptedEngine()
     async with trio.open_nursery() as nursery:
         remote, _ = await linked(nursery, engine)
-        deltas = remote.stream(chat())
+        deltas = remote.stream(prompt())
         await engine.submitted.wait()
         (request_id, sink), = engine.sinks.items()
         sink.send_nowait(Delta(text="a"))
@@ -194,7 +229,7 @@ async def test_a_client_that_falls_behind_its_buffer_is_cancelled() -> None:
     engine = ScriptedEngine()
     async with trio.open_nursery() as nursery:
         remote, _ = await linked(nursery, engine)
-        deltas = remote.stream(chat())
+        deltas = remote.stream(prompt())
         await engine.submitted.wait()
         (request_id, sink), = engine.sinks.items()
         for index in range(BUFFER_EVENTS + 1):  # one more than the client's buffer, none read
@@ -212,11 +247,12 @@ async def test_calls_answer_or_raise_the_engines_error() -> None:
     engine = ScriptedEngine()
     async with trio.open_nursery() as nursery:
         remote, _ = await linked(nursery, engine)
-        assert await remote.render_prompt(chat()) == (1, 2, 3)
-        assert await remote.count_prompt_tokens(chat()) == 3
+        assert await remote.render_prompt(chat(image=True)) == (1, 2, 3)  # the engine renders images
+        assert await remote.count_prompt_tokens(chat(image=True)) == 3
+        assert await remote.render_prompt(prompt("hi")) == (104, 105)  # the API process renders the rest
         assert await remote.reset_cache(disk=True) == {"disk": 1}
         with pytest.raises(ContextExceeded) as raised:
-            await remote.render_prompt(chat("too long"))
+            await remote.render_prompt(chat("too long", image=True))
         assert raised.value.num_prompt_tokens == 9
         with pytest.raises(MlxcelError) as failed:  # an unforeseen error is a 500, not a dead link
             await remote.metrics_text()
@@ -247,15 +283,15 @@ async def test_when_the_engine_goes_streams_end_and_calls_fail() -> None:
     engine = ScriptedEngine()
     async with trio.open_nursery() as nursery:
         remote, engine_scope = await linked(nursery, engine)
-        deltas = remote.stream(chat())
+        deltas = remote.stream(prompt())
         await engine.submitted.wait()
         engine_scope.cancel()
         with trio.fail_after(5):
             assert [delta async for delta in deltas] == []
         with pytest.raises(ServerBusy):
-            await remote.render_prompt(chat())
+            await remote.render_prompt(chat(image=True))
         with pytest.raises(ServerBusy):
-            await remote.stream(chat()).__anext__()
+            await remote.stream(prompt()).__anext__()
 
 
 async def test_when_an_api_process_goes_its_requests_are_cancelled() -> None:
@@ -269,7 +305,7 @@ async def test_when_an_api_process_goes_its_requests_are_cancelled() -> None:
         nursery.start_soon(EngineLink("api0-", ResponseStore(max_entries=1, max_bytes=1)).run, engine_end, ready)
         reader = FrameReader(api_end)
         await reader.receive()  # the facts
-        await api_end.send_all(frame([("submit", "5", chat()), ("submit", "6", chat())]))
+        await api_end.send_all(frame([("submit", "5", prompt(), None), ("submit", "6", prompt(), None)]))
         with trio.fail_after(5):
             while len(engine.sinks) < 2:
                 await trio.sleep(0.01)
