@@ -29,7 +29,8 @@ from typing import Any
 _counters: dict[str, float] = {"receive_s": 0.0, "receives": 0, "receive_decoding_s": 0.0, "run_step_s": 0.0, "steps": 0,
                                "batch_step_s": 0.0, "batch_steps": 0, "batch_rows": 0, "step_eval_wait_s": 0.0,
                                "loop_io_wait_s": 0.0, "loop_io_waits": 0, "loop_cpu_s": 0.0,
-                               "gc_s": 0.0, "gc_full_s": 0.0, "gc_runs": 0, "gc_full_runs": 0}
+                               "gc_s": 0.0, "gc_full_s": 0.0, "gc_runs": 0, "gc_full_runs": 0,
+                               "render_s": 0.0, "renders": 0}
 _in_step = threading.local()
 _last_rows = [0]  # the last batch step's rows: a wait for a plan after it is a hand-over
 IDLE_GAP_S = 0.5
@@ -73,6 +74,7 @@ def install() -> None:
     from mlxcel.actors.router import RouterActor
     from mlxcel.core.scheduler import SchedulerCore
     from mlxcel.model import batch_step
+    from mlxcel.model.prompt import PromptRenderer
 
     def stamped(cls: Any, name: str, stage: str) -> None:
         original = getattr(cls, name)
@@ -84,6 +86,18 @@ def install() -> None:
         setattr(cls, name, wrapper)
 
     _time_collections()
+    original_render = PromptRenderer.render
+
+    def render(*args: Any, **kwargs: Any) -> Any:
+        # This process's template and tokenizer work (with --api-processes, the API processes do most of it).
+        started = time.thread_time()
+        try:
+            return original_render(*args, **kwargs)
+        finally:
+            _counters["render_s"] += time.thread_time() - started
+            _counters["renders"] += 1
+
+    PromptRenderer.render = render
     stamped(QuartTrio, "handle_request", "http")
     stamped(RouterActor, "_dispatch", "route")
     stamped(SchedulerCore, "add", "add")
@@ -237,6 +251,7 @@ def summarize(report: Path, decode_json: Path, gpu_csv: Path | None) -> None:
               f"its CPU {1e6 * delta.get('loop_cpu_s', 0.0) / max(1, delta['batch_rows']):.0f} us a decoded token; "
               f"the API processes' CPU {1e6 * delta.get('api_cpu_s', 0.0) / max(1, delta['batch_rows']):.0f} us "
               f"a decoded token; "
+              f"renders here {delta.get('renders', 0):.0f}, {1000 * delta.get('render_s', 0.0):.0f} ms of CPU; "
               f"GPU utilization {gpu}; Python's collector {1000 * delta.get('gc_s', 0.0):.0f} ms in "
               f"{delta.get('gc_runs', 0):.0f} runs, {1000 * delta.get('gc_full_s', 0.0):.0f} ms in "
               f"{delta.get('gc_full_runs', 0):.0f} full runs")
