@@ -636,7 +636,7 @@ SERVER_SETTINGS = (
     Setting("body_timeout", "--body-timeout", ("MLXCEL_BODY_TIMEOUT",), parse_seconds,
             "seconds a request body may take to arrive before a 408 (default 60)"),
     Setting("api_processes", "--api-processes", ("MLXCEL_API_PROCESSES",), parse_api_processes,
-            "run the HTTP edge (connections, parsing, replies) in N processes of its own, beside the "
+            "run the HTTP edge (connections, parsing, prompt rendering, replies) in N processes of its own, beside the "
             "engine's; 0 keeps it in the engine's process (default 0, at most 64)"),
     Setting("access_log", "--access-log", ("MLXCEL_ACCESS_LOG",), parse_bool,
             "log one line per request: client, method, path, status, time (default false)",
