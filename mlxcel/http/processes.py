@@ -138,17 +138,30 @@ async def _serve(link_fd: int, listen_fd: int) -> int:
             nursery.cancel_scope.cancel()
 
         nursery.start_soon(serve_then_stop)
-        try:
-            engine = RemoteEngine(await RemoteEngine.handshake(reader))
-            pending.set(engine)
-            gc.collect()
-            gc.freeze()  # the tokenizer's tables, as the engine's process does at start
-            await engine.run(stream, reader)
-        except LinkClosed:
+
+        def on_engine_gone() -> None:
+            nonlocal engine_gone
             if not stop.is_set():
                 logger.error("the engine's process has gone: API process %d exits", os.getpid())
                 engine_gone = True
                 nursery.cancel_scope.cancel()
+
+        async def carry(engine: RemoteEngine, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            try:
+                await engine.run(stream, reader, task_status=task_status)
+            except LinkClosed:
+                on_engine_gone()
+
+        try:
+            engine = RemoteEngine(await RemoteEngine.handshake(reader))
+        except LinkClosed:
+            on_engine_gone()
+        else:
+            # The link carried first: a request the app takes once the engine is set can be sent at once.
+            await nursery.start(carry, engine)
+            gc.collect()
+            gc.freeze()  # the tokenizer's tables, as the engine's process does at start
+            pending.set(engine)
     return 1 if engine_gone else 0
 
 
