@@ -39,14 +39,14 @@ import attrs
 import trio
 
 from mlxcel.actors.messages import RequestFailed, SchedulerStats, StreamEvent
-from mlxcel.actors.router import MAX_CONCURRENT_ROUTES
+from mlxcel.actors.router import LARGE_PROMPT_CHARS, MAX_CONCURRENT_ROUTES
 from mlxcel.config import EngineConfig
 from mlxcel.core.cache_plan import CachePlan
 from mlxcel.engine import DeltaStream, EngineHandle, prompt_renderer
 from mlxcel.errors import InternalError, MlxcelError, ServerBusy
 from mlxcel.http.responses import StoredResponse
 from mlxcel.model.info import ModelInfo
-from mlxcel.model.prompt import RenderedPrompt
+from mlxcel.model.prompt import RenderedPrompt, prompt_chars
 from mlxcel.types import ChatRequest, CompletionRequest, Delta
 
 logger = logging.getLogger(__name__)
@@ -295,6 +295,9 @@ class RemoteEngine(EngineHandle):
         # renderer from the same facts); at most as many at once as the router renders.
         self._renderer = prompt_renderer(facts.model, facts.config, facts.cache_plan)
         self._renders = trio.CapacityLimiter(MAX_CONCURRENT_ROUTES)
+        # Requests rendering or waiting to, at most as many as the router's inbox holds (more: a 503, as there).
+        self._num_rendering = 0
+        self._max_rendering = facts.config.scheduler.max_queued_requests
         self._nursery: trio.Nursery | None = None
 
     @staticmethod
@@ -372,13 +375,21 @@ class RemoteEngine(EngineHandle):
         request_id = str(next(self._request_ids))
         if self._outbox.closed or self._nursery is None:
             raise ServerBusy("the engine is not reachable; retry shortly")
+        if (isinstance(request, ChatRequest) and request.images) or prompt_chars(request) > LARGE_PROMPT_CHARS:
+            # Images need fetching and placing, and huge prompts render in the router's bounded lane: the
+            # engine's router renders these.
+            renders_here = False
+        elif self._num_rendering >= self._max_rendering:
+            raise ServerBusy("the server is at capacity; retry shortly")
+        else:
+            renders_here = True
         send, receive = trio.open_memory_channel[StreamEvent](self._buffer_events)
         self._streams[request_id] = send
-        if isinstance(request, ChatRequest) and request.images:
-            # Images may need fetching and placing: the engine's router does both, and renders them.
-            self._outbox.put(("submit", request_id, request, None))
-        else:
+        if renders_here:
+            self._num_rendering += 1
             self._nursery.start_soon(self._render_then_submit, request_id, request)
+        else:
+            self._outbox.put(("submit", request_id, request, None))
         return DeltaStream(self, request_id, receive)
 
     async def _render_then_submit(self, request_id: str, request: ChatRequest | CompletionRequest) -> None:
@@ -394,6 +405,8 @@ class RemoteEngine(EngineHandle):
             return
         except Exception:  # noqa: BLE001 - the engine's router renders it again and reports the failure
             rendered = None
+        finally:
+            self._num_rendering -= 1
         if request_id in self._streams and not self._outbox.closed:  # not cancelled meanwhile
             self._outbox.put(("submit", request_id, request, rendered))
 
@@ -425,7 +438,7 @@ class RemoteEngine(EngineHandle):
         return value
 
     async def render_prompt(self, request: ChatRequest | CompletionRequest) -> tuple[int, ...]:
-        if isinstance(request, ChatRequest) and request.images:
+        if (isinstance(request, ChatRequest) and request.images) or prompt_chars(request) > LARGE_PROMPT_CHARS:
             answer: tuple[int, ...] = await self.call("render_prompt", request)
             return answer
         rendered = await trio.to_thread.run_sync(self._renderer.render, request, limiter=self._renders)

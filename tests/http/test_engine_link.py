@@ -7,11 +7,13 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.testing
 
 from mlxcel.actors.messages import RequestFailed
+from mlxcel.actors.router import LARGE_PROMPT_CHARS
 from mlxcel.config import EngineConfig, SchedulerConfig
 from mlxcel.core.cache_plan import CACHE_OFF
 from mlxcel.errors import ContextExceeded, InvalidRequest, MlxcelError, ServerBusy
@@ -165,6 +167,26 @@ async def test_the_api_process_renders_and_the_engine_gets_the_prompt() -> None:
                 await trio.sleep(0.01)
         assert engine.rendered["api7-0"].tokens == tuple(b"hey")
         assert engine.rendered["api7-1"] is None  # images: the engine's router fetches, places and renders
+        nursery.cancel_scope.cancel()
+
+
+async def test_huge_prompts_go_to_the_routers_lane_and_renders_waiting_are_bounded() -> None:
+    engine = ScriptedEngine()
+    engine.config = attrs.evolve(engine.config, scheduler=attrs.evolve(engine.config.scheduler,
+                                                                        max_queued_requests=2))
+    async with trio.open_nursery() as nursery:
+        remote, _ = await linked(nursery, engine)
+        remote.stream(prompt("x" * (LARGE_PROMPT_CHARS + 1)))  # the router's large lane bounds these
+        remote.stream(prompt("a"))
+        remote.stream(prompt("b"))
+        with pytest.raises(ServerBusy):  # two wait to render already: as a full router inbox, a 503
+            remote.stream(prompt("c"))
+        with trio.fail_after(5):
+            while len(engine.rendered) < 3:
+                await trio.sleep(0.01)
+        assert engine.rendered["api7-0"] is None
+        assert engine.rendered["api7-1"].tokens == tuple(b"a")
+        remote.stream(prompt("d"))  # the renders are done: room again
         nursery.cancel_scope.cancel()
 
 
