@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -89,6 +90,25 @@ def test_two_api_processes_answer_as_one_process_does() -> None:
             "model": MODEL, "messages": [{"role": "user", "content": "word " * 5000}]})
         assert too_long.status_code == 400
         assert too_long.json()["error"]["code"] == "context_length_exceeded"
+
+        # Many streams at once, over both processes: each whole, in order, and counted.
+        def one_stream(index: int) -> tuple[int, str | None, int]:
+            client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused")
+            chunks, finish, completion = 0, None, -1
+            for chunk in client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"Count to {index}."}], max_tokens=20,
+                stream=True, extra_body={"ignore_eos": True}, stream_options={"include_usage": True},
+            ):
+                for choice in chunk.choices:
+                    chunks += bool(choice.delta.content)
+                    finish = choice.finish_reason or finish
+                if chunk.usage is not None:
+                    completion = chunk.usage.completion_tokens
+            return chunks, finish, completion
+
+        with ThreadPoolExecutor(24) as pool:
+            outcomes = list(pool.map(one_stream, range(24)))
+        assert all(finish == "length" and completion == 20 and chunks > 0 for chunks, finish, completion in outcomes)
 
         # The tokenizer crossed too (llama.cpp's route tokenizes in the API process).
         tokens = httpx.post(f"{base_url}/tokenize", json={"content": "hello world"}, timeout=10).json()["tokens"]
