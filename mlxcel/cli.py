@@ -225,22 +225,18 @@ async def run_server(
             await serve(pending, server_config, sock=sock, shutdown_trigger=stop.wait, task_status=task_status)
             nursery.cancel_scope.cancel()
 
-        async def api_processes_then_stop(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async def api_processes_then_stop(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+                                          ) -> None:
             from mlxcel.http.processes import run_api_processes
+            from mlxcel.http.serve import bind_socket
 
-            assert sock is not None
+            listening = sock if sock is not None else bind_socket(server_config.host, server_config.port)
             api_process_ended.append(await run_api_processes(
-                pending, server_config, sock, shutdown_trigger=stop.wait, task_status=task_status))
+                pending, server_config, listening, shutdown_trigger=stop.wait, task_status=task_status))
             nursery.cancel_scope.cancel()
 
         if server_config.api_processes:
-            from hypercorn.utils import repr_socket_addr
-
-            from mlxcel.http.serve import bind_socket
-
-            sock = sock if sock is not None else bind_socket(server_config.host, server_config.port)
-            await nursery.start(api_processes_then_stop)
-            binds = [f"http://{repr_socket_addr(sock.family, sock.getsockname())}"]
+            binds = await nursery.start(api_processes_then_stop)
             logger.info("the HTTP edge runs in %d processes of its own", server_config.api_processes)
         else:
             binds = await nursery.start(serve_then_stop)

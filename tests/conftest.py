@@ -78,7 +78,12 @@ def start_server(nursery: trio.Nursery, request: pytest.FixtureRequest) -> Calla
         config = ServerConfig(**{"host": "127.0.0.1", "port": 0, **settings})
         responses_for = None
         if request.config.getoption("via_link") and type(engine) is Engine:
-            engine, responses_for = await linked_engine(nursery, engine, config)
+            from mlxcel.http.engine_link import RemoteResponses
+            from mlxcel.http.responses import ResponseStore
+
+            kept = ResponseStore(max_entries=config.responses_store_entries, max_bytes=config.responses_store_bytes)
+            remote, _, _ = await linked_engine(nursery, engine, kept)
+            engine, responses_for = remote, lambda _engine: RemoteResponses(remote)
         binds = await nursery.start(partial(serve, engine, config, responses_for=responses_for))
         return binds[0]
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -158,27 +158,37 @@ def mlxcel_serve(*flags: str, family: str = "llama") -> Iterator[tuple[subproces
         process.stderr.close()  # type: ignore[union-attr]
 
 
-async def linked_engine(nursery: trio.Nursery, engine: Any, config: ServerConfig) -> tuple[Any, Any]:
-    """``engine`` behind the engine link over an in-memory stream pair: the RemoteEngine an API process would
-    hold, and the ``responses_for`` that reaches the engine side's response store."""
+async def linked_engine(nursery: trio.Nursery, engine: Any, kept: Any, *, prefix: str = "linked-",
+                        ) -> tuple[Any, trio.CancelScope, trio.Event]:
+    """``engine`` behind the engine link over an in-memory stream pair, its side keeping responses in ``kept``
+    (a ResponseStore): the RemoteEngine an API process would hold, a scope whose cancelling ends the engine's
+    side, and an event set when the RemoteEngine's link ends with LinkClosed."""
     import trio.testing
 
-    from mlxcel.http.engine_link import EngineLink, FrameReader, LinkClosed, RemoteEngine, RemoteResponses
-    from mlxcel.http.responses import ResponseStore
+    from mlxcel.http.engine_link import EngineLink, FrameReader, LinkClosed, RemoteEngine
 
     engine_end, api_end = trio.testing.memory_stream_pair()
 
     async def ready() -> Any:
         return engine
 
-    kept = ResponseStore(max_entries=config.responses_store_entries, max_bytes=config.responses_store_bytes)
-    nursery.start_soon(EngineLink("linked-", kept).run, engine_end, ready)
+    engine_side = trio.CancelScope()
+
+    async def serve_engine_side() -> None:
+        with engine_side:
+            await EngineLink(prefix, kept).run(engine_end, ready)
+        await engine_end.aclose()
+
+    nursery.start_soon(serve_engine_side)
     reader = FrameReader(api_end)
     remote = RemoteEngine(await RemoteEngine.handshake(reader))
+    link_closed = trio.Event()
 
     async def carry(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        with suppress(LinkClosed):
+        try:
             await remote.run(api_end, reader, task_status=task_status)
+        except LinkClosed:
+            link_closed.set()
 
     await nursery.start(carry)
-    return remote, lambda _engine: RemoteResponses(remote)
+    return remote, engine_side, link_closed

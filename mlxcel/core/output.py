@@ -508,8 +508,7 @@ class RequestOutput:
         return sent
 
     def _logprobs(self, token: int, logprob: float, top: tuple[tuple[int, float], ...]) -> tuple[TokenLogprob, ...]:
-        if not self._sampling.logprobs:
-            return ()
+        """The token's logprob entry (``add`` asks only for a request that wants logprobs)."""
         decode = self._tokenizer.decode
         return (
             TokenLogprob(

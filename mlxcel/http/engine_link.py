@@ -5,7 +5,7 @@ the routes, and talks to it over a Unix socket pair. Why: the event loop
 beside the device thread shares its GIL, and the HTTP edge (hypercorn, h11,
 Quart, the JSON of every chunk) was most of that loop's work per request
 and a third of it per streamed token (docs/architecture.md, "The HTTP edge
-in its own processes").
+in processes of its own").
 
 On the wire, each frame is a 4-byte big-endian length and a pickle of a
 list of messages: everything one side queued since its last write goes in
@@ -32,7 +32,7 @@ import contextlib
 import itertools
 import logging
 import pickle
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import attrs
@@ -44,7 +44,7 @@ from mlxcel.config import EngineConfig
 from mlxcel.core.cache_plan import CachePlan
 from mlxcel.engine import DeltaStream, EngineHandle, prompt_renderer
 from mlxcel.errors import InternalError, MlxcelError, ServerBusy
-from mlxcel.http.responses import StoredResponse
+from mlxcel.http.responses import ResponseStore, StoredResponse
 from mlxcel.model.info import ModelInfo
 from mlxcel.model.prompt import RenderedPrompt, prompt_chars
 from mlxcel.types import ChatRequest, CompletionRequest, Delta
@@ -193,7 +193,7 @@ class EngineLink:
     processes (so a follow-up finds its response whichever process takes it).
     """
 
-    def __init__(self, prefix: str, responses: Any) -> None:
+    def __init__(self, prefix: str, responses: ResponseStore) -> None:
         # The engine's ids for this link's requests: the prefix, then the API process's own id.
         self._prefix = prefix
         self._responses = responses
@@ -201,10 +201,10 @@ class EngineLink:
         self._outbox = Outbox()
         self._sinks: dict[str, LinkSink] = {}
 
-    async def run(self, stream: trio.abc.Stream, engine_ready: Any) -> None:
+    async def run(self, stream: trio.abc.Stream, engine_ready: Callable[[], Awaitable[Any]]) -> None:
         """Until the API process closes its end (or the task is cancelled); its requests are then cancelled.
 
-        ``engine_ready``: awaitable giving the engine handle once it has loaded (a PendingEngine's ``wait``).
+        ``engine_ready``: gives the engine handle once it has loaded (a PendingEngine's ``wait``).
         """
         reader = FrameReader(stream)
         try:

@@ -30,7 +30,7 @@ from mlxcel.config import ServerConfig
 from mlxcel.engine import EngineHandle
 from mlxcel.http.engine_link import EngineLink, FrameReader, LinkClosed, RemoteEngine, RemoteResponses, frame
 from mlxcel.http.responses import ResponseStore
-from mlxcel.http.serve import PendingEngine, raise_open_file_limit, serve
+from mlxcel.http.serve import PendingEngine, listen_urls, raise_open_file_limit, serve
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +44,12 @@ async def run_api_processes(
     sock: socket.socket,
     *,
     shutdown_trigger: Callable[[], Awaitable[None]],
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> bool:
     """Start ``config.api_processes`` API processes serving ``pending``'s engine on ``sock``; return once they
-    have exited, after ``shutdown_trigger`` returns (False) or when one of them ended on its own (True)."""
+    have exited, after ``shutdown_trigger`` returns (False) or when one of them ended on its own (True).
+
+    ``task_status.started`` receives the bound addresses, as ``serve``'s does."""
     # One store behind `previous_response_id` for all of them: a follow-up may reach any.
     kept = ResponseStore(max_entries=config.responses_store_entries, max_bytes=config.responses_store_bytes)
     processes: list[trio.Process] = []
@@ -64,7 +66,7 @@ async def run_api_processes(
                 stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
                 await stream.send_all(frame([("config", config)]))
                 links.start_soon(EngineLink(f"api{index}-", kept).run, stream, pending.wait)
-            task_status.started()
+            task_status.started(listen_urls(sock))
             async with trio.open_nursery() as watch:
                 for process in processes:
                     watch.start_soon(_end_if_exits, process, ended, watch.cancel_scope)

@@ -50,6 +50,7 @@ from mlxcel.engine import EngineHandle
 from mlxcel.errors import InvalidRequest, ServerBusy
 from mlxcel.http.app import create_app
 from mlxcel.http.guards import trusted_hosts_for
+from mlxcel.http.responses import ResponseKeeper
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,11 @@ def bind_socket(host: str, port: int, backlog: int = 1024) -> socket.socket:
         raise
     sock.setblocking(False)
     return sock
+
+
+def listen_urls(sock: socket.socket) -> list[str]:
+    """The addresses a listening socket serves, as ``serve``'s ``task_status`` reports them."""
+    return [f"http://{repr_socket_addr(sock.family, sock.getsockname())}"]
 
 
 def raise_open_file_limit() -> int:
@@ -462,7 +468,7 @@ async def serve(
     *,
     sock: socket.socket | None = None,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
-    responses_for: Callable[[EngineHandle], Any] | None = None,
+    responses_for: Callable[[EngineHandle], ResponseKeeper] | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``engine`` as ``config`` says (None: the defaults) until ``shutdown_trigger`` returns or the
@@ -488,7 +494,7 @@ async def serve(
     hypercorn_config.set_statsd_logger_class(StatsdLogger)
     sock = sock if sock is not None else bind_socket(config.host, config.port)
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
-    binds = [f"http://{repr_socket_addr(sock.family, sock.getsockname())}"]
+    binds = listen_urls(sock)
     pending = engine if isinstance(engine, PendingEngine) else None
     guard = _Guard(config.body_timeout)
     context = WorkerContext(None)

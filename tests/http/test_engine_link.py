@@ -20,7 +20,6 @@ from mlxcel.errors import ContextExceeded, InvalidRequest, MlxcelError, ServerBu
 from mlxcel.http.engine_link import (
     EngineLink,
     FrameReader,
-    LinkClosed,
     LinkSink,
     RemoteEngine,
     RemoteResponses,
@@ -31,6 +30,7 @@ from mlxcel.model.family import detect_family
 from mlxcel.model.info import ModelInfo
 from mlxcel.types import ChatRequest, CompletionRequest, Delta, ImageSource, TokenLogprob, Usage
 from tests.fakes import FakeTokenizer
+from tests.support import linked_engine, wait_until
 
 BUFFER_EVENTS = 4
 
@@ -87,30 +87,11 @@ def prompt(text: str = "hi") -> CompletionRequest:
 
 
 async def linked(nursery: trio.Nursery, engine: ScriptedEngine, store: ResponseStore | None = None,
-                 ) -> tuple[RemoteEngine, trio.CancelScope]:
-    """A RemoteEngine linked to ``engine``; cancelling the returned scope closes the engine's end."""
-    engine_end, api_end = trio.testing.memory_stream_pair()
-
-    async def ready() -> ScriptedEngine:
-        return engine
-
-    engine_scope = trio.CancelScope()
-
-    async def run_engine_end() -> None:
-        with engine_scope:
-            await EngineLink("api7-", store or ResponseStore(max_entries=8, max_bytes=1 << 20)).run(engine_end, ready)
-        await engine_end.aclose()
-
-    nursery.start_soon(run_engine_end)
-    reader = FrameReader(api_end)
-    remote = RemoteEngine(await RemoteEngine.handshake(reader))
-
-    async def run_api_end(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        with pytest.raises(LinkClosed):
-            await remote.run(api_end, reader, task_status=task_status)
-
-    await nursery.start(run_api_end)
-    return remote, engine_scope
+                 ) -> tuple[RemoteEngine, trio.CancelScope, trio.Event]:
+    """A RemoteEngine linked to ``engine``, the scope that ends the engine's side, and the event of its link's
+    LinkClosed (tests.support.linked_engine)."""
+    return await linked_engine(nursery, engine, store or ResponseStore(max_entries=8, max_bytes=1 << 20),
+                               prefix="api7-")
 
 
 async def test_frames_survive_any_split_of_the_bytes() -> None:
@@ -127,7 +108,7 @@ async def test_frames_survive_any_split_of_the_bytes() -> None:
 async def test_the_handshake_carries_the_engine_facts() -> None:
     engine = ScriptedEngine()
     async with trio.open_nursery() as nursery:
-        remote, _ = await linked(nursery, engine)
+        remote, _, _ = await linked(nursery, engine)
         assert remote.model.model_id == "linked"
         assert remote.model_names == ("linked", "alias")
         assert remote.config.scheduler.client_buffer_events == BUFFER_EVENTS
@@ -140,7 +121,7 @@ async def test_deltas_cross_in_order_plain_and_whole() -> None:
     last = Delta(text="!", token_ids=(9,), finish_reason="stop", usage=usage,
                  logprobs=(TokenLogprob(token="!", logprob=-0.5, token_id=9),))
     async with trio.open_nursery() as nursery:
-        remote, _ = await linked(nursery, engine)
+        remote, _, _ = await linked(nursery, engine)
         async with remote.stream(prompt()) as deltas:
             await engine.submitted.wait()
             (request_id, sink), = engine.sinks.items()
@@ -159,12 +140,10 @@ async def test_deltas_cross_in_order_plain_and_whole() -> None:
 async def test_the_api_process_renders_and_the_engine_gets_the_prompt() -> None:
     engine = ScriptedEngine()
     async with trio.open_nursery() as nursery:
-        remote, _ = await linked(nursery, engine)
+        remote, _, _ = await linked(nursery, engine)
         remote.stream(prompt("hey"))
         remote.stream(chat("look", image=True))
-        with trio.fail_after(5):
-            while len(engine.rendered) < 2:
-                await trio.sleep(0.01)
+        await wait_until(lambda: len(engine.rendered) >= 2, seconds=5)
         assert engine.rendered["api7-0"].tokens == tuple(b"hey")
         assert engine.rendered["api7-1"] is None  # images: the engine's router fetches, places and renders
         nursery.cancel_scope.cancel()
@@ -175,15 +154,13 @@ async def test_huge_prompts_go_to_the_routers_lane_and_renders_waiting_are_bound
     engine.config = attrs.evolve(engine.config, scheduler=attrs.evolve(engine.config.scheduler,
                                                                         max_queued_requests=2))
     async with trio.open_nursery() as nursery:
-        remote, _ = await linked(nursery, engine)
+        remote, _, _ = await linked(nursery, engine)
         remote.stream(prompt("x" * (LARGE_PROMPT_CHARS + 1)))  # the router's large lane bounds these
         remote.stream(prompt("a"))
         remote.stream(prompt("b"))
         with pytest.raises(ServerBusy):  # two wait to render already: as a full router inbox, a 503
             remote.stream(prompt("c"))
-        with trio.fail_after(5):
-            while len(engine.rendered) < 3:
-                await trio.sleep(0.01)
+        await wait_until(lambda: len(engine.rendered) >= 3, seconds=5)
         assert engine.rendered["api7-0"] is None
         assert engine.rendered["api7-1"].tokens == tuple(b"a")
         remote.stream(prompt("d"))  # the renders are done: room again
@@ -193,7 +170,7 @@ async def test_huge_prompts_go_to_the_routers_lane_and_renders_waiting_are_bound
 async def test_a_request_the_template_refuses_never_reaches_the_engine() -> None:
     engine = ScriptedEngine()
     async with trio.open_nursery() as nursery:
-        remote, _ = await linked(nursery, engine)
+        remote, _, _ = await linked(nursery, engine)
         with pytest.raises(InvalidRequest, match="chat template"):  # the fake tokenizer has none
             await remote.stream(chat()).__anext__()
         await trio.sleep(0.1)
@@ -204,7 +181,7 @@ async def test_a_request_the_template_refuses_never_reaches_the_engine() -> None
 async def test_a_failure_is_raised_with_its_status() -> None:
     engine = ScriptedEngine()
     async with trio.open_nursery() as nursery:
-        remote, _ = await linked(nursery, engine)
+        remote, _, _ = await linked(nursery, engine)
         deltas = remote.stream(prompt())
         await engine.submitted.wait()
         sink = next(iter(engine.sinks.values()))
@@ -221,7 +198,7 @@ async def test_a_failure_is_raised_with_its_status() -> None:
 async def test_a_busy_engine_is_a_503_on_the_first_delta() -> None:
     engine = ScriptedEngine(busy=True)
     async with trio.open_nursery() as nursery:
-        remote, _ = await linked(nursery, engine)
+        remote, _, _ = await linked(nursery, engine)
         with pytest.raises(ServerBusy) as raised:
             await remote.stream(prompt()).__anext__()
         assert raised.value.status == 503
@@ -231,16 +208,14 @@ async def test_a_busy_engine_is_a_503_on_the_first_delta() -> None:
 async def test_closing_a_stream_early_cancels_the_request_and_the_sink() -> None:
     engine = ScriptedEngine()
     async with trio.open_nursery() as nursery:
-        remote, _ = await linked(nursery, engine)
+        remote, _, _ = await linked(nursery, engine)
         deltas = remote.stream(prompt())
         await engine.submitted.wait()
         (request_id, sink), = engine.sinks.items()
         sink.send_nowait(Delta(text="a"))
         assert (await deltas.__anext__()).text == "a"
         await deltas.aclose()
-        with trio.fail_after(5):
-            while not engine.cancelled:
-                await trio.sleep(0.01)
+        await wait_until(lambda: engine.cancelled, seconds=5)
         assert engine.cancelled == [request_id]
         with pytest.raises(trio.BrokenResourceError):  # the scheduler's send fails: it frees the sequence
             sink.send_nowait(Delta(text="b"))
@@ -250,15 +225,13 @@ async def test_closing_a_stream_early_cancels_the_request_and_the_sink() -> None
 async def test_a_client_that_falls_behind_its_buffer_is_cancelled() -> None:
     engine = ScriptedEngine()
     async with trio.open_nursery() as nursery:
-        remote, _ = await linked(nursery, engine)
+        remote, _, _ = await linked(nursery, engine)
         deltas = remote.stream(prompt())
         await engine.submitted.wait()
         (request_id, sink), = engine.sinks.items()
         for index in range(BUFFER_EVENTS + 1):  # one more than the client's buffer, none read
             sink.send_nowait(Delta(text=str(index)))
-        with trio.fail_after(5):
-            while not engine.cancelled:
-                await trio.sleep(0.01)
+        await wait_until(lambda: engine.cancelled, seconds=5)
         assert engine.cancelled == [request_id]
         received = [delta.text async for delta in deltas]
         assert received == [str(index) for index in range(BUFFER_EVENTS)]  # what fit, then the end
@@ -268,7 +241,7 @@ async def test_a_client_that_falls_behind_its_buffer_is_cancelled() -> None:
 async def test_calls_answer_or_raise_the_engines_error() -> None:
     engine = ScriptedEngine()
     async with trio.open_nursery() as nursery:
-        remote, _ = await linked(nursery, engine)
+        remote, _, _ = await linked(nursery, engine)
         assert await remote.render_prompt(chat(image=True)) == (1, 2, 3)  # the engine renders images
         assert await remote.count_prompt_tokens(chat(image=True)) == 3
         assert await remote.render_prompt(prompt("hi")) == (104, 105)  # the API process renders the rest
@@ -288,8 +261,8 @@ async def test_responses_are_kept_in_the_engines_store() -> None:
     engine = ScriptedEngine()
     store = ResponseStore(max_entries=8, max_bytes=1 << 20)
     async with trio.open_nursery() as nursery:
-        remote, _ = await linked(nursery, engine, store)
-        other, _ = await linked(nursery, engine, store)  # a second API process on the same engine
+        remote, _, _ = await linked(nursery, engine, store)
+        other, _, _ = await linked(nursery, engine, store)  # a second API process on the same engine
         kept = RemoteResponses(remote)
         assert await kept.put("owner", "resp_1", {"id": "resp_1"}, ({"type": "message"},), ())
         found = await RemoteResponses(other).get("owner", "resp_1")
@@ -304,12 +277,13 @@ async def test_responses_are_kept_in_the_engines_store() -> None:
 async def test_when_the_engine_goes_streams_end_and_calls_fail() -> None:
     engine = ScriptedEngine()
     async with trio.open_nursery() as nursery:
-        remote, engine_scope = await linked(nursery, engine)
+        remote, engine_scope, link_closed = await linked(nursery, engine)
         deltas = remote.stream(prompt())
         await engine.submitted.wait()
         engine_scope.cancel()
         with trio.fail_after(5):
             assert [delta async for delta in deltas] == []
+            await link_closed.wait()  # what ends an API process whose engine has gone
         with pytest.raises(ServerBusy):
             await remote.render_prompt(chat(image=True))
         with pytest.raises(ServerBusy):
@@ -328,14 +302,10 @@ async def test_when_an_api_process_goes_its_requests_are_cancelled() -> None:
         reader = FrameReader(api_end)
         await reader.receive()  # the facts
         await api_end.send_all(frame([("submit", "5", prompt(), None), ("submit", "6", prompt(), None)]))
-        with trio.fail_after(5):
-            while len(engine.sinks) < 2:
-                await trio.sleep(0.01)
+        await wait_until(lambda: len(engine.sinks) >= 2, seconds=5)
         engine.sinks["api0-5"].close()  # one finished before the process went
         await api_end.aclose()
-        with trio.fail_after(5):
-            while not engine.cancelled:
-                await trio.sleep(0.01)
+        await wait_until(lambda: engine.cancelled, seconds=5)
     assert engine.cancelled == ["api0-6"]
     with pytest.raises(trio.BrokenResourceError):
         engine.sinks["api0-6"].send_nowait(Delta(text="late"))
