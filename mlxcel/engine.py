@@ -32,10 +32,12 @@ from mlxcel.actors.messages import (
     RenderMetrics,
     RenderPrompt,
     RequestFailed,
+    RequestFinished,
     ResetCache,
     RouteRequest,
     RouterMsg,
     SchedulerStats,
+    StopRequest,
     StreamEvent,
     UseDiskTier,
 )
@@ -87,6 +89,8 @@ class DeltaStream:
         if isinstance(event, RequestFailed):
             self._finished = True
             raise event.error
+        # Sampled tokens go only to a caller that asked to process them (submit's edge_output).
+        assert isinstance(event, Delta)
         if event.finish_reason is not None:
             self._finished = True
         return event
@@ -223,13 +227,17 @@ class Engine(EngineHandle):
         return DeltaStream(self, request_id, receive)
 
     def submit(self, request: ChatRequest | CompletionRequest, request_id: str, events: EventSink,
-               rendered: RenderedPrompt | None = None) -> None:
+               rendered: RenderedPrompt | None = None, *, edge_output: bool = False) -> None:
         """Start a request whose events go to ``events`` (closed after the last); ServerBusy when the router's
         inbox is full (``events`` untouched). ``request_id`` must be unique among the requests in flight.
-        ``rendered``: the request's prompt as ``prompt_renderer`` renders it, done already (by an API process)."""
+        ``rendered``: the request's prompt as ``prompt_renderer`` renders it, done already (by an API process).
+        ``edge_output``: the caller processes the output itself: ``events`` gets the sampled tokens
+        (``SampledToken``) and the usage of the engine's last event, and the caller calls ``stop`` when a
+        stop string ends the reply and ``record_finished`` when it has (unless the first event is a ``Delta``:
+        then the engine processed it, as it does when it needs the reply's text)."""
         try:
             self._to_router.send_nowait(RouteRequest(request=request, request_id=request_id, events=events,
-                                                     rendered=rendered))
+                                                     rendered=rendered, edge_output=edge_output))
         except trio.WouldBlock:
             raise ServerBusy("the server is at capacity; retry shortly") from None
 
@@ -300,6 +308,21 @@ class Engine(EngineHandle):
         # When it cannot be sent, the closed event channel still frees the sequence at its next token.
         with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
             self._to_scheduler.send_nowait(CancelRequest(request_id=request_id))
+
+    def stop(self, request_id: str) -> None:
+        """A stop string ended a reply the caller processes (``submit``'s ``edge_output``)."""
+        try:
+            self._to_scheduler.send_nowait(StopRequest(request_id=request_id))
+        except trio.WouldBlock:
+            # The inbox is full: the reply then runs on to its end, unseen; cancelling frees it sooner.
+            self._cancel(request_id)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    def record_finished(self, finished: RequestFinished) -> None:
+        """A reply the caller processed has finished (``submit``'s ``edge_output``): for the metrics."""
+        with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            self._to_metrics.send_nowait(finished)
 
 
 def prompt_renderer(model: ModelInfo, config: EngineConfig, plan: CachePlan) -> PromptRenderer:

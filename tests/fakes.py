@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 import trio
 import trio.testing
+from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer
 from quart.typing import TestClientProtocol as Client
 
 from mlxcel.actors.device import ModelInfo
@@ -60,6 +61,10 @@ class FakeTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
+
+    @property
+    def detokenizer(self) -> NaiveStreamingDetokenizer:
+        return NaiveStreamingDetokenizer(self)
 
     def convert_ids_to_tokens(self, token_id: int) -> str:
         # Pieces are written in GPT-2's byte-to-character table, as byte-level BPE vocabularies are.

@@ -29,7 +29,7 @@ from mlxcel.core.effects import (
     ShedCache as ShedCache,
     SnapshotRestoreFailed as SnapshotRestoreFailed,
 )
-from mlxcel.core.plan import DiskWrite, GrammarWork, KVHandle, SpeculationWork, StepPlan, StepResult
+from mlxcel.core.plan import DiskWrite, GrammarWork, KVHandle, SampledToken, SpeculationWork, StepPlan, StepResult
 from mlxcel.core.scheduler import NewRequest, WarmSession as WarmSession
 from mlxcel.disk.index import DiskPlan, SnapshotName
 from mlxcel.errors import MlxcelError
@@ -48,6 +48,8 @@ class RouteRequest:
     events: EventSink = attrs.field(repr=False)
     # The prompt rendered already (an API process renders its own requests); None: the router renders it.
     rendered: RenderedPrompt | None = attrs.field(default=None, repr=False)
+    # The sender processes the output itself (NewRequest.edge_output).
+    edge_output: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -105,6 +107,13 @@ class CancelRequest:
 
 
 @attrs.frozen(kw_only=True)
+class StopRequest:
+    """The edge found a stop string in a reply it processes (NewRequest.edge_output): end it, donating."""
+
+    request_id: str
+
+
+@attrs.frozen(kw_only=True)
 class GetSchedulerStats:
     reply_to: trio.MemorySendChannel[SchedulerStats] = attrs.field(repr=False)
 
@@ -119,7 +128,8 @@ class RequestFailed:
     error: MlxcelError
 
 
-StreamEvent = Delta | RequestFailed
+# SampledToken: only to an edge that processes the output itself (NewRequest.edge_output).
+StreamEvent = Delta | RequestFailed | SampledToken
 
 
 class EventSink(Protocol):

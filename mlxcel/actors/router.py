@@ -326,6 +326,7 @@ class RouterActor:
             more_pending=self.inbox.statistics().current_buffer_used > 0 or self._num_in_flight > 1,
             retain_seconds=request.cache.retain_seconds if cache_context is not None else 0.0,
             vision=rendered.vision,
+            edge_output=message.edge_output,
         ), events=message.events)
 
 

@@ -48,6 +48,7 @@ from mlxcel.actors.messages import (
     SnapshotFound,
     SnapshotMissing,
     SnapshotOnDisk,
+    StopRequest,
     StreamEvent,
     SubmitRequest,
     WarmerMsg,
@@ -57,7 +58,7 @@ from mlxcel.actors.messages import (
 from mlxcel.config import SchedulerConfig
 from mlxcel.core.cache_plan import CACHE_OFF, CachePlan
 from mlxcel.core.effects import ReplyFinished, RequestFinished
-from mlxcel.core.plan import Capabilities, DiskRead, StepPlan, StepResult
+from mlxcel.core.plan import Capabilities, DiskRead, SampledToken, StepPlan, StepResult
 from mlxcel.core.scheduler import Hit, Lookup, LookupResult, Miss, OnDisk, SchedulerCore
 from mlxcel.errors import MlxcelError
 from mlxcel.types import Delta
@@ -65,7 +66,8 @@ from mlxcel.types import Delta
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-SchedulerMsg = SubmitRequest | CancelRequest | GetSchedulerStats | WarmSession | ReleasePayloads | WriteToDisk
+SchedulerMsg = (SubmitRequest | CancelRequest | StopRequest | GetSchedulerStats | WarmSession | ReleasePayloads
+                | WriteToDisk)
 
 # How long an idle device waits for requests the router says are right behind
 # the first one, so clients that arrive together are prefilled together; it
@@ -86,7 +88,7 @@ class _Channels:
     def __init__(self) -> None:
         self.events: dict[str, EventSink] = {}
 
-    def send(self, request_id: str, delta: Delta) -> bool:
+    def send(self, request_id: str, delta: Delta | SampledToken) -> bool:
         return self._send(request_id, delta)
 
     def fail(self, request_id: str, error: MlxcelError) -> None:
@@ -273,6 +275,8 @@ class SchedulerActor:
                 self.core.add(message.request, self._clients)
             case CancelRequest():
                 self.core.abort(message.request_id, self._clients, trio.current_time())
+            case StopRequest():
+                self.core.stop(message.request_id, self._clients, trio.current_time())
             case ReleasePayloads():
                 self.core.release(message.payloads)
             case WriteToDisk():

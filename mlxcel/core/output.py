@@ -385,7 +385,28 @@ def _reportable(logprob: float) -> float:
     return logprob if logprob > UNLIKELY_LOGPROB else UNLIKELY_LOGPROB
 
 
-class RequestOutput:
+class ReplyCounts:
+    """A reply's counts and times, for its usage."""
+
+    def __init__(self, *, prompt_tokens: int, submitted_at: float) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.cached_tokens = 0
+        self.submitted_at = submitted_at
+        self.first_token_at: float | None = None
+        self.completion_tokens = 0
+
+    def usage(self, now: float) -> Usage:
+        first_token_at = now if self.first_token_at is None else self.first_token_at
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+            prompt_seconds=first_token_at - self.submitted_at,
+            decode_seconds=now - first_token_at,
+        )
+
+
+class RequestOutput(ReplyCounts):
     """Detokenizing, stop strings, logprobs and usage of one reply."""
 
     def __init__(
@@ -403,11 +424,7 @@ class RequestOutput:
         self._sampling = sampling
         self._eos_token_ids = eos_token_ids
         self._matcher = StopMatcher(sampling.stop)
-        self.prompt_tokens = prompt_tokens
-        self.cached_tokens = 0
-        self.submitted_at = submitted_at
-        self.first_token_at: float | None = None
-        self.completion_tokens = 0
+        super().__init__(prompt_tokens=prompt_tokens, submitted_at=submitted_at)
         # Text decoded but held back because it may be the start of a stop string.
         self._held_text = ""
         # Ids of tokens whose text has not gone out yet.
@@ -481,16 +498,6 @@ class RequestOutput:
         return Delta(finish_reason=reason, usage=self.usage(now), token_ids=tuple(self._pending_ids),
                      stop_string=stop_string)
 
-    def usage(self, now: float) -> Usage:
-        first_token_at = now if self.first_token_at is None else self.first_token_at
-        return Usage(
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            cached_tokens=self.cached_tokens,
-            prompt_seconds=first_token_at - self.submitted_at,
-            decode_seconds=now - first_token_at,
-        )
-
     def _sent_logprobs(self, *, stopped: bool, finished: bool) -> tuple[TokenLogprob, ...]:
         """The logprobs of tokens whose text went out (some of it), in order.
 
@@ -519,3 +526,30 @@ class RequestOutput:
                 top_ids=tuple(tid for tid, _ in top),
             ),
         )
+
+
+class TokenRelay(ReplyCounts):
+    """A reply whose output is processed at the edge (an API process): the core only counts its tokens.
+
+    The sampled tokens go out as they are; the edge runs a ``RequestOutput``
+    on them, and tells the engine when a stop string ends the reply there
+    (``SchedulerCore.stop``). Counts here include what the device sampled
+    after a stop string the edge found a step late; the edge reports the
+    reply's own counts.
+    """
+
+    def __init__(self, *, eos_token_ids: frozenset[int], prompt_tokens: int, submitted_at: float) -> None:
+        super().__init__(prompt_tokens=prompt_tokens, submitted_at=submitted_at)
+        self._eos_token_ids = eos_token_ids
+        # The text is the edge's: a warmer that needs it keeps output processing in the engine.
+        self.text = ""
+
+    def count(self, token: int, finish_reason: str | None, now: float) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = now
+        if not (finish_reason == "stop" and token in self._eos_token_ids):
+            self.completion_tokens += 1
+
+    def final(self, reason: str, now: float) -> Delta:
+        """The engine's last event: its reason and usage (the edge takes ``cached_tokens`` from it)."""
+        return Delta(finish_reason=reason, usage=self.usage(now))

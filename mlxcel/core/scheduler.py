@@ -48,7 +48,7 @@ from mlxcel.core.effects import (
     ShedCache,
     SnapshotRestoreFailed,
 )
-from mlxcel.core.output import ReplyFormat, RequestOutput
+from mlxcel.core.output import ReplyFormat, RequestOutput, TokenRelay
 from mlxcel.core.placement import AlonePrefill, Pending, Placement, shares_a_pass, snapshot_points
 from mlxcel.core.plan import (
     AloneChunk,
@@ -103,6 +103,9 @@ class NewRequest:
     retain_seconds: float = 0.0
     # The request's images (mlxcel.vision.processing.VisionInputs; its `end` is past the last image token).
     vision: Any = attrs.field(default=None, repr=False)
+    # The edge (an API process) processes the output: the sampled tokens go out as they are (TokenRelay), unless
+    # the engine needs the reply's text itself (the warmer).
+    edge_output: bool = False
 
 
 # --- cache lookups the core asks for ---------------------------------------------------
@@ -152,8 +155,9 @@ LookupResult = Hit | Miss | OnDisk
 class Clients(Protocol):
     """Where a request's events go; the core never sees a channel."""
 
-    def send(self, request_id: str, delta: Delta) -> bool:
-        """Deliver a delta now; False: the client is gone or too slow (the request is then cancelled)."""
+    def send(self, request_id: str, delta: Delta | SampledToken) -> bool:
+        """Deliver a delta (or, to an edge that processes the output, a sampled token) now; False: the client
+        is gone or too slow (the request is then cancelled)."""
 
     def fail(self, request_id: str, error: MlxcelError) -> None: ...
 
@@ -167,7 +171,7 @@ class Clients(Protocol):
 class _Running:
     request: NewRequest
     sequence_id: int
-    output: RequestOutput
+    output: RequestOutput | TokenRelay
     prompt_done: bool = False
     finished: bool = False
     # Its cache context's trie and session keys, computed once: a wave's admissions compare every pair.
@@ -288,6 +292,16 @@ class SchedulerCore:
         self._cancelled_early[request_id] = None
         while len(self._cancelled_early) > MAX_EARLY_CANCELS:
             self._cancelled_early.popitem(last=False)
+
+    def stop(self, request_id: str, clients: Clients, now: float) -> None:
+        """The edge found a stop string in a relayed reply: it ends as a stop string ends it here (donating).
+
+        Nothing happens if the reply ended meanwhile (the device finished it, or the client left).
+        """
+        sequence_id = self._sequence_of.get(request_id)
+        running = None if sequence_id is None else self._running.get(sequence_id)
+        if running is not None and not running.finished and type(running.output) is TokenRelay:
+            self._finish(running, clients, now, donate=True, reason="stop")
 
     def warm(self, job: WarmSession) -> None:
         """Queue a warm-up; it replaces a pending one of the same conversation (whose tokens it extends)."""
@@ -458,11 +472,16 @@ class SchedulerCore:
         if self._trace is not None and self._snapshots and request.cache_context is not None:
             self._trace_snapshot(request, found)
         sequence_id = self._new_sequence_id()
-        output = RequestOutput(tokenizer=self._tokenizer, sampling=request.sampling,
-                               eos_token_ids=self._eos_token_ids, prompt_tokens=len(request.prompt_tokens),
-                               submitted_at=now, keep_text=self._keep_reply_text,
-                               parsing=self._reply_format.parsing(request.chat, request.prompt_tokens),
-                               report_progress=request.chat is not None and request.chat.timings_per_token)
+        output: RequestOutput | TokenRelay
+        if request.edge_output and not self._keep_reply_text:
+            output = TokenRelay(eos_token_ids=self._eos_token_ids, prompt_tokens=len(request.prompt_tokens),
+                                submitted_at=now)
+        else:
+            output = RequestOutput(tokenizer=self._tokenizer, sampling=request.sampling,
+                                   eos_token_ids=self._eos_token_ids, prompt_tokens=len(request.prompt_tokens),
+                                   submitted_at=now, keep_text=self._keep_reply_text,
+                                   parsing=self._reply_format.parsing(request.chat, request.prompt_tokens),
+                                   report_progress=request.chat is not None and request.chat.timings_per_token)
         context = request.cache_context
         running = self._running[sequence_id] = _Running(
             request=request, sequence_id=sequence_id, output=output,
@@ -874,6 +893,13 @@ class SchedulerCore:
             self._finish(running, clients, now, donate=False, reason=None)
 
     def _on_token(self, running: _Running, token: SampledToken, clients: Clients, now: float) -> None:
+        if type(running.output) is TokenRelay:
+            running.output.count(token.token, token.finish_reason, now)
+            self._send(running, token, clients, now, on_device=token.finish_reason is None)
+            if token.finish_reason is not None and not running.finished:
+                self._finish(running, clients, now, donate=True, reason=token.finish_reason, on_device=False)
+            return
+        assert isinstance(running.output, RequestOutput)
         out = running.output.add(token.token, token.logprob, token.top_logprobs, token.finish_reason, now)
         if out.delta is not None:
             # A sequence the device finished with this token is no longer there to remove.
@@ -885,7 +911,8 @@ class SchedulerCore:
             self._finish(running, clients, now, donate=True, reason=out.finish_reason,
                          on_device=out.stopped_by_text)
 
-    def _send(self, running: _Running, delta: Delta, clients: Clients, now: float, *, on_device: bool = True) -> None:
+    def _send(self, running: _Running, delta: Delta | SampledToken, clients: Clients, now: float, *,
+              on_device: bool = True) -> None:
         if not clients.send(running.request.request_id, delta) and not running.finished:
             # The client is gone or too slow: free its sequence.
             self._num_cancelled += 1
@@ -919,13 +946,15 @@ class SchedulerCore:
             assert reason is not None
             usage, output = final.usage, running.output
             self._num_completed += 1
-            self._effects.append(RequestFinished(
-                finish_reason=final.finish_reason or reason, prompt_tokens=usage.prompt_tokens,
-                cached_tokens=usage.cached_tokens,
-                completion_tokens=usage.completion_tokens,
-                seconds_to_first_token=(None if output.first_token_at is None
-                                        else output.first_token_at - output.submitted_at),
-            ))
+            if type(output) is RequestOutput:
+                # A relayed reply's edge reports it, with the reply's own counts (Engine.record_finished).
+                self._effects.append(RequestFinished(
+                    finish_reason=final.finish_reason or reason, prompt_tokens=usage.prompt_tokens,
+                    cached_tokens=usage.cached_tokens,
+                    completion_tokens=usage.completion_tokens,
+                    seconds_to_first_token=(None if output.first_token_at is None
+                                            else output.first_token_at - output.submitted_at),
+                ))
             if context is not None and self._snapshots:
                 # Only snapshot families have a next turn to warm.
                 self._effects.append(ReplyFinished(

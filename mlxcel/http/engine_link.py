@@ -13,15 +13,28 @@ one frame, so a decode step's deltas for one API process cross in one
 write. Pickle is safe here because both ends are this program, started by
 the engine's process over a socket pair no one else holds.
 
+Output processing (detokenizing, stop strings, reasoning and tool-call
+parsing, logprobs) runs in the API process for the requests it rendered,
+as vLLM's output processor runs in its API server: the engine's loop only
+counts and forwards the sampled tokens. A stop string found here ends the
+reply in the engine one step late (``stop``); the tokens sampled meanwhile
+are dropped here, never sent.
+
 API process -> engine:
     ("submit", request_id, request, rendered)  a ChatRequest or CompletionRequest, and its prompt
-                                       rendered (a RenderedPrompt; None: the engine's router renders it)
+                                       rendered (a RenderedPrompt; None: the engine's router renders it); a
+                                       request rendered here has its output processed here too (below)
     ("cancel", request_id)             the client went away
+    ("stop", request_id)               a stop string ended the reply (output processed here)
+    ("finished", RequestFinished)      a reply processed here has finished, for the engine's metrics
     ("call", call_id, name, args, kwargs)  one of ENGINE_CALLS or RESPONSE_CALLS, answered by "answer"
 engine -> API process:
     ("ready", EngineFacts)             once, when the engine has loaded
     ("event", request_id, event)       a Delta or RequestFailed
     ("text", request_id, text, token_ids, reasoning)  a Delta with nothing else (most of a stream's)
+    ("tok", request_id, token, logprob, top_logprobs, finish_reason)  a sampled token of a reply whose
+                                       output this API process processes (then the last "event" is the
+                                       engine's usage, whose cached_tokens it takes)
     ("end", request_id)                no more events for it
     ("answer", call_id, ok, value)     the call's result, or the MlxcelError it raised
 """
@@ -29,6 +42,7 @@ engine -> API process:
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import pickle
@@ -42,6 +56,9 @@ from mlxcel.actors.messages import RequestFailed, SchedulerStats, StreamEvent
 from mlxcel.actors.router import LARGE_PROMPT_CHARS, MAX_CONCURRENT_ROUTES
 from mlxcel.config import EngineConfig
 from mlxcel.core.cache_plan import CachePlan
+from mlxcel.core.effects import RequestFinished
+from mlxcel.core.output import ReplyFormat, RequestOutput
+from mlxcel.core.plan import SampledToken
 from mlxcel.engine import DeltaStream, EngineHandle, prompt_renderer
 from mlxcel.errors import InternalError, MlxcelError, ServerBusy
 from mlxcel.http.responses import ResponseStore, StoredResponse
@@ -161,7 +178,10 @@ class LinkSink:
             raise trio.BrokenResourceError("the client cancelled")
         if self._open.get(self._request_id) is not self:
             raise trio.ClosedResourceError("closed")
-        if type(value) is Delta and _plain(value):
+        if type(value) is SampledToken:
+            self._outbox.put(("tok", self._request_id, value.token, value.logprob, value.top_logprobs,
+                              value.finish_reason))
+        elif type(value) is Delta and _plain(value):
             # Most deltas: a plain tuple pickles in 0.2 us where the attrs class takes 5 (CPU box).
             self._outbox.put(("text", self._request_id, value.text, value.token_ids, value.reasoning))
         else:
@@ -242,7 +262,8 @@ class EngineLink:
             _, request_id, request, rendered = message
             sink = self._sinks[request_id] = LinkSink(self._outbox, request_id, self._sinks)
             try:
-                self._engine.submit(request, self._prefix + request_id, sink, rendered)
+                self._engine.submit(request, self._prefix + request_id, sink, rendered,
+                                    edge_output=rendered is not None)
             except ServerBusy as error:
                 sink.send_nowait(RequestFailed(error=error))
                 sink.close()
@@ -251,6 +272,11 @@ class EngineLink:
             if cancelled is not None:
                 cancelled.cancelled = True
                 self._engine._cancel(self._prefix + message[1])
+        elif kind == "stop":
+            if message[1] in self._sinks:
+                self._engine.stop(self._prefix + message[1])
+        elif kind == "finished":
+            self._engine.record_finished(message[1])
         elif kind == "call":
             nursery.start_soon(self._answer, *message[1:])
         else:
@@ -277,6 +303,18 @@ class EngineLink:
 # --- the API process's side --------------------------------------------------------------------------------
 
 
+@attrs.define
+class _EdgeReply:
+    """A reply whose output this API process processes (it rendered the request)."""
+
+    # Made at its first sampled token (the engine processes the output itself when it needs the reply's text,
+    # and then sends deltas instead).
+    make_output: Callable[[], RequestOutput]
+    output: RequestOutput | None = None
+    # Why the reply ended, as its output found it (a stop string, the end of sequence, max_tokens).
+    reason: str | None = None
+
+
 class RemoteEngine(EngineHandle):
     """An engine in another process, as the HTTP app sees one. ``run`` carries its link."""
 
@@ -288,6 +326,8 @@ class RemoteEngine(EngineHandle):
         self._buffer_events = facts.config.scheduler.client_buffer_events
         self._outbox = Outbox()
         self._streams: dict[str, trio.MemorySendChannel[StreamEvent]] = {}
+        self._replies: dict[str, _EdgeReply] = {}
+        self._reply_format = ReplyFormat.of(facts.model.tokenizer)
         self._calls: dict[int, trio.MemorySendChannel[tuple[bool, Any]]] = {}
         self._request_ids = itertools.count()
         self._call_ids = itertools.count()
@@ -341,6 +381,7 @@ class RemoteEngine(EngineHandle):
             for events in self._streams.values():
                 events.close()
             self._streams.clear()
+            self._replies.clear()
             for reply in self._calls.values():
                 reply.close()
             self._calls.clear()
@@ -349,27 +390,73 @@ class RemoteEngine(EngineHandle):
 
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
-        if kind == "text" or kind == "event":
-            events = self._streams.get(message[1])
-            if events is None:
-                return
-            try:
-                events.send_nowait(message[2] if kind == "event" else Delta(
-                    text=message[2], token_ids=message[3], reasoning=message[4]))
-            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-                # The client reads too slowly or has gone: the request is cancelled, as in one process.
-                self._cancel(message[1])
+        if kind == "tok":
+            self._on_token(*message[1:])
+        elif kind == "text":
+            self._deliver(message[1], Delta(text=message[2], token_ids=message[3], reasoning=message[4]))
+        elif kind == "event":
+            request_id, event = message[1], message[2]
+            reply = self._replies.get(request_id)
+            if reply is not None and reply.output is not None and type(event) is Delta:
+                self._finish(request_id, reply, event)
+            else:
+                self._deliver(request_id, event)
         elif kind == "end":
+            self._replies.pop(message[1], None)
             events = self._streams.pop(message[1], None)
             if events is not None:
                 events.close()
         elif kind == "answer":
-            reply = self._calls.pop(message[1], None)
-            if reply is not None:
-                with reply:
-                    reply.send_nowait((message[2], message[3]))
+            answer_to = self._calls.pop(message[1], None)
+            if answer_to is not None:
+                with answer_to:
+                    answer_to.send_nowait((message[2], message[3]))
         else:
             logger.error("unexpected message from the engine: %r", kind)
+
+    def _deliver(self, request_id: str, event: StreamEvent) -> bool:
+        events = self._streams.get(request_id)
+        if events is None:
+            return False
+        try:
+            events.send_nowait(event)
+            return True
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            # The client reads too slowly or has gone: the request is cancelled, as in one process.
+            self._cancel(request_id)
+            return False
+
+    def _on_token(self, request_id: str, token: int, logprob: float, top: tuple[tuple[int, float], ...],
+                  finish_reason: str | None) -> None:
+        reply = self._replies.get(request_id)
+        if reply is None or reply.reason is not None:
+            return  # ended here by a stop string: what the engine sampled after it is not the reply's
+        if reply.output is None:
+            reply.output = reply.make_output()
+        out = reply.output.add(token, logprob, top, finish_reason, trio.current_time())
+        if out.delta is not None and not self._deliver(request_id, out.delta):
+            return
+        if out.finish_reason is not None:
+            reply.reason = out.finish_reason
+            if out.stopped_by_text and not self._outbox.closed:
+                self._outbox.put(("stop", request_id))
+
+    def _finish(self, request_id: str, reply: _EdgeReply, engine_final: Delta) -> None:
+        """The engine's last event of a relayed reply: the reply's own last delta goes out, and the engine's
+        metrics hear of it."""
+        output = reply.output
+        assert output is not None
+        assert engine_final.usage is not None
+        output.cached_tokens = engine_final.usage.cached_tokens
+        final = output.final(reply.reason or engine_final.finish_reason or "stop", trio.current_time())
+        assert final.usage is not None
+        assert final.finish_reason is not None
+        if self._deliver(request_id, final) and not self._outbox.closed:
+            self._outbox.put(("finished", RequestFinished(
+                finish_reason=final.finish_reason, prompt_tokens=final.usage.prompt_tokens,
+                cached_tokens=final.usage.cached_tokens, completion_tokens=final.usage.completion_tokens,
+                seconds_to_first_token=(None if output.first_token_at is None
+                                        else output.first_token_at - output.submitted_at))))
 
     def stream(self, request: ChatRequest | CompletionRequest) -> DeltaStream:
         request_id = str(next(self._request_ids))
@@ -387,12 +474,13 @@ class RemoteEngine(EngineHandle):
         self._streams[request_id] = send
         if renders_here:
             self._num_rendering += 1
-            self._nursery.start_soon(self._render_then_submit, request_id, request)
+            self._nursery.start_soon(self._render_then_submit, request_id, request, trio.current_time())
         else:
             self._outbox.put(("submit", request_id, request, None))
         return DeltaStream(self, request_id, receive)
 
-    async def _render_then_submit(self, request_id: str, request: ChatRequest | CompletionRequest) -> None:
+    async def _render_then_submit(self, request_id: str, request: ChatRequest | CompletionRequest,
+                                  submitted_at: float) -> None:
         try:
             rendered: RenderedPrompt | None = await trio.to_thread.run_sync(
                 self._renderer.render, request, limiter=self._renders)
@@ -408,9 +496,17 @@ class RemoteEngine(EngineHandle):
         finally:
             self._num_rendering -= 1
         if request_id in self._streams and not self._outbox.closed:  # not cancelled meanwhile
+            if rendered is not None:
+                chat = request if isinstance(request, ChatRequest) else None
+                self._replies[request_id] = _EdgeReply(make_output=functools.partial(
+                    RequestOutput, tokenizer=self.model.tokenizer, sampling=request.sampling,
+                    eos_token_ids=self.model.eos_token_ids, prompt_tokens=len(rendered.tokens),
+                    submitted_at=submitted_at, parsing=self._reply_format.parsing(chat, rendered.tokens),
+                    report_progress=chat is not None and chat.timings_per_token))
             self._outbox.put(("submit", request_id, request, rendered))
 
     def _cancel(self, request_id: str) -> None:
+        self._replies.pop(request_id, None)
         events = self._streams.pop(request_id, None)
         if events is not None:
             events.close()

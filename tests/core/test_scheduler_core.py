@@ -16,7 +16,7 @@ import pytest
 from mlxcel.cache.key import CacheContext
 from mlxcel.core import placement
 from mlxcel.core.cache_plan import CacheMode, CachePlan
-from mlxcel.core.effects import DonateSequence
+from mlxcel.core.effects import DonateSequence, RequestFinished
 from mlxcel.core.plan import (
     Capabilities,
     DetachedSequence,
@@ -502,6 +502,60 @@ def test_a_lookup_waits_for_the_kv_of_a_reply_ended_in_its_context() -> None:
         lookup = harness.core.next_lookup(0.0)
         assert lookup is not None
         assert lookup.tokens == tuple(range(12))
+
+
+def test_an_edge_that_processes_the_output_gets_the_sampled_tokens_and_ends_a_reply_by_stop() -> None:
+    """``edge_output`` (an API process processes the output): the core sends the sampled tokens as they are, and
+    the engine's last event carries its usage. A stop string the edge finds ends the reply as one found here
+    does: the device drops the sequence and donates its KV. The edge reports the finished reply to the metrics,
+    so the core does not."""
+    harness = Harness()
+    harness.core.add(NewRequest(request_id="r0", prompt_tokens=tuple(range(10)),
+                                sampling=SamplingParams(temperature=0.0, stop=("b",)), max_tokens=8,
+                                cache_context=CONTEXT, edge_output=True), harness.clients)
+    harness.step()
+    harness.step()
+    harness.step()
+    tokens = harness.clients.deltas["r0"]
+    assert [type(token) for token in tokens] == [SampledToken] * 3  # no text made here, no stop string found
+    assert [token.finish_reason for token in tokens] == [None] * 3
+    harness.core.stop("r0", harness.clients, 1.0)
+    final = harness.clients.deltas["r0"][-1]
+    assert isinstance(final, Delta)
+    assert final.finish_reason == "stop"
+    assert final.usage is not None
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (10, 3)
+    assert harness.core.schedule().removals == (Removal(sequence_id=0, donate=True),)
+    assert not [effect for effect in harness.core.take_effects() if isinstance(effect, RequestFinished)]
+    assert harness.core.statistics().num_completed == 1
+    harness.core.stop("r0", harness.clients, 2.0)  # ended already: nothing more happens
+    harness.core.stop("never-seen", harness.clients, 2.0)
+    assert harness.clients.deltas["r0"][-1] is final
+
+
+def test_a_relayed_reply_the_device_ends_sends_its_last_token_then_the_usage() -> None:
+    harness = Harness()
+    harness.core.add(NewRequest(request_id="r0", prompt_tokens=tuple(range(10)), sampling=GREEDY, max_tokens=3,
+                                cache_context=None, edge_output=True), harness.clients)
+    harness.run_until_idle()
+    *tokens, final = harness.clients.deltas["r0"]
+    assert [token.finish_reason for token in tokens] == [None, None, "length"]
+    assert final.finish_reason == "length"
+    assert final.usage.completion_tokens == 3
+
+
+def test_a_core_that_keeps_the_reply_text_processes_an_edge_request_itself() -> None:
+    """The warmer needs the reply's text, so a core keeping it makes deltas even when the edge could."""
+    core = SchedulerCore(Capabilities(prefill_step_size=16, context_size=4096), tokenizer=LetterTokenizer(),
+                         eos_token_ids=frozenset({999}), cache=CachePlan(mode=CacheMode.SNAPSHOTS),
+                         keep_reply_text=True)
+    harness = Harness()
+    harness.core = core
+    core.add(NewRequest(request_id="r0", prompt_tokens=tuple(range(10)), sampling=GREEDY, max_tokens=3,
+                        cache_context=None, edge_output=True), harness.clients)
+    harness.run_until_idle()
+    assert all(isinstance(delta, Delta) for delta in harness.clients.deltas["r0"])
+    assert "".join(delta.text for delta in harness.clients.deltas["r0"]) == "abb"
 
 
 def test_a_retaining_completion_donates_with_its_retention() -> None:

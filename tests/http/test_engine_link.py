@@ -16,6 +16,8 @@ from mlxcel.actors.messages import RequestFailed
 from mlxcel.actors.router import LARGE_PROMPT_CHARS
 from mlxcel.config import EngineConfig, SchedulerConfig
 from mlxcel.core.cache_plan import CACHE_OFF
+from mlxcel.core.effects import RequestFinished
+from mlxcel.core.plan import SampledToken
 from mlxcel.errors import ContextExceeded, InvalidRequest, MlxcelError, ServerBusy
 from mlxcel.http.engine_link import (
     EngineLink,
@@ -28,7 +30,7 @@ from mlxcel.http.engine_link import (
 from mlxcel.http.responses import ResponseStore
 from mlxcel.model.family import detect_family
 from mlxcel.model.info import ModelInfo
-from mlxcel.types import ChatRequest, CompletionRequest, Delta, ImageSource, TokenLogprob, Usage
+from mlxcel.types import ChatRequest, CompletionRequest, Delta, ImageSource, SamplingParams, TokenLogprob, Usage
 from tests.fakes import FakeTokenizer
 from tests.support import linked_engine, wait_until
 
@@ -50,17 +52,28 @@ class ScriptedEngine:
         self.sinks: dict[str, Any] = {}
         self.rendered: dict[str, Any] = {}
         self.cancelled: list[str] = []
+        self.stopped: list[str] = []
+        self.finished: list[RequestFinished] = []
+        self.edge_output: dict[str, bool] = {}
         self.submitted = trio.Event()
 
-    def submit(self, request: ChatRequest, request_id: str, events: Any, rendered: Any = None) -> None:
+    def submit(self, request: ChatRequest, request_id: str, events: Any, rendered: Any = None, *,
+               edge_output: bool = False) -> None:
         if self.busy:
             raise ServerBusy("full")
         self.sinks[request_id] = events
         self.rendered[request_id] = rendered
+        self.edge_output[request_id] = edge_output
         self.submitted.set()
 
     def _cancel(self, request_id: str) -> None:
         self.cancelled.append(request_id)
+
+    def stop(self, request_id: str) -> None:
+        self.stopped.append(request_id)
+
+    def record_finished(self, finished: RequestFinished) -> None:
+        self.finished.append(finished)
 
     async def render_prompt(self, request: ChatRequest) -> tuple[int, ...]:
         if request.messages[0]["content"] == "too long":
@@ -146,6 +159,60 @@ async def test_the_api_process_renders_and_the_engine_gets_the_prompt() -> None:
         await wait_until(lambda: len(engine.rendered) >= 2, seconds=5)
         assert engine.rendered["api7-0"].tokens == tuple(b"hey")
         assert engine.rendered["api7-1"] is None  # images: the engine's router fetches, places and renders
+        nursery.cancel_scope.cancel()
+
+
+def sampled(text: str, finish_reason: str | None = None) -> list[SampledToken]:
+    """The fake tokenizer's tokens of ``text`` (one a byte), as the device samples them."""
+    tokens = [SampledToken(sequence_id=0, token=byte, logprob=-0.5, top_logprobs=((byte, -0.5),))
+              for byte in text.encode()]
+    tokens[-1] = attrs.evolve(tokens[-1], finish_reason=finish_reason)
+    return tokens
+
+
+async def test_the_api_process_processes_the_output_of_what_it_rendered() -> None:
+    """The engine relays the sampled tokens of a request the API process rendered. The API process detokenizes
+    them, finds the stop string and tells the engine, drops what was sampled after it, and makes the last delta
+    from its own counts and the engine's cached tokens; the engine's metrics hear of the reply from it."""
+    engine = ScriptedEngine()
+    async with trio.open_nursery() as nursery:
+        remote, _, _ = await linked(nursery, engine)
+        stopped = remote.stream(CompletionRequest(prompt="hi", sampling=SamplingParams(stop=("lo",), logprobs=True)))
+        ended = remote.stream(CompletionRequest(prompt="hey"))
+        remote.stream(chat("look", image=True))
+        await wait_until(lambda: len(engine.sinks) == 3, seconds=5)
+        assert engine.edge_output == {"api7-0": True, "api7-1": True, "api7-2": False}
+        for token in sampled("hello"):
+            engine.sinks["api7-0"].send_nowait(token)
+        await wait_until(lambda: engine.stopped == ["api7-0"], seconds=5)
+        for token in sampled(" world"):  # sampled before the engine heard of the stop
+            engine.sinks["api7-0"].send_nowait(token)
+        engine.sinks["api7-0"].send_nowait(Delta(finish_reason="stop", usage=Usage(
+            prompt_tokens=2, completion_tokens=11, cached_tokens=1)))
+        engine.sinks["api7-0"].close()
+        for token in sampled("ok", finish_reason="length"):
+            engine.sinks["api7-1"].send_nowait(token)
+        engine.sinks["api7-1"].send_nowait(Delta(finish_reason="length", usage=Usage(
+            prompt_tokens=3, completion_tokens=2)))
+        engine.sinks["api7-1"].close()
+
+        received = [delta async for delta in stopped]
+        assert "".join(delta.text for delta in received) == "hel"
+        assert [entry.token for delta in received for entry in delta.logprobs] == ["h", "e", "l"]
+        final = received[-1]
+        assert (final.finish_reason, final.stop_string) == ("stop", "lo")
+        assert final.usage is not None
+        # The reply's tokens up to its stop string; the engine's cached tokens.
+        assert (final.usage.prompt_tokens, final.usage.completion_tokens, final.usage.cached_tokens) == (2, 5, 1)
+        received = [delta async for delta in ended]
+        assert "".join(delta.text for delta in received) == "ok"
+        assert received[-1].finish_reason == "length"
+        assert received[-1].usage.completion_tokens == 2
+
+        await wait_until(lambda: len(engine.finished) == 2, seconds=5)
+        assert engine.stopped == ["api7-0"]
+        assert [(f.finish_reason, f.prompt_tokens, f.cached_tokens, f.completion_tokens)
+                for f in engine.finished] == [("stop", 2, 1, 5), ("length", 3, 0, 2)]
         nursery.cancel_scope.cancel()
 
 

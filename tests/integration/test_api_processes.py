@@ -65,16 +65,65 @@ def greedy_stream(base_url: str) -> tuple[str, list[tuple[str, float, tuple[str,
     return "".join(text), tokens, usage
 
 
+def same_greedy_reply(reply: tuple[str, list[tuple[str, float, tuple[str, ...]]], dict[str, int]],
+                      expected: tuple[str, list[tuple[str, float, tuple[str, ...]]], dict[str, int]]) -> None:
+    text, tokens, usage = reply
+    assert (text, usage) == (expected[0], expected[2])
+    assert [(token, top) for token, _, top in tokens] == [(token, top) for token, _, top in expected[1]]
+    assert all(abs(a[1] - b[1]) < 1e-4 for a, b in zip(tokens, expected[1], strict=True))
+
+
+def stopped_reply(base_url: str, stop: str) -> tuple[str, str | None, int, list[str]]:
+    """A streamed greedy reply that ``stop`` ends: its text, finish reason, completion tokens, logprob tokens."""
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused")
+    text, finish, completion, tokens = [], None, -1, []
+    for chunk in client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=3000, temperature=0, stream=True, stop=[stop], logprobs=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    ):
+        if chunk.usage is not None:
+            completion = chunk.usage.completion_tokens
+        for choice in chunk.choices:
+            text.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+            if choice.logprobs is not None:
+                tokens.extend(entry.token for entry in choice.logprobs.content or [])
+    return "".join(text), finish, completion, tokens
+
+
+def requests_by_reason(base_url: str) -> dict[str, float]:
+    counts = {}
+    for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("mlxcel_requests_total{"):
+            counts[line.split('"')[1]] = float(line.split()[-1])
+    return counts
+
+
 def test_two_api_processes_answer_as_one_process_does() -> None:
     with mlxcel_serve() as (_process, one_url):
         expected = greedy_stream(one_url)
+        # A stop string from the middle of the greedy reply.
+        stop = expected[0][len(expected[0]) // 2:][:2]
+        expected_stopped = stopped_reply(one_url, stop)
+        assert expected_stopped[1] == "stop"
+        expected_bytes = httpx.get(f"{one_url}/v1/cache/stats", timeout=10).json()["bytes"]
     with mlxcel_serve("--api-processes", "2", "--metrics") as (process, base_url):
         assert len(children(process.pid)) == 2
+        # The API process processes the output: the stop string ends the reply where one process ends it, with
+        # the same counts, and its metrics count the reply as the API process saw it end.
+        same_greedy_reply(greedy_stream(base_url), expected)
+        assert stopped_reply(base_url, stop) == expected_stopped
+        deadline = time.monotonic() + 20
+        while running(base_url) != 0 or requests_by_reason(base_url) != {"length": 1.0, "stop": 1.0}:
+            assert time.monotonic() < deadline, (running(base_url), requests_by_reason(base_url))
+            time.sleep(0.1)
+        # The engine dropped the sequence a step or so after the stop string (not at max_tokens): the store holds
+        # about what one process's does.
+        stored = httpx.get(f"{base_url}/v1/cache/stats", timeout=10).json()["bytes"]
+        assert stored <= expected_bytes * 1.1
+
         for _ in range(4):  # new connections: whichever process the kernel hands each to
-            text, tokens, usage = greedy_stream(base_url)
-            assert (text, usage) == (expected[0], expected[2])
-            assert [(token, top) for token, _, top in tokens] == [(token, top) for token, _, top in expected[1]]
-            assert all(abs(a[1] - b[1]) < 1e-4 for a, b in zip(tokens, expected[1], strict=True))
+            same_greedy_reply(greedy_stream(base_url), expected)
 
         # The prompt cache is the engine's: the repeated prompt was a hit.
         stats = httpx.get(f"{base_url}/v1/cache/stats", timeout=10).json()
