@@ -309,15 +309,16 @@ class Engine(EngineHandle):
         with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
             self._to_scheduler.send_nowait(CancelRequest(request_id=request_id))
 
-    def stop(self, request_id: str) -> None:
-        """A stop string ended a reply the caller processes (``submit``'s ``edge_output``)."""
+    def stop(self, request_id: str) -> bool:
+        """A stop string ended a reply the caller processes (``submit``'s ``edge_output``); False: the scheduler's
+        inbox is full (the caller then closes the request's events, which cancels it at its next token)."""
         try:
             self._to_scheduler.send_nowait(StopRequest(request_id=request_id))
         except trio.WouldBlock:
-            # The inbox is full: the reply then runs on to its end, unseen; cancelling frees it sooner.
-            self._cancel(request_id)
+            return False
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
+        return True
 
     def record_finished(self, finished: RequestFinished) -> None:
         """A reply the caller processed has finished (``submit``'s ``edge_output``): for the metrics."""

@@ -273,8 +273,10 @@ class EngineLink:
                 cancelled.cancelled = True
                 self._engine._cancel(self._prefix + message[1])
         elif kind == "stop":
-            if message[1] in self._sinks:
-                self._engine.stop(self._prefix + message[1])
+            stopped = self._sinks.get(message[1])
+            if stopped is not None and not self._engine.stop(self._prefix + message[1]):
+                # The scheduler's inbox is full: the reply's next token finds its sink shut and cancels it.
+                stopped.cancelled = True
         elif kind == "finished":
             self._engine.record_finished(message[1])
         elif kind == "call":
@@ -398,11 +400,16 @@ class RemoteEngine(EngineHandle):
             request_id, event = message[1], message[2]
             reply = self._replies.get(request_id)
             if reply is not None and reply.output is not None and type(event) is Delta:
+                del self._replies[request_id]
                 self._finish(request_id, reply, event)
             else:
                 self._deliver(request_id, event)
         elif kind == "end":
-            self._replies.pop(message[1], None)
+            reply = self._replies.pop(message[1], None)
+            if reply is not None and reply.reason is not None and message[1] in self._streams:
+                # The engine cancelled a reply this process had ended (it could not be told of the stop string):
+                # its last delta comes from this process's counts alone.
+                self._finish(message[1], reply, None)
             events = self._streams.pop(message[1], None)
             if events is not None:
                 events.close()
@@ -441,14 +448,15 @@ class RemoteEngine(EngineHandle):
             if out.stopped_by_text and not self._outbox.closed:
                 self._outbox.put(("stop", request_id))
 
-    def _finish(self, request_id: str, reply: _EdgeReply, engine_final: Delta) -> None:
-        """The engine's last event of a relayed reply: the reply's own last delta goes out, and the engine's
-        metrics hear of it."""
+    def _finish(self, request_id: str, reply: _EdgeReply, engine_final: Delta | None) -> None:
+        """The engine's last event of a relayed reply (None: it has none): the reply's own last delta goes out,
+        and the engine's metrics hear of it."""
         output = reply.output
         assert output is not None
-        assert engine_final.usage is not None
-        output.cached_tokens = engine_final.usage.cached_tokens
-        final = output.final(reply.reason or engine_final.finish_reason or "stop", trio.current_time())
+        if engine_final is not None and engine_final.usage is not None:
+            output.cached_tokens = engine_final.usage.cached_tokens
+        engine_reason = engine_final.finish_reason if engine_final is not None else None
+        final = output.final(reply.reason or engine_reason or "stop", trio.current_time())
         assert final.usage is not None
         assert final.finish_reason is not None
         if self._deliver(request_id, final) and not self._outbox.closed:

@@ -53,6 +53,8 @@ class ScriptedEngine:
         self.rendered: dict[str, Any] = {}
         self.cancelled: list[str] = []
         self.stopped: list[str] = []
+        # False: stop finds the scheduler's inbox full.
+        self.stop_accepted = True
         self.finished: list[RequestFinished] = []
         self.edge_output: dict[str, bool] = {}
         self.submitted = trio.Event()
@@ -69,8 +71,9 @@ class ScriptedEngine:
     def _cancel(self, request_id: str) -> None:
         self.cancelled.append(request_id)
 
-    def stop(self, request_id: str) -> None:
+    def stop(self, request_id: str) -> bool:
         self.stopped.append(request_id)
+        return self.stop_accepted
 
     def record_finished(self, finished: RequestFinished) -> None:
         self.finished.append(finished)
@@ -213,6 +216,29 @@ async def test_the_api_process_processes_the_output_of_what_it_rendered() -> Non
         assert engine.stopped == ["api7-0"]
         assert [(f.finish_reason, f.prompt_tokens, f.cached_tokens, f.completion_tokens)
                 for f in engine.finished] == [("stop", 2, 1, 5), ("length", 3, 0, 2)]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_stop_the_engine_cannot_take_cancels_the_reply_and_the_client_still_gets_its_end() -> None:
+    """With the scheduler's inbox full, the engine's link shuts the reply's sink, so its next token cancels it;
+    the API process then ends the reply from its own counts."""
+    engine = ScriptedEngine()
+    engine.stop_accepted = False
+    async with trio.open_nursery() as nursery:
+        remote, _, _ = await linked(nursery, engine)
+        stopped = remote.stream(CompletionRequest(prompt="hi", sampling=SamplingParams(stop=("lo",))))
+        await wait_until(lambda: len(engine.sinks) == 1, seconds=5)
+        sink = engine.sinks["api7-0"]
+        for token in sampled("hello"):
+            sink.send_nowait(token)
+        await wait_until(lambda: engine.stopped == ["api7-0"], seconds=5)
+        with pytest.raises(trio.BrokenResourceError):  # the next token: the scheduler cancels the reply
+            sink.send_nowait(sampled(" ")[0])
+        sink.close()
+        received = [delta async for delta in stopped]
+        assert "".join(delta.text for delta in received) == "hel"
+        assert received[-1].finish_reason == "stop"
+        assert received[-1].usage.completion_tokens == 5
         nursery.cancel_scope.cancel()
 
 
