@@ -399,7 +399,8 @@ class RemoteEngine(EngineHandle):
         elif kind == "event":
             request_id, event = message[1], message[2]
             reply = self._replies.get(request_id)
-            if reply is not None and reply.output is not None and type(event) is Delta:
+            if (reply is not None and reply.output is not None and type(event) is Delta
+                    and event.finish_reason is not None):
                 del self._replies[request_id]
                 self._finish(request_id, reply, event)
             else:
