@@ -8,12 +8,13 @@
 #   one:   1B the same
 set -uo pipefail
 out=${1:-$OUT}; part=${2:-eight}
+tokens=${REPLY_TOKENS:-128}  # gpu_session50.sh: 256, as issue 28 measures
 source benchmarks/gpu_common.sh
 run() {  # SHAPE STREAMS LABEL API_PROCESSES [more decode_speed flags]
   local shape=$1 streams=$2 label=$3 processes=$4; shift 4
   echo "== $shape --api-processes $processes ($label)"
   PYTHONPATH=$PWD timeout 200 python3 -m benchmarks.decode_speed --model-path /root/models/$shape \
-    --streams $streams --reply-tokens 128 --skip-conversations --wave-rounds 3 --deadline-s 170 \
+    --streams $streams --reply-tokens $tokens --skip-conversations --wave-rounds 3 --deadline-s 170 \
     --mlxcel-args "--api-processes $processes" "$@" \
     --out $out/$label-$shape.json --server-timers $out/timers-$label-$shape.jsonl 2>&1 | show
   python3 benchmarks/serve_under_timers.py --summarize $out/timers-$label-$shape.jsonl $out/$label-$shape.json 2>&1 \
