@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # GPU, 2026-12-06: why the 8B step at 16 and 64 streams stays above the floor once the engine's loop is nearly
 # idle (--api-processes 2: 13-30 us of loop CPU a token). One machine session, in order:
-#   1. the server at 16 and 64 streams (256 tokens) with the phase timers and nvidia-smi's utilization beside
-#      them (is the GPU busy while the host builds the next step?);
-#   2. the executor alone at 16 and 64 rows against the floor (executor_decode.py: no actors, no HTTP);
-#   3. the server at 16 streams under the sampling profiler: where the device thread spends a step.
+#   1. the server at 16 and 64 streams (256 tokens) under the sampling profiler (where the device thread spends
+#      a step), nvidia-smi's utilization sampled beside it (is the GPU busy while the host builds a step?);
+#   2. the executor alone at 16 and 64 rows against the floor (executor_decode.py: no actors, no HTTP).
 # usage: bash benchmarks/gpu_session51.sh OUT [SHAPE]
 set -uo pipefail
 out=${1:-$OUT}; shape=${2:-llama-3.1-8b}
@@ -12,18 +11,28 @@ source benchmarks/gpu_common.sh
 s=$SECONDS; model $shape; echo "== $shape model ready in $((SECONDS - s)) s"
 nvidia-smi --query-gpu=timestamp,utilization.gpu --format=csv,noheader -lms 100 > $out/gpu.csv &
 smi=$!
-echo "== server, --api-processes 2, timers"
-timeout 200 python3 -m benchmarks.decode_speed --model-path /root/models/$shape --streams 16,64 --reply-tokens 256 \
-  --skip-wave --skip-conversations --floor-runs 1 --deadline-s 170 --mlxcel-args "--api-processes 2" \
-  --out $out/timed.json --server-timers $out/timers.jsonl 2>&1 | show
-kill $smi
-python3 benchmarks/serve_under_timers.py --summarize $out/timers.jsonl $out/timed.json $out/gpu.csv 2>&1 \
-  | grep "^64 streams\|^16 streams" | grep -o "^[0-9]* streams\|[0-9.]* ms between device steps\|[0-9.]* ms waiting in eval\|GPU utilization [^;]*"
-echo "== executor alone"
-timeout 150 python3 benchmarks/executor_decode.py --model-path /root/models/$shape --batches 16,64 --steps 64 2>&1 \
-  | grep "^|"
-echo "== server, --api-processes 2, 16 streams, sampled stacks"
-timeout 120 python3 -m benchmarks.decode_speed --model-path /root/models/$shape --streams 16 --reply-tokens 256 \
-  --skip-floor --skip-wave --skip-conversations --deadline-s 100 --mlxcel-args "--api-processes 2" \
+echo "== server, --api-processes 2, sampled stacks"
+timeout 150 python3 -m benchmarks.decode_speed --model-path /root/models/$shape --streams 16,64 --reply-tokens 256 \
+  --skip-floor --skip-wave --skip-conversations --deadline-s 120 --mlxcel-args "--api-processes 2" \
   --out $out/stacks.json --server-stacks $out/stacks.txt 2>&1 | show
-grep -A 45 "thread mlxcel-device" $out/stacks.txt | head -50
+kill $smi
+python3 - $out/stacks.json $out/gpu.csv <<'PY'
+import json, sys
+from datetime import datetime
+rounds = json.load(open(sys.argv[1]))["servers"]["mlxcel"]["streams"]
+samples = []
+for row in open(sys.argv[2]):
+    stamp, _, value = row.partition(",")
+    try:
+        samples.append((datetime.strptime(stamp.strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp(), float(value.strip().rstrip(" %"))))
+    except ValueError:
+        pass
+for level, row in rounds.items():
+    opened, closed = row["wall_window"]
+    inside = [value for moment, value in samples if opened <= moment <= closed]
+    print(f"{level} streams: GPU utilization mean {sum(inside) / max(1, len(inside)):.0f}% over {len(inside)} samples")
+PY
+grep -A 48 "thread mlxcel-device" $out/stacks.txt | head -52
+echo "== executor alone"
+timeout 120 python3 benchmarks/executor_decode.py --model-path /root/models/$shape --batches 16,64 --steps 48 2>&1 \
+  | grep "^|"
