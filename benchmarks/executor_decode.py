@@ -1,7 +1,12 @@
 """The executor's decode step on one thread, without actors: is the gap to the floor in the step or around it?
 
 Usage: python benchmarks/executor_decode.py --model-path DIR [--batches 1,16,64] [--steps 64] [--ragged on,off]
-       [--profile N]
+       [--serial] [--profile N]
+
+--serial: every step evaluated to the end before the next is built (no overlap), for the floor and the executor,
+split into the host's own work (building the graph, the executor's bookkeeping), queueing the kernels (inside
+``mx.async_eval``) and the wait for the device to finish them (an ``mx.eval`` right after): which of the three
+makes the executor's step longer than the floor's when both are pipelined.
 
 --profile N: after the table, cProfile N timed steps of the executor and of the floor at each batch size and
 print the functions with the most time of their own (MLX's calls count in their Python callers): where the
@@ -66,8 +71,11 @@ def executor_step_ms(executor: Any, info: Any, batch: int, steps: int, profile: 
             if count > 8:  # shapes built
                 timed += time.perf_counter() - started
                 inside += ran - started
-            if count == 8 and profile is not None:
-                profile.enable()
+            if count == 8:  # the queue and device counters cover the timed steps only
+                _async_eval_seconds[0] = 0.0
+                _serial_seconds.update(queue=0.0, device=0.0)
+                if profile is not None:
+                    profile.enable()
     if profile is not None:
         profile.disable()
     executor.reset()
@@ -77,20 +85,37 @@ def executor_step_ms(executor: Any, info: Any, batch: int, steps: int, profile: 
 _async_eval_seconds = [0.0]
 
 
-def _time_async_eval() -> None:
-    """Count the seconds spent inside ``mx.async_eval`` (every caller reads it from the module)."""
+# --serial: seconds inside mx.async_eval (queueing) and in the mx.eval that follows it (the device's work).
+_serial_seconds = {"queue": 0.0, "device": 0.0}
+
+
+def _time_async_eval(serial: bool = False) -> None:
+    """Count the seconds spent inside ``mx.async_eval`` (every caller reads it from the module); ``serial``: then
+    wait there for what it queued, counted apart."""
     import mlx.core as mx
 
-    original = mx.async_eval
+    original, evaluate = mx.async_eval, mx.eval
 
     def timed(*args: Any) -> Any:
         started = time.perf_counter()
         try:
             return original(*args)
         finally:
-            _async_eval_seconds[0] += time.perf_counter() - started
+            queued = time.perf_counter()
+            _async_eval_seconds[0] += queued - started
+            if serial:
+                _serial_seconds["queue"] += queued - started
+                evaluate(*args)
+                _serial_seconds["device"] += time.perf_counter() - queued
 
     mx.async_eval = timed
+
+
+def _serial_parts(total_ms: float, steps: int) -> str:
+    """``total_ms`` a step as host / queue / device ms (the counters reset)."""
+    queue, device = (1000 * _serial_seconds[key] / steps for key in ("queue", "device"))
+    _serial_seconds.update(queue=0.0, device=0.0)
+    return f"{total_ms:.2f} = {total_ms - queue - device:.2f} + {queue:.2f} + {device:.2f}"
 
 
 def _unmask_decode(ragged_attention: Any) -> None:
@@ -136,16 +161,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--ragged", default="on", help="the ragged decode kernel: on, off, or on,off (CUDA)")
     parser.add_argument("--profile", type=int, default=0, help="cProfile this many steps of each (0: none)")
+    parser.add_argument("--serial", action="store_true",
+                        help="no overlap: each step evaluated before the next is built, split into host, queue "
+                             "and device time")
     parser.add_argument("--unmasked-decode", action="store_true",
                         help="an experiment, not a correct step: one-token queries attend with no mask (MLX's "
                              "own kernel), as if no row had padding; what the mask and the ragged kernel cost")
     args = parser.parse_args()
-    _time_async_eval()
+    _time_async_eval(args.serial)
     loaded = load_model(args.model_path)
     batches = [int(value) for value in args.batches.split(",")]
-    print("| ragged kernel | B | floor ms | its async_eval ms | executor step ms | inside run_step ms "
-          "| its async_eval ms | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
+    if args.serial:
+        print("| ragged kernel | B | floor ms: host + queue + device | executor ms: host + queue + device | ratio |")
+        print("|---|---|---|---|---|")
+    else:
+        print("| ragged kernel | B | floor ms | its async_eval ms | executor step ms | inside run_step ms "
+              "| its async_eval ms | ratio |")
+        print("|---|---|---|---|---|---|---|---|")
     for ragged in args.ragged.split(","):
         from mlxcel.model import ragged_attention
 
@@ -158,9 +190,9 @@ def main() -> None:
                                 tokenizer=loaded.tokenizer)
         for batch in batches:
             executor_step_ms(executor, loaded, batch, 24)  # build the shapes
-            _async_eval_seconds[0] = 0.0
             step, inside = executor_step_ms(executor, loaded, batch, args.steps)
-            executor_async = 1000 * _async_eval_seconds[0] / args.steps
+            executor_parts = _serial_parts(step, args.steps - 8)
+            executor_async = 1000 * _async_eval_seconds[0] / (args.steps - 8)
             cache = make_prompt_cache(loaded.model)
             first = mx.argmax(loaded.model(mx.array([[10 + i for i in range(40)]] * batch), cache=cache)[:, -1],
                               axis=-1)
@@ -170,10 +202,15 @@ def main() -> None:
                 return mx.argmax(loaded.model(tokens[:, None], cache=cache)[:, -1, :], axis=-1)
 
             _async_eval_seconds[0] = 0.0
+            _serial_seconds.update(queue=0.0, device=0.0)
             floor = pipelined_step_ms(floor_step, first, args.steps)
             floor_async = 1000 * _async_eval_seconds[0] / (args.steps + 9)  # its 8 warm-up steps and the first
-            print(f"| {ragged} | {batch} | {floor:.2f} | {floor_async:.2f} | {step:.2f} | {inside:.2f} "
-                  f"| {executor_async:.2f} | {step / floor:.2f}x |", flush=True)
+            if args.serial:
+                print(f"| {ragged} | {batch} | {_serial_parts(floor, args.steps + 9)} | {executor_parts} "
+                      f"| {step / floor:.2f}x |", flush=True)
+            else:
+                print(f"| {ragged} | {batch} | {floor:.2f} | {floor_async:.2f} | {step:.2f} | {inside:.2f} "
+                      f"| {executor_async:.2f} | {step / floor:.2f}x |", flush=True)
             if args.profile:
                 import cProfile
 

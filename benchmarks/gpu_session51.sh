@@ -3,7 +3,9 @@
 # idle (--api-processes 2: 13-30 us of loop CPU a token). One machine session, in order:
 #   1. the server at 16 and 64 streams (256 tokens) under the sampling profiler (where the device thread spends
 #      a step), nvidia-smi's utilization sampled beside it (is the GPU busy while the host builds a step?);
-#   2. the executor alone at 16 rows against the floor (executor_decode.py: no actors, no HTTP).
+#   2. the executor alone against the floor, each step run to its end before the next (executor_decode.py
+#      --serial: no actors, no HTTP), split into host, queueing and device time: is the executor's step longer
+#      on the host or on the GPU?
 # usage: bash benchmarks/gpu_session51.sh OUT [SHAPE]
 set -uo pipefail
 out=${1:-$OUT}; shape=${2:-llama-3.1-8b}
@@ -33,6 +35,6 @@ for level, row in rounds.items():
     print(f"{level} streams: GPU utilization mean {sum(inside) / max(1, len(inside)):.0f}% over {len(inside)} samples")
 PY
 grep -A 48 "thread mlxcel-device" $out/stacks.txt | head -52
-echo "== executor alone"
-[ $SECONDS -lt 150 ] && timeout 60 python3 benchmarks/executor_decode.py --model-path /root/models/$shape --batches 16 --steps 48 2>&1 \
+echo "== executor alone, serial steps"
+[ $SECONDS -lt 200 ] && timeout 90 python3 benchmarks/executor_decode.py --model-path /root/models/$shape --batches 1,16,64 --steps 40 --serial 2>&1 \
   | grep "^|"
