@@ -1,7 +1,9 @@
 """The executor's decode step on one thread, without actors: is the gap to the floor in the step or around it?
 
 Usage: python benchmarks/executor_decode.py --model-path DIR [--batches 1,16,64] [--steps 64] [--ragged on,off]
-       [--serial] [--profile N]
+       [--serial] [--in-thread] [--profile N]
+
+--in-thread: the whole run (loading included) on a thread of its own, as the server's device thread runs.
 
 --serial: every step evaluated to the end before the next is built (no overlap), for the floor and the executor,
 split into the host's own work (building the graph, the executor's bookkeeping), queueing the kernels (inside
@@ -226,4 +228,13 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+    import threading
+
+    if "--in-thread" in sys.argv:  # everything on a thread of its own, as the server's device thread runs it
+        sys.argv.remove("--in-thread")
+        worker = threading.Thread(target=main, name="mlxcel-device")
+        worker.start()
+        worker.join()
+    else:
+        main()

@@ -6,6 +6,8 @@
 #   2. the executor alone against the floor, each step run to its end before the next (executor_decode.py
 #      --serial: no actors, no HTTP), split into host, queueing and device time: is the executor's step longer
 #      on the host or on the GPU?
+#   3. the executor alone, pipelined as served, on the main thread and then on a thread of its own (as the
+#      server's device thread): does the thread matter?
 # usage: bash benchmarks/gpu_session51.sh OUT [SHAPE]
 set -uo pipefail
 out=${1:-$OUT}; shape=${2:-llama-3.1-8b}
@@ -38,3 +40,8 @@ grep -A 48 "thread mlxcel-device" $out/stacks.txt | head -52
 echo "== executor alone, serial steps"
 [ $SECONDS -lt 200 ] && timeout 90 python3 benchmarks/executor_decode.py --model-path /root/models/$shape --batches 1,16,64 --steps 40 --serial 2>&1 \
   | grep "^|"
+echo "== executor alone, pipelined: main thread, then a thread of its own"
+for where in "" --in-thread; do
+  [ $SECONDS -lt 300 ] && timeout 90 python3 benchmarks/executor_decode.py --model-path /root/models/$shape --batches 16,64 --steps 40 $where 2>&1 \
+    | grep "^| on"
+done
