@@ -84,6 +84,14 @@ def stream_gaps(token_times: Sequence[float]) -> list[float]:
     return [later - earlier for earlier, later in zip(token_times, token_times[1:], strict=False)]
 
 
+def largest_gaps(streams: Sequence[Sequence[float]], opened: float, count: int = 5) -> list[dict[str, float]]:
+    """The ``count`` largest gaps between a stream's tokens: each with its length, the token it delayed (1 is a
+    stream's second token) and when that token came, in seconds after ``opened`` (the round's first send)."""
+    gaps = [(later - earlier, index + 1, later - opened)
+            for times in streams for index, (earlier, later) in enumerate(zip(times, times[1:], strict=False))]
+    return [{"gap_s": gap, "token": token, "at_s": at} for gap, token, at in sorted(gaps, reverse=True)[:count]]
+
+
 def median_gap(streams: Sequence[Sequence[float]]) -> float | None:
     """The per-token interval: the median of every stream's consecutive gaps, pooled over all streams."""
     return median([gap for times in streams for gap in stream_gaps(times)])
@@ -420,6 +428,7 @@ def streams_round(client: StreamClient, model: str, level: int, args: argparse.N
         "gap_p90_s": percentile(gaps, 0.9),
         "gap_p99_s": percentile(gaps, 0.99),
         "gap_max_s": max(gaps, default=None),
+        "largest_gaps": largest_gaps(times, min(result.sent for result in results)),
         # The wait between a stream's first and second token: where other streams' starts hold it up.
         "second_token_gap_median_s": median([t[1] - t[0] for t in times if len(t) > 1]),
         "aggregate_tokens_per_s": tokens / wall if wall > 0 else None,

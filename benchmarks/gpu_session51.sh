@@ -35,6 +35,8 @@ for level, row in rounds.items():
     opened, closed = row["wall_window"]
     inside = [value for moment, value in samples if opened <= moment <= closed]
     print(f"{level} streams: GPU utilization mean {sum(inside) / max(1, len(inside)):.0f}% over {len(inside)} samples")
+    print(f"{level} streams: largest gaps (ms, token, s into the round):",
+          ", ".join(f"{1000 * g['gap_s']:.0f} {g['token']} {g['at_s']:.2f}" for g in row.get("largest_gaps", [])))
 PY
 grep -A 48 "thread mlxcel-device" $out/stacks.txt | head -52
 echo "== executor alone, serial steps"

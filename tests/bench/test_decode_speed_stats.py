@@ -11,6 +11,7 @@ from benchmarks.decode_speed import (
     all_active_rate,
     combine_floors,
     format_table,
+    largest_gaps,
     median_gap,
     parse_stream,
     percentile,
@@ -27,6 +28,17 @@ def test_median_gap_pools_every_streams_gaps() -> None:
     assert median_gap(streams) == 1.0
     # The gap between two streams' tokens is never counted.
     assert median_gap([[0.0, 0.5], [100.0, 100.5]]) == 0.5
+
+
+def test_largest_gaps_name_the_token_they_delayed_and_when() -> None:
+    # Sent at 10.0; stream a waits 3 s before its third token, stream b 2 s before its second.
+    streams = [[11.0, 11.5, 14.5, 15.0], [12.0, 14.0]]
+    assert largest_gaps(streams, opened=10.0, count=2) == [
+        {"gap_s": 3.0, "token": 2, "at_s": 4.5},
+        {"gap_s": 2.0, "token": 1, "at_s": 4.0},
+    ]
+    assert len(largest_gaps(streams, opened=10.0)) == 4  # all there are, when fewer than count
+    assert largest_gaps([[1.0]], opened=0.0) == []
 
 
 def test_median_gap_without_two_tokens_in_any_stream() -> None:
