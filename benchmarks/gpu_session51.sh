@@ -8,7 +8,7 @@
 #      on the host or on the GPU?
 #   3. the executor alone, pipelined as served, on the main thread and then on a thread of its own (as the
 #      server's device thread): does the thread matter?
-# usage: bash benchmarks/gpu_session51.sh OUT [SHAPE]
+# usage: bash benchmarks/gpu_session51.sh OUT [SHAPE]   (about 250-500 s after the install; one call)
 set -uo pipefail
 out=${1:-$OUT}; shape=${2:-llama-3.1-8b}
 source benchmarks/gpu_common.sh
@@ -40,10 +40,10 @@ for level, row in rounds.items():
 PY
 grep -A 48 "thread mlxcel-device" $out/stacks.txt | head -52
 echo "== executor alone, serial steps"
-[ $SECONDS -lt 200 ] && timeout 90 python3 benchmarks/executor_decode.py --model-path /root/models/$shape --batches 1,16,64 --steps 40 --serial 2>&1 \
+[ $SECONDS -lt 300 ] && timeout 120 python3 benchmarks/executor_decode.py --model-path /root/models/$shape --batches 1,16,64 --steps 40 --serial 2>&1 \
   | grep "^|"
 echo "== executor alone, pipelined: main thread, then a thread of its own"
 for where in "" --in-thread; do
-  [ $SECONDS -lt 300 ] && timeout 90 python3 benchmarks/executor_decode.py --model-path /root/models/$shape --batches 16,64 --steps 40 $where 2>&1 \
+  [ $SECONDS -lt 420 ] && timeout 90 python3 benchmarks/executor_decode.py --model-path /root/models/$shape --batches 16,64 --steps 40 $where 2>&1 \
     | grep "^| on"
 done
