@@ -146,7 +146,26 @@ def _profiled(title: str, profile: Any, steps: int) -> None:
               f"{Path(filename).name}:{line}({name})")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-path", type=Path, required=True)
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--ragged", default="on", help="the ragged decode kernel: on, off, or on,off (CUDA)")
+    parser.add_argument("--profile", type=int, default=0, help="cProfile this many steps of each (0: none)")
+    parser.add_argument("--serial", action="store_true",
+                        help="no overlap: each step evaluated before the next is built, split into host, queue "
+                             "and device time")
+    parser.add_argument("--in-thread", action="store_true",
+                        help="the whole run (loading included) on a thread of its own, as the server's device "
+                             "thread runs")
+    parser.add_argument("--unmasked-decode", action="store_true",
+                        help="an experiment, not a correct step: one-token queries attend with no mask (MLX's "
+                             "own kernel), as if no row had padding; what the mask and the ragged kernel cost")
+    return parser.parse_args()
+
+
+def main(args: argparse.Namespace) -> None:
     from mlxcel.blas import load_optimized_blas_in_process
 
     load_optimized_blas_in_process()  # before MLX loads: on the CPU, the reference BLAS made a 64-row step 13x slower
@@ -157,19 +176,6 @@ def main() -> None:
     from mlxcel.model.executor import DeviceSettings, StepExecutor
     from mlxcel.model.loader import default_prefill_step_size, load_model
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-path", type=Path, required=True)
-    parser.add_argument("--batches", default="1,16,64")
-    parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--ragged", default="on", help="the ragged decode kernel: on, off, or on,off (CUDA)")
-    parser.add_argument("--profile", type=int, default=0, help="cProfile this many steps of each (0: none)")
-    parser.add_argument("--serial", action="store_true",
-                        help="no overlap: each step evaluated before the next is built, split into host, queue "
-                             "and device time")
-    parser.add_argument("--unmasked-decode", action="store_true",
-                        help="an experiment, not a correct step: one-token queries attend with no mask (MLX's "
-                             "own kernel), as if no row had padding; what the mask and the ragged kernel cost")
-    args = parser.parse_args()
     _time_async_eval(args.serial)
     loaded = load_model(args.model_path)
     batches = [int(value) for value in args.batches.split(",")]
@@ -228,13 +234,12 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import sys
     import threading
 
-    if "--in-thread" in sys.argv:  # everything on a thread of its own, as the server's device thread runs it
-        sys.argv.remove("--in-thread")
-        worker = threading.Thread(target=main, name="mlxcel-device")
+    arguments = parse_args()
+    if arguments.in_thread:
+        worker = threading.Thread(target=main, args=(arguments,), name="mlxcel-device")
         worker.start()
         worker.join()
     else:
-        main()
+        main(arguments)

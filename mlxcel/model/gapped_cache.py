@@ -49,6 +49,9 @@ class GappedBatchKVCache(BatchKVCache):
 
     # Per row, the buffer intervals [start, end) below ``_idx`` that hold none of the row's tokens.
     gaps: list[list[tuple[int, int]]]
+    # The gaps the mask's device bounds were made from, and those bounds (``_gap_bounds``).
+    _bounds_key: Any = None
+    _bounds: Any = None
 
     @classmethod
     def adopt(cls, cache: BatchKVCache) -> GappedBatchKVCache:
@@ -88,9 +91,6 @@ class GappedBatchKVCache(BatchKVCache):
         positions = mx.arange(self._idx + N)
         in_gap = mx.any((positions >= starts[..., None]) & (positions < ends[..., None]), axis=1)
         return mx.logical_and(mask, mx.logical_not(in_gap)[:, None, None, :])
-
-    _bounds_key: Any = None
-    _bounds: Any = None
 
     def _gap_bounds(self) -> tuple[Any, Any]:
         """(starts, ends): int32 (rows, most gaps in a row), padded with empty (0, 0) intervals; remade only
