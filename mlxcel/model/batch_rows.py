@@ -50,20 +50,25 @@ def take_rows(array: Any, rows: Sequence[int]) -> Any:
 
 def filter_by_slices(self: Any, batch_indices: Sequence[int]) -> None:
     """``BatchKVCache.filter``, with the keys and values kept by ``take_rows``."""
+    import mlx.core as mx
+
     rows = [int(row) for row in batch_indices]
     if self.keys is not None:
         self.keys = take_rows(self.keys, rows)
         self.values = take_rows(self.values, rows)
     self.offset = self.offset[rows]
-    self.left_padding = self.left_padding[rows]
+    # The kept padding worked out on the host and stored as a ready array: a gather on the device would queue
+    # behind the step mlx-lm has already started, and reading it back (here, and in every ``extract``) would
+    # wait for that step, leaving the device idle while the host builds the next one.
+    padding = self.left_padding.tolist()
+    kept = [padding[row] for row in rows]
     # As mlx-lm: shift left to drop the padding every remaining row has.
-    min_left_pad = min(self.left_padding.tolist()) if rows else 0
-    if min_left_pad > 0:
-        if self.keys is not None:
-            self.keys = self.keys[..., min_left_pad:, :]
-            self.values = self.values[..., min_left_pad:, :]
-        self._idx -= min_left_pad
-        self.left_padding -= min_left_pad
+    min_left_pad = min(kept) if rows else 0
+    if min_left_pad > 0 and self.keys is not None:
+        self.keys = self.keys[..., min_left_pad:, :]
+        self.values = self.values[..., min_left_pad:, :]
+    self._idx -= min_left_pad
+    self.left_padding = mx.array([value - min_left_pad for value in kept], dtype=self.left_padding.dtype)
 
 
 def install() -> bool:

@@ -41,6 +41,32 @@ from typing import Any
 from mlxcel.model import patches
 from mlxcel.model.grammar_masks import GrammarSequence, apply_masks, unpack_masks
 
+# Arrays evaluated with the next decode step (the finished rows' KV copies), keyed by the executor's step that
+# queued them. Queued alone while a step is in flight, they wait for it (on CUDA ``async_eval`` returns once
+# the kernels before it are done) and the device idles while the host then builds the next step.
+_riders: list[tuple[int, list[Any]]] = []
+
+
+def evaluate_with_next_step(arrays: list[Any], queued_at: int) -> None:
+    """Evaluate ``arrays`` in the next decode step's ``async_eval`` (``flush_older_than`` if no step runs)."""
+    _riders.append((queued_at, arrays))
+
+
+def flush_older_than(step_number: int) -> None:
+    """Queue the arrays that no decode step took since before ``step_number`` (or all, given a larger number)."""
+    import mlx.core as mx
+
+    stale = [array for queued_at, arrays in _riders if queued_at < step_number for array in arrays]
+    _riders[:] = [(queued_at, arrays) for queued_at, arrays in _riders if queued_at >= step_number]
+    if stale:
+        mx.async_eval(stale)
+
+
+def _take_riders() -> list[Any]:
+    taken = [array for _queued_at, arrays in _riders for array in arrays]
+    _riders.clear()
+    return taken
+
 
 def reads_logprobs(sampler: Any, fallback: Any) -> bool:
     """Whether ``sampler`` needs normalized logprobs: its own word for it, else yes unless it is the greedy fallback."""
@@ -117,7 +143,7 @@ def step(self: Any) -> tuple[list[int], list[Any]]:
     # evaluated where a request reads them: queued as rows, they were a slice and a reshape per row in every
     # step's graph (128 more nodes at 64 rows).
     self._next_logprobs = list(logprobs)
-    mx.async_eval(self._next_tokens, logprobs, token_context)
+    mx.async_eval(self._next_tokens, logprobs, token_context, _take_riders())
 
     if host_inputs is None:
         mx.eval(inputs)

@@ -35,6 +35,7 @@ from mlxcel.core.plan import (
     StepPlan,
     StepResult,
 )
+from mlxcel.model import batch_step
 from mlxcel.model.adapter_batches import AdapterBatches
 from mlxcel.model.adapters import AdapterSpec
 from mlxcel.model.grammar_masks import Grammars, mask_timeout
@@ -178,7 +179,7 @@ class StepExecutor:
         self._model = model
         # Process-wide patches of mlx-lm (only device threads run them): decode steps normalize the logits only
         # when a row reads them, and rows leave the batch by slices, not MLX's gather.
-        from mlxcel.model import batch_rows, batch_step
+        from mlxcel.model import batch_rows
 
         batch_step.install()
         batch_rows.install()
@@ -262,6 +263,7 @@ class StepExecutor:
 
     def reset(self) -> None:
         """Forget every sequence: a fresh generator, as after start-up."""
+        batch_step.flush_older_than(self._step_number + 1)
         self._generator.close()
         self._generator = AdapterBatches(self._make_generator, self._model, self._adapters)
         self._by_uid.clear()
@@ -299,7 +301,9 @@ class StepExecutor:
             self._report_direct(direct, started, report)
             self._report_decoded(generation_responses, report)
             self._report_prefilled(prompt_responses, report)
+            batch_step.flush_older_than(self._step_number)
         except Exception as error:  # noqa: BLE001 - reported to every sequence on the device
+            batch_step.flush_older_than(self._step_number + 1)
             return self._failed(plan, report, error)
         if report.prefill_tokens >= PREFILL_RATE_MIN_TOKENS:
             # The whole step over its prefill tokens: an over-estimate when it also decoded.
@@ -397,6 +401,7 @@ class StepExecutor:
     def _report_decoded(self, responses: list[Any], report: _Report) -> None:
         import mlx.core as mx
 
+        donated: list[Any] = []
         for response in responses:
             sequence = self._by_uid.get(response.uid)
             if sequence is None:
@@ -414,8 +419,13 @@ class StepExecutor:
                     item = _detach(sequence.sequence_id, response.prompt_cache, response.all_tokens,
                                    base=sequence.base, split_at=sequence.prompt_len, evaluate=False)
                     if item is not None:
-                        mx.async_eval(item.payload.arrays())
+                        donated.extend(item.payload.arrays())
                         report.detached.append(item)
+        if donated and self._by_uid:
+            # Copied with the next step (batch_step.py says why); run_step queues them if no step takes them.
+            batch_step.evaluate_with_next_step(donated, self._step_number)
+        elif donated:
+            mx.async_eval(donated)  # nothing left to decode: no step in flight to wait for
 
     def _report_prefilled(self, responses: list[Any], report: _Report) -> None:
         for response in responses:

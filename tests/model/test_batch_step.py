@@ -84,7 +84,8 @@ def test_the_step_queues_the_logprobs_matrix_not_an_array_per_row(monkeypatch: p
     monkeypatch.setattr(mx, "async_eval", recording)
     state = batch([None] * ROWS)
     batch_step.step(state)
-    ((tokens, matrix, context),) = queued
+    ((tokens, matrix, context, riders),) = queued
+    assert riders == []
     assert isinstance(matrix, mx.array)
     assert matrix.shape == (ROWS, VOCAB)
     assert context == []
@@ -92,6 +93,35 @@ def test_the_step_queues_the_logprobs_matrix_not_an_array_per_row(monkeypatch: p
     for e, row in enumerate(state._next_logprobs):
         assert np.array_equal(np.array(row), np.array(matrix[e]))
     assert tokens.tolist() == np.argmax(np.array(matrix), axis=-1).tolist()
+
+
+def test_finished_rows_copies_ride_with_the_next_step_and_stale_ones_are_flushed(monkeypatch: pytest.MonkeyPatch):
+    """A finished row's KV copy is queued with the next decode step (not alone, behind the step in flight);
+    one that no step took by the executor's next step is queued by itself, and nothing is queued twice."""
+    queued = []
+    real = mx.async_eval
+
+    def recording(*arrays):
+        queued.append(arrays)
+        return real(*arrays)
+
+    monkeypatch.setattr(mx, "async_eval", recording)
+    first, second = mx.arange(4) * 2, mx.arange(3) + 1
+    batch_step.evaluate_with_next_step([first], queued_at=7)
+    batch_step.flush_older_than(7)  # the same executor step: still waiting for a decode step
+    assert queued == []
+    batch_step.step(batch([None] * ROWS))
+    ((_tokens, _matrix, _context, riders),) = queued
+    assert [id(array) for array in riders] == [id(first)]
+    assert first.tolist() == [0, 2, 4, 6]
+
+    queued.clear()
+    batch_step.evaluate_with_next_step([second], queued_at=8)
+    batch_step.flush_older_than(9)  # a whole executor step went by without a decode step
+    assert [[id(array) for array in call[0]] for call in queued] == [[id(second)]]
+    batch_step.step(batch([None] * ROWS))
+    assert queued[-1][3] == []
+    assert second.tolist() == [1, 2, 3]
 
 
 GRAMMAR_VOCAB = 151646
