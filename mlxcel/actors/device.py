@@ -177,6 +177,7 @@ class DeviceActor:
                         # channel is the step's own, and Trio runs queued callbacks in order).
                         with contextlib.suppress(trio.RunFinishedError):
                             trio_token.run_sync_soon(_reply, reply_to, done)
+                        worker.after_reply()
                         if disk is not None:
                             disk.queue(disk_writes)  # behind the step, converted when idle
                         del reply_to, disk_writes, done

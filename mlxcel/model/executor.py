@@ -314,6 +314,11 @@ class StepExecutor:
                                grammar=self._grammars.take_work())
         return self._with_speculation(result)
 
+    def after_reply(self) -> None:
+        """The device thread has sent the step's result: queue the KV copies no decode step will carry."""
+        if not self._by_uid:
+            batch_step.flush_older_than(self._step_number + 1)
+
     def _with_speculation(self, result: StepResult) -> StepResult:
         """The step's share of the speculation counters (none: the result as it was)."""
         stats, seen = self.speculation_stats, self._speculation_seen
@@ -399,8 +404,6 @@ class StepExecutor:
                 report.detached.append(begun.donation)
 
     def _report_decoded(self, responses: list[Any], report: _Report) -> None:
-        import mlx.core as mx
-
         donated: list[Any] = []
         for response in responses:
             sequence = self._by_uid.get(response.uid)
@@ -421,11 +424,10 @@ class StepExecutor:
                     if item is not None:
                         donated.extend(item.payload.arrays())
                         report.detached.append(item)
-        if donated and self._by_uid:
-            # Copied with the next step (batch_step.py says why); run_step queues them if no step takes them.
+        if donated:
+            # Copied with the next decode step (batch_step.py says why); with no row left to decode, once the
+            # step's tokens are on their way (``after_reply``): queueing 64 rows' copies took 0.2 s on an H100.
             batch_step.evaluate_with_next_step(donated, self._step_number)
-        elif donated:
-            mx.async_eval(donated)  # nothing left to decode: no step in flight to wait for
 
     def _report_prefilled(self, responses: list[Any], report: _Report) -> None:
         for response in responses:

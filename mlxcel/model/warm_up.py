@@ -76,6 +76,7 @@ def warm_up(executor: StepExecutor, info: ModelInfo) -> float:
             assert core.next_lookup(0.0) is None
             plan = core.schedule()
             core.update(plan, executor.run_step(plan), clients, 0.0)
+            executor.after_reply()
     executor.settings = settings
     executor.reset()
     executor.prefill_seconds_per_token = executor.time_a_prefill_chunk()
