@@ -2,9 +2,8 @@
 # GPU, 2026-12-06 (stop 52): the finishing step once the copies of rows that end with nothing left to decode are
 # queued after the reply (StepExecutor.after_reply). finish_step_probe.py at 64 streams (the last step's ms and
 # profile; gpu_session52b.sh: 344 ms, 200 of them queueing the copies), then the server (--api-processes 2) at 16
-# and 64 streams of 256 tokens, the tree at the session's start (.before/: git archive 2b4f569) and this one,
-# alternating.
-# usage: bash benchmarks/gpu_session52d.sh OUT [SHAPE]   (about 300 s after the install)
+# and 64 streams of 256 tokens, this tree and the one at the session's start (.before/: git archive 2b4f569).
+# usage: bash benchmarks/gpu_session52d.sh OUT [SHAPE]   (about 150 s after the install)
 set -uo pipefail
 out=${1:-$OUT}; shape=${2:-llama-3.1-8b}
 source benchmarks/gpu_common.sh
@@ -26,4 +25,4 @@ for level, row in rounds.items():
           "(ms, token):", ", ".join(f"{1000 * g['gap_s']:.0f} {g['token']}" for g in row.get("largest_gaps", [])))
 PY
 }
-serve . after-1; serve .before before-1; serve . after-2; serve .before before-2
+serve . after; serve .before before
