@@ -44,6 +44,13 @@ COMPACT_AT_POSITIONS = 256
 COMPACT_AT_GAPS = 256
 
 
+# A gapped row's token positions as a device array, by (its gaps, its left padding, the buffer's end): every
+# layer's cache holds the same gaps, so the layers of a row extracted together share one (a wave of 64 finishing
+# rows of 32 layers made 2,048, each a host array copied over). Only the device thread extracts.
+ROW_POSITIONS_KEPT = 256
+_row_positions: dict[tuple[Any, ...], Any] = {}
+
+
 class GappedBatchKVCache(BatchKVCache):
     """mlx-lm's ``BatchKVCache`` with per-row gaps masked out (see the module's docstring)."""
 
@@ -138,8 +145,13 @@ class GappedBatchKVCache(BatchKVCache):
     def extract(self, idx: int) -> KVCache:
         if not self.gaps[idx]:
             return super().extract(idx)
-        padding = _ints(self.left_padding)[idx]
-        positions = mx.array(self._positions(idx, padding))
+        padding = int(np.asarray(self.left_padding)[idx])
+        key = (tuple(self.gaps[idx]), padding, self._idx)
+        positions = _row_positions.get(key)
+        if positions is None:
+            if len(_row_positions) >= ROW_POSITIONS_KEPT:
+                _row_positions.clear()
+            positions = _row_positions[key] = mx.array(self._positions(idx, padding))
         keys: Any = self.keys
         values: Any = self.values
         cache = KVCache()

@@ -137,3 +137,23 @@ def test_a_right_padding_roll_on_a_gapped_cache_compacts_first() -> None:
     rows_k = [np.concatenate([rows_k[0], keys[0, :, :1]], axis=1), np.concatenate([rows_k[1], keys[1]], axis=1)]
     rows_v = [np.concatenate([rows_v[0], keys[0, :, :1]], axis=1), np.concatenate([rows_v[1], keys[1]], axis=1)]
     _assert_rows(cache, rows_k, rows_v)
+
+
+def test_the_layers_of_a_row_share_its_positions_when_extracted() -> None:
+    """Every layer's cache holds the same gaps: the layers of a row read back with one positions array between
+    them (a finishing wave of 64 rows of 32 layers made 2,048), and each still reads back its own tokens."""
+    from mlxcel.model import gapped_cache
+
+    layers = []
+    for seed in (5, 6):
+        rng = np.random.default_rng(seed)
+        cache, rows_k, rows_v = _batch([3, 5, 4], np.random.default_rng(9))
+        cache = GappedBatchKVCache.adopt(cache)
+        _write(cache, rows_k, rows_v, width=3, kept=[1, 3, 2], rng=rng)
+        _write(cache, rows_k, rows_v, width=2, kept=[2, 0, 1], rng=rng)
+        layers.append((cache, rows_k, rows_v))
+    assert layers[0][0].gaps == layers[1][0].gaps and layers[0][0].has_gaps()
+    gapped_cache._row_positions.clear()
+    for cache, rows_k, rows_v in layers:
+        _assert_rows(cache, rows_k, rows_v)
+    assert len(gapped_cache._row_positions) == sum(1 for row in layers[0][0].gaps if row)
