@@ -152,7 +152,8 @@ def test_the_layers_of_a_row_share_its_positions_when_extracted() -> None:
         _write(cache, rows_k, rows_v, width=3, kept=[1, 3, 2], rng=rng)
         _write(cache, rows_k, rows_v, width=2, kept=[2, 0, 1], rng=rng)
         layers.append((cache, rows_k, rows_v))
-    assert layers[0][0].gaps == layers[1][0].gaps and layers[0][0].has_gaps()
+    assert layers[0][0].gaps == layers[1][0].gaps
+    assert layers[0][0].has_gaps()
     gapped_cache._row_positions.clear()
     for cache, rows_k, rows_v in layers:
         _assert_rows(cache, rows_k, rows_v)
