@@ -34,6 +34,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from mlxcel.model.batch_rows import RowView
+
 __all__ = ["GappedBatchKVCache", "from_shared_pass", "keep_written"]
 
 # A row's gaps are gathered away (``compact``) once every row has this many gap or left-padding positions
@@ -142,7 +144,7 @@ class GappedBatchKVCache(BatchKVCache):
         super().extend(other)
         self.gaps = mine + theirs
 
-    def extract(self, idx: int) -> KVCache:
+    def extract(self, idx: int) -> KVCache:  # a RowView (batch_rows.py) for a gapped row
         if not self.gaps[idx]:
             return super().extract(idx)
         padding = int(np.asarray(self.left_padding)[idx])
@@ -154,11 +156,9 @@ class GappedBatchKVCache(BatchKVCache):
             positions = _row_positions[key] = mx.array(self._positions(idx, padding))
         keys: Any = self.keys
         values: Any = self.values
-        cache = KVCache()
-        cache.keys = mx.contiguous(mx.take(keys[idx:idx + 1, :, :self._idx], positions, axis=2))
-        cache.values = mx.contiguous(mx.take(values[idx:idx + 1, :, :self._idx], positions, axis=2))
-        cache.offset = cache.keys.shape[2]
-        return cache
+        # Gathered piece by piece where it is stored (batch_rows.RowView): one gather a piece, not a gather
+        # of the whole row and a copy of each piece.
+        return RowView(keys[idx:idx + 1, :, :self._idx], values[idx:idx + 1, :, :self._idx], positions)
 
     def finalize(self) -> None:
         if self._right_padding is not None and self.has_gaps():

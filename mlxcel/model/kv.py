@@ -39,6 +39,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from mlxcel.model import kv_dequant
+from mlxcel.model.batch_rows import RowView
 
 
 @attrs.frozen
@@ -274,18 +275,21 @@ def detach(
         edges.insert(1, split_at)
     runs: list[list[tuple[mx.array, mx.array]]] = [[] for _ in edges[1:]]
     for cache in caches:
-        if type(cache) is not KVCache or cache.keys is None:
+        if not (type(cache) is KVCache or isinstance(cache, RowView)) or cache.keys is None:
             return None
         if cache.offset < num_tokens:
             return None
         if chosen_format.quantized and not chosen_format.fits(cache.keys.shape[-1]):
             chosen_format = EXACT  # head_dim not a multiple of the group: the engine warned at start-up
         for run, begin, end in zip(runs, edges, edges[1:], strict=False):
-            keys = cache.keys[..., begin:end, :]
-            values = cache.values[..., begin:end, :]
-            if keys.shape[2] != cache.keys.shape[2] and not chosen_format.quantized:
-                # A copy, so the piece owns its buffer instead of pinning the larger step-padded one.
-                keys, values = mx.contiguous(keys), mx.contiguous(values)
+            if isinstance(cache, RowView) and not chosen_format.quantized:
+                keys, values = cache.piece(begin, end)  # copied straight out of the batch's buffers
+            else:
+                keys = cache.keys[..., begin:end, :]
+                values = cache.values[..., begin:end, :]
+                if keys.shape[2] != cache.keys.shape[2] and not chosen_format.quantized:
+                    # A copy, so the piece owns its buffer instead of pinning the larger step-padded one.
+                    keys, values = mx.contiguous(keys), mx.contiguous(values)
             run.append((keys, values))
     segments = list(base.segments) if base is not None and start else []
     for run, begin, end in zip(runs, edges, edges[1:], strict=False):

@@ -16,6 +16,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
+from mlxcel.model.batch_rows import RowView
+
 SUPPORTED_LAYER_KINDS = (KVCache, RotatingKVCache, ArraysCache)
 
 
@@ -109,6 +111,11 @@ def _clone(cache: Any) -> Any:
         copy.keys, copy.values, copy.offset, copy._idx = cache.keys, cache.values, cache.offset, cache._idx
         return copy
     copy = KVCache()
+    if isinstance(cache, RowView):
+        # Views of a batch's buffers: copied, so that the snapshot does not pin the batch.
+        copy.keys, copy.values = cache.piece(0, cache.offset)
+        copy.offset = cache.offset
+        return copy
     copy.keys, copy.values, copy.offset = cache.keys, cache.values, cache.offset
     return copy
 
