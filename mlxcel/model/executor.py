@@ -178,7 +178,8 @@ class StepExecutor:
 
         self._model = model
         # Process-wide patches of mlx-lm (only device threads run them): decode steps normalize the logits only
-        # when a row reads them, and rows leave the batch by slices, not MLX's gather.
+        # when a row reads them, rows leave the batch by slices, not MLX's gather, and a row read back out of it
+        # is a view, each stored piece copied out of the batch once.
         from mlxcel.model import batch_rows
 
         batch_step.install()
