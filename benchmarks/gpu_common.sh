@@ -9,3 +9,27 @@ tok=/root/tokenizer; mkdir -p $tok
 [ -f $tok/tokenizer.json ] || { gunzip -c .tok/tokenizer.json.gz > $tok/tokenizer.json; cp .tok/tokenizer_config.json $tok/; }
 model() { [ -f /root/models/$1/model.safetensors ] || python3 benchmarks/make_bf16_model.py /root/models/$1 $1 $tok >/dev/null; }
 show() { grep "^|\|mlxcel:\|mlx_lm:\|every stream\|failed\|short"; }
+# serve_tree TREE TAG DECODE_SPEED_ARGS...: decode_speed against the server of TREE (. is this checkout; .before/ an
+# older one, carried), --api-processes 2, 256-token replies, $shape's model; its table, then each round's largest
+# gaps. SERVE_TIMEOUT (default 130 s) bounds it.
+serve_tree() {
+  local tree=$1 tag=$2; shift 2
+  echo "== $tag"
+  (cd $tree && PYTHONPATH=$PWD timeout ${SERVE_TIMEOUT:-130} python3 -m benchmarks.decode_speed \
+    --model-path /root/models/$shape --skip-floor --reply-tokens 256 --skip-conversations \
+    --mlxcel-args "--api-processes 2" --out $out/$tag.json "$@" 2>&1 | show)
+  python3 - $out/$tag.json <<'PY'
+import json, sys
+rounds = json.load(open(sys.argv[1]))["servers"]["mlxcel"]["streams"]
+for level, row in rounds.items():
+    print(f"{level} streams: max gap {1000 * row['gap_max_s']:.0f} ms, p99 {1000 * row['gap_p99_s']:.1f} ms; largest "
+          "(ms, token):", ", ".join(f"{1000 * g['gap_s']:.0f} {g['token']}" for g in row.get("largest_gaps", [])))
+PY
+}
+# finish_probe STREAMS: benchmarks/finish_step_probe.py on $shape, its slow and donating steps and the slowest one's profile.
+finish_probe() {
+  echo "== finish_step_probe, $1 streams"
+  timeout 100 python3 benchmarks/finish_step_probe.py /root/models/$shape --streams $1 --reply-tokens 256 --shown 1 \
+    > $out/probe-$1.txt 2>&1
+  grep -v "^\[trans\|llguidance\|^| [0-9]* | [0-9.]* | $1 | $1 | 0 | 0 | 0 |" $out/probe-$1.txt | head -30 | cut -c1-160
+}

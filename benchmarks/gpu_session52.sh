@@ -10,20 +10,9 @@ set -uo pipefail
 out=${1:-$OUT}; shape=${2:-llama-3.1-8b}
 source benchmarks/gpu_common.sh
 model $shape
-serve() {  # TREE TAG
-  echo "== $2"
-  (cd $1 && PYTHONPATH=$PWD timeout 130 python3 -m benchmarks.decode_speed --model-path /root/models/$shape \
-    --skip-floor --streams 1,16,64 --reply-tokens 256 --skip-conversations --wave-rounds 2 --deadline-s 110 \
-    --mlxcel-args "--api-processes 2" --out $out/$2.json 2>&1 | show)
-  python3 - $out/$2.json <<'PY'
-import json, sys
-rounds = json.load(open(sys.argv[1]))["servers"]["mlxcel"]["streams"]
-for level, row in rounds.items():
-    print(f"{level} streams: max gap {1000 * row['gap_max_s']:.0f} ms, p99 {1000 * row['gap_p99_s']:.1f} ms; largest "
-          "(ms, token):", ", ".join(f"{1000 * g['gap_s']:.0f} {g['token']}" for g in row.get("largest_gaps", [])))
-PY
-}
-serve . after-1; serve .before before-1; serve . after-2; serve .before before-2
+for run in ". after-1" ".before before-1" ". after-2" ".before before-2"; do
+  SERVE_TIMEOUT=130 serve_tree $run --streams 1,16,64 --wave-rounds 2 --deadline-s 110
+done
 echo "== floor"
 timeout 90 python3 -m benchmarks.decode_speed --model-path /root/models/$shape --streams 1,16,64 --skip-mlxcel \
   --floor-runs 1 --out $out/floor.json 2>&1 | show

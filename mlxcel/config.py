@@ -156,8 +156,9 @@ class EngineConfig:
     prompt_cache: PromptCacheConfig = PromptCacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     kv_events: KvEventsConfig = KvEventsConfig()
-    # Test-only fault hook: the device fails the step whose number is given,
-    # as an out-of-memory error when fail_out_of_memory is set.
+    # Test-only fault hook: the device fails the first step from this number on
+    # that runs a sequence (once), as an out-of-memory error when
+    # fail_out_of_memory is set.
     fail_step: int | None = None
     fail_out_of_memory: bool = False
 

@@ -54,6 +54,8 @@ def evaluate_with_next_step(arrays: list[Any], queued_at: int) -> None:
 
 def flush_older_than(step_number: int) -> None:
     """Queue the arrays that no decode step took since before ``step_number`` (or all, given a larger number)."""
+    if not _riders:
+        return  # every step but the few after rows finish
     import mlx.core as mx
 
     stale = [array for queued_at, arrays in _riders if queued_at < step_number for array in arrays]

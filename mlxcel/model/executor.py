@@ -243,6 +243,7 @@ class StepExecutor:
         self._alone: dict[int, _AlonePrefill] = {}
         self._alone_done: dict[int, Any] = {}
         self._step_number = 0
+        self._fault_injected = False  # fail_step's fault, once
         # Seconds a prefilled token costs, measured (None until measured): a disk hit reads from disk
         # only while that is faster than prefilling.
         self.prefill_seconds_per_token: float | None = None
@@ -352,7 +353,7 @@ class StepExecutor:
                 report.prefilling.append(plan.alone_chunk.sequence_id)
         if plan.alone_rest is not None:
             direct.append(self._start_direct(plan.alone_rest))
-        if self._settings.fail_step == self._step_number:
+        if self._fault_due(plan, direct):
             if self._settings.fail_out_of_memory:
                 raise RuntimeError(f"[malloc] injected out of memory at step {self._step_number}")
             raise RuntimeError(f"injected fault at step {self._step_number}")
@@ -368,6 +369,17 @@ class StepExecutor:
         prompt_responses, generation_responses = self._generator.next()
         report.prefill_tokens += self._generator.prompt_tokens() - prompt_tokens
         return prompt_responses, generation_responses
+
+    def _fault_due(self, plan: StepPlan, direct: list[_DirectStart]) -> bool:
+        """The test hook (``fail_step``): fail the first step from that number on that runs a sequence, once. A
+        step planned ahead can find its rows finished; failing it would fail no request."""
+        due = self._settings.fail_step
+        if due is None or self._step_number < due or self._fault_injected:
+            return False
+        if not (direct or plan.alone_chunk is not None or (plan.run_batch and self._by_uid)):
+            return False
+        self._fault_injected = True
+        return True
 
     def _failed(self, plan: StepPlan, report: _Report, error: Exception) -> StepResult:
         logger.exception("device step %d failed", self._step_number, exc_info=error)

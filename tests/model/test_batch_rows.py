@@ -68,7 +68,7 @@ def _copying_kernels(arrays: list[mx.array], tmp_path) -> int:
 def test_a_stored_row_is_copied_once_a_piece_and_holds_what_mlx_lm_reads_back(gapped, tmp_path):
     """A finished row's prompt and reply pieces come straight out of the batch's buffer, one copy (or gather) an
     array a piece, where mlx-lm's extract copied the whole row first (three kernels an array, 192 a row of a
-    32-layer model, each about 12 us of host time to queue on CUDA); the pieces hold the same values."""
+    32-layer model, about 16 us of host time each to queue on an H100); the pieces hold the same values."""
     from mlxcel.model.gapped_cache import GappedBatchKVCache, keep_written
     from mlxcel.model.kv import EXACT, detach, use_store_format
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from types import SimpleNamespace
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -71,17 +72,23 @@ def test_which_samplers_read_normalized_logprobs() -> None:
     assert batch_step.reads_logprobs(lambda logprobs: logprobs, greedy)  # a sampler it does not know: yes
 
 
-def test_the_step_queues_the_logprobs_matrix_not_an_array_per_row(monkeypatch: pytest.MonkeyPatch) -> None:
-    """mlx-lm queues each row's logprobs as an array of its own (a slice and a reshape a row in every step's
-    graph); here the rows are lazy views of the one matrix, and read back the same."""
-    queued = []
+@pytest.fixture
+def queued(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
+    """The arguments of every ``mx.async_eval`` call from here on (each still queued)."""
+    calls: list[tuple[Any, ...]] = []
     real = mx.async_eval
 
-    def recording(*arrays):
-        queued.append(arrays)
-        return real(*arrays)
+    def recording(*arrays: Any) -> None:
+        calls.append(arrays)
+        real(*arrays)
 
     monkeypatch.setattr(mx, "async_eval", recording)
+    return calls
+
+
+def test_the_step_queues_the_logprobs_matrix_not_an_array_per_row(queued) -> None:
+    """mlx-lm queues each row's logprobs as an array of its own (a slice and a reshape a row in every step's
+    graph); here the rows are lazy views of the one matrix, and read back the same."""
     state = batch([None] * ROWS)
     batch_step.step(state)
     ((tokens, matrix, context, riders),) = queued
@@ -95,17 +102,9 @@ def test_the_step_queues_the_logprobs_matrix_not_an_array_per_row(monkeypatch: p
     assert tokens.tolist() == np.argmax(np.array(matrix), axis=-1).tolist()
 
 
-def test_finished_rows_copies_ride_with_the_next_step_and_stale_ones_are_flushed(monkeypatch: pytest.MonkeyPatch):
+def test_finished_rows_copies_ride_with_the_next_step_and_stale_ones_are_flushed(queued):
     """A finished row's KV copy is queued with the next decode step (not alone, behind the step in flight);
     one that no step took by the executor's next step is queued by itself, and nothing is queued twice."""
-    queued = []
-    real = mx.async_eval
-
-    def recording(*arrays):
-        queued.append(arrays)
-        return real(*arrays)
-
-    monkeypatch.setattr(mx, "async_eval", recording)
     first, second = mx.arange(4) * 2, mx.arange(3) + 1
     batch_step.evaluate_with_next_step([first], queued_at=7)
     batch_step.flush_older_than(7)  # the same executor step: still waiting for a decode step
