@@ -11,11 +11,11 @@ model() { [ -f /root/models/$1/model.safetensors ] || python3 benchmarks/make_bf
 show() { grep "^|\|mlxcel:\|mlx_lm:\|every stream\|failed\|short"; }
 # serve_tree TREE TAG DECODE_SPEED_ARGS...: decode_speed against the server of TREE (. is this checkout; .before/ an
 # older one, carried), --api-processes 2, 256-token replies, $shape's model; its table, then each round's largest
-# gaps. SERVE_TIMEOUT (default 130 s) bounds it.
+# gaps. SERVE_TIMEOUT (default 130 s) bounds it; EXTRA_PATH goes first on the server's PYTHONPATH (a sitecustomize).
 serve_tree() {
   local tree=$1 tag=$2; shift 2
   echo "== $tag"
-  (cd $tree && PYTHONPATH=$PWD timeout ${SERVE_TIMEOUT:-130} python3 -m benchmarks.decode_speed \
+  (cd $tree && PYTHONPATH=${EXTRA_PATH:+$EXTRA_PATH:}$PWD timeout ${SERVE_TIMEOUT:-130} python3 -m benchmarks.decode_speed \
     --model-path /root/models/$shape --skip-floor --reply-tokens 256 --skip-conversations \
     --mlxcel-args "--api-processes 2" --out $out/$tag.json "$@" 2>&1 | show)
   python3 - $out/$tag.json <<'PY'

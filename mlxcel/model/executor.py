@@ -303,7 +303,8 @@ class StepExecutor:
             self._report_direct(direct, started, report)
             self._report_decoded(generation_responses, report)
             self._report_prefilled(prompt_responses, report)
-            batch_step.flush_older_than(self._step_number)
+            # Copies no decode step has taken for a while (the steps ran no batch, or too few to take them all).
+            batch_step.flush_older_than(self._step_number - batch_step.RIDER_SPREAD_STEPS + 1)
         except Exception as error:  # noqa: BLE001 - reported to every sequence on the device
             batch_step.flush_older_than(self._step_number + 1)
             return self._failed(plan, report, error)

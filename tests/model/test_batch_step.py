@@ -123,6 +123,32 @@ def test_finished_rows_copies_ride_with_the_next_step_and_stale_ones_are_flushed
     assert second.tolist() == [1, 2, 3]
 
 
+def test_a_wave_of_copies_is_spread_over_the_next_steps(queued, monkeypatch):
+    """More copies than a step's budget go a share a step, the oldest first, each group within
+    RIDER_SPREAD_STEPS steps; what is left when no step takes it is flushed, once."""
+    monkeypatch.setattr(batch_step, "RIDER_BUDGET", 2)
+    monkeypatch.setattr(batch_step, "RIDER_SPREAD_STEPS", 4)
+    wave = [mx.arange(3) + value for value in range(10)]  # a share of 3 a step
+    late = [mx.arange(3) - value for value in range(4)]  # a share of 1
+    batch_step.evaluate_with_next_step(wave, queued_at=1)
+    taken = []
+    for step in range(3):
+        if step == 1:
+            batch_step.evaluate_with_next_step(late, queued_at=2)
+        batch_step.step(batch([None] * ROWS))
+        taken.append([id(array) for array in queued[-1][3]])
+    assert taken == [[id(a) for a in wave[0:3]], [id(a) for a in wave[3:7]], [id(a) for a in wave[7:10] + late[:1]]]
+    queued.clear()
+    batch_step.flush_older_than(2)  # only groups queued before step 2
+    assert queued == []
+    batch_step.flush_older_than(3)
+    assert [[id(array) for array in call[0]] for call in queued] == [[id(a) for a in late[1:]]]
+    batch_step.step(batch([None] * ROWS))
+    assert queued[-1][3] == []
+    assert [array.tolist() for array in wave + late] == [[v, v + 1, v + 2] for v in range(10)] + [
+        [-v, 1 - v, 2 - v] for v in range(4)]
+
+
 GRAMMAR_VOCAB = 151646
 
 
