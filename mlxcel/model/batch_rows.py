@@ -35,7 +35,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from mlxcel.model import patches
+from mlxcel.model import patches, unpadded_decode
 
 __all__ = ["RowView", "extract_row", "filter_by_slices", "install", "runs", "take_rows", "uninstall"]
 
@@ -79,6 +79,7 @@ def filter_by_slices(self: Any, batch_indices: Sequence[int]) -> None:
         self.values = self.values[..., min_left_pad:, :]
     self._idx -= min_left_pad
     self.left_padding = mx.array([value - min_left_pad for value in kept], dtype=self.left_padding.dtype)
+    unpadded_decode.remember(self, [value - min_left_pad for value in kept])
 
 
 class RowView(KVCache):
@@ -112,7 +113,8 @@ class RowView(KVCache):
 
 def extract_row(self: Any, idx: int) -> Any:
     """``BatchKVCache.extract``: the row as a ``RowView`` over the batch's buffers, not a copy of it."""
-    padding = int(np.asarray(self.left_padding)[idx])
+    known = unpadded_decode.host_padding(self)
+    padding = known[idx] if known is not None else int(np.asarray(self.left_padding)[idx])
     keys = self.keys[idx:idx + 1, :, padding:self._idx]
     if keys.shape[1] == 1 or (padding == 0 and self._idx == self.keys.shape[2]):
         # The slice would be row-contiguous: a contiguous copy of it would be the batch's own buffer.

@@ -179,11 +179,13 @@ class StepExecutor:
         self._model = model
         # Process-wide patches of mlx-lm (only device threads run them): decode steps normalize the logits only
         # when a row reads them, rows leave the batch by slices, not MLX's gather, and a row read back out of it
-        # is a view, each stored piece copied out of the batch once.
-        from mlxcel.model import batch_rows
+        # is a view, each stored piece copied out of the batch once, and a batch with no padding decodes without
+        # a mask.
+        from mlxcel.model import batch_rows, unpadded_decode
 
         batch_step.install()
         batch_rows.install()
+        unpadded_decode.install()
         if settings.ragged_attention:
             from mlxcel.model import ragged_attention
 

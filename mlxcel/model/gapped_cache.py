@@ -34,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from mlxcel.model import unpadded_decode
 from mlxcel.model.batch_rows import RowView
 
 __all__ = ["GappedBatchKVCache", "from_shared_pass", "keep_written"]
@@ -184,6 +185,7 @@ class GappedBatchKVCache(BatchKVCache):
         self.values = mx.take_along_axis(values[..., :self._idx, :], gather, axis=2)  # type: ignore[assignment]
         self._idx = length
         self.left_padding = mx.array([value - shared for value in new_padding])
+        unpadded_decode.remember(self, [value - shared for value in new_padding])
         self.gaps = [[] for _ in rows]
         self.__class__ = BatchKVCache  # type: ignore[assignment]
 
@@ -252,6 +254,9 @@ def from_shared_pass(caches: Any, rows: list[int], lengths: list[int], end: int)
     """
     picked = None if rows == list(range(len(rows))) else mx.array(rows)
     offsets = mx.array(lengths)
+    # The filler past the longest row is no row's: the batch's write index moves back over it (the next writes
+    # overwrite it), so that row has no gap, nor has a row alone, whose decode then needs no mask.
+    end = max(lengths)
     batch_caches = []
     for cache in caches:
         keys, values = cache.keys, cache.values
