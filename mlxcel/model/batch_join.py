@@ -28,11 +28,9 @@ import attrs
 
 @attrs.frozen(kw_only=True, eq=False)
 class SharedPass:
-    """The per-layer caches of one batched start pass: each row's tokens from position 0, filler after them
-    up to ``end``."""
+    """The per-layer caches of one batched start pass: each row's tokens from position 0, filler after them."""
 
     caches: list[Any]
-    end: int
 
 
 @attrs.frozen(kw_only=True)
@@ -79,7 +77,7 @@ def join_decoding(generator: Any, joiners: Sequence[Joiner]) -> list[int]:
     if shared is not None:
         # Rows of one pass join as they lie in its buffer, their filler masked (gapped_cache.from_shared_pass).
         batch.prompt_cache = from_shared_pass(shared.caches, [joiner.shared_row for joiner in joiners],
-                                              [len(joiner.all_tokens) for joiner in joiners], shared.end)
+                                              [len(joiner.all_tokens) for joiner in joiners])
     else:
         batch.prompt_cache = _merge_caches([joiner.caches for joiner in joiners])
     batch.tokens = [list(joiner.all_tokens) for joiner in joiners]

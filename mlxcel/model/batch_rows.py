@@ -32,7 +32,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxcel.model import patches, unpadded_decode
@@ -70,7 +69,7 @@ def filter_by_slices(self: Any, batch_indices: Sequence[int]) -> None:
     # The kept padding worked out on the host and stored as a ready array: a gather on the device would queue
     # behind the step mlx-lm has already started, and reading it back (here, and in every ``extract``) would
     # wait for that step, leaving the device idle while the host builds the next one.
-    padding = self.left_padding.tolist()
+    padding = unpadded_decode.padding_of(self)
     kept = [padding[row] for row in rows]
     # As mlx-lm: shift left to drop the padding every remaining row has.
     min_left_pad = min(kept) if rows else 0
@@ -113,8 +112,7 @@ class RowView(KVCache):
 
 def extract_row(self: Any, idx: int) -> Any:
     """``BatchKVCache.extract``: the row as a ``RowView`` over the batch's buffers, not a copy of it."""
-    known = unpadded_decode.host_padding(self)
-    padding = known[idx] if known is not None else int(np.asarray(self.left_padding)[idx])
+    padding = unpadded_decode.padding_of(self)[idx]
     keys = self.keys[idx:idx + 1, :, padding:self._idx]
     if keys.shape[1] == 1 or (padding == 0 and self._idx == self.keys.shape[2]):
         # The slice would be row-contiguous: a contiguous copy of it would be the batch's own buffer.

@@ -715,7 +715,7 @@ class StepExecutor:
             # Each row's logits at its own last token (filler rows at the first row's).
             ends = [len(run) - 1 for run in runs] + [len(runs[0]) - 1] * (padded_count - count)
             last = self._logits_at(mx.array(matrix), group_caches, mx.array(ends))
-            shared = SharedPass(caches=group_caches, end=kept + width)
+            shared = SharedPass(caches=group_caches)
             for row, (start, tokens) in enumerate(zip(starts, every, strict=True)):
                 sampler, processors = make_sampling(start.sampling, self._grammars, start.sequence_id)
                 row_logits = last[row:row + 1]

@@ -148,7 +148,7 @@ class GappedBatchKVCache(BatchKVCache):
     def extract(self, idx: int) -> KVCache:  # a RowView (batch_rows.py) for a gapped row
         if not self.gaps[idx]:
             return super().extract(idx)
-        padding = int(np.asarray(self.left_padding)[idx])
+        padding = unpadded_decode.padding_of(self)[idx]
         key = (tuple(self.gaps[idx]), padding, self._idx)
         positions = _row_positions.get(key)
         if positions is None:
@@ -170,7 +170,7 @@ class GappedBatchKVCache(BatchKVCache):
         """Gather every row's tokens to the right end, drop the left padding all rows share: no gaps left."""
         if not self.has_gaps():
             return
-        padding = _ints(self.left_padding)
+        padding = unpadded_decode.padding_of(self)
         rows = [self._positions(e, start) for e, start in enumerate(padding)]
         new_padding = [self._idx - len(row) for row in rows]
         shared = min(new_padding)
@@ -192,7 +192,7 @@ class GappedBatchKVCache(BatchKVCache):
     def wants_compacting(self) -> bool:
         if any(len(row) > COMPACT_AT_GAPS for row in self.gaps):
             return True
-        padding = _ints(self.left_padding)
+        padding = unpadded_decode.padding_of(self)
         spare = min(start + sum(end - begin for begin, end in row)
                     for start, row in zip(padding, self.gaps, strict=True))
         return spare >= max(COMPACT_AT_POSITIONS, self._idx // 4)
@@ -243,19 +243,19 @@ def keep_written(caches: Any, width: int, kept: list[int]) -> None:
                 gapped.compact()
 
 
-def from_shared_pass(caches: Any, rows: list[int], lengths: list[int], end: int) -> list[GappedBatchKVCache]:
+def from_shared_pass(caches: Any, rows: list[int], lengths: list[int]) -> list[GappedBatchKVCache]:
     """Batch caches of ``rows`` of one batched start pass's per-layer caches, no key moved.
 
-    In such a pass row ``r`` holds its sequence's tokens from position 0 and the pass's filler after them, up to
-    ``end``; here the filler becomes the row's gap. mlx-lm's merge would instead copy every row into a
-    left-padded buffer, a copy per row, layer, keys and values (4,096 kernels for 64 rows of a 32-layer model,
-    each a launch on a GPU), where this is at most one gather per layer and side (none when the rows are the
-    pass's first ones).
+    In such a pass row ``r`` holds its sequence's tokens from position 0 (``lengths[r]`` of them) and the pass's
+    filler after them; here the filler up to the longest row becomes the row's gap. mlx-lm's merge would instead
+    copy every row into a left-padded buffer, a copy per row, layer, keys and values (4,096 kernels for 64 rows
+    of a 32-layer model, each a launch on a GPU), where this is at most one gather per layer and side (none when
+    the rows are the pass's first ones).
     """
     picked = None if rows == list(range(len(rows))) else mx.array(rows)
     offsets = mx.array(lengths)
-    # The filler past the longest row is no row's: the batch's write index moves back over it (the next writes
-    # overwrite it), so that row has no gap, nor has a row alone, whose decode then needs no mask.
+    # The filler past the longest row is no row's: the batch's write index stops there (the next writes
+    # overwrite the rest), so that row has no gap, nor has a row alone, whose decode then needs no mask.
     end = max(lengths)
     batch_caches = []
     for cache in caches:

@@ -7,10 +7,10 @@ attention of a one-token query goes to the ragged kernel on CUDA
 one, to MLX's fused vector kernel, as a plain ``KVCache`` (the floor) does.
 When no row has left padding and none has gaps, every key below the write
 index is every row's, so the mask is all true and can be left out. On an
-H100, 1B shape, one row: the ragged kernel's call was 162 us of a step's
-host time for 16 layers against 22 us for MLX's fused attention, and the
-mask and the kernel check 50 us more (docs/benchmarks.md, issue 28's
-eighteenth pass).
+H100, 1B shape, one row, under cProfile: the ragged kernel's call was 162
+us of a step's host time for 16 layers against 22 us for MLX's fused
+attention, and the mask and the kernel check 50 us more
+(docs/benchmarks.md, issue 28's eighteenth pass).
 
 Telling "no padding" from the device array would be a read-back, which
 waits for the step in flight. So the padding is also kept on the host
@@ -32,7 +32,7 @@ from mlx_lm.models.cache import BatchKVCache
 
 from mlxcel.model import patches
 
-__all__ = ["host_padding", "install", "remember", "uninstall"]
+__all__ = ["host_padding", "install", "padding_of", "remember", "uninstall"]
 
 
 def remember(cache: Any, padding: list[int]) -> None:
@@ -46,6 +46,13 @@ def host_padding(cache: Any) -> list[int] | None:
     if known is not None and known[0] is cache.left_padding:
         return known[1]
     return None
+
+
+def padding_of(cache: Any) -> list[int]:
+    """The cache's left padding as host ints: the host copy when it is known, else read back (which waits for
+    the array, and so for a step that computes it)."""
+    known = host_padding(cache)
+    return known if known is not None else [int(value) for value in cache.left_padding.tolist()]
 
 
 def _init(self: Any, left_padding: list[int]) -> None:
@@ -89,7 +96,7 @@ def _extend(self: Any, other: Any) -> None:
 
 
 def _make_mask(self: Any, N: int, return_array: bool = False, **kwargs: Any) -> Any:  # noqa: N803 (mlx-lm's)
-    if N == 1 and kwargs.get("window_size") is None and not any(getattr(self, "gaps", ()) or ()):
+    if N == 1 and kwargs.get("window_size") is None and not any(getattr(self, "gaps", ())):
         padding = host_padding(self)
         if padding is not None and not any(padding):
             return None  # a plain KV cache's answer for one query: every key is every row's

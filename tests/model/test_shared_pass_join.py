@@ -82,9 +82,9 @@ def test_a_passes_rows_join_in_place_and_decode_as_merged_rows_do(loaded: Loaded
     used: list[int] = []
     adopt = gapped_cache.from_shared_pass
 
-    def counting(caches: Any, rows: list[int], lengths: list[int], end: int) -> Any:
+    def counting(caches: Any, rows: list[int], lengths: list[int]) -> Any:
         used.append(len(rows))
-        return adopt(caches, rows, lengths, end)
+        return adopt(caches, rows, lengths)
 
     monkeypatch.setattr(gapped_cache, "from_shared_pass", counting)
     in_place = replies(loaded)
