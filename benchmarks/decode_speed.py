@@ -420,6 +420,7 @@ def streams_round(client: StreamClient, model: str, level: int, args: argparse.N
     tokens = sum(result.tokens() for result in served)
     wall = max(result.end for result in results) - min(result.sent for result in results)
     problems = _problems(results, args.reply_tokens)
+    round_start = min(result.sent for result in results)
     chunks = sum(len(result.token_times) for result in served)
     gaps = [gap for t in times for gap in stream_gaps(t)]
     return {
@@ -440,6 +441,8 @@ def streams_round(client: StreamClient, model: str, level: int, args: argparse.N
         "served": len(results) - len(problems),
         "problems": problems,
         "client_cpu_share": busy,
+        **({"token_times_s": [[round(moment - round_start, 5) for moment in t] for t in times]}
+           if args.keep_token_times else {}),
     }
 
 
@@ -745,6 +748,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--server-stacks", type=Path, help="run mlxcel under the sampling profiler; its report here")
     parser.add_argument("--server-timers", type=Path,
                         help="run mlxcel under benchmarks/serve_under_timers.py; its counters appended here")
+    parser.add_argument("--keep-token-times", action="store_true",
+                        help="--out keeps each stream's token times (s after the round's first request)")
     parser.add_argument("--log-dir", type=Path, help="the servers' logs (default: beside --out, else /tmp)")
     parser.add_argument("--floor-json", action="store_true", help=argparse.SUPPRESS)
     return parser

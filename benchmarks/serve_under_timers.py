@@ -255,6 +255,16 @@ def summarize(report: Path, decode_json: Path, gpu_csv: Path | None) -> None:
               f"GPU utilization {gpu}; Python's collector {1000 * delta.get('gc_s', 0.0):.0f} ms in "
               f"{delta.get('gc_runs', 0):.0f} runs, {1000 * delta.get('gc_full_s', 0.0):.0f} ms in "
               f"{delta.get('gc_full_runs', 0):.0f} full runs")
+        records = [record for line in lines for record in line.get("step_records", ())
+                   if opened <= record[0] <= closed]
+        if records and name != "wave":
+            typical = sorted(record[1] for record in records)[len(records) // 2]
+            slow = [record for record in records if record[1] > 1.5 * typical]
+            print(f"{name}: device steps median {1000 * typical:.2f} ms; {len(slow)} over 1.5x, "
+                  f"{sum(record[1] - typical for record in slow):.3f} s beyond the median; slowest (ms into the "
+                  "window, step ms, starts): " + "; ".join(
+                      f"{1000 * (at - opened):.0f}, {1000 * seconds:.1f}, {count}"
+                      for at, seconds, count, _tokens in sorted(records, key=lambda r: -r[1])[:12]))
         if name == "wave":
             # The admission timeline: each device step that started requests, from the window's opening.
             records = [record for line in lines for record in line.get("step_records", ())
