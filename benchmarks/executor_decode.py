@@ -25,6 +25,7 @@ this is where the host stops building the next step's graph).
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,8 @@ class _Clients:
         pass
 
 
-def executor_step_ms(executor: Any, info: Any, batch: int, steps: int, profile: Any = None) -> tuple[float, float]:
+def executor_step_ms(executor: Any, info: Any, batch: int, steps: int, profile: Any = None,
+                     edge_output: bool = False) -> tuple[float, float]:
     """(ms per step of plan + run_step + update, ms inside run_step) once all ``batch`` requests decode;
     ``profile`` (a cProfile.Profile) runs over the timed steps only."""
     from mlxcel.core.plan import Capabilities
@@ -58,7 +60,8 @@ def executor_step_ms(executor: Any, info: Any, batch: int, steps: int, profile: 
     for index in range(batch):
         prompt = tuple(10 + (7 * index + i) % 1000 for i in range(40))
         core.add(NewRequest(request_id=f"r{index}", prompt_tokens=prompt, max_tokens=steps + 64,
-                            sampling=SamplingParams(temperature=0.0), cache_context=None), clients)
+                            sampling=SamplingParams(temperature=0.0), cache_context=None,
+                            edge_output=edge_output), clients)
     timed = inside = 0.0
     count = 0
     while core.has_work() and count < steps:
@@ -84,6 +87,7 @@ def executor_step_ms(executor: Any, info: Any, batch: int, steps: int, profile: 
     return 1000 * timed / (count - 8), 1000 * inside / (count - 8)
 
 
+PROFILE_ROWS = int(os.environ.get("PROFILE_ROWS", "22"))
 _async_eval_seconds = [0.0]
 
 
@@ -141,7 +145,7 @@ def _profiled(title: str, profile: Any, steps: int) -> None:
     rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])  # type: ignore[attr-defined]
     total = sum(row[1][2] for row in rows)
     print(f"\n{title}: {1e6 * total / steps:.0f} us a step in Python and the MLX calls it makes; most of their own:")
-    for (filename, line, name), (_, calls, own, cumulative, _) in rows[:22]:
+    for (filename, line, name), (_, calls, own, cumulative, _) in rows[:PROFILE_ROWS]:
         print(f"  {1e6 * own / steps:8.1f} us own {1e6 * cumulative / steps:9.1f} us cum {calls / steps:7.1f} calls "
               f"{Path(filename).name}:{line}({name})")
 
@@ -159,6 +163,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--in-thread", action="store_true",
                         help="the whole run (loading included) on a thread of its own, as the server's device "
                              "thread runs")
+    parser.add_argument("--edge-output", action="store_true",
+                        help="the replies' text made at the edge, as with --api-processes (the core relays tokens); "
+                             "default: detokenized in the core, as with the edge in the engine's process")
     parser.add_argument("--unmasked-decode", action="store_true",
                         help="an experiment, not a correct step: one-token queries attend with no mask (MLX's "
                              "own kernel), as if no row had padding; what the mask and the ragged kernel cost")
@@ -197,8 +204,8 @@ def main(args: argparse.Namespace) -> None:
         executor = StepExecutor(loaded.model, loaded.eos_token_ids, settings, loaded.family.model_type,
                                 tokenizer=loaded.tokenizer)
         for batch in batches:
-            executor_step_ms(executor, loaded, batch, 24)  # build the shapes
-            step, inside = executor_step_ms(executor, loaded, batch, args.steps)
+            executor_step_ms(executor, loaded, batch, 24, edge_output=args.edge_output)  # build the shapes
+            step, inside = executor_step_ms(executor, loaded, batch, args.steps, edge_output=args.edge_output)
             executor_parts = _serial_parts(step, args.steps - 8)
             executor_async = 1000 * _async_eval_seconds[0] / (args.steps - 8)
             cache = make_prompt_cache(loaded.model)
@@ -223,7 +230,7 @@ def main(args: argparse.Namespace) -> None:
                 import cProfile
 
                 profile = cProfile.Profile()
-                executor_step_ms(executor, loaded, batch, args.profile + 8, profile)
+                executor_step_ms(executor, loaded, batch, args.profile + 8, profile, edge_output=args.edge_output)
                 _profiled(f"executor, ragged {ragged}, B={batch}", profile, args.profile)
                 following = floor_step(first)
                 profile = cProfile.Profile()
