@@ -196,3 +196,13 @@ async def test_stream_client_times_every_token_of_real_streams(start_engine, sta
     # The engine goes idle before the test stops it: stopped straight after the last stream's end, the
     # process aborted at exit in 3 of 5 runs ("terminate called without an active exception"), 0 of 3 so.
     await trio.sleep(3)
+
+
+def test_token_timeline_groups_the_streams_tokens_into_one_burst_a_step() -> None:
+    from benchmarks.token_timeline import bursts
+
+    # Two streams, steps at 0, 10 and 30 ms: each stream's token of a step lands within a fraction of a ms.
+    times = [0.0, 0.0002, 0.010, 0.0101, 0.030, 0.0304]
+    assert bursts(times, burst_gap_s=0.001) == [(0.0, 2), (0.010, 2), (0.030, 2)]
+    # A pause shorter than the burst gap keeps tokens in one burst.
+    assert bursts([0.0, 0.0009, 0.0018], burst_gap_s=0.001) == [(0.0, 3)]
