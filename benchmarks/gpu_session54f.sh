@@ -8,10 +8,15 @@ set -uo pipefail
 out=${1:-$OUT}
 source benchmarks/gpu_common.sh
 shape=llama-3.1-8b; model $shape
+# Whether the hypervisor (steal time, /proc/stat) or a CPU quota throttles the run (cgroup v2; v1's cpu.cfs_* where that is what there is).
+throttle() { echo "-- $(head -1 /proc/stat) (steal: the 8th number); cpu quota ($1): $(cat /sys/fs/cgroup/cpu.max 2>/dev/null || cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us 2>/dev/null); $(tr '\n' ' ' < /sys/fs/cgroup/cpu.stat 2>/dev/null || tr '\n' ' ' < /sys/fs/cgroup/cpu/cpu.stat 2>/dev/null)"; }
+throttle start
 echo "== after (this tree)"
 timeout 150 python3 -m benchmarks.decode_speed --model-path /root/models/$shape --streams 1,16,64 --reply-tokens 256 \
   --skip-conversations --floor-runs 1 --deadline-s 135 --mlxcel-args "--api-processes 2" --out $out/after.json 2>&1 | show
+throttle "after the tree's run"
 echo "== before (b7b1a92)"
 (cd .before && PYTHONPATH=$PWD timeout 150 python3 -m benchmarks.decode_speed --model-path /root/models/$shape \
   --streams 1,16,64 --reply-tokens 256 --skip-conversations --skip-floor --deadline-s 140 --out $out/before.json 2>&1 \
   | show)
+throttle "after the old tree's run"
