@@ -11,6 +11,8 @@ shape=llama-3.1-8b; model $shape
 # Whether the hypervisor (steal time, /proc/stat) or a CPU quota throttles the run (cgroup v2; v1's cpu.cfs_* where that is what there is).
 throttle() { echo "-- $(head -1 /proc/stat) (steal: the 8th number); cpu quota ($1): $(cat /sys/fs/cgroup/cpu.max 2>/dev/null || cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us 2>/dev/null); $(tr '\n' ' ' < /sys/fs/cgroup/cpu.stat 2>/dev/null || tr '\n' ' ' < /sys/fs/cgroup/cpu/cpu.stat 2>/dev/null)"; }
 throttle start
+(vmstat -n 1 > $out/vmstat.txt 2>&1 || true) &  # us/sy/id/wa/st each second
+vm=$!
 echo "== after (this tree)"
 timeout 150 python3 -m benchmarks.decode_speed --model-path /root/models/$shape --streams 1,16,64 --reply-tokens 256 \
   --skip-conversations --floor-runs 1 --deadline-s 135 --mlxcel-args "--api-processes 2" --out $out/after.json 2>&1 | show
@@ -20,3 +22,5 @@ echo "== before (b7b1a92)"
   --streams 1,16,64 --reply-tokens 256 --skip-conversations --skip-floor --deadline-s 140 --out $out/before.json 2>&1 \
   | show)
 throttle "after the old tree's run"
+kill $vm 2>/dev/null; pkill vmstat 2>/dev/null
+echo "-- vmstat: seconds with steal > 0: $(awk 'NR>2 && $17>0' $out/vmstat.txt | wc -l) of $(($(wc -l < $out/vmstat.txt) - 2)); largest st $(awk 'NR>2{print $17}' $out/vmstat.txt | sort -n | tail -1) %"
