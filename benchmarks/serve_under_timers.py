@@ -218,7 +218,7 @@ def summarize(report: Path, decode_json: Path, gpu_csv: Path | None) -> None:
             stamp, _, utilization = row.partition(",")
             with contextlib.suppress(ValueError):
                 moment = datetime.strptime(stamp.strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()
-                samples.append((moment, float(utilization.strip().rstrip(" %"))))
+                samples.append((moment, float(utilization.split(",")[0].strip().rstrip(" %"))))
     for name, (opened, closed) in windows:
         first, last = _at(lines, opened), _at(lines, closed)
         wall = last["t"] - first["t"]
