@@ -418,9 +418,9 @@ def streams_round(client: StreamClient, model: str, level: int, args: argparse.N
     served = [result for result in results if result.served]
     times = [result.token_times for result in served]
     tokens = sum(result.tokens() for result in served)
-    wall = max(result.end for result in results) - min(result.sent for result in results)
-    problems = _problems(results, args.reply_tokens)
     round_start = min(result.sent for result in results)
+    wall = max(result.end for result in results) - round_start
+    problems = _problems(results, args.reply_tokens)
     chunks = sum(len(result.token_times) for result in served)
     gaps = [gap for t in times for gap in stream_gaps(t)]
     return {
@@ -429,7 +429,7 @@ def streams_round(client: StreamClient, model: str, level: int, args: argparse.N
         "gap_p90_s": percentile(gaps, 0.9),
         "gap_p99_s": percentile(gaps, 0.99),
         "gap_max_s": max(gaps, default=None),
-        "largest_gaps": largest_gaps(times, min(result.sent for result in results)),
+        "largest_gaps": largest_gaps(times, round_start),
         # The wait between a stream's first and second token: where other streams' starts hold it up.
         "second_token_gap_median_s": median([t[1] - t[0] for t in times if len(t) > 1]),
         "aggregate_tokens_per_s": tokens / wall if wall > 0 else None,

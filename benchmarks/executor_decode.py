@@ -1,7 +1,7 @@
 """The executor's decode step on one thread, without actors: is the gap to the floor in the step or around it?
 
 Usage: python benchmarks/executor_decode.py --model-path DIR [--batches 1,16,64] [--steps 64] [--ragged on,off]
-       [--serial] [--in-thread] [--profile N]
+       [--serial] [--in-thread] [--profile N [--profile-rows 22]] [--edge-output]
 
 --in-thread: the whole run (loading included) on a thread of its own, as the server's device thread runs.
 
@@ -25,7 +25,6 @@ this is where the host stops building the next step's graph).
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -87,7 +86,6 @@ def executor_step_ms(executor: Any, info: Any, batch: int, steps: int, profile: 
     return 1000 * timed / (count - 8), 1000 * inside / (count - 8)
 
 
-PROFILE_ROWS = int(os.environ.get("PROFILE_ROWS", "22"))
 _async_eval_seconds = [0.0]
 
 
@@ -137,7 +135,7 @@ def _unmask_decode(ragged_attention: Any) -> None:
     ragged_attention.attention = attention
 
 
-def _profiled(title: str, profile: Any, steps: int) -> None:
+def _profiled(title: str, profile: Any, steps: int, shown: int) -> None:
     """The functions with the most time of their own in ``profile``, in us per step."""
     import pstats
 
@@ -145,7 +143,7 @@ def _profiled(title: str, profile: Any, steps: int) -> None:
     rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])  # type: ignore[attr-defined]
     total = sum(row[1][2] for row in rows)
     print(f"\n{title}: {1e6 * total / steps:.0f} us a step in Python and the MLX calls it makes; most of their own:")
-    for (filename, line, name), (_, calls, own, cumulative, _) in rows[:PROFILE_ROWS]:
+    for (filename, line, name), (_, calls, own, cumulative, _) in rows[:shown]:
         print(f"  {1e6 * own / steps:8.1f} us own {1e6 * cumulative / steps:9.1f} us cum {calls / steps:7.1f} calls "
               f"{Path(filename).name}:{line}({name})")
 
@@ -157,6 +155,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--ragged", default="on", help="the ragged decode kernel: on, off, or on,off (CUDA)")
     parser.add_argument("--profile", type=int, default=0, help="cProfile this many steps of each (0: none)")
+    parser.add_argument("--profile-rows", type=int, default=22, help="functions each profile lists")
     parser.add_argument("--serial", action="store_true",
                         help="no overlap: each step evaluated before the next is built, split into host, queue "
                              "and device time")
@@ -231,13 +230,13 @@ def main(args: argparse.Namespace) -> None:
 
                 profile = cProfile.Profile()
                 executor_step_ms(executor, loaded, batch, args.profile + 8, profile, edge_output=args.edge_output)
-                _profiled(f"executor, ragged {ragged}, B={batch}", profile, args.profile)
+                _profiled(f"executor, ragged {ragged}, B={batch}", profile, args.profile, args.profile_rows)
                 following = floor_step(first)
                 profile = cProfile.Profile()
                 profile.enable()
                 pipelined_step_ms(floor_step, following, args.profile)
                 profile.disable()
-                _profiled(f"floor, B={batch}", profile, args.profile + 8)
+                _profiled(f"floor, B={batch}", profile, args.profile + 8, args.profile_rows)
 
 
 if __name__ == "__main__":

@@ -33,3 +33,24 @@ finish_probe() {
     > $out/probe-$1.txt 2>&1
   grep -v "^\[trans\|llguidance\|^| [0-9]* | [0-9.]* | $1 | $1 | 0 | 0 | 0 |" $out/probe-$1.txt | head -30 | cut -c1-160
 }
+# sample_gpu: nvidia-smi's utilization, clocks and power every 250 ms into $out/smi.csv until the script ends.
+sample_gpu() {
+  nvidia-smi --query-gpu=timestamp,utilization.gpu,clocks.sm,clocks.mem,power.draw,temperature.gpu \
+    --format=csv,noheader -lms 250 > $out/smi.csv 2>&1 &
+  trap "kill $! 2>/dev/null" EXIT
+}
+# timeline_round TAG STREAMS TIMEOUT [decode_speed flags]: $shape's streams rounds (256 tokens, --api-processes 2)
+# keeping each stream's token times and the device's step records, then each level's token timeline and the
+# timers' summary (with $out/smi.csv's utilization when sample_gpu runs).
+timeline_round() {
+  local tag=$1 streams=$2 limit=$3; shift 3
+  timeout $limit python3 -m benchmarks.decode_speed --model-path /root/models/$shape --streams $streams \
+    --reply-tokens 256 --skip-wave --skip-conversations --deadline-s $((limit - 20)) --keep-token-times \
+    --mlxcel-args "--api-processes 2" --out $out/$tag.json --server-timers $out/timers-$tag.jsonl "$@" 2>&1 | show
+  for level in ${streams//,/ }; do
+    echo "-- $level streams"
+    python3 benchmarks/token_timeline.py $out/$tag.json --level $level --shown 12
+  done
+  python3 benchmarks/serve_under_timers.py --summarize $out/timers-$tag.jsonl $out/$tag.json \
+    $([ -f $out/smi.csv ] && echo $out/smi.csv) 2>&1 | cut -c1-1200
+}

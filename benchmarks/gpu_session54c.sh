@@ -8,26 +8,15 @@ set -uo pipefail
 out=${1:-$OUT}
 source benchmarks/gpu_common.sh
 shape=llama-3.1-8b; model $shape
-nvidia-smi --query-gpu=timestamp,utilization.gpu,clocks.sm,clocks.mem,power.draw,temperature.gpu \
-  --format=csv,noheader -lms 250 > $out/smi.csv 2>&1 &
-smi=$!
+sample_gpu
 for round in 1 2; do
   echo "== server round $round"
   floor=$([ $round = 1 ] && echo "--floor-runs 1" || echo "--skip-floor")
-  timeout 170 python3 -m benchmarks.decode_speed --model-path /root/models/$shape --streams 16,64 \
-    --reply-tokens 256 --skip-wave --skip-conversations $floor --deadline-s 150 --keep-token-times \
-    --mlxcel-args "--api-processes 2" --out $out/round$round.json --server-timers $out/timers$round.jsonl 2>&1 | show
-  for level in 16 64; do
-    echo "-- $level streams"
-    python3 benchmarks/token_timeline.py $out/round$round.json --level $level --shown 8
-  done
-  python3 benchmarks/serve_under_timers.py --summarize $out/timers$round.jsonl $out/round$round.json $out/smi.csv \
-    2>&1 | cut -c1-900
+  timeline_round round$round 16,64 170 $floor
 done
 echo "== executor alone, edge output"
 timeout 120 python3 benchmarks/executor_decode.py --model-path /root/models/$shape --batches 16,64 --edge-output 2>&1 \
   | grep "^|"
-kill $smi
 echo "== clocks: samples, SM MHz min/median/max, power W median"
 python3 - $out/smi.csv <<'PY'
 import statistics, sys

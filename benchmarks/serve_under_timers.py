@@ -235,8 +235,9 @@ def summarize(report: Path, decode_json: Path, gpu_csv: Path | None) -> None:
         inside = [value for moment, value in samples if opened <= moment <= closed]
         # The counters' lines come every REPORT_INTERVAL_S, so their window may hold idle time around a short
         # round: the median gap between the steps' own records is the interval between device steps.
-        began = sorted(record[0] for line in lines for record in line.get("step_records", ())
-                       if opened <= record[0] <= closed)
+        records = [record for line in lines for record in line.get("step_records", ())
+                   if opened <= record[0] <= closed]
+        began = sorted(record[0] for record in records)
         gaps = sorted(later - earlier for earlier, later in zip(began, began[1:], strict=False))
         between = (f"{1000 * gaps[len(gaps) // 2]:.2f} ms between device steps (median of {len(gaps)}); "
                    if gaps else "")
@@ -255,8 +256,6 @@ def summarize(report: Path, decode_json: Path, gpu_csv: Path | None) -> None:
               f"GPU utilization {gpu}; Python's collector {1000 * delta.get('gc_s', 0.0):.0f} ms in "
               f"{delta.get('gc_runs', 0):.0f} runs, {1000 * delta.get('gc_full_s', 0.0):.0f} ms in "
               f"{delta.get('gc_full_runs', 0):.0f} full runs")
-        records = [record for line in lines for record in line.get("step_records", ())
-                   if opened <= record[0] <= closed]
         if records and name != "wave":
             typical = sorted(record[1] for record in records)[len(records) // 2]
             slow = [record for record in records if record[1] > 1.5 * typical]
@@ -267,11 +266,9 @@ def summarize(report: Path, decode_json: Path, gpu_csv: Path | None) -> None:
                       for at, seconds, count, _tokens in sorted(records, key=lambda r: -r[1])[:12]))
         if name == "wave":
             # The admission timeline: each device step that started requests, from the window's opening.
-            records = [record for line in lines for record in line.get("step_records", ())
-                       if opened <= record[0] <= closed and record[2]]
             print("wave: steps with starts (ms into the window, starts, their prompt tokens, the step's ms): "
                   + "; ".join(f"{1000 * (at - opened):.0f}: {count}, {tokens}, {1000 * seconds:.1f}"
-                              for at, seconds, count, tokens in records))
+                              for at, seconds, count, tokens in records if count))
     wave_intake(lines, figures)
 
 
